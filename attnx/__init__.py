@@ -1,0 +1,9 @@
+"""attnx: fused attention kernels for PyTorch (scaled dot-product and additive attention)."""
+
+from ._version import __version__
+from . import _ops  # noqa: F401  (registers fake kernels and autograd for the native ops)
+from ._dispatch import (BackendStatus, BackendUnavailableError, additive_attention, backends,
+                        scaled_dot_product_attention)
+
+__all__ = ["__version__", "scaled_dot_product_attention", "additive_attention", "backends",
+           "BackendStatus", "BackendUnavailableError"]

@@ -1,0 +1,101 @@
+"""Backend choice and the public functional ops: validation, dispatch, reshaping back.
+
+This is the only place that decides which backend runs a call.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import _validate
+
+_MODULES = {
+    "cuda": "attnx.backends.cuda",
+    "triton": "attnx.backends.triton_backend",
+    "cpu": "attnx.backends.cpu",
+    "reference": "attnx.backends.reference",
+}
+# What `backend=None`/"auto" tries, fastest first, by device type. The Triton interpreter is
+# never chosen automatically for CPU tensors: it is for testing, not speed.
+_AUTO_ORDER = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "reference")}
+
+
+class BackendStatus(NamedTuple):
+    usable: bool
+    reason: str  # why not, or "" when usable
+
+
+class BackendUnavailableError(ValueError):
+    """A forced `backend=` cannot serve the given inputs."""
+
+
+def _module(name: str):
+    return importlib.import_module(_MODULES[name])
+
+
+def backends() -> dict:
+    """Each backend's name -> BackendStatus(usable, reason) on this machine."""
+    status = {}
+    for name in _MODULES:
+        try:
+            reason = _module(name).availability()
+        except ImportError as exc:
+            reason = f"failed to import: {exc}"
+        status[name] = BackendStatus(reason is None, reason or "")
+    return status
+
+
+def _is_empty(call) -> bool:
+    return any(t.numel() == 0 for t in (call.q, call.k)) or call.q.shape[-1] == 0
+
+
+def select(op: str, call) -> str:
+    """The backend that will run `call`; raises BackendUnavailableError for a forced one."""
+    if _is_empty(call):
+        return "reference"  # nothing to fuse; the reference handles every empty shape
+    if call.backend != "auto":
+        reason = _module(call.backend).unsupported(op, call)
+        if reason is not None:
+            raise BackendUnavailableError(f"backend: {call.backend!r} cannot run this call: {reason}")
+        return call.backend
+    for name in _AUTO_ORDER.get(call.q.device.type, ("reference",)):
+        if _module(name).unsupported(op, call) is None:
+            return name
+    return "reference"
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 window=None, backend=None, return_lse=False):
+    """Scaled dot-product attention, as `torch.nn.functional.scaled_dot_product_attention`.
+
+    Extra keywords: `window=(left, right)` restricts query i to keys i-left..i+right;
+    `backend` forces "cuda", "triton", "cpu" or "reference"; `return_lse=True` also returns the
+    float32 log-sum-exp of the scaled scores, shape (B, H, Lq). See API.md for the contract.
+    """
+    call = _validate.sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                               enable_gqa, window, backend, return_lse)
+    out, lse = _module(select("sdpa", call)).sdpa(call)
+    out = out.reshape(call.prefix + tuple(out.shape[-2:]))
+    if not return_lse:
+        return out
+    return out, lse.reshape(call.prefix + (lse.shape[-1],))
+
+
+def additive_attention(query, key, value, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                       window=None, backend=None, return_weights=False):
+    """Bahdanau attention: softmax_j(sum_a v[a] tanh(query[i, a] + key[j, a])) @ value, fused.
+
+    `query`/`key` are already projected, (B, H, L, A) or (B, L, A); `v` is (A,) or (H, A).
+    `return_weights=True` also returns the attention probabilities (after dropout).
+    """
+    call = _validate.additive_call(query, key, value, v, attn_mask, dropout_p, is_causal,
+                                   window, backend, return_weights)
+    out, _lse, weights = _module(select("additive", call)).additive(call)
+    if call.three_d:
+        out = out.squeeze(1)
+        weights = weights.squeeze(1) if weights is not None else None
+    return (out, weights) if return_weights else out

@@ -1,0 +1,105 @@
+"""The native ops `torch.ops.attnx.*`: loading the extension, fake kernels and autograd.
+
+The schemas live once in C++ (`csrc/ops.cpp`, `TORCH_LIBRARY(attnx, ...)`), each device's
+kernels in its own `TORCH_LIBRARY_IMPL`. What is registered here from Python is what the
+dispatcher needs around them: shape-only fake kernels (so `torch.compile` and `opcheck` can
+trace the ops) and the autograd formula tying each forward op to its backward op.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    from . import _C  # noqa: F401  (loading it registers the ops)
+    LOAD_ERROR: Optional[str] = None
+except ImportError as exc:  # a source checkout that was never built
+    _C = None
+    LOAD_ERROR = f"attnx._C is not built or failed to load ({exc})"
+
+
+def build_info() -> dict:
+    """What the extension was compiled with (empty when it is not built)."""
+    return dict(_C.build_info()) if _C is not None else {}
+
+
+def has_kernel(op: str, dispatch_key: str) -> bool:
+    if _C is None:
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"attnx::{op}", dispatch_key)
+
+
+def _empty_grad(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((0,))
+
+
+if _C is not None:
+
+    @torch.library.register_fake("attnx::sdpa_fwd")
+    def _sdpa_fwd_fake(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed):
+        b, h, lq, _ = q.shape
+        out = q.new_empty((b, h, lq, v.shape[-1]))
+        return out, q.new_empty((b, h, lq), dtype=torch.float32)
+
+    @torch.library.register_fake("attnx::sdpa_bwd")
+    def _sdpa_bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi,
+                       dropout_p, seed, mask_grad):
+        dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+
+    @torch.library.register_fake("attnx::additive_fwd")
+    def _additive_fwd_fake(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed,
+                           return_weights):
+        b, h, lq, _ = q.shape
+        out = q.new_empty((b, h, lq, value.shape[-1]))
+        lse = q.new_empty((b, h, lq), dtype=torch.float32)
+        weights = q.new_empty((b, h, lq, k.shape[2])) if return_weights else _empty_grad(q)
+        return out, lse, weights
+
+    @torch.library.register_fake("attnx::additive_bwd")
+    def _additive_bwd_fake(grad_out, q, k, value, v, mask, out, lse, window_lo, window_hi,
+                           dropout_p, seed, mask_grad):
+        dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(value),
+                torch.empty_like(v), dmask)
+
+    def _wants_mask_grad(ctx, mask) -> bool:
+        return mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[4 if ctx.additive else 3]
+
+    def _sdpa_setup(ctx, inputs, output):
+        q, k, v, mask, scale, lo, hi, p, seed = inputs
+        out, lse = output
+        ctx.additive = False
+        ctx.args = (scale, lo, hi, p)
+        ctx.save_for_backward(q, k, v, mask, out, lse, seed)
+        ctx.mark_non_differentiable(lse)
+
+    def _sdpa_backward(ctx, grad_out, _grad_lse):
+        q, k, v, mask, out, lse, seed = ctx.saved_tensors
+        scale, lo, hi, p = ctx.args
+        want_mask = _wants_mask_grad(ctx, mask)
+        dq, dk, dv, dmask = torch.ops.attnx.sdpa_bwd(
+            grad_out, q, k, v, mask, out, lse, scale, lo, hi, p, seed, want_mask)
+        return dq, dk, dv, (dmask if want_mask else None), None, None, None, None, None
+
+    def _additive_setup(ctx, inputs, output):
+        q, k, value, v, mask, lo, hi, p, seed, _ = inputs
+        out, lse, weights = output
+        ctx.additive = True
+        ctx.args = (lo, hi, p)
+        ctx.save_for_backward(q, k, value, v, mask, out, lse, seed)
+        ctx.mark_non_differentiable(lse, weights)
+
+    def _additive_backward(ctx, grad_out, _grad_lse, _grad_weights):
+        q, k, value, v, mask, out, lse, seed = ctx.saved_tensors
+        lo, hi, p = ctx.args
+        want_mask = _wants_mask_grad(ctx, mask)
+        dq, dk, dvalue, dv, dmask = torch.ops.attnx.additive_bwd(
+            grad_out, q, k, value, v, mask, out, lse, lo, hi, p, seed, want_mask)
+        return dq, dk, dvalue, dv, (dmask if want_mask else None), None, None, None, None, None
+
+    torch.library.register_autograd("attnx::sdpa_fwd", _sdpa_backward, setup_context=_sdpa_setup)
+    torch.library.register_autograd("attnx::additive_fwd", _additive_backward,
+                                    setup_context=_additive_setup)

@@ -1,0 +1,37 @@
+"""Calls into the compiled ops shared by the `cpu` and `cuda` backends.
+
+Both backends are the same dispatcher ops (`torch.ops.attnx.*`); the dispatcher picks the CPU
+or CUDA kernel from the tensors' device. What differs between them is only what each kernel
+family can serve, which `cpu.py` and `cuda.py` state.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _ops
+from .._validate import AdditiveCall, SdpaCall
+
+OPS = {"sdpa": "sdpa_fwd", "additive": "additive_fwd"}
+
+
+def missing_kernel(op: str, dispatch_key: str) -> Optional[str]:
+    if _ops.LOAD_ERROR is not None:
+        return _ops.LOAD_ERROR
+    if not _ops.has_kernel(OPS[op], dispatch_key):
+        return f"attnx._C has no {dispatch_key} kernel for attnx::{OPS[op]}"
+    return None
+
+
+def sdpa(call: SdpaCall):
+    return torch.ops.attnx.sdpa_fwd(call.q, call.k, call.v, call.mask, call.scale,
+                                    call.window_lo, call.window_hi, call.dropout_p, call.seed)
+
+
+def additive(call: AdditiveCall):
+    out, lse, weights = torch.ops.attnx.additive_fwd(
+        call.q, call.k, call.value, call.v, call.mask, call.window_lo, call.window_hi,
+        call.dropout_p, call.seed, call.return_weights)
+    return out, lse, (weights if call.return_weights else None)

@@ -1,0 +1,91 @@
+"""The `reference` backend: plain, differentiable PyTorch; the ground truth of every test.
+
+It materialises the (B, H, Lq, Lk) score matrix (and, for additive attention, the
+(B, H, Lq, Lk, A) tanh tensor), so it is for checking and for inputs no fused kernel serves,
+not for speed. Half-precision inputs are computed in float32 and rounded once at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _rng
+from .._validate import AdditiveCall, SdpaCall
+
+
+def availability() -> Optional[str]:
+    return None
+
+
+def unsupported(op: str, call) -> Optional[str]:
+    return None
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def band(lq: int, lk: int, lo: int, hi: int, device) -> torch.Tensor:
+    """Bool (Lq, Lk): True where i + lo <= j <= i + hi."""
+    d = torch.arange(lk, device=device).view(1, lk) - torch.arange(lq, device=device).view(lq, 1)
+    return (d >= lo) & (d <= hi)
+
+
+def masked_softmax(s: torch.Tensor, mask: Optional[torch.Tensor], lo: int, hi: int):
+    """Softmax over the last dim after the band and mask, with empty rows giving zeros.
+
+    Returns (probabilities, lse) with lse = -inf on rows that admit no key.
+    """
+    lq, lk = s.shape[-2:]
+    allowed = band(lq, lk, lo, hi, s.device)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            allowed = allowed & mask
+        else:
+            s = s + mask.to(s.dtype)
+    s = s.masked_fill(~allowed, float("-inf"))
+    if lk == 0:
+        return s, s.new_full(s.shape[:-1], float("-inf"))
+    empty = s.amax(dim=-1, keepdim=True) == float("-inf")
+    # Rows with no admissible key are replaced by zeros before the softmax so that neither the
+    # forward nor the backward pass ever sees exp(-inf - (-inf)).
+    s = torch.where(empty, torch.zeros_like(s), s)
+    lse = torch.logsumexp(s, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
+    p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
+    return p, lse
+
+
+def apply_dropout(p: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor]) -> torch.Tensor:
+    if dropout_p == 0.0:
+        return p
+    b, h, lq, lk = p.shape
+    keep = _rng.keep_mask(seed, b, h, lq, lk, dropout_p, p.device)
+    return p * keep.to(p.dtype) / (1.0 - dropout_p)
+
+
+def sdpa(call: SdpaCall):
+    dtype = _compute_dtype(call.q.dtype)
+    q, k, v = (t.to(dtype) for t in (call.q, call.k, call.v))
+    groups = q.shape[1] // max(k.shape[1], 1)
+    if groups != 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    s = torch.matmul(q, k.transpose(-2, -1)) * call.scale
+    p, lse = masked_softmax(s, call.mask, call.window_lo, call.window_hi)
+    p = apply_dropout(p, call.dropout_p, call.seed)
+    out = torch.matmul(p, v)
+    return out.to(call.q.dtype), lse.float()
+
+
+def additive(call: AdditiveCall):
+    dtype = _compute_dtype(call.q.dtype)
+    q, k, value, v = (t.to(dtype) for t in (call.q, call.k, call.value, call.v))
+    t = torch.tanh(q.unsqueeze(3) + k.unsqueeze(2))  # (B, H, Lq, Lk, A)
+    s = (t * v.view(1, v.shape[0], 1, 1, v.shape[1])).sum(-1)
+    p, lse = masked_softmax(s, call.mask, call.window_lo, call.window_hi)
+    p = apply_dropout(p, call.dropout_p, call.seed)
+    out = torch.matmul(p, value)
+    weights = p.to(call.q.dtype) if call.return_weights else None
+    return out.to(call.q.dtype), lse.float(), weights

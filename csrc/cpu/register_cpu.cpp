@@ -1,0 +1,12 @@
+// The CPU kernels of the attnx ops (schemas: csrc/ops.cpp).
+#include <torch/library.h>
+
+#include "additive_cpu.h"
+#include "sdpa_cpu.h"
+
+TORCH_LIBRARY_IMPL(attnx, CPU, m) {
+  m.impl("sdpa_fwd", &attnx::cpu::sdpa_fwd);
+  m.impl("sdpa_bwd", &attnx::cpu::sdpa_bwd);
+  m.impl("additive_fwd", &attnx::cpu::additive_fwd);
+  m.impl("additive_bwd", &attnx::cpu::additive_bwd);
+}

@@ -1,0 +1,23 @@
+// Fused scaled-dot-product attention on the CPU (flash-style, online softmax).
+// Conventions: csrc/ops.cpp.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <optional>
+#include <tuple>
+
+namespace attnx::cpu {
+
+std::tuple<at::Tensor, at::Tensor> sdpa_fwd(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v,
+                                            const std::optional<at::Tensor>& mask, double scale,
+                                            int64_t window_lo, int64_t window_hi,
+                                            double dropout_p,
+                                            const std::optional<at::Tensor>& seed);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_bwd(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& mask, const at::Tensor& out, const at::Tensor& lse,
+    double scale, int64_t window_lo, int64_t window_hi, double dropout_p,
+    const std::optional<at::Tensor>& seed, bool mask_grad);
+
+}  // namespace attnx::cpu

@@ -1,0 +1,34 @@
+// The attnx operator schemas, declared once. Each device registers its kernels in its own
+// TORCH_LIBRARY_IMPL (csrc/cpu/register_cpu.cpp, csrc/cuda/register_cuda.cpp); fake kernels and
+// autograd are registered from Python (attnx/_ops.py).
+//
+// Conventions shared by every kernel:
+//   q (B, Hq, Lq, E), k (B, Hkv, Lk, E), v (B, Hkv, Lk, Ev), Hq % Hkv == 0 (GQA: head h reads
+//   key/value head h / (Hq / Hkv)). mask: None, or a (B, Hq, Lq, Lk) view of dtype bool (true =
+//   may attend) or q's dtype (added to the scaled scores), read through its strides (size-1
+//   dims broadcast with stride 0). Key j is admissible for query i iff
+//   i + window_lo <= j <= i + window_hi (and the mask allows it). lse is float32 (B, Hq, Lq),
+//   -inf for rows with no admissible key, whose output is zero. seed: int64 (2,) on the CPU,
+//   the dropout hash key of attnx/_rng.py. A gradient that is not asked for comes back empty.
+#include <torch/library.h>
+
+TORCH_LIBRARY(attnx, m) {
+  m.def(
+      "sdpa_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int window_lo, "
+      "int window_hi, float dropout_p, Tensor? seed) -> (Tensor out, Tensor lse)");
+  m.def(
+      "sdpa_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, "
+      "Tensor lse, float scale, int window_lo, int window_hi, float dropout_p, Tensor? seed, "
+      "bool mask_grad) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
+  // Additive (Bahdanau): score[i, j] = sum_a v[h, a] * tanh(q[i, a] + k[j, a]); no scale, no
+  // GQA (k and value have q's heads); v is (H, A). weights (B, H, Lq, Lk) are the
+  // probabilities after dropout, returned only when return_weights, else empty.
+  m.def(
+      "additive_fwd(Tensor q, Tensor k, Tensor value, Tensor v, Tensor? mask, int window_lo, "
+      "int window_hi, float dropout_p, Tensor? seed, bool return_weights) -> "
+      "(Tensor out, Tensor lse, Tensor weights)");
+  m.def(
+      "additive_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor value, Tensor v, Tensor? mask, "
+      "Tensor out, Tensor lse, int window_lo, int window_hi, float dropout_p, Tensor? seed, "
+      "bool mask_grad) -> (Tensor dq, Tensor dk, Tensor dvalue, Tensor dv, Tensor dmask)");
+}

@@ -1,0 +1,68 @@
+"""Builds attnx._C: the C++ CPU kernels always, the CUDA kernels when a toolkit is present.
+
+Switches (environment):
+  ATTNX_CUDA=0/1       force the CUDA half off/on (default: on when torch is a CUDA build and
+                       a CUDA toolkit is found, whether or not a GPU is present)
+  ATTNX_CUDA_ARCHS     compute capabilities, default "8.0;9.0+PTX"
+  MAX_JOBS             parallel compile jobs (ninja)
+"""
+
+import glob
+import os
+
+import torch
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _version() -> str:
+    scope = {}
+    with open(os.path.join(ROOT, "attnx", "_version.py")) as f:
+        exec(f.read(), scope)
+    return scope["__version__"]
+
+
+def _want_cuda() -> bool:
+    flag = os.environ.get("ATTNX_CUDA")
+    if flag is not None:
+        return flag == "1"
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def _sources(pattern: str) -> list:
+    # Relative paths keep absolute build paths out of the wheel's metadata.
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def extension():
+    with_cuda = _want_cuda()
+    sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp")
+    define = [("ATTNX_TORCH_VERSION", f'"{torch.__version__}"')]
+    cxx = ["-O3", "-fopenmp"]  # the -std level is the one torch asks for
+    if os.environ.get("ATTNX_NATIVE") == "1":  # opt-in: binaries built this way won't travel
+        cxx.append("-march=native")
+    kwargs = dict(extra_link_args=["-fopenmp"])
+    if not with_cuda:
+        return CppExtension("attnx._C", sources, define_macros=define,
+                            extra_compile_args={"cxx": cxx}, **kwargs)
+    archs = os.environ.get("ATTNX_CUDA_ARCHS", "8.0;9.0+PTX")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs  # read by cpp_extension for -gencode flags
+    sources += _sources("csrc/cuda/*.cpp") + _sources("csrc/cuda/*.cu")
+    define += [("ATTNX_WITH_CUDA", None), ("ATTNX_CUDA_VERSION", f'"{torch.version.cuda}"'),
+               ("ATTNX_CUDA_ARCHS", f'"{archs}"')]
+    nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
+            "-DATTNX_WITH_CUDA", "--threads", "2"]
+    return CUDAExtension("attnx._C", sources, define_macros=define,
+                         extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
+
+
+setup(
+    name="attnx",
+    version=_version(),
+    packages=find_packages(include=["attnx", "attnx.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    include_package_data=False,
+)
