@@ -5,19 +5,12 @@ This is the only place that decides which backend runs a call.
 
 from __future__ import annotations
 
-import importlib
-from typing import NamedTuple, Optional
-
-import torch
+from typing import NamedTuple
 
 from . import _validate
+from .backends import cpu, cuda, reference, triton_backend
 
-_MODULES = {
-    "cuda": "attnx.backends.cuda",
-    "triton": "attnx.backends.triton_backend",
-    "cpu": "attnx.backends.cpu",
-    "reference": "attnx.backends.reference",
-}
+_MODULES = {"cuda": cuda, "triton": triton_backend, "cpu": cpu, "reference": reference}
 # What `backend=None`/"auto" tries, fastest first, by device type. The Triton interpreter is
 # never chosen automatically for CPU tensors: it is for testing, not speed.
 _AUTO_ORDER = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "reference")}
@@ -33,17 +26,14 @@ class BackendUnavailableError(ValueError):
 
 
 def _module(name: str):
-    return importlib.import_module(_MODULES[name])
+    return _MODULES[name]
 
 
 def backends() -> dict:
     """Each backend's name -> BackendStatus(usable, reason) on this machine."""
     status = {}
     for name in _MODULES:
-        try:
-            reason = _module(name).availability()
-        except ImportError as exc:
-            reason = f"failed to import: {exc}"
+        reason = _module(name).availability()
         status[name] = BackendStatus(reason is None, reason or "")
     return status
 

@@ -25,10 +25,17 @@ def build_info() -> dict:
     return dict(_C.build_info()) if _C is not None else {}
 
 
+# Read once at import: the dispatcher query is not traceable by torch.compile, and which kernels
+# a built extension holds does not change while it runs.
+_KERNELS = frozenset(
+    (op, key)
+    for op in ("sdpa_fwd", "sdpa_bwd", "additive_fwd", "additive_bwd")
+    for key in ("CPU", "CUDA")
+    if _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"attnx::{op}", key))
+
+
 def has_kernel(op: str, dispatch_key: str) -> bool:
-    if _C is None:
-        return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"attnx::{op}", dispatch_key)
+    return (op, dispatch_key) in _KERNELS
 
 
 def _empty_grad(like: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,28 @@
+"""The `attnx` command: `attnx info | bench | demo` (also `python -m attnx ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+_COMMANDS = {
+    "info": ("attnx.info", "what is built and usable here"),
+    "bench": ("attnx.bench", "the benchmark suite: a table, plots and a JSON file of results"),
+    "demo": ("attnx.demo", "train a small attention model on generated data and plot its alignments"),
+}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="attnx", description="fused attention kernels for PyTorch")
+    parser.add_argument("command", choices=sorted(_COMMANDS),
+                        help="; ".join(f"{k}: {v[1]}" for k, v in _COMMANDS.items()))
+    # Each command parses its own options, so `attnx bench --help` shows bench's.
+    args, rest = parser.parse_known_args(argv[:1])
+    module = importlib.import_module(_COMMANDS[args.command][0])
+    return module.main(argv[1:] + rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

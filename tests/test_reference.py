@@ -1,0 +1,239 @@
+"""The reference backend against float64 formulas and against torch's own SDPA."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+import attnx
+from attnx import _rng
+
+import golden
+from _compare import assert_within
+
+REF = dict(backend="reference")
+
+
+def rand(*shape, dtype=torch.float32, grad=False):
+    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+
+def qkv(b=2, hq=3, hk=None, lq=17, lk=23, e=16, ev=None, dtype=torch.float32, grad=False):
+    hk = hq if hk is None else hk
+    ev = e if ev is None else ev
+    return (rand(b, hq, lq, e, dtype=dtype, grad=grad), rand(b, hk, lk, e, dtype=dtype, grad=grad),
+            rand(b, hk, lk, ev, dtype=dtype, grad=grad))
+
+
+def check(out, gold, dtype=torch.float32):
+    baseline = out  # fp32: bound by an absolute floor; lower precisions by the dtype's eps
+    floor = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
+    assert_within(out, gold, baseline, factor=1.0, floor=floor)
+
+
+@pytest.mark.parametrize("lq,lk", [(1, 1), (17, 23), (97, 33), (23, 17)])
+@pytest.mark.parametrize("e,ev", [(16, 16), (24, 7)])
+def test_plain_matches_formula_and_torch(lq, lk, e, ev):
+    q, k, v = qkv(lq=lq, lk=lk, e=e, ev=ev)
+    out = attnx.scaled_dot_product_attention(q, k, v, **REF)
+    check(out, golden.sdpa(q, k, v))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 5, 5), (2, 1, 17, 1), (1, 3, 1, 23), (17, 23), (3, 17, 23)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_masks_broadcast(shape, kind):
+    q, k, v = qkv()
+    if kind == "bool":
+        mask = torch.rand(shape) > 0.3
+    else:
+        mask = torch.randn(shape)
+    if mask.shape[-2:] == (5, 5):
+        q, k, v = qkv(lq=5, lk=5)
+    out = attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, **REF)
+    check(out, golden.sdpa(q, k, v, mask=mask))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+@pytest.mark.parametrize("lq,lk", [(17, 17), (9, 23), (23, 9)])
+def test_causal_and_causal_bias(lq, lk):
+    q, k, v = qkv(lq=lq, lk=lk)
+    out = attnx.scaled_dot_product_attention(q, k, v, is_causal=True, **REF)
+    check(out, golden.sdpa(q, k, v, is_causal=True))
+    ul = attnx.scaled_dot_product_attention(q, k, v, attn_mask=causal_upper_left(lq, lk), **REF)
+    torch.testing.assert_close(ul, out)
+    lr = attnx.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, lk), **REF)
+    check(lr, golden.sdpa(q, k, v, lower_right=True))
+    if lq <= lk:  # torch's lower-right bias returns NaN rows otherwise; attnx returns zeros
+        torch.testing.assert_close(lr, F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, lk)))
+
+
+@pytest.mark.parametrize("window,causal", [((3, 2), False), ((0, 0), False), ((4, None), False),
+                                           ((None, 1), False), ((5, 5), True), ((100, 100), False)])
+def test_window(window, causal):
+    q, k, v = qkv(lq=29, lk=31)
+    out = attnx.scaled_dot_product_attention(q, k, v, is_causal=causal, window=window, **REF)
+    check(out, golden.sdpa(q, k, v, is_causal=causal, window=window))
+
+
+def test_gqa_and_scale():
+    q, k, v = qkv(hq=6, hk=2)
+    out = attnx.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=0.3, **REF)
+    check(out, golden.sdpa(q, k, v, scale=0.3))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=0.3))
+
+
+@pytest.mark.parametrize("lead", [(), (2,), (2, 3), (2, 1, 3)])
+def test_leading_batch_dims(lead):
+    q = rand(*lead, 4, 11, 8)
+    k = rand(*lead, 4, 13, 8)
+    v = rand(*lead, 4, 13, 5)
+    mask = torch.rand(11, 13) > 0.2
+    out, lse = attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_lse=True, **REF)
+    assert out.shape == (*lead, 4, 11, 5) and lse.shape == (*lead, 4, 11)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def test_two_dim_inputs():
+    q, k, v = rand(7, 4), rand(9, 4), rand(9, 3)
+    out = attnx.scaled_dot_product_attention(q, k, v, **REF)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+
+
+def test_non_contiguous_inputs():
+    q, k, v = (rand(2, 7, 5, 16).transpose(1, 2) for _ in range(3))  # (B, L, H, E) storage
+    mask = (torch.rand(7, 7) > 0.5).t()
+    out = attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, **REF)
+    check(out, golden.sdpa(q, k, v, mask=mask))
+
+
+def test_lse_is_log_of_softmax_denominator():
+    q, k, v = qkv(lq=5, lk=7)
+    mask = torch.randn(5, 7)
+    _, lse = attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5, return_lse=True, **REF)
+    want = torch.logsumexp((q.double() @ k.double().transpose(-1, -2)) * 0.5 + mask.double(), dim=-1)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 3, 5)
+    torch.testing.assert_close(lse.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fully_masked_rows_give_zeros_and_zero_grads():
+    q, k, v = qkv(lq=6, lk=5, grad=True)
+    mask = torch.ones(6, 5, dtype=torch.bool)
+    mask[2] = False
+    fmask = torch.zeros(6, 5).masked_fill(~mask, -math.inf).requires_grad_()
+    for m in (mask, fmask):
+        out, lse = attnx.scaled_dot_product_attention(q, k, v, attn_mask=m, return_lse=True, **REF)
+        assert torch.isfinite(out).all() and (out[:, :, 2] == 0).all()
+        assert (lse[:, :, 2] == -math.inf).all() and torch.isfinite(lse[:, :, [0, 1, 3, 4, 5]]).all()
+        q.grad = k.grad = v.grad = None
+        out.sum().backward()
+        for t in (q, k, v):
+            assert torch.isfinite(t.grad).all()
+        assert (q.grad[:, :, 2] == 0).all()
+    assert torch.isfinite(fmask.grad).all() and (fmask.grad[2] == 0).all()
+    # Lk > Lq with a lower-right bias: every row has keys; upper-left causal with Lq > Lk: all do.
+    out = attnx.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(6, 5), **REF)
+    assert (out[:, :, 0] == 0).all() and torch.isfinite(out).all()
+
+
+def test_zero_length_keys_and_queries():
+    q, k, v = qkv(lq=4, lk=0, grad=True)
+    out = attnx.scaled_dot_product_attention(q, k, v)
+    assert out.shape == (2, 3, 4, 16) and (out == 0).all()
+    out.sum().backward()
+    assert (q.grad == 0).all()
+    q, k, v = qkv(lq=0, lk=4)
+    assert attnx.scaled_dot_product_attention(q, k, v).shape == (2, 3, 0, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_gradients_match_formula(dtype):
+    q, k, v = qkv(hq=4, hk=2, lq=9, lk=11, e=8, dtype=dtype, grad=True)
+    mask = torch.randn(1, 4, 9, 11, dtype=dtype, requires_grad=True)
+    out = attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, window=(3, 4), **REF)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, mask), g)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, mask)]
+    gold = golden.sdpa(*leaves[:3], mask=leaves[3], window=(3, 4))
+    gold_grads = torch.autograd.grad(gold, leaves, g.double())
+    for name, a, b in zip("q k v mask".split(), grads, gold_grads):
+        assert a.shape == b.shape, name
+        tol = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 1e-2}[dtype]
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=name)
+
+
+def test_gradcheck_float64():
+    q, k, v = qkv(b=1, hq=2, lq=4, lk=5, e=3, dtype=torch.float64, grad=True)
+    mask = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    fn = lambda q, k, v, m: attnx.scaled_dot_product_attention(q, k, v, attn_mask=m, window=(1, 2), **REF)
+    assert torch.autograd.gradcheck(fn, (q, k, v, mask))
+
+
+def test_dropout_hash_matches_pure_python():
+    def mix(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    seed = torch.tensor([0xDEADBEEF, 12345])
+    keep = _rng.keep_mask(seed, 2, 3, 4, 5, 0.3, torch.device("cpu"))
+    thr = int(0.3 * 2**32)
+    for b, h, i, j in [(0, 0, 0, 0), (1, 2, 3, 4), (0, 1, 2, 3), (1, 0, 3, 0)]:
+        key_bh = mix(0xDEADBEEF ^ mix((b * 3 + h) ^ 12345))
+        assert bool(keep[b, h, i, j]) == (mix(mix(key_bh ^ i) ^ j) >= thr)
+
+
+def test_dropout_reproducible_and_correct():
+    q, k, v = qkv(lq=64, lk=64)
+    torch.manual_seed(0)
+    a = attnx.scaled_dot_product_attention(q, k, v, dropout_p=0.25, **REF)
+    torch.manual_seed(0)
+    seed = _rng.draw_seed()
+    torch.manual_seed(0)
+    b = attnx.scaled_dot_product_attention(q, k, v, dropout_p=0.25, **REF)
+    c = attnx.scaled_dot_product_attention(q, k, v, dropout_p=0.25, **REF)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    keep = _rng.keep_mask(seed, 2, 3, 64, 64, 0.25, torch.device("cpu"))
+    assert abs(keep.float().mean().item() - 0.75) < 0.01
+    check(a, golden.sdpa(q, k, v, keep=keep, dropout_p=0.25))
+
+
+def test_additive_matches_formula():
+    b, h, lq, lk, a, ev = 2, 3, 7, 9, 12, 5
+    q, k, val = rand(b, h, lq, a, grad=True), rand(b, h, lk, a, grad=True), rand(b, h, lk, ev, grad=True)
+    for vshape in [(a,), (h, a)]:
+        v = rand(*vshape, grad=True)
+        mask = torch.randn(1, h, lq, lk, requires_grad=True)
+        out, w = attnx.additive_attention(q, k, val, v, attn_mask=mask, window=(2, 3), return_weights=True, **REF)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, val, v, mask)]
+        gold, gold_w = golden.additive(*leaves[:4], mask=leaves[4], window=(2, 3))
+        check(out, gold)
+        check(w, gold_w)
+        g = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, val, v, mask), g)
+        gold_grads = torch.autograd.grad(gold, leaves, g.double())
+        for x, y in zip(grads, gold_grads):
+            torch.testing.assert_close(x.double(), y, rtol=1e-4, atol=1e-4)
+
+
+def test_additive_three_dim_and_causal():
+    q, k, val, v = rand(2, 6, 8), rand(2, 6, 8), rand(2, 6, 3), rand(8)
+    mask = torch.rand(2, 6, 6) > 0.3
+    mask[:, 1] = False
+    out, w = attnx.additive_attention(q, k, val, v, attn_mask=mask, return_weights=True, **REF)
+    assert out.shape == (2, 6, 3) and w.shape == (2, 6, 6)
+    gold, gold_w = golden.additive(q, k, val, v, mask=mask)
+    check(out, gold)
+    assert (out[:, 1] == 0).all() and (w[:, 1] == 0).all()
+    out = attnx.additive_attention(q, k, val, v, is_causal=True, **REF)
+    check(out, golden.additive(q, k, val, v, is_causal=True)[0])
+
+
+def test_auto_backend_matches_reference_on_cpu():
+    q, k, v = qkv()
+    torch.testing.assert_close(attnx.scaled_dot_product_attention(q, k, v),
+                               attnx.scaled_dot_product_attention(q, k, v, **REF))

@@ -1,0 +1,141 @@
+"""Bad input raises ValueError/TypeError naming the argument, before any kernel runs."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.bias import causal_lower_right
+
+import attnx
+
+Q = torch.randn(2, 4, 8, 16)
+K = torch.randn(2, 4, 10, 16)
+V = torch.randn(2, 4, 10, 12)
+
+
+def sdpa(**over):
+    args = dict(query=Q, key=K, value=V)
+    args.update(over)
+    return attnx.scaled_dot_product_attention(**args)
+
+
+SDPA_CASES = [
+    # (overrides, exception, words the message must contain)
+    (dict(query=Q.numpy()), TypeError, ["query", "Tensor", "ndarray"]),
+    (dict(query=Q.int()), TypeError, ["query", "floating", "int32"]),
+    (dict(key=K.double()), TypeError, ["key", "float32", "float64"]),
+    (dict(value=torch.randn(2, 4, 10)), ValueError, ["key, value", "dimensions"]),
+    (dict(query=torch.randn(5)), ValueError, ["query", "at least 2"]),
+    (dict(key=torch.randn(2, 4, 10, 15)), ValueError, ["key", "head dim 16"]),
+    (dict(value=torch.randn(2, 4, 9, 12)), ValueError, ["value", "sequence length 10"]),
+    (dict(key=torch.randn(3, 4, 10, 16)), ValueError, ["key", "batch dims"]),
+    (dict(key=torch.randn(2, 2, 10, 16), value=torch.randn(2, 2, 10, 12)), ValueError, ["key", "enable_gqa"]),
+    (dict(key=torch.randn(2, 3, 10, 16), value=torch.randn(2, 3, 10, 12), enable_gqa=True), ValueError, ["key", "dividing 4"]),
+    (dict(value=torch.randn(2, 2, 10, 12)), ValueError, ["value", "4 heads"]),
+    (dict(query=torch.randn(2, 4, 8, 0), key=torch.randn(2, 4, 10, 0)), ValueError, ["query", "head dim"]),
+    (dict(attn_mask=torch.ones(8, 9, dtype=torch.bool)), ValueError, ["attn_mask", "broadcasts to (2, 4, 8, 10)", "(8, 9)"]),
+    (dict(attn_mask=torch.ones(3, 4, 8, 10, dtype=torch.bool)), ValueError, ["attn_mask", "(3, 4, 8, 10)"]),
+    (dict(attn_mask=torch.ones(8, 10, dtype=torch.int64)), TypeError, ["attn_mask", "torch.bool", "int64"]),
+    (dict(attn_mask=torch.ones(8, 10, dtype=torch.float64)), TypeError, ["attn_mask", "float32", "float64"]),
+    (dict(attn_mask=[[True]]), TypeError, ["attn_mask", "list"]),
+    (dict(attn_mask=causal_lower_right(8, 11)), ValueError, ["attn_mask", "CausalBias", "(8, 10)", "(8, 11)"]),
+    (dict(attn_mask=torch.ones(8, 10, dtype=torch.bool), is_causal=True), ValueError, ["attn_mask", "is_causal"]),
+    (dict(is_causal=1), TypeError, ["is_causal", "bool", "int"]),
+    (dict(enable_gqa="yes"), TypeError, ["enable_gqa", "bool", "str"]),
+    (dict(dropout_p=1.0), ValueError, ["dropout_p", "< 1", "1.0"]),
+    (dict(dropout_p=-0.1), ValueError, ["dropout_p", "-0.1"]),
+    (dict(dropout_p="0.1"), TypeError, ["dropout_p", "float", "str"]),
+    (dict(scale=math.nan), ValueError, ["scale", "finite", "nan"]),
+    (dict(scale="1"), TypeError, ["scale", "float", "str"]),
+    (dict(window=(1, 2, 3)), ValueError, ["window", "pair"]),
+    (dict(window=(-1, 2)), ValueError, ["window", "left >= 0", "-1"]),
+    (dict(window=(1, 2.5)), TypeError, ["window", "right", "float"]),
+    (dict(window=5), ValueError, ["window", "pair", "5"]),
+    (dict(backend="gpu"), ValueError, ["backend", "'gpu'", "reference"]),
+    (dict(backend=3), TypeError, ["backend", "int"]),
+    (dict(backend="cuda"), ValueError, ["backend", "'cuda'", "CUDA"]),
+    (dict(return_lse=None), TypeError, ["return_lse", "bool", "NoneType"]),
+]
+
+
+@pytest.mark.parametrize("over,exc,words", SDPA_CASES, ids=[str(i) for i in range(len(SDPA_CASES))])
+def test_sdpa_bad_input(over, exc, words):
+    with pytest.raises(exc) as info:
+        sdpa(**over)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_meta_device_mismatch():
+    with pytest.raises(TypeError, match="key: expected device cpu"):
+        sdpa(key=K.to("meta"))
+    with pytest.raises(TypeError, match="attn_mask: expected device cpu"):
+        sdpa(attn_mask=torch.ones(8, 10, dtype=torch.bool, device="meta"))
+
+
+A_Q, A_K, A_VAL, A_V = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 4), torch.randn(8)
+
+
+def additive(**over):
+    args = dict(query=A_Q, key=A_K, value=A_VAL, v=A_V)
+    args.update(over)
+    return attnx.additive_attention(**args)
+
+
+ADDITIVE_CASES = [
+    (dict(v=torch.randn(7)), ValueError, ["v", "(8,)", "(3, 8)", "(7,)"]),
+    (dict(v=torch.randn(2, 8)), ValueError, ["v", "(3, 8)", "(2, 8)"]),
+    (dict(v=torch.randn(1, 3, 8)), ValueError, ["v", "dimensions"]),
+    (dict(v=A_V.double()), TypeError, ["v", "float32", "float64"]),
+    (dict(query=torch.randn(2, 3, 5, 9)), ValueError, ["key", "(2, 3, 'Lk', 9)"]),
+    (dict(key=torch.randn(2, 2, 7, 8)), ValueError, ["key", "match query"]),
+    (dict(value=torch.randn(2, 3, 6, 4)), ValueError, ["value", "match key"]),
+    (dict(query=torch.randn(5, 8)), ValueError, ["query", "3 to 4"]),
+    (dict(query=torch.randn(1, 2, 3, 5, 8)), ValueError, ["query", "3 to 4"]),
+    (dict(attn_mask=torch.ones(5, 6, dtype=torch.bool)), ValueError, ["attn_mask", "(2, 3, 5, 7)"]),
+    (dict(attn_mask=torch.ones(5, 7), is_causal=True), ValueError, ["attn_mask", "is_causal"]),
+    (dict(dropout_p=2), ValueError, ["dropout_p"]),
+    (dict(return_weights=1), TypeError, ["return_weights"]),
+    (dict(window=(1,)), ValueError, ["window"]),
+    (dict(backend="triton"), ValueError, ["backend", "'triton'"]),
+]
+
+
+@pytest.mark.parametrize("over,exc,words", ADDITIVE_CASES, ids=[str(i) for i in range(len(ADDITIVE_CASES))])
+def test_additive_bad_input(over, exc, words):
+    with pytest.raises(exc) as info:
+        additive(**over)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_additive_three_d_mask_shape():
+    q, k, val = torch.randn(2, 5, 8), torch.randn(2, 7, 8), torch.randn(2, 7, 4)
+    with pytest.raises(ValueError, match=r"broadcasts to \(2, 5, 7\)"):
+        attnx.additive_attention(q, k, val, A_V, attn_mask=torch.ones(3, 5, 7, dtype=torch.bool))
+
+
+dims = st.integers(min_value=0, max_value=5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(bq=dims, hq=dims, lq=dims, e=dims, bk=dims, hk=dims, lk=dims, ek=dims, lv=dims, ev=dims,
+       mask_shape=st.none() | st.lists(dims, min_size=0, max_size=4),
+       gqa=st.booleans(), causal=st.booleans(),
+       window=st.none() | st.tuples(st.integers(-2, 4) | st.none(), st.integers(-2, 4) | st.none()))
+def test_sdpa_any_shapes_either_work_or_raise_cleanly(bq, hq, lq, e, bk, hk, lk, ek, lv, ev, mask_shape,
+                                                        gqa, causal, window):
+    q = torch.randn(bq, hq, lq, e)
+    k = torch.randn(bk, hk, lk, ek)
+    v = torch.randn(bk, hk, lv, ev)
+    mask = None if mask_shape is None else torch.rand(mask_shape) > 0.5
+    try:
+        out = attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                                 enable_gqa=gqa, window=window, backend="reference")
+    except (ValueError, TypeError) as err:
+        assert any(n in str(err) for n in ("query", "key", "value", "attn_mask", "window")), str(err)
+        return
+    assert out.shape == (bq, hq, lq, ev)
+    assert not torch.isnan(out).any()
