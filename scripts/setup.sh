@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Sets up a development environment from a fresh checkout: a virtualenv with the pinned
+# dependencies (.venv, or $ATTNX_VENV) and attnx built in place (editable), CUDA half included
+# whenever a CUDA toolkit is found (ATTNX_CUDA=0 skips it). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${ATTNX_VENV:-.venv}"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q -r requirements.txt
+export PATH="$PWD/$venv/bin:$PATH" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
+"$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e .
+"$venv/bin/attnx" info
