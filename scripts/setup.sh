@@ -4,11 +4,13 @@
 # whenever a CUDA toolkit is found (ATTNX_CUDA=0 skips it). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv="${ATTNX_VENV:-.venv}"
+venv="$(realpath -m "${ATTNX_VENV:-.venv}")"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q -r requirements.txt
-export PATH="$PWD/$venv/bin:$PATH" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+# This machine's pip configuration warns about every missing local index entry: keep the rest.
+pip_install() { "$venv/bin/python" -m pip install -q "$@" 2>&1 | { grep -v '^WARNING: Location' || true; }; }
+pip_install --upgrade pip
+pip_install -r requirements.txt
+export PATH="$venv/bin:$PATH" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
-"$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e .
+pip_install --no-build-isolation --no-deps -e .
 "$venv/bin/attnx" info

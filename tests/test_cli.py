@@ -1,0 +1,42 @@
+"""`attnx info` and attnx.backends() tell the truth about this installation."""
+
+import subprocess
+import sys
+
+import torch
+
+import attnx
+from attnx import _ops
+
+
+def test_info_reports_versions_and_backends():
+    out = subprocess.run([sys.executable, "-m", "attnx", "info"], capture_output=True, text=True, check=True).stdout
+    assert f"attnx      {attnx.__version__}" in out
+    assert torch.__version__ in out
+    for name, status in attnx.backends().items():
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(name + " "))
+        assert ("usable" == line.split()[1]) == status.usable, line
+
+
+def test_backends_agree_with_reality():
+    status = attnx.backends()
+    assert set(status) == {"cuda", "triton", "cpu", "reference"}
+    assert status["reference"].usable
+    assert status["cuda"].usable == (torch.cuda.is_available() and _ops.has_kernel("sdpa_fwd", "CUDA"))
+    for s in status.values():
+        assert s.usable == (s.reason == "")
+    if status["cpu"].usable:
+        q = torch.randn(1, 2, 5, 8)
+        attnx.scaled_dot_product_attention(q, q, q, backend="cpu")
+
+
+def test_build_info_matches_torch():
+    info = _ops.build_info()
+    if _ops.LOAD_ERROR is None:
+        assert info["torch"] == torch.__version__
+        assert isinstance(info["cuda"], bool)
+
+
+def test_unknown_command_fails():
+    r = subprocess.run([sys.executable, "-m", "attnx", "frobnicate"], capture_output=True, text=True)
+    assert r.returncode != 0 and "invalid choice" in r.stderr
