@@ -1,8 +1,9 @@
 // The inner loops of additive attention (declared in additive_rows.h).
 //
 // The build targets baseline x86-64 (SSE2), so the float loops are written with GCC/Clang
-// vector extensions (8 lanes) and, on x86-64, cloned for AVX2+FMA: the loader picks the clone
-// the CPU supports, so one binary runs everywhere and is fast where it can be.
+// vector extensions (8 lanes) and, on x86-64 with GCC, cloned for x86-64-v3 (AVX2, FMA): the
+// loader picks the clone the CPU supports, so one binary runs everywhere and is fast where it
+// can be. (A clone for "arch=haswell" would be picked by CPU model, not features: never on AMD.)
 //
 // tanh is a rational minimax-style fit, tanh(x) ~ x P(x^2) / Q(x^2) on |x| <= 9 (beyond that
 // tanh rounds to +-1 in float32), fitted for this project by iteratively reweighted least
@@ -15,7 +16,7 @@
 #include <cstring>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define ATTNX_CLONES __attribute__((target_clones("arch=haswell", "default")))
+#define ATTNX_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define ATTNX_CLONES
 #endif
