@@ -21,9 +21,11 @@
 #define ATTNX_CLONES
 #endif
 
+#if defined(__GNUC__) && !defined(__clang__)
 // The 8-lane vectors never cross a function boundary (all helpers are always_inline), so the
 // ABI note GCC gives about passing them without AVX does not apply.
 #pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 
 namespace attnx::cpu::additive {
 namespace {
