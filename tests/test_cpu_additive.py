@@ -98,6 +98,31 @@ def test_matches_reference(case, dtype):
     check_case(dtype, make_inputs(**sizes), **kw)
 
 
+def test_strided_inputs():
+    """Inputs that are views with arbitrary strides, and v as a stride-0 expansion of (A,)."""
+    leaves = [t.float().requires_grad_() for t in make_inputs(2, 3, 9, 11, 20, 6)]
+
+    def views(q, k, value, v):
+        return (q.transpose(1, 2).contiguous().transpose(1, 2),  # (B, H, L, A) of (B, L, H, A)
+                torch.cat([k, k], dim=-1)[..., ::2],
+                value.transpose(-1, -2).contiguous().transpose(-1, -2),
+                v.expand(3, 20))
+
+    def grads(backend, dtype):
+        xs = [t.detach().to(dtype).requires_grad_() for t in leaves]
+        args = views(*xs)
+        if backend == "cpu":
+            assert not any(a.is_contiguous() for a in args)
+        out = attnx.additive_attention(*args, is_causal=True, backend=backend)
+        return [out, *torch.autograd.grad(out, xs, torch.ones_like(out))]
+
+    golden = grads("reference", torch.float64)
+    baseline = grads("reference", torch.float32)
+    for name, a, g, b in zip(("out", "dq", "dk", "dvalue", "dv"), grads("cpu", torch.float32),
+                             golden, baseline):
+        assert_within(a, g, b, factor=3.0, what=name)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fully_masked_rows(dtype):
     b, h, lq, lk = 2, 2, 6, 9

@@ -81,6 +81,10 @@ ATTNX_CLONES float tanh_dot(const float* q, const float* k, const float* v, int6
     acc0 += load(v + a) * tanh_rational(load(q + a) + load(k + a));
     acc1 += load(v + a + kLanes) * tanh_rational(load(q + a + kLanes) + load(k + a + kLanes));
   }
+  if (a + kLanes <= n) {
+    acc0 += load(v + a) * tanh_rational(load(q + a) + load(k + a));
+    a += kLanes;
+  }
   float s = hsum(acc0 + acc1);
   for (; a < n; ++a) s += v[a] * tanh_rational(q[a] + k[a]);
   return s;
