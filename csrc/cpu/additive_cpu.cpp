@@ -7,12 +7,12 @@
 //
 // The backward pass recomputes each score with its A tanh terms kept in a buffer of A values,
 // gets P from the saved lse and D_i = dO_i . out_i (= sum_j P_ij dP_ij, also with dropout;
-// for float64 and the half types both are recomputed exactly in an extra pass over the row),
+// for float64 and bfloat16 both are recomputed exactly in an extra pass over the row),
 // then accumulates dq, dk, dvalue and dv. dq rows belong to one thread; dk, dvalue and dv are
 // sums over query rows, see `Slices` below for how threads share them deterministically.
 //
 // Inputs of any supported dtype are copied once into contiguous tensors of the accumulation
-// type (float for float/bfloat16/half, double for double): O(L * (A + Ev)), the size of the
+// type (float for float and bfloat16, double for double): O(L * (A + Ev)), the size of the
 // inputs themselves.
 #include "additive_cpu.h"
 
@@ -70,7 +70,7 @@ struct MaskView {
       for (int64_t j = j0; j < j1; ++j) bias[j] = m[j * sj] ? acc_t(0) : ninf;
       return;
     }
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "attnx_additive_mask", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "attnx_additive_mask", [&] {
       const scalar_t* m = static_cast<const scalar_t*>(data) + base;
       for (int64_t j = j0; j < j1; ++j) bias[j] = static_cast<acc_t>(m[j * sj]);
     });
@@ -330,7 +330,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> additive_fwd(
   at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(at::kFloat));
   at::Tensor weights = return_weights ? at::zeros({B, H, Lq, Lk}, q.options())
                                       : at::empty({0}, q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnx_additive_fwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attnx_additive_fwd", [&] {
     using acc_t = acc_type<scalar_t>;
     const Problem<acc_t> pb(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed);
     forward<scalar_t, acc_t>(pb, out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
@@ -355,7 +355,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(2) == Lq,
               "attnx::additive_bwd: expected a float32 (B, H, Lq) lse, got ", lse.sizes());
   at::Tensor dq, dk, dvalue, dv, dmask;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnx_additive_bwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attnx_additive_bwd", [&] {
     using acc_t = acc_type<scalar_t>;
     const Problem<acc_t> pb(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed);
     const auto acc_opts = q.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
