@@ -1,22 +1,383 @@
-// PLACEHOLDER until the fused kernel lands (issue 3): every call fails loudly.
+// Fused additive (Bahdanau) attention on the CPU (conventions: csrc/ops.cpp).
+//
+// Each query row is handled whole: its scores against the admissible keys are computed into a
+// row buffer of Lk values (the tanh terms are summed over A as they are made, never stored),
+// then softmax, dropout and the value sum. So the working memory is O(Lk + Ev) per thread and
+// no (Lq, Lk, A) or (Lq, Lk) tensor exists unless the weights are asked for.
+//
+// The backward pass recomputes each score with its A tanh terms kept in a buffer of A values,
+// gets P from the saved lse and D_i = dO_i . out_i (= sum_j P_ij dP_ij, also with dropout;
+// for float64 and bfloat16 both are recomputed exactly in an extra pass over the row),
+// then accumulates dq, dk, dvalue and dv. dq rows belong to one thread; dk, dvalue and dv are
+// sums over query rows, see `Slices` below for how threads share them deterministically.
+//
+// Inputs of any supported dtype are copied once into contiguous tensors of the accumulation
+// type (float for float and bfloat16, double for double): O(L * (A + Ev)), the size of the
+// inputs themselves.
 #include "additive_cpu.h"
 
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "additive_dropout.h"
+#include "additive_rows.h"
+
 namespace attnx::cpu {
+namespace {
+
+using additive::axpy;
+using additive::dot;
+using additive::grad_pair;
+using additive::tanh_dot;
+using additive::tanh_dot_keep;
+
+// The mask read through its strides (broadcast dims have stride 0; it is never expanded).
+struct MaskView {
+  const void* data = nullptr;
+  at::ScalarType dtype = at::kBool;
+  int64_t sb = 0, sh = 0, si = 0, sj = 0;
+
+  explicit MaskView(const std::optional<at::Tensor>& mask) {
+    if (!mask.has_value()) return;
+    data = mask->data_ptr();
+    dtype = mask->scalar_type();
+    sb = mask->stride(0);
+    sh = mask->stride(1);
+    si = mask->stride(2);
+    sj = mask->stride(3);
+  }
+
+  // bias[j] for j in [j0, j1): 0 or -inf for a bool mask, the mask's value for a float one.
+  template <typename acc_t>
+  void fill(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j1, acc_t* bias) const {
+    const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
+    if (data == nullptr) {
+      std::fill(bias + j0, bias + j1, acc_t(0));
+      return;
+    }
+    const int64_t base = b * sb + h * sh + i * si;
+    if (dtype == at::kBool) {
+      const bool* m = static_cast<const bool*>(data) + base;
+      for (int64_t j = j0; j < j1; ++j) bias[j] = m[j * sj] ? acc_t(0) : ninf;
+      return;
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "attnx_additive_mask", [&] {
+      const scalar_t* m = static_cast<const scalar_t*>(data) + base;
+      for (int64_t j = j0; j < j1; ++j) bias[j] = static_cast<acc_t>(m[j * sj]);
+    });
+  }
+};
+
+// What both passes read: contiguous accumulation-type copies of the inputs and the problem.
+template <typename acc_t>
+struct Problem {
+  at::Tensor q, k, value, v;  // (B, H, Lq, A), (B, H, Lk, A), (B, H, Lk, Ev), (H, A)
+  int64_t B, H, Lq, Lk, A, Ev;
+  int64_t lo, hi;
+  MaskView mask;
+  additive::Dropout drop;
+
+  Problem(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& value_,
+          const at::Tensor& v_, const std::optional<at::Tensor>& mask_, int64_t window_lo,
+          int64_t window_hi, double dropout_p, const std::optional<at::Tensor>& seed)
+      : mask(mask_), drop(dropout_p, seed) {
+    const auto acc = c10::CppTypeToScalarType<acc_t>::value;
+    q = q_.to(acc).contiguous();
+    k = k_.to(acc).contiguous();
+    value = value_.to(acc).contiguous();
+    v = v_.to(acc).contiguous();
+    B = q.size(0);
+    H = q.size(1);
+    Lq = q.size(2);
+    A = q.size(3);
+    Lk = k.size(2);
+    Ev = value.size(3);
+    lo = window_lo;
+    hi = window_hi;
+  }
+
+  const acc_t* q_row(int64_t bh, int64_t i) const { return q.data_ptr<acc_t>() + (bh * Lq + i) * A; }
+  const acc_t* k_row(int64_t bh, int64_t j) const { return k.data_ptr<acc_t>() + (bh * Lk + j) * A; }
+  const acc_t* value_row(int64_t bh, int64_t j) const {
+    return value.data_ptr<acc_t>() + (bh * Lk + j) * Ev;
+  }
+  const acc_t* v_row(int64_t bh) const { return v.data_ptr<acc_t>() + (bh % H) * A; }
+
+  // The admissible keys of row i lie in [j0, j1) (the band), narrowed further by the mask.
+  std::pair<int64_t, int64_t> band(int64_t i) const {
+    const int64_t j0 = std::max<int64_t>(0, i + lo);
+    const int64_t j1 = std::min<int64_t>(Lk, i + hi + 1);
+    return {j0, std::max(j0, j1)};
+  }
+};
+
+void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& value, const at::Tensor& v,
+                  const std::optional<at::Tensor>& mask, double dropout_p,
+                  const std::optional<at::Tensor>& seed) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && value.dim() == 4, op,
+              ": expected 4-D q, k, value, got ", q.sizes(), ", ", k.sizes(), ", ", value.sizes());
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3), op,
+              ": k ", k.sizes(), " does not match q ", q.sizes());
+  TORCH_CHECK(value.size(0) == q.size(0) && value.size(1) == q.size(1) &&
+                  value.size(2) == k.size(2),
+              op, ": value ", value.sizes(), " does not match k ", k.sizes());
+  TORCH_CHECK(v.dim() == 2 && v.size(0) == q.size(1) && v.size(1) == q.size(3), op,
+              ": expected v of shape (H, A) = (", q.size(1), ", ", q.size(3), "), got ", v.sizes());
+  for (const at::Tensor* t : {&k, &value, &v}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": expected all inputs of dtype ",
+                q.scalar_type(), ", got ", t->scalar_type());
+  }
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->dim() == 4 && mask->size(0) == q.size(0) && mask->size(1) == q.size(1) &&
+                    mask->size(2) == q.size(2) && mask->size(3) == k.size(2),
+                op, ": expected a (B, H, Lq, Lk) mask view, got ", mask->sizes());
+    TORCH_CHECK(mask->scalar_type() == at::kBool || mask->scalar_type() == q.scalar_type(), op,
+                ": expected a bool mask or one of dtype ", q.scalar_type(), ", got ",
+                mask->scalar_type());
+  }
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": expected 0 <= dropout_p < 1, got ",
+              dropout_p);
+  TORCH_CHECK(dropout_p == 0.0 || seed.has_value(), op, ": dropout_p > 0 needs a seed");
+}
+
+// ---------------------------------------------------------------------------------- forward
+
+template <typename scalar_t, typename acc_t>
+void forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weights) {
+  const int64_t rows = pb.B * pb.H * pb.Lq;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, pb.Lk * pb.A));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> s(pb.Lk), acc(pb.Ev);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t bh = r / pb.Lq, i = r % pb.Lq;
+      const int64_t b = bh / pb.H, h = bh % pb.H;
+      const auto [j0, j1] = pb.band(i);
+      pb.mask.fill(b, h, i, j0, j1, s.data());
+      const acc_t* qi = pb.q_row(bh, i);
+      const acc_t* v = pb.v_row(bh);
+      acc_t m = -std::numeric_limits<acc_t>::infinity();
+      for (int64_t j = j0; j < j1; ++j) {
+        if (s[j] == -std::numeric_limits<acc_t>::infinity()) continue;
+        s[j] += tanh_dot(qi, pb.k_row(bh, j), v, pb.A);
+        m = std::max(m, s[j]);
+      }
+      scalar_t* o = out + r * pb.Ev;
+      scalar_t* w = weights ? weights + r * pb.Lk : nullptr;
+      if (m == -std::numeric_limits<acc_t>::infinity()) {  // no admissible key
+        std::fill(o, o + pb.Ev, scalar_t(0));
+        lse[r] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      acc_t sum = 0;
+      for (int64_t j = j0; j < j1; ++j) {
+        s[j] = std::exp(s[j] - m);  // exp(-inf) = 0 for masked keys
+        sum += s[j];
+      }
+      lse[r] = static_cast<float>(m + std::log(sum));
+      const acc_t inv = acc_t(1) / sum;
+      const auto row_key = pb.drop.row_key(bh, i);
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t j = j0; j < j1; ++j) {
+        const acc_t p = s[j] * inv * static_cast<acc_t>(pb.drop.factor(row_key, j));
+        if (w) w[j] = static_cast<scalar_t>(p);
+        if (p != acc_t(0)) axpy(p, pb.value_row(bh, j), acc.data(), pb.Ev);
+      }
+      for (int64_t e = 0; e < pb.Ev; ++e) o[e] = static_cast<scalar_t>(acc[e]);
+    }
+  });
+}
+
+// --------------------------------------------------------------------------------- backward
+
+// dk, dvalue and dv sum over query rows. The B*H*Lq rows are cut into one contiguous slice per
+// thread; a slice accumulates straight into the output for the (b, h) blocks it owns whole, and
+// into a private buffer for the at most two blocks it shares with its neighbours, which are
+// added in slice order at the end. The result is deterministic for a given thread count and
+// memory stays O(threads * Lk * (A + Ev)).
+template <typename acc_t>
+struct Slices {
+  struct Shared {
+    int64_t bh = -1;
+    std::vector<acc_t> dk, dvalue, dv;
+  };
+  int64_t count, rows;
+  std::vector<Shared> shared;  // 2 per slice: the slice's first and last block
+
+  Slices(int64_t rows_, int64_t threads) : count(std::max<int64_t>(1, std::min(rows_, threads))),
+                                           rows(rows_), shared(2 * count) {}
+  int64_t begin(int64_t s) const { return s * rows / count; }
+};
+
+template <typename scalar_t, typename acc_t>
+struct Grads {
+  acc_t *dq, *dk, *dvalue, *dv;  // dv: (B*H, A), summed over B at the end
+  scalar_t* dmask;               // (B, H, Lq, Lk) contiguous, or null
+};
+
+template <typename scalar_t, typename acc_t>
+void backward_rows(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out,
+                   const float* lse, int64_t bh, int64_t i0, int64_t i1, acc_t* dk,
+                   acc_t* dvalue, acc_t* dv, const Grads<scalar_t, acc_t>& g,
+                   std::vector<acc_t>& bias, std::vector<acc_t>& t) {
+  const int64_t b = bh / pb.H, h = bh % pb.H;
+  const acc_t* v = pb.v_row(bh);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t r = bh * pb.Lq + i;
+    // Rows with no admissible key pass no gradient; dq and dmask start at zero.
+    if (lse[r] == -std::numeric_limits<float>::infinity()) continue;
+    const auto [j0, j1] = pb.band(i);
+    pb.mask.fill(b, h, i, j0, j1, bias.data());
+    const acc_t* qi = pb.q_row(bh, i);
+    const acc_t* doi = dout + r * pb.Ev;
+    const auto row_key = pb.drop.row_key(bh, i);
+    acc_t D, l;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      D = dot(doi, out + r * pb.Ev, pb.Ev);
+      l = static_cast<acc_t>(lse[r]);
+    } else {
+      // float32 lse and an out rounded to a low dtype would cost these dtypes their accuracy
+      // (double: gradcheck; bfloat16: the float32 reference), so recompute both exactly.
+      acc_t m = -std::numeric_limits<acc_t>::infinity();
+      for (int64_t j = j0; j < j1; ++j) {
+        if (bias[j] == -std::numeric_limits<acc_t>::infinity()) continue;
+        bias[j] += tanh_dot(qi, pb.k_row(bh, j), v, pb.A);
+        m = std::max(m, bias[j]);
+      }
+      acc_t sum = 0;
+      for (int64_t j = j0; j < j1; ++j) sum += std::exp(bias[j] - m);
+      l = m + std::log(sum);
+      D = 0;
+      for (int64_t j = j0; j < j1; ++j) {
+        const acc_t pd = std::exp(bias[j] - l) * static_cast<acc_t>(pb.drop.factor(row_key, j));
+        if (pd != acc_t(0)) D += pd * dot(doi, pb.value_row(bh, j), pb.Ev);
+      }
+      pb.mask.fill(b, h, i, j0, j1, bias.data());
+    }
+    acc_t* dqi = g.dq + r * pb.A;
+    for (int64_t j = j0; j < j1; ++j) {
+      if (bias[j] == -std::numeric_limits<acc_t>::infinity()) continue;
+      const acc_t* kj = pb.k_row(bh, j);
+      const acc_t p = std::exp(bias[j] + tanh_dot_keep(qi, kj, v, t.data(), pb.A) - l);
+      const acc_t keep = static_cast<acc_t>(pb.drop.factor(row_key, j));
+      const acc_t pd = p * keep;  // the probability after dropout, as out used it
+      const acc_t ds = p * (keep * dot(doi, pb.value_row(bh, j), pb.Ev) - D);
+      if (pd != acc_t(0)) axpy(pd, doi, dvalue + j * pb.Ev, pb.Ev);
+      if (ds != acc_t(0)) grad_pair(t.data(), v, ds, dqi, dk + j * pb.A, dv, pb.A);
+      if (g.dmask) g.dmask[r * pb.Lk + j] = static_cast<scalar_t>(ds);
+    }
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void backward(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out, const float* lse,
+              const Grads<scalar_t, acc_t>& g) {
+  const int64_t BH = pb.B * pb.H, rows = BH * pb.Lq;
+  Slices<acc_t> slices(rows, at::get_num_threads());
+  at::parallel_for(0, slices.count, 1, [&](int64_t s_begin, int64_t s_end) {
+    std::vector<acc_t> bias(pb.Lk), t(pb.A);
+    for (int64_t s = s_begin; s < s_end; ++s) {
+      const int64_t r0 = slices.begin(s), r1 = slices.begin(s + 1);
+      for (int64_t bh = r0 / pb.Lq; bh * pb.Lq < r1; ++bh) {
+        const int64_t i0 = std::max(r0 - bh * pb.Lq, int64_t(0));
+        const int64_t i1 = std::min(r1 - bh * pb.Lq, pb.Lq);
+        acc_t* dk = g.dk + bh * pb.Lk * pb.A;
+        acc_t* dvalue = g.dvalue + bh * pb.Lk * pb.Ev;
+        acc_t* dv = g.dv + bh * pb.A;
+        if (i0 > 0 || i1 < pb.Lq) {  // a block shared with a neighbouring slice
+          auto& sh = slices.shared[2 * s + (bh * pb.Lq < r0 ? 0 : 1)];
+          sh.bh = bh;
+          sh.dk.assign(pb.Lk * pb.A, acc_t(0));
+          sh.dvalue.assign(pb.Lk * pb.Ev, acc_t(0));
+          sh.dv.assign(pb.A, acc_t(0));
+          dk = sh.dk.data();
+          dvalue = sh.dvalue.data();
+          dv = sh.dv.data();
+        }
+        backward_rows(pb, dout, out, lse, bh, i0, i1, dk, dvalue, dv, g, bias, t);
+      }
+    }
+  });
+  for (const auto& sh : slices.shared) {
+    if (sh.bh < 0) continue;
+    axpy(acc_t(1), sh.dk.data(), g.dk + sh.bh * pb.Lk * pb.A, pb.Lk * pb.A);
+    axpy(acc_t(1), sh.dvalue.data(), g.dvalue + sh.bh * pb.Lk * pb.Ev, pb.Lk * pb.Ev);
+    axpy(acc_t(1), sh.dv.data(), g.dv + sh.bh * pb.A, pb.A);
+  }
+}
+
+template <typename scalar_t>
+using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> additive_fwd(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const std::optional<at::Tensor>&, int64_t, int64_t, double,
-    const std::optional<at::Tensor>&, bool) {
-  TORCH_CHECK(false, "attnx::additive_fwd: the CPU kernel is not written yet");
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& value, const at::Tensor& v,
+    const std::optional<at::Tensor>& mask, int64_t window_lo, int64_t window_hi,
+    double dropout_p, const std::optional<at::Tensor>& seed, bool return_weights) {
+  check_inputs("attnx::additive_fwd", q, k, value, v, mask, dropout_p, seed);
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
+  at::Tensor out = at::empty({B, H, Lq, value.size(3)}, q.options());
+  at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(at::kFloat));
+  at::Tensor weights = return_weights ? at::zeros({B, H, Lq, Lk}, q.options())
+                                      : at::empty({0}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attnx_additive_fwd", [&] {
+    using acc_t = acc_type<scalar_t>;
+    const Problem<acc_t> pb(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed);
+    forward<scalar_t, acc_t>(pb, out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
+                             return_weights ? weights.data_ptr<scalar_t>() : nullptr);
+  });
+  return {out, lse, weights};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_bwd(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-    int64_t, int64_t, double, const std::optional<at::Tensor>&, bool) {
-  TORCH_CHECK(false, "attnx::additive_bwd: the CPU kernel is not written yet");
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& value, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+    const at::Tensor& out, const at::Tensor& lse, int64_t window_lo, int64_t window_hi,
+    double dropout_p, const std::optional<at::Tensor>& seed, bool mask_grad) {
+  check_inputs("attnx::additive_bwd", q, k, value, v, mask, dropout_p, seed);
+  TORCH_CHECK(!mask_grad || (mask.has_value() && mask->scalar_type() != at::kBool),
+              "attnx::additive_bwd: mask_grad needs a float mask");
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
+  const int64_t A = q.size(3), Ev = value.size(3);
+  TORCH_CHECK(grad_out.sizes() == out.sizes() && out.size(3) == Ev && out.size(2) == Lq,
+              "attnx::additive_bwd: grad_out ", grad_out.sizes(), " and out ", out.sizes(),
+              " do not match value ", value.sizes());
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(2) == Lq,
+              "attnx::additive_bwd: expected a float32 (B, H, Lq) lse, got ", lse.sizes());
+  at::Tensor dq, dk, dvalue, dv, dmask;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attnx_additive_bwd", [&] {
+    using acc_t = acc_type<scalar_t>;
+    const Problem<acc_t> pb(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed);
+    const auto acc_opts = q.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+    const at::Tensor dout_acc = grad_out.to(acc_opts.dtype()).contiguous();
+    const at::Tensor out_acc = out.to(acc_opts.dtype()).contiguous();
+    const at::Tensor lse_c = lse.contiguous();
+    at::Tensor dq_acc = at::zeros({B, H, Lq, A}, acc_opts);
+    at::Tensor dk_acc = at::zeros({B, H, Lk, A}, acc_opts);
+    at::Tensor dvalue_acc = at::zeros({B, H, Lk, Ev}, acc_opts);
+    at::Tensor dv_acc = at::zeros({B, H, A}, acc_opts);
+    dmask = mask_grad ? at::zeros({B, H, Lq, Lk}, q.options()) : at::empty({0}, q.options());
+    const Grads<scalar_t, acc_t> g{dq_acc.data_ptr<acc_t>(), dk_acc.data_ptr<acc_t>(),
+                                   dvalue_acc.data_ptr<acc_t>(), dv_acc.data_ptr<acc_t>(),
+                                   mask_grad ? dmask.data_ptr<scalar_t>() : nullptr};
+    backward<scalar_t, acc_t>(pb, dout_acc.data_ptr<acc_t>(), out_acc.data_ptr<acc_t>(),
+                              lse_c.data_ptr<float>(), g);
+    dq = dq_acc.to(q.scalar_type());
+    dk = dk_acc.to(q.scalar_type());
+    dvalue = dvalue_acc.to(q.scalar_type());
+    dv = dv_acc.sum(0).to(q.scalar_type());
+  });
+  return {dq, dk, dvalue, dv, dmask};
 }
 
 }  // namespace attnx::cpu

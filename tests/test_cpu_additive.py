@@ -1,0 +1,226 @@
+"""The fused C++ CPU kernels of additive attention against the float64 reference backend.
+
+Each case runs the same inputs three ways: the reference in float64 (golden), the reference in
+the tested dtype (PyTorch's own error, the baseline) and the cpu backend; the cpu backend's
+error must stay within a small multiple of the baseline's (tests/_compare.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.bias import causal_lower_right
+
+import attnx
+from _compare import assert_within
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+# float64's baseline is the golden itself (error 0), so its bound is this floor.
+FLOOR = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 1e-5}
+NAMES = ("out", "weights", "dq", "dk", "dvalue", "dv", "dmask")
+
+
+def make_inputs(b, h, lq, lk, a, ev, v_heads=False, three_d=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (lambda l, d: (b, l, d)) if three_d else (lambda l, d: (b, h, l, d))
+    q = torch.randn(shape(lq, a), generator=g, dtype=torch.float64)
+    k = torch.randn(shape(lk, a), generator=g, dtype=torch.float64)
+    value = torch.randn(shape(lk, ev), generator=g, dtype=torch.float64)
+    v = torch.randn((h, a) if v_heads else (a,), generator=g, dtype=torch.float64) / a ** 0.5
+    return [q, k, value, v]
+
+
+def run(backend, inputs, dtype, attn_mask=None, dropout_seed=None, **kw):
+    """Outputs and all gradients (of the tensors among inputs and a float mask) as a list."""
+    xs = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    mask = attn_mask
+    if type(mask) is torch.Tensor:  # not a CausalBias (a Tensor subclass), passed as it is
+        mask = mask.detach().to(dtype if mask.is_floating_point() else torch.bool)
+        mask.requires_grad_(mask.is_floating_point())
+    if dropout_seed is not None:
+        torch.manual_seed(dropout_seed)
+    out, weights = attnx.additive_attention(*xs, attn_mask=mask, backend=backend,
+                                            return_weights=True, **kw)
+    d_out = torch.sin(torch.arange(out.numel(), dtype=torch.float64)).view_as(out).to(dtype)
+    wrt = xs + ([mask] if type(mask) is torch.Tensor and mask.requires_grad else [])
+    grads = torch.autograd.grad(out, wrt, d_out)
+    return [out, weights, *grads]
+
+
+def check_case(dtype, inputs, grad_factor=3.0, **kw):
+    golden = run("reference", inputs, torch.float64, **kw)
+    baseline = run("reference", inputs, dtype, **kw)
+    actual = run("cpu", inputs, dtype, **kw)
+    for name, a, g, base in zip(NAMES, actual, golden, baseline):
+        factor = 2.0 if name in ("out", "weights") else grad_factor
+        assert_within(a, g, base, factor=factor, floor=FLOOR[dtype], what=name)
+    return actual
+
+
+def padding_mask(b, lk, dtype=torch.bool):
+    """(B, 1, 1, Lk): batch element n may attend its first lk - 3n keys (at least one)."""
+    keep = torch.arange(lk).view(1, lk) < (lk - 3 * torch.arange(b)).clamp(min=1).view(b, 1)
+    if dtype == torch.bool:
+        return keep.view(b, 1, 1, lk)
+    return torch.zeros(b, 1, 1, lk, dtype=dtype).masked_fill(~keep.view(b, 1, 1, lk), float("-inf"))
+
+
+CASES = {
+    "4d": (dict(b=2, h=3, lq=17, lk=17, a=33, ev=9), {}),
+    "3d": (dict(b=2, h=1, lq=17, lk=13, a=16, ev=5, three_d=True), {}),
+    "v_per_head": (dict(b=2, h=3, lq=9, lk=11, a=24, ev=7, v_heads=True), {}),
+    "size_1": (dict(b=1, h=1, lq=1, lk=1, a=1, ev=1), {}),
+    "lq_ne_lk_97": (dict(b=1, h=2, lq=5, lk=97, a=17, ev=8), {}),
+    "lq_97": (dict(b=1, h=1, lq=97, lk=17, a=40, ev=3), {}),
+    "causal": (dict(b=2, h=2, lq=17, lk=17, a=20, ev=6), dict(is_causal=True)),
+    "window": (dict(b=2, h=2, lq=17, lk=23, a=20, ev=6), dict(window=(3, 2))),
+    "causal_window": (dict(b=1, h=2, lq=17, lk=17, a=20, ev=6), dict(is_causal=True, window=(4, None))),
+    "causal_lower_right": (dict(b=1, h=2, lq=5, lk=17, a=20, ev=6),
+                           dict(attn_mask=causal_lower_right(5, 17))),
+    "bool_padding": (dict(b=3, h=2, lq=7, lk=17, a=12, ev=5), dict(attn_mask=padding_mask(3, 17))),
+    "bool_2d_mask": (dict(b=2, h=2, lq=7, lk=9, a=12, ev=5),
+                     dict(attn_mask=torch.rand(7, 9, generator=torch.Generator().manual_seed(3)) < 0.7)),
+    "float_mask": (dict(b=2, h=3, lq=7, lk=9, a=12, ev=5),
+                   dict(attn_mask=torch.randn(1, 3, 7, 9, generator=torch.Generator().manual_seed(4)))),
+    "float_padding_3d": (dict(b=3, h=1, lq=6, lk=17, a=12, ev=5, three_d=True),
+                         dict(attn_mask=padding_mask(3, 17, torch.float64).view(3, 1, 17))),
+    "dropout": (dict(b=2, h=2, lq=17, lk=19, a=16, ev=6), dict(dropout_p=0.3, dropout_seed=7)),
+    "dropout_mask_window": (dict(b=2, h=2, lq=9, lk=9, a=16, ev=6),
+                            dict(dropout_p=0.5, dropout_seed=8, window=(2, 2),
+                                 attn_mask=torch.randn(2, 1, 9, 9, generator=torch.Generator().manual_seed(5)))),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_reference(case, dtype):
+    sizes, kw = CASES[case]
+    check_case(dtype, make_inputs(**sizes), **kw)
+
+
+def test_strided_inputs():
+    """Inputs that are views with arbitrary strides, and v as a stride-0 expansion of (A,)."""
+    leaves = [t.float().requires_grad_() for t in make_inputs(2, 3, 9, 11, 20, 6)]
+
+    def views(q, k, value, v):
+        return (q.transpose(1, 2).contiguous().transpose(1, 2),  # (B, H, L, A) of (B, L, H, A)
+                torch.cat([k, k], dim=-1)[..., ::2],
+                value.transpose(-1, -2).contiguous().transpose(-1, -2),
+                v.expand(3, 20))
+
+    def grads(backend, dtype):
+        xs = [t.detach().to(dtype).requires_grad_() for t in leaves]
+        args = views(*xs)
+        if backend == "cpu":
+            assert not any(a.is_contiguous() for a in args)
+        out = attnx.additive_attention(*args, is_causal=True, backend=backend)
+        return [out, *torch.autograd.grad(out, xs, torch.ones_like(out))]
+
+    golden = grads("reference", torch.float64)
+    baseline = grads("reference", torch.float32)
+    for name, a, g, b in zip(("out", "dq", "dk", "dvalue", "dv"), grads("cpu", torch.float32),
+                             golden, baseline):
+        assert_within(a, g, b, factor=3.0, what=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fully_masked_rows(dtype):
+    b, h, lq, lk = 2, 2, 6, 9
+    mask = torch.ones(b, h, lq, lk, dtype=torch.bool)
+    mask[0, 1, 2] = False  # one row with no admissible key
+    mask[1, :, 4:] = False
+    outs = check_case(dtype, make_inputs(b, h, lq, lk, 10, 4), attn_mask=mask)
+    out, weights, dq = outs[0], outs[1], outs[2]
+    for t in (out[0, 1, 2], out[1, :, 4:], weights[0, 1, 2], dq[0, 1, 2], dq[1, :, 4:]):
+        assert torch.equal(t, torch.zeros_like(t))
+
+    fmask = torch.zeros(b, h, lq, lk, dtype=torch.float64)
+    fmask[~mask] = float("-inf")
+    outs = check_case(dtype, make_inputs(b, h, lq, lk, 10, 4), attn_mask=fmask)
+    dmask = outs[-1]
+    assert torch.equal(outs[0][1, :, 4:], torch.zeros_like(outs[0][1, :, 4:]))
+    assert torch.equal(dmask[1, :, 4:], torch.zeros_like(dmask[1, :, 4:]))
+
+
+def test_lse_of_empty_rows_is_minus_inf():
+    q, k, value, v = (t.float() for t in make_inputs(1, 2, 4, 5, 8, 3, v_heads=True))
+    _, lse, _ = torch.ops.attnx.additive_fwd(q, k, value, v, None, 7, 9, 0.0, None, False)
+    assert torch.equal(lse, torch.full_like(lse, float("-inf")))  # the band admits no key
+    _, lse, _ = torch.ops.attnx.additive_fwd(q, k, value, v, None, -4, 5, 0.0, None, False)
+    ref = torch.logsumexp(
+        (v.view(1, 2, 1, 1, 8) * torch.tanh(q.unsqueeze(3) + k.unsqueeze(2))).sum(-1), -1)
+    torch.testing.assert_close(lse, ref)
+
+
+def test_dropout_reproducible_and_seeded():
+    inputs = [t.float() for t in make_inputs(2, 2, 17, 17, 16, 8)]
+
+    def out(seed):
+        torch.manual_seed(seed)
+        return attnx.additive_attention(*inputs, dropout_p=0.4, backend="cpu", return_weights=True)
+
+    (o1, w1), (o2, w2), (o3, w3) = out(11), out(11), out(12)
+    assert torch.equal(o1, o2) and torch.equal(w1, w2)
+    assert not torch.equal(w1, w3)
+    torch.manual_seed(11)
+    _, w_ref = attnx.additive_attention(*inputs, dropout_p=0.4, backend="reference",
+                                        return_weights=True)
+    assert torch.equal(w1 == 0, w_ref == 0)  # the same elements dropped, bit for bit
+    dropped = (w1 == 0).double().mean().item()
+    assert 0.3 < dropped < 0.5
+
+
+def test_weights_are_probabilities():
+    inputs = [t.float() for t in make_inputs(2, 3, 7, 11, 8, 4)]
+    _, w = attnx.additive_attention(*inputs, backend="cpu", return_weights=True, window=(1, 3))
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 3, 7))
+    i, j = torch.arange(7).view(7, 1), torch.arange(11).view(1, 11)
+    assert torch.equal(w[..., (j < i - 1) | (j > i + 3)], torch.zeros_like(w[..., (j < i - 1) | (j > i + 3)]))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_thread_counts_and_determinism(threads):
+    """14 query rows over 3 threads split both (b, h) blocks: the shared-block path."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        inputs = make_inputs(1, 2, 7, 10, 12, 5)
+        first = check_case(torch.float32, inputs, is_causal=True)
+        again = run("cpu", inputs, torch.float32, is_causal=True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _op_args(seed_p=0.25, return_weights=False, mask_kind="float"):
+    g = torch.Generator().manual_seed(1)
+    b, h, lq, lk, a, ev = 2, 2, 5, 6, 4, 3
+    q = torch.randn(b, h, lq, a, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, h, lk, a, generator=g, dtype=torch.float64, requires_grad=True)
+    value = torch.randn(b, h, lk, ev, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(h, a, generator=g, dtype=torch.float64, requires_grad=True)
+    if mask_kind == "float":
+        mask = torch.randn(1, h, lq, lk, generator=g, dtype=torch.float64)
+        mask = mask.requires_grad_().expand(b, h, lq, lk)
+    else:
+        mask = (torch.rand(b, 1, 1, lk, generator=g) < 0.8).expand(b, h, lq, lk)
+    seed = torch.tensor([123456789, 987654321], dtype=torch.int64)
+    return (q, k, value, v, mask, -3, 2, seed_p, seed, return_weights)
+
+
+def test_gradcheck_float64():
+    args = _op_args()
+    mask_leaf = args[4]._base if args[4]._base is not None else args[4]
+
+    def f(q, k, value, v, m):
+        m = m.expand(args[4].shape)
+        return torch.ops.attnx.additive_fwd(q, k, value, v, m, *args[5:])[0]
+
+    assert torch.autograd.gradcheck(f, (*args[:4], mask_leaf))
+
+
+@pytest.mark.parametrize("return_weights,mask_kind,p", [(False, "float", 0.25), (True, "bool", 0.0)])
+def test_opcheck(return_weights, mask_kind, p):
+    args = _op_args(p, return_weights, mask_kind)
+    torch.library.opcheck(torch.ops.attnx.additive_fwd, args)
