@@ -6,8 +6,11 @@ RNN encoder-decoder with attention (`Seq2Seq`).
 """
 
 from .multihead import MultiheadAttention
+from .positional import PositionalEncoding
+from .seq2seq import Seq2Seq
+from .seq2seq_attention import Attention
 from .transformer import (Transformer, TransformerDecoder, TransformerDecoderLayer,
                           TransformerEncoder, TransformerEncoderLayer, to_attnx)
 
 __all__ = ["MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
-           "TransformerEncoder", "TransformerDecoder", "Transformer", "to_attnx"]
+           "TransformerEncoder", "TransformerDecoder", "Transformer", "to_attnx", "Attention", "PositionalEncoding", "Seq2Seq"]
