@@ -73,10 +73,10 @@ class Seq2Seq(nn.Module):
     def _hidden(state):
         return state[0] if isinstance(state, tuple) else state
 
-    def _bahdanau_step(self, y_prev, state, memory, mask, need_weights):
+    def _bahdanau_step(self, y_prev, state, memory, keys, mask, need_weights):
         e = self.drop(self.tgt_embed(y_prev))  # (B, emb)
         ctx, w = self.attention(self._hidden(state).unsqueeze(1), memory, key_padding_mask=mask,
-                                need_weights=need_weights)
+                                need_weights=need_weights, projected_key=keys)
         ctx = ctx.squeeze(1)
         state = self.decoder(torch.cat([e, ctx], dim=-1), state)
         logits = self.out(self.drop(torch.cat([self._hidden(state), ctx, e], dim=-1)))
@@ -100,8 +100,9 @@ class Seq2Seq(nn.Module):
             logits, _, w = self._luong_steps(tgt_in, state, memory, mask, need_weights)
             return logits, w
         logits, weights = [], []
+        keys = self.attention.project_key(memory)
         for t in range(tgt_in.shape[1]):
-            step, state, w = self._bahdanau_step(tgt_in[:, t], state, memory, mask, need_weights)
+            step, state, w = self._bahdanau_step(tgt_in[:, t], state, memory, keys, mask, need_weights)
             logits.append(step)
             weights.append(w)
         return torch.stack(logits, 1), (torch.cat(weights, 1) if need_weights else None)
@@ -116,12 +117,13 @@ class Seq2Seq(nn.Module):
         y = torch.full((b,), self.bos_idx, dtype=torch.long, device=src.device)
         done = torch.zeros(b, dtype=torch.bool, device=src.device)
         tokens, weights = [], []
+        keys = self.attention.project_key(memory)
         for _ in range(max_len):
             if self.style == "luong":
                 logits, state, w = self._luong_steps(y.unsqueeze(1), state, memory, mask, True)
                 logits = logits.squeeze(1)
             else:
-                logits, state, w = self._bahdanau_step(y, state, memory, mask, True)
+                logits, state, w = self._bahdanau_step(y, state, memory, keys, mask, True)
             y = logits.argmax(-1).masked_fill(done, self.pad_idx)
             tokens.append(y)
             weights.append(w)

@@ -104,10 +104,22 @@ class Attention(nn.Module):
         b, l, d = x.shape
         return x.view(b, l, self.num_heads, d // self.num_heads).transpose(1, 2)
 
+    def project_key(self, key: torch.Tensor) -> torch.Tensor:
+        """The keys as the score consumes them (U_a h for "additive", unit vectors for
+        "cosine", h itself otherwise). A decoder that attends to the same keys at every step
+        computes this once and passes it as `forward(..., projected_key=...)`."""
+        if self.score == "additive":
+            return self.U_a(key)
+        if self.score == "cosine":
+            return F.normalize(key, dim=-1)
+        return key
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: Optional[torch.Tensor] = None,
                 key_padding_mask: Optional[torch.Tensor] = None,
-                attn_mask: Optional[torch.Tensor] = None, need_weights: bool = False):
+                attn_mask: Optional[torch.Tensor] = None, need_weights: bool = False, *,
+                projected_key: Optional[torch.Tensor] = None):
         value = key if value is None else value
+        pk = self.project_key(key) if projected_key is None else projected_key
         if value.shape[-1] % self.num_heads:
             raise ValueError(f"value: expected a last dim divisible by num_heads={self.num_heads}, "
                              f"got shape {tuple(value.shape)}")
@@ -119,7 +131,7 @@ class Attention(nn.Module):
         weights = None
 
         if self.score == "additive":
-            qa, ka = self._heads(self.W_a(query)), self._heads(self.U_a(key))
+            qa, ka = self._heads(self.W_a(query)), self._heads(pk)
             res = attnx.additive_attention(qa, ka, vh, self.v, attn_mask=mask, dropout_p=dropout_p,
                                            window=self.window, return_weights=need_weights)
             out, weights = res if need_weights else (res, None)
@@ -136,11 +148,10 @@ class Attention(nn.Module):
                 scale = 1.0
             else:
                 q = self._heads(self.W_a(query) if self.score == "general" else query)
-                k = self._heads(key)
+                k = self._heads(pk)
                 scale = None if self.score == "scaled_dot" else 1.0
                 if self.score == "cosine":
                     q = F.normalize(q, dim=-1) * self.sharpness
-                    k = F.normalize(k, dim=-1)
             out = attnx.scaled_dot_product_attention(q, k, vh, attn_mask=mask, dropout_p=dropout_p,
                                                      scale=scale, window=self.window)
             if need_weights:
