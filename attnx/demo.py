@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="alignment score of the decoder's attention (default: additive)")
     p.add_argument("--style", choices=("bahdanau", "luong"), default="bahdanau")
     p.add_argument("--rnn", choices=("gru", "lstm"), default="gru")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default 600, --quick 60)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 300, --quick 40)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--hidden", type=int, default=64, help="encoder hidden size per direction")
     p.add_argument("--attn-dim", type=int, default=64, help="attention dim of the additive score")
@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    steps = args.steps if args.steps is not None else (60 if args.quick else 600)
+    steps = args.steps if args.steps is not None else (40 if args.quick else 300)
     test_size = args.test_size if args.test_size is not None else (200 if args.quick else 1000)
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
