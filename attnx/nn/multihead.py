@@ -20,14 +20,8 @@ import torch.nn.functional as F
 
 import attnx
 
+from ._masks import combine
 from ._weights import softmax_weights
-
-
-def _as_float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """torch.nn's convention (bool True = masked out) -> an additive float mask."""
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
-    return mask.to(dtype)
 
 
 def merge_masks(attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
@@ -44,18 +38,7 @@ def merge_masks(attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[to
                      else attn_mask.view(1, 1, *attn_mask.shape))
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.view(batch, 1, 1, key_padding_mask.shape[-1])
-    masks = [m for m in (attn_mask, key_padding_mask) if m is not None]
-    if not masks:
-        return None
-    if all(m.dtype == torch.bool for m in masks):
-        allowed = ~masks[0]
-        for m in masks[1:]:
-            allowed = allowed & ~m
-        return allowed
-    total = _as_float_mask(masks[0], dtype)
-    for m in masks[1:]:
-        total = total + _as_float_mask(m, dtype)
-    return total
+    return combine([attn_mask, key_padding_mask], dtype)
 
 
 def _pad_key_column(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -37,6 +37,7 @@ from torch import nn
 
 import attnx
 
+from ._masks import combine
 from ._weights import softmax_weights
 
 SCORES = ("additive", "concat", "dot", "general", "scaled_dot", "cosine", "location")
@@ -49,19 +50,7 @@ def _attnx_mask(attn_mask, key_padding_mask, dtype) -> Optional[torch.Tensor]:
         masks.append(attn_mask.unsqueeze(-3) if attn_mask.dim() == 3 else attn_mask)
     if key_padding_mask is not None:
         masks.append(key_padding_mask[:, None, None, :])
-    if not masks:
-        return None
-    if all(m.dtype == torch.bool for m in masks):
-        allowed = ~masks[0]
-        for m in masks[1:]:
-            allowed = allowed & ~m
-        return allowed
-    total = None
-    for m in masks:
-        f = (torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
-             if m.dtype == torch.bool else m.to(dtype))
-        total = f if total is None else total + f
-    return total
+    return combine(masks, dtype)
 
 
 class Attention(nn.Module):
