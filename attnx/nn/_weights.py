@@ -1,0 +1,47 @@
+"""Attention probabilities for `need_weights=True`, computed beside the fused op.
+
+The fused kernels return only the output (and the lse, which autograd treats as a constant), so
+the weights a caller asks for come from this separate, differentiable softmax over the same
+scores, mask and band. Rows that admit no key give zeros, as the fused op does.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def band_mask(lq: int, lk: int, window, device) -> Optional[torch.Tensor]:
+    """Bool (Lq, Lk), True where i - left <= j <= i + right; None for no window."""
+    if window is None:
+        return None
+    left, right = window
+    d = torch.arange(lk, device=device).view(1, lk) - torch.arange(lq, device=device).view(lq, 1)
+    keep = torch.ones_like(d, dtype=torch.bool)
+    if left is not None:
+        keep &= d >= -left
+    if right is not None:
+        keep &= d <= right
+    return keep
+
+
+def softmax_weights(scores: torch.Tensor, mask: Optional[torch.Tensor], window=None,
+                    is_causal: bool = False) -> torch.Tensor:
+    """softmax over the last dim of `scores` after an attnx-style mask (bool True = may attend,
+    float = added), a window and a causal band; empty rows give zeros."""
+    lq, lk = scores.shape[-2:]
+    s = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            s = s.masked_fill(~mask, float("-inf"))
+        else:
+            s = s + mask.to(s.dtype)
+    if is_causal:
+        window = (None, 0) if window is None else (window[0], 0 if window[1] is None else min(window[1], 0))
+    allowed = band_mask(lq, lk, window, s.device)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    empty = s.amax(dim=-1, keepdim=True) == float("-inf")
+    s = torch.where(empty, torch.zeros_like(s), s)
+    return torch.softmax(s, dim=-1).masked_fill(empty, 0.0).to(scores.dtype)

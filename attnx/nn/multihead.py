@@ -1,0 +1,116 @@
+"""`MultiheadAttention`: torch.nn.MultiheadAttention with its attention on attnx's op.
+
+It subclasses the torch class and only replaces `forward`, so the constructor, the parameter
+names, `state_dict` and initialisation are torch's own (the same seed gives the same weights).
+
+Differences from torch, all where torch itself is inconsistent or undefined:
+- A query row whose keys are all masked returns zeros (torch gives NaN on its slow path and
+  zeros or NaN on its fast paths, depending on version and device).
+- With `need_weights=True` in training mode with dropout, the returned weights are the
+  probabilities before dropout (the output itself uses attnx's dropout, whose mask differs
+  from torch's random stream).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+import attnx
+
+from ._masks import combine
+from ._weights import softmax_weights
+
+
+def merge_masks(attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
+                batch: int, heads: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """torch.nn masks -> one attnx mask that broadcasts to (N, H, L, S).
+
+    `attn_mask` is (L, S) or (N*H, L, S), `key_padding_mask` (N, S), both in torch.nn's
+    convention (bool True = may NOT attend). The result is bool (True = may attend) when both
+    are bool, else float; it keeps size-1 dims where the inputs do, so a 2-D mask and a padding
+    mask become (N, 1, L, S), never a per-head copy.
+    """
+    if attn_mask is not None:
+        attn_mask = (attn_mask.view(batch, heads, *attn_mask.shape[-2:]) if attn_mask.dim() == 3
+                     else attn_mask.view(1, 1, *attn_mask.shape))
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.view(batch, 1, 1, key_padding_mask.shape[-1])
+    return combine([attn_mask, key_padding_mask], dtype)
+
+
+def _pad_key_column(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One more admissible key (bias_k or the zero key) at the end of a torch.nn mask."""
+    if mask is None:
+        return None
+    return F.pad(mask, (0, 1), value=False if mask.dtype == torch.bool else 0.0)
+
+
+class MultiheadAttention(torch.nn.MultiheadAttention):
+    """Drop-in torch.nn.MultiheadAttention (same signature, parameters and outputs) whose
+    attention runs on `attnx.scaled_dot_product_attention`; see this module's docstring for
+    the two documented differences (fully-masked rows, weights under dropout)."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = True,
+                attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
+                is_causal: bool = False):
+        is_batched = F._mha_shape_check(query, key, value, key_padding_mask, attn_mask,
+                                        self.num_heads)
+        if is_causal and attn_mask is None:
+            raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may use the "
+                               "Transformer module method `generate_square_subsequent_mask` to "
+                               "create this mask.")
+        if not is_batched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        n, lq, e = query.shape
+        h, d = self.num_heads, self.head_dim
+
+        if self._qkv_same_embed_dim:
+            w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+        else:
+            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        b_q, b_k, b_v = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None,) * 3
+        q, k, v = F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
+
+        # torch replaces the mask by is_causal only in this case; elsewhere the mask is used.
+        use_causal = is_causal and key_padding_mask is None and not need_weights
+        if use_causal:
+            attn_mask = None
+        if self.bias_k is not None and self.bias_v is not None:
+            k = torch.cat([k, self.bias_k.expand(n, 1, e)], dim=1)
+            v = torch.cat([v, self.bias_v.expand(n, 1, e)], dim=1)
+            attn_mask, key_padding_mask = _pad_key_column(attn_mask), _pad_key_column(key_padding_mask)
+        q = q.view(n, lq, h, d).transpose(1, 2)
+        k = k.view(n, k.shape[1], h, d).transpose(1, 2)
+        v = v.view(n, v.shape[1], h, d).transpose(1, 2)
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(n, h, 1, d)], dim=2)
+            v = torch.cat([v, v.new_zeros(n, h, 1, d)], dim=2)
+            attn_mask, key_padding_mask = _pad_key_column(attn_mask), _pad_key_column(key_padding_mask)
+        mask = merge_masks(attn_mask, key_padding_mask, n, h, q.dtype)
+
+        dropout_p = self.dropout if self.training else 0.0
+        out = attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                 is_causal=use_causal)
+        out = F.linear(out.transpose(1, 2).reshape(n, lq, e), self.out_proj.weight, self.out_proj.bias)
+
+        weights = None
+        if need_weights:
+            scores = torch.matmul(q * (d ** -0.5), k.transpose(-2, -1))
+            weights = softmax_weights(scores, mask)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+            if not is_batched:
+                weights = weights.squeeze(0)
+        if not is_batched:
+            out = out.squeeze(0)
+        elif not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights

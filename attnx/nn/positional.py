@@ -1,0 +1,39 @@
+"""The sinusoidal positional encoding of "Attention Is All You Need" (section 3.5)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class PositionalEncoding(nn.Module):
+    """x + PE[:L], then dropout, with PE(pos, 2i) = sin(pos / 10000^(2i/d_model)) and
+    PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)); an odd d_model drops the last cosine.
+
+    The table is the buffer `pe` of shape (max_len, d_model). Inputs are (L, N, E), or
+    (N, L, E) with `batch_first=True`, or (L, E).
+    """
+
+    def __init__(self, d_model: int, dropout: float = 0.0, max_len: int = 5000, *,
+                 batch_first: bool = False):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.batch_first = batch_first
+        pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
+        inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+        pe = torch.zeros(max_len, d_model, dtype=torch.float64)
+        pe[:, 0::2] = torch.sin(pos * inv_freq)
+        pe[:, 1::2] = torch.cos(pos * inv_freq[: d_model // 2])
+        self.register_buffer("pe", pe.to(torch.get_default_dtype()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq_dim = 1 if (self.batch_first and x.dim() == 3) else 0
+        length = x.shape[seq_dim]
+        if length > self.pe.shape[0]:
+            raise ValueError(f"x: expected at most max_len={self.pe.shape[0]} positions, got {length}")
+        pe = self.pe[:length].to(x.dtype)
+        if x.dim() == 3 and seq_dim == 0:
+            pe = pe.unsqueeze(1)
+        return self.dropout(x + pe)

@@ -1,0 +1,133 @@
+"""`Seq2Seq`: a bidirectional RNN encoder and an attention decoder (Bahdanau or Luong style).
+
+- Encoder: embedding, bidirectional GRU or LSTM over the padded batch (packed by length, so
+  the backward direction starts at each sequence's last real token). Its outputs h_j, of width
+  2 * hidden_dim, are the attention keys and values; padding is masked out of the attention.
+- Decoder state width is 2 * hidden_dim, so every score of `Attention` (dot and cosine
+  included) applies; s_0 = tanh(W_init [forward final; backward final]) (LSTM: c_0 = 0).
+- style="bahdanau" (Bahdanau et al. 2015): at step i attend with the previous state,
+  c_i = Attn(s_{i-1}, h), then s_i = RNNCell([E y_{i-1}; c_i], s_{i-1}) and
+  logits = W_o [s_i; c_i; E y_{i-1}] (a linear deep output instead of the paper's maxout).
+- style="luong" (Luong et al. 2015, global or local-m attention): s_i = RNN(E y_{i-1}, s_{i-1})
+  first, then c_i = Attn(s_i, h), h~_i = tanh(W_c [c_i; s_i]), logits = W_s h~_i. Without
+  input feeding, so with teacher forcing the whole target runs as one RNN call and one
+  attention call over all its positions.
+- Training uses teacher forcing (`forward`), inference greedy decoding (`greedy`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from .seq2seq_attention import Attention
+
+
+class Seq2Seq(nn.Module):
+    def __init__(self, src_vocab: int, tgt_vocab: int, emb_dim: int = 64, hidden_dim: int = 128,
+                 rnn: str = "gru", score: str = "additive", style: str = "bahdanau",
+                 attn_dim: Optional[int] = None, dropout: float = 0.0, window=None,
+                 pad_idx: int = 0, bos_idx: int = 1, eos_idx: int = 2):
+        super().__init__()
+        if rnn not in ("gru", "lstm"):
+            raise ValueError(f"rnn: expected 'gru' or 'lstm', got {rnn!r}")
+        if style not in ("bahdanau", "luong"):
+            raise ValueError(f"style: expected 'bahdanau' or 'luong', got {style!r}")
+        self.rnn, self.style = rnn, style
+        self.pad_idx, self.bos_idx, self.eos_idx = pad_idx, bos_idx, eos_idx
+        dec = 2 * hidden_dim
+        rnn_cls = nn.GRU if rnn == "gru" else nn.LSTM
+        self.src_embed = nn.Embedding(src_vocab, emb_dim, padding_idx=pad_idx)
+        self.tgt_embed = nn.Embedding(tgt_vocab, emb_dim, padding_idx=pad_idx)
+        self.encoder = rnn_cls(emb_dim, hidden_dim, batch_first=True, bidirectional=True)
+        self.init_state = nn.Linear(dec, dec)
+        self.attention = Attention(dec, dec, score=score, attn_dim=attn_dim, window=window)
+        self.drop = nn.Dropout(dropout)
+        if style == "bahdanau":
+            cell_cls = nn.GRUCell if rnn == "gru" else nn.LSTMCell
+            self.decoder = cell_cls(emb_dim + dec, dec)
+            self.out = nn.Linear(dec + dec + emb_dim, tgt_vocab)
+        else:
+            self.decoder = rnn_cls(emb_dim, dec, batch_first=True)
+            self.combine = nn.Linear(2 * dec, dec, bias=False)
+            self.out = nn.Linear(dec, tgt_vocab)
+
+    def encode(self, src: torch.Tensor, src_key_padding_mask: Optional[torch.Tensor] = None):
+        """src (B, S) token ids -> (memory (B, S, 2H), padding mask (B, S), initial state)."""
+        if src_key_padding_mask is None:
+            src_key_padding_mask = src == self.pad_idx
+        lengths = (~src_key_padding_mask).sum(1).clamp(min=1).cpu()
+        packed = pack_padded_sequence(self.drop(self.src_embed(src)), lengths, batch_first=True,
+                                      enforce_sorted=False)
+        out, final = self.encoder(packed)
+        memory, _ = pad_packed_sequence(out, batch_first=True, total_length=src.shape[1])
+        h_n = final[0] if self.rnn == "lstm" else final  # (2, B, H): forward, backward
+        s0 = torch.tanh(self.init_state(torch.cat([h_n[0], h_n[1]], dim=-1)))
+        state = (s0, torch.zeros_like(s0)) if self.rnn == "lstm" else s0
+        return memory, src_key_padding_mask, state
+
+    @staticmethod
+    def _hidden(state):
+        return state[0] if isinstance(state, tuple) else state
+
+    def _bahdanau_step(self, y_prev, state, memory, keys, mask, need_weights):
+        e = self.drop(self.tgt_embed(y_prev))  # (B, emb)
+        ctx, w = self.attention(self._hidden(state).unsqueeze(1), memory, key_padding_mask=mask,
+                                need_weights=need_weights, projected_key=keys)
+        ctx = ctx.squeeze(1)
+        state = self.decoder(torch.cat([e, ctx], dim=-1), state)
+        logits = self.out(self.drop(torch.cat([self._hidden(state), ctx, e], dim=-1)))
+        return logits, state, w
+
+    def _luong_steps(self, y_prev, state, memory, mask, need_weights):
+        """y_prev (B, T): run T steps at once (teacher forcing) or one step (T = 1)."""
+        rnn_state = (state[0].unsqueeze(0), state[1].unsqueeze(0)) if self.rnn == "lstm" else state.unsqueeze(0)
+        h, rnn_state = self.decoder(self.drop(self.tgt_embed(y_prev)), rnn_state)
+        ctx, w = self.attention(h, memory, key_padding_mask=mask, need_weights=need_weights)
+        logits = self.out(self.drop(torch.tanh(self.combine(torch.cat([ctx, h], dim=-1)))))
+        state = (rnn_state[0][0], rnn_state[1][0]) if self.rnn == "lstm" else rnn_state[0]
+        return logits, state, w
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor,
+                src_key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = False):
+        """Teacher forcing: tgt_in (B, T) starts with BOS. Returns logits (B, T, V) and the
+        alignment weights (B, T, S) or None."""
+        memory, mask, state = self.encode(src, src_key_padding_mask)
+        if self.style == "luong":
+            logits, _, w = self._luong_steps(tgt_in, state, memory, mask, need_weights)
+            return logits, w
+        logits, weights = [], []
+        keys = self.attention.project_key(memory)
+        for t in range(tgt_in.shape[1]):
+            step, state, w = self._bahdanau_step(tgt_in[:, t], state, memory, keys, mask, need_weights)
+            logits.append(step)
+            weights.append(w)
+        return torch.stack(logits, 1), (torch.cat(weights, 1) if need_weights else None)
+
+    @torch.no_grad()
+    def greedy(self, src: torch.Tensor, max_len: int,
+               src_key_padding_mask: Optional[torch.Tensor] = None):
+        """Greedy decoding: (tokens (B, T) without BOS, ending at EOS or max_len; weights (B, T, S)).
+        Positions after a sequence's EOS hold pad_idx."""
+        memory, mask, state = self.encode(src, src_key_padding_mask)
+        b = src.shape[0]
+        y = torch.full((b,), self.bos_idx, dtype=torch.long, device=src.device)
+        done = torch.zeros(b, dtype=torch.bool, device=src.device)
+        tokens, weights = [], []
+        keys = self.attention.project_key(memory)
+        for _ in range(max_len):
+            if self.style == "luong":
+                logits, state, w = self._luong_steps(y.unsqueeze(1), state, memory, mask, True)
+                logits = logits.squeeze(1)
+            else:
+                logits, state, w = self._bahdanau_step(y, state, memory, keys, mask, True)
+            y = logits.argmax(-1).masked_fill(done, self.pad_idx)
+            tokens.append(y)
+            weights.append(w)
+            done = done | (y == self.eos_idx)
+            if bool(done.all()):
+                break
+        return torch.stack(tokens, 1), torch.cat(weights, 1)

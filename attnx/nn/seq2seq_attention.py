@@ -1,0 +1,153 @@
+"""`Attention`: the alignment scores of RNN sequence-to-sequence models, on attnx's ops.
+
+With query s_i (B, Lq, query_dim), keys h_j (B, Lk, key_dim) and values (the keys by default),
+each score below is followed by the masks, a softmax over j and the context
+c_i = sum_j a_ij value_j (no output projection: that is the decoder's business).
+
+- "additive" / "concat" (Bahdanau et al. 2015): v^T tanh(W_a s_i + U_a h_j), W_a and U_a
+  without bias, projecting to `attn_dim` (default: key_dim). Runs on attnx.additive_attention.
+- "dot" (Luong et al. 2015): s_i^T h_j (query_dim == key_dim).
+- "general" (Luong): s_i^T W_a h_j, computed as (W_a^T s_i)^T h_j.
+- "scaled_dot" (Vaswani et al. 2017): s_i^T h_j / sqrt(d).
+- "cosine" (Graves et al. 2014, content addressing): beta * cos(s_i, h_j) with `beta` the
+  learnable parameter `sharpness` (a positive scalar, initialised to `sharpness`), i.e.
+  softmax of beta * cosine; the op runs with scale=1 on the normalised vectors.
+- "location" (Luong): softmax over positions of W_a s_i, keys' content unused. W_a projects
+  to `max_len` positions; for Lk keys the first Lk scores are used (the rest are masked out),
+  so any Lk <= max_len works. Runs on the SDPA op with zero-width scores and W_a s_i as an
+  additive mask.
+- `window=(left, right)`: Luong's local attention, "local-m" flavour: the aligned position of
+  query i is i itself (monotonic alignment), and only keys i-left..i+right are attended.
+
+Masks follow torch.nn.MultiheadAttention: `key_padding_mask` (B, Lk) and `attn_mask` (Lq, Lk)
+or (B, Lq, Lk), bool True = may NOT attend, or float added to the scores. Rows with no
+admissible key give a zero context. With `num_heads=H` the projected queries and keys (and the
+values) are split into H equal parts, each head attends on its own, and the contexts are
+concatenated; the weights then come back as (B, H, Lq, Lk) instead of (B, Lq, Lk).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import attnx
+
+from ._masks import combine
+from ._weights import softmax_weights
+
+SCORES = ("additive", "concat", "dot", "general", "scaled_dot", "cosine", "location")
+
+
+def _attnx_mask(attn_mask, key_padding_mask, dtype) -> Optional[torch.Tensor]:
+    """torch.nn-convention masks -> one attnx mask broadcasting to (B, 1, Lq, Lk)."""
+    masks = []
+    if attn_mask is not None:
+        masks.append(attn_mask.unsqueeze(-3) if attn_mask.dim() == 3 else attn_mask)
+    if key_padding_mask is not None:
+        masks.append(key_padding_mask[:, None, None, :])
+    return combine(masks, dtype)
+
+
+class Attention(nn.Module):
+    """Sequence-to-sequence attention with a choice of alignment score (see the module doc)."""
+
+    def __init__(self, query_dim: int, key_dim: int, score: str = "additive",
+                 attn_dim: Optional[int] = None, num_heads: int = 1, dropout: float = 0.0,
+                 window=None, *, max_len: int = 256, sharpness: float = 1.0):
+        super().__init__()
+        if score not in SCORES:
+            raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
+        if num_heads < 1:
+            raise ValueError(f"num_heads: expected >= 1, got {num_heads}")
+        self.score = "additive" if score == "concat" else score
+        self.query_dim, self.key_dim, self.num_heads = query_dim, key_dim, num_heads
+        self.dropout, self.window, self.max_len = dropout, window, max_len
+        if self.score in ("dot", "scaled_dot", "cosine") and query_dim != key_dim:
+            raise ValueError(f"score={score!r}: expected query_dim == key_dim, got {query_dim} and {key_dim}")
+        if self.score == "additive":
+            self.attn_dim = attn_dim if attn_dim is not None else key_dim
+            self.W_a = nn.Linear(query_dim, self.attn_dim, bias=False)
+            self.U_a = nn.Linear(key_dim, self.attn_dim, bias=False)
+            self.v = nn.Parameter(torch.empty(num_heads, self.attn_dim // num_heads))
+            nn.init.uniform_(self.v, -1 / math.sqrt(self.attn_dim), 1 / math.sqrt(self.attn_dim))
+            split = self.attn_dim
+        elif self.score == "general":
+            self.W_a = nn.Linear(query_dim, key_dim, bias=False)
+            split = key_dim
+        elif self.score == "location":
+            self.W_a = nn.Linear(query_dim, num_heads * max_len)
+            split = num_heads
+        else:
+            split = key_dim
+        if self.score == "cosine":
+            self.sharpness = nn.Parameter(torch.tensor(float(sharpness)))
+        if split % num_heads:
+            raise ValueError(f"num_heads: expected a divisor of {split} for score={score!r}, got {num_heads}")
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, l, d = x.shape
+        return x.view(b, l, self.num_heads, d // self.num_heads).transpose(1, 2)
+
+    def project_key(self, key: torch.Tensor) -> torch.Tensor:
+        """The keys as the score consumes them (U_a h for "additive", unit vectors for
+        "cosine", h itself otherwise). A decoder that attends to the same keys at every step
+        computes this once and passes it as `forward(..., projected_key=...)`."""
+        if self.score == "additive":
+            return self.U_a(key)
+        if self.score == "cosine":
+            return F.normalize(key, dim=-1)
+        return key
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: Optional[torch.Tensor] = None,
+                key_padding_mask: Optional[torch.Tensor] = None,
+                attn_mask: Optional[torch.Tensor] = None, need_weights: bool = False, *,
+                projected_key: Optional[torch.Tensor] = None):
+        value = key if value is None else value
+        pk = self.project_key(key) if projected_key is None else projected_key
+        if value.shape[-1] % self.num_heads:
+            raise ValueError(f"value: expected a last dim divisible by num_heads={self.num_heads}, "
+                             f"got shape {tuple(value.shape)}")
+        b, lq, _ = query.shape
+        lk = key.shape[1]
+        mask = _attnx_mask(attn_mask, key_padding_mask, query.dtype)
+        dropout_p = self.dropout if self.training else 0.0
+        vh = self._heads(value)
+        weights = None
+
+        if self.score == "additive":
+            qa, ka = self._heads(self.W_a(query)), self._heads(pk)
+            res = attnx.additive_attention(qa, ka, vh, self.v, attn_mask=mask, dropout_p=dropout_p,
+                                           window=self.window, return_weights=need_weights)
+            out, weights = res if need_weights else (res, None)
+        else:
+            if self.score == "location":
+                if lk > self.max_len:
+                    raise ValueError(f"key: expected at most max_len={self.max_len} positions, got {lk}")
+                pos = self.W_a(query).view(b, lq, self.num_heads, self.max_len)[..., :lk]
+                scores = pos.permute(0, 2, 1, 3)  # (B, H, Lq, Lk), additive mask of zero scores
+                mask = scores if mask is None else (
+                    scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask)
+                q = query.new_zeros(b, self.num_heads, lq, 1)
+                k = query.new_zeros(b, self.num_heads, lk, 1)
+                scale = 1.0
+            else:
+                q = self._heads(self.W_a(query) if self.score == "general" else query)
+                k = self._heads(pk)
+                scale = None if self.score == "scaled_dot" else 1.0
+                if self.score == "cosine":
+                    q = F.normalize(q, dim=-1) * self.sharpness
+            out = attnx.scaled_dot_product_attention(q, k, vh, attn_mask=mask, dropout_p=dropout_p,
+                                                     scale=scale, window=self.window)
+            if need_weights:
+                s = q.new_zeros(b, self.num_heads, lq, lk) if self.score == "location" else \
+                    torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+                weights = softmax_weights(s, mask, self.window)
+        out = out.transpose(1, 2).reshape(b, lq, value.shape[-1])
+        if weights is not None and self.num_heads == 1:
+            weights = weights.squeeze(1)
+        return out, weights

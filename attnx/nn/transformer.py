@@ -1,0 +1,105 @@
+"""Transformer layers and stacks of torch.nn with their attention on attnx.
+
+Each class subclasses its torch.nn namesake and keeps its constructor (signature, parameter
+names, initialisation order), then turns the torch `MultiheadAttention` modules it built into
+`attnx.nn.MultiheadAttention` in place (a class change: the parameters stay the same objects,
+so no random numbers are drawn and a torch `state_dict` loads with `strict=True`).
+The encoder layer and encoder override `forward` only to leave torch's fused fast paths, which
+would run torch's own attention kernels (and nested tensors) instead of attnx's.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from .multihead import MultiheadAttention
+
+_SWAPS = {}  # torch class -> attnx class, filled below
+
+
+def to_attnx(module: torch.nn.Module) -> torch.nn.Module:
+    """Turn every torch.nn attention / transformer module inside `module` into its attnx class."""
+    for m in module.modules():
+        cls = _SWAPS.get(type(m))
+        if cls is not None:
+            m.__class__ = cls
+        if isinstance(m, torch.nn.TransformerEncoder):
+            m.use_nested_tensor = False
+    return module
+
+
+def _same_signature(cls, base):
+    cls.__init__.__signature__ = inspect.signature(base.__init__)
+    cls.__init__.__doc__ = base.__init__.__doc__
+    return cls
+
+
+class TransformerEncoderLayer(torch.nn.TransformerEncoderLayer):
+    """torch.nn.TransformerEncoderLayer with `self_attn` on attnx."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        to_attnx(self)
+
+    def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        src_key_padding_mask = F._canonical_mask(
+            mask=src_key_padding_mask, mask_name="src_key_padding_mask",
+            other_type=F._none_or_dtype(src_mask), other_name="src_mask", target_type=src.dtype)
+        src_mask = F._canonical_mask(mask=src_mask, mask_name="src_mask", other_type=None,
+                                     other_name="", target_type=src.dtype, check_other=False)
+        x = src
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
+            x = x + self._ff_block(self.norm2(x))
+        else:
+            x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
+            x = self.norm2(x + self._ff_block(x))
+        return x
+
+
+class TransformerDecoderLayer(torch.nn.TransformerDecoderLayer):
+    """torch.nn.TransformerDecoderLayer with `self_attn` and `multihead_attn` on attnx."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        to_attnx(self)
+
+
+class TransformerEncoder(torch.nn.TransformerEncoder):
+    """torch.nn.TransformerEncoder whose layers attend on attnx (a torch layer passed in is
+    converted); padded batches stay padded tensors instead of becoming nested tensors."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        to_attnx(self)
+
+
+class TransformerDecoder(torch.nn.TransformerDecoder):
+    """torch.nn.TransformerDecoder whose layers attend on attnx."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        to_attnx(self)
+
+
+class Transformer(torch.nn.Transformer):
+    """torch.nn.Transformer whose encoder and decoder attend on attnx."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        to_attnx(self)
+
+
+_SWAPS.update({
+    torch.nn.MultiheadAttention: MultiheadAttention,
+    torch.nn.TransformerEncoderLayer: TransformerEncoderLayer,
+    torch.nn.TransformerDecoderLayer: TransformerDecoderLayer,
+    torch.nn.TransformerEncoder: TransformerEncoder,
+    torch.nn.TransformerDecoder: TransformerDecoder,
+})
+for _cls in (TransformerEncoderLayer, TransformerDecoderLayer, TransformerEncoder,
+             TransformerDecoder, Transformer):
+    _same_signature(_cls, _cls.__mro__[1])

@@ -1,0 +1,164 @@
+"""attnx.nn.Attention against the score formulas of the seq2seq papers, written out here."""
+
+import math
+
+import pytest
+import torch
+
+from attnx.nn import Attention
+
+B, LQ, LK, DQ, DK = 2, 3, 5, 6, 6
+D64 = torch.float64
+
+
+def _data(dq=DQ, dk=DK, dv=None, lk=LK):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, LQ, dq, generator=g, dtype=D64)
+    k = torch.randn(B, lk, dk, generator=g, dtype=D64)
+    v = torch.randn(B, lk, dv, generator=g, dtype=D64) if dv else None
+    return q, k, v
+
+
+def _kpm(lk=LK):
+    m = torch.zeros(B, lk, dtype=torch.bool)
+    m[1, lk - 2:] = True
+    return m
+
+
+def _softmax_context(scores, value, kpm=None, allowed=None):
+    """The papers' a_ij = softmax_j(e_ij) and c_i = sum_j a_ij value_j."""
+    if kpm is not None:
+        scores = scores.masked_fill(kpm[:, None, :], float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    a = torch.softmax(scores, dim=-1)
+    return a @ value, a
+
+
+def _formula(att, score, q, k):
+    """e_ij for one head, straight from the papers."""
+    if score == "additive":  # Bahdanau: v_a^T tanh(W_a s_i + U_a h_j)
+        e = torch.tanh((q @ att.W_a.weight.T)[:, :, None, :] + (k @ att.U_a.weight.T)[:, None, :, :])
+        return e @ att.v[0]
+    if score == "dot":  # Luong: s_i^T h_j
+        return torch.einsum("bid,bjd->bij", q, k)
+    if score == "general":  # Luong: s_i^T W_a h_j, W_a stored as a Linear(query -> key) weight
+        return torch.einsum("bid,de,bje->bij", q, att.W_a.weight.T, k)
+    if score == "scaled_dot":  # Vaswani: s_i^T h_j / sqrt(d)
+        return torch.einsum("bid,bjd->bij", q, k) / math.sqrt(q.shape[-1])
+    if score == "cosine":  # Graves: beta * cos(s_i, h_j)
+        cos = torch.einsum("bid,bjd->bij", q, k) / (q.norm(dim=-1)[:, :, None] * k.norm(dim=-1)[:, None, :])
+        return att.sharpness * cos
+    if score == "location":  # Luong: a_t = softmax(W_a s_t), positions only
+        return (q @ att.W_a.weight.T + att.W_a.bias)[..., :k.shape[1]]
+    raise AssertionError(score)
+
+
+SCORES = ["additive", "dot", "general", "scaled_dot", "cosine", "location"]
+
+
+@pytest.mark.parametrize("score", SCORES)
+@pytest.mark.parametrize("with_value", [False, True])
+def test_scores_match_formulas(score, with_value):
+    torch.manual_seed(0)
+    att = Attention(DQ, DK, score=score, attn_dim=7, max_len=9, sharpness=2.5).double()
+    q, k, v = _data(dv=4 if with_value else None)
+    kpm = _kpm()
+    q.requires_grad_(), k.requires_grad_()
+    ctx, w = att(q, k, v, key_padding_mask=kpm, need_weights=True)
+    want_ctx, want_w = _softmax_context(_formula(att, score, q, k), k if v is None else v, kpm)
+    torch.testing.assert_close(ctx, want_ctx, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(w, want_w, rtol=1e-10, atol=1e-10)
+    params = [q, k] + list(att.parameters())
+    g1 = torch.autograd.grad(ctx.pow(2).sum(), params, allow_unused=True)
+    g2 = torch.autograd.grad(want_ctx.pow(2).sum(), params, allow_unused=True)
+    for a, b in zip(g1, g2):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_concat_is_additive_and_different_dims():
+    torch.manual_seed(0)
+    att = Attention(5, 9, score="concat", attn_dim=4).double()
+    q, k, _ = _data(5, 9)
+    ctx, w = att(q, k, need_weights=True)
+    want, want_w = _softmax_context(_formula(att, "additive", q, k), k)
+    torch.testing.assert_close(ctx, want)
+    torch.testing.assert_close(w, want_w)
+
+
+@pytest.mark.parametrize("score", SCORES)
+def test_local_window_and_attn_mask(score):
+    """window=(D, D) is Luong's local-m attention: keys i-D..i+D around query i."""
+    torch.manual_seed(0)
+    att = Attention(DQ, DK, score=score, window=(1, 1), max_len=LK).double()
+    q, k, _ = _data()
+    attn_mask = torch.zeros(LQ, LK, dtype=D64)
+    attn_mask[:, 1] = -0.7  # a float mask is added to the scores
+    i, j = torch.arange(LQ)[:, None], torch.arange(LK)[None, :]
+    allowed = (j >= i - 1) & (j <= i + 1)
+    ctx, w = att(q, k, attn_mask=attn_mask, need_weights=True)
+    want, want_w = _softmax_context(_formula(att, score, q, k) + attn_mask, k, allowed=allowed)
+    torch.testing.assert_close(ctx, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(w, want_w, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("score", ["additive", "scaled_dot", "location"])
+def test_multi_head_splits(score):
+    torch.manual_seed(0)
+    att = Attention(8, 8, score=score, attn_dim=6, num_heads=2, max_len=LK).double()
+    q, k, _ = _data(8, 8)
+    ctx, w = att(q, k, need_weights=True)
+    assert w.shape == (B, 2, LQ, LK)
+    for h in range(2):
+        if score == "additive":
+            wq, wk = att.W_a.weight[3 * h:3 * h + 3], att.U_a.weight[3 * h:3 * h + 3]
+            e = torch.tanh((q @ wq.T)[:, :, None] + (k @ wk.T)[:, None]) @ att.v[h]
+        elif score == "scaled_dot":
+            qh, kh = q[..., 4 * h:4 * h + 4], k[..., 4 * h:4 * h + 4]
+            e = qh @ kh.transpose(1, 2) / 2.0
+        else:
+            e = (q @ att.W_a.weight.T + att.W_a.bias).view(B, LQ, 2, LK)[:, :, h]
+        want, want_w = _softmax_context(e, k[..., 4 * h:4 * h + 4])
+        torch.testing.assert_close(ctx[..., 4 * h:4 * h + 4], want)
+        torch.testing.assert_close(w[:, h], want_w)
+
+
+def test_location_variable_key_length_and_limit():
+    torch.manual_seed(0)
+    att = Attention(DQ, DK, score="location", max_len=8).double()
+    for lk in (1, 3, 8):
+        q, k, _ = _data(lk=lk)
+        ctx, _ = att(q, k)
+        want, _ = _softmax_context(_formula(att, "location", q, k), k)
+        torch.testing.assert_close(ctx, want)
+    with pytest.raises(ValueError, match="max_len"):
+        att(*_data(lk=9)[:2])
+
+
+@pytest.mark.parametrize("score", SCORES)
+def test_fully_masked_row_and_dropout(score):
+    torch.manual_seed(0)
+    att = Attention(DQ, DK, score=score, dropout=0.5, max_len=LK)
+    q, k = _data()[0].float(), _data()[1].float()
+    mask = torch.zeros(LQ, LK, dtype=torch.bool)
+    mask[1] = True
+    att.eval()
+    ctx, w = att(q, k, attn_mask=mask, need_weights=True)
+    assert torch.all(ctx[:, 1] == 0) and torch.all(w[:, 1] == 0) and torch.isfinite(ctx).all()
+    att.train()
+    torch.manual_seed(3)
+    a, _ = att(q, k)
+    torch.manual_seed(3)
+    b, _ = att(q, k)
+    assert torch.equal(a, b)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="score"):
+        Attention(4, 4, score="bilinear")
+    with pytest.raises(ValueError, match="query_dim == key_dim"):
+        Attention(4, 6, score="dot")
+    with pytest.raises(ValueError, match="num_heads"):
+        Attention(4, 6, score="general", num_heads=4)

@@ -1,0 +1,192 @@
+"""attnx.nn.MultiheadAttention against torch.nn.MultiheadAttention with the same weights."""
+
+import pytest
+import torch
+
+import attnx.nn as ann
+from _compare import assert_within
+
+E, H = 12, 3
+
+
+def _pair(dtype=torch.float64, **kw):
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(E, H, dtype=dtype, **kw)
+    torch.manual_seed(1)
+    ours = ann.MultiheadAttention(E, H, dtype=dtype, **kw)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    return ours, ref
+
+
+def _inputs(n, lq, lk, batch_first, kdim=E, vdim=E, dtype=torch.float64):
+    g = torch.Generator().manual_seed(2)
+    shape = (lambda l, d: (n, l, d)) if batch_first else (lambda l, d: (l, n, d))
+    q = torch.randn(shape(lq, E), generator=g, dtype=dtype)
+    k = torch.randn(shape(lk, kdim), generator=g, dtype=dtype)
+    v = torch.randn(shape(lk, vdim), generator=g, dtype=dtype)
+    return q, k, v
+
+
+def _masks(n, lq, lk, kind, extra_keys=0):
+    """Random torch.nn-convention masks (True = masked) that leave every row one key."""
+    g = torch.Generator().manual_seed(3)
+    attn = torch.rand(lq, lk, generator=g) < 0.4
+    attn[torch.arange(lq), torch.arange(lq) % lk] = False
+    kpm = torch.rand(n, lk, generator=g) < 0.3
+    kpm[:, 0] = False
+    attn[:, 0] = False
+    out = {}
+    if "attn2d" in kind:
+        out["attn_mask"] = attn
+    if "attn3d" in kind:
+        a3 = torch.rand(n * H, lq, lk, generator=g) < 0.4
+        a3[:, :, 0] = False
+        out["attn_mask"] = a3
+    if "kpm" in kind:
+        out["key_padding_mask"] = kpm
+    if "float" in kind:
+        out = {k: torch.zeros(m.shape, dtype=torch.float64).masked_fill(m, float("-inf"))
+               + 0.1 * torch.randn(m.shape, generator=g, dtype=torch.float64) for k, m in out.items()}
+    return out
+
+
+def _grads(module, inputs):
+    return [t.grad for t in inputs] + [p.grad for p in module.parameters()]
+
+
+def _run(module, inputs, kwargs):
+    inputs = [t.clone().requires_grad_() for t in inputs]
+    out, w = module(*inputs, **kwargs)
+    loss = out.pow(2).sum() + (w.pow(2).sum() if w is not None else 0)
+    module.zero_grad()
+    loss.backward()
+    return out, w, _grads(module, inputs)
+
+
+def _check(ours, ref, inputs, kwargs, tol=1e-10):
+    o1, w1, g1 = _run(ours, inputs, kwargs)
+    o2, w2, g2 = _run(ref, inputs, kwargs)
+    torch.testing.assert_close(o1, o2, rtol=tol, atol=tol)
+    assert (w1 is None) == (w2 is None)
+    if w1 is not None:
+        torch.testing.assert_close(w1, w2, rtol=tol, atol=tol)
+    for a, b in zip(g1, g2):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["none", "kpm", "kpm_float", "attn2d", "attn2d_float", "attn3d",
+                                  "attn3d_float", "attn2d_kpm", "attn3d_kpm_float"])
+@pytest.mark.parametrize("batch_first,need_weights,average",
+                         [(False, False, True), (True, True, True), (False, True, False)])
+def test_masks_and_weights(batch_first, kind, need_weights, average):
+    ours, ref = _pair(batch_first=batch_first)
+    n, lq, lk = 2, 5, 7
+    kwargs = dict(_masks(n, lq, lk, kind), need_weights=need_weights, average_attn_weights=average)
+    _check(ours, ref, _inputs(n, lq, lk, batch_first), kwargs)
+
+
+@pytest.mark.parametrize("opts", [dict(kdim=5, vdim=7), dict(bias=False), dict(add_bias_kv=True),
+                                  dict(add_zero_attn=True),
+                                  dict(add_bias_kv=True, add_zero_attn=True, kdim=5, vdim=4)])
+@pytest.mark.parametrize("kind", ["attn2d_kpm", "kpm_float"])
+def test_constructor_options(opts, kind):
+    ours, ref = _pair(batch_first=True, **opts)
+    n, lq, lk = 3, 1, 17
+    inputs = _inputs(n, lq, lk, True, opts.get("kdim", E), opts.get("vdim", E))
+    _check(ours, ref, inputs, dict(_masks(n, lq, lk, kind), need_weights=True))
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("with_kpm", [False, True])
+def test_is_causal_hint(need_weights, with_kpm):
+    ours, ref = _pair(batch_first=True)
+    n, l = 2, 6
+    kwargs = dict(attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(l, dtype=torch.float64),
+                  is_causal=True, need_weights=need_weights)
+    if with_kpm:
+        kwargs["key_padding_mask"] = _masks(n, l, l, "kpm")["key_padding_mask"]
+    _check(ours, ref, _inputs(n, l, l, True), kwargs)
+    with pytest.raises(RuntimeError, match="is_causal"):
+        ours(*_inputs(n, l, l, True), is_causal=True)
+
+
+def test_unbatched():
+    ours, ref = _pair()
+    q, k, v = (t[:, 0] for t in _inputs(1, 4, 6, False))
+    kpm = torch.tensor([False, True, False, False, True, False])
+    _check(ours, ref, (q, k, v), dict(key_padding_mask=kpm, average_attn_weights=False))
+
+
+def test_self_attention_eval_matches_torch_fast_path():
+    ours, ref = _pair(dtype=torch.float32, batch_first=True)
+    ours.eval(), ref.eval()
+    x = torch.randn(2, 9, E)
+    kpm = torch.zeros(2, 9, dtype=torch.bool)
+    kpm[1, 6:] = True
+    with torch.no_grad():
+        o1, w1 = ours(x, x, x, key_padding_mask=kpm)
+        o2, w2 = ref(x, x, x, key_padding_mask=kpm)  # torch's fused fast path
+        x64 = x.double()
+        gold, _ = _pair(batch_first=True)[1].eval()(x64, x64, x64, key_padding_mask=kpm)
+    assert_within(o1, gold, o2, factor=4.0, floor=1e-6)
+    torch.testing.assert_close(w1, w2, rtol=1e-5, atol=1e-6)
+
+
+def test_float32_error_bounded_by_torch():
+    ours, ref = _pair(dtype=torch.float32, batch_first=True)
+    _, gold_mod = _pair(batch_first=True)
+    q, k, v = _inputs(3, 17, 97, True)
+    masks = _masks(3, 17, 97, "attn2d_kpm")
+    gold, _ = gold_mod(q, k, v, **masks)
+    o1, _ = ours(q.float(), k.float(), v.float(), **masks)
+    o2, _ = ref(q.float(), k.float(), v.float(), **masks)
+    assert_within(o1, gold, o2, factor=4.0, floor=1e-6)
+
+
+def test_state_dict_both_ways():
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(E, H, kdim=5, vdim=6, add_bias_kv=True)
+    torch.manual_seed(0)
+    ours = ann.MultiheadAttention(E, H, kdim=5, vdim=6, add_bias_kv=True)
+    # Same seed, same initialisation: the class only replaces forward.
+    for (n1, p1), (n2, p2) in zip(ours.state_dict().items(), ref.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    fresh_ref = torch.nn.MultiheadAttention(E, H, kdim=5, vdim=6, add_bias_kv=True)
+    fresh_ref.load_state_dict(ours.state_dict(), strict=True)
+    fresh = ann.MultiheadAttention(E, H, kdim=5, vdim=6, add_bias_kv=True)
+    fresh.load_state_dict(ref.state_dict(), strict=True)
+
+
+def test_fully_masked_row_gives_zeros():
+    ours, _ = _pair(batch_first=True)
+    q, k, v = _inputs(2, 3, 4, True)
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    mask[1] = True  # query 1 may attend nothing
+    q.requires_grad_()
+    out, w = ours(q, k, v, attn_mask=mask)
+    bias = ours.out_proj.bias
+    torch.testing.assert_close(out[:, 1], bias.expand(2, E))  # zero attention -> out_proj(0)
+    assert torch.all(w[:, 1] == 0)
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+    assert torch.all(q.grad[:, 1] == 0)
+
+
+def test_dropout_runs_and_is_reproducible():
+    ours, _ = _pair(batch_first=True, dropout=0.5)
+    ours.train()
+    q, k, v = _inputs(2, 5, 8, True)
+    torch.manual_seed(7)
+    a, _ = ours(q, k, v, need_weights=False)
+    torch.manual_seed(7)
+    b, _ = ours(q, k, v, need_weights=False)
+    torch.manual_seed(8)
+    c, _ = ours(q, k, v, need_weights=False)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    ours.eval()
+    d, _ = ours(q, k, v)
+    e, _ = _pair(batch_first=True, dropout=0.5)[1].eval()(q, k, v)
+    torch.testing.assert_close(d, e, rtol=1e-10, atol=1e-10)

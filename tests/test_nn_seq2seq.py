@@ -1,0 +1,95 @@
+"""PositionalEncoding, Seq2Seq (padding, both styles, training) and the demo."""
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnx import demo
+from attnx.nn import PositionalEncoding, Seq2Seq
+
+
+def test_positional_encoding_formula():
+    d, n = 7, 11
+    pe = PositionalEncoding(d, max_len=n)
+    for pos in range(n):
+        for i in range(d):
+            angle = pos / 10000 ** (2 * (i // 2) / d)
+            want = math.sin(angle) if i % 2 == 0 else math.cos(angle)
+            assert abs(pe.pe[pos, i].item() - want) < 1e-6
+    x = torch.randn(5, 2, d)
+    torch.testing.assert_close(pe(x), x + pe.pe[:5, None])
+    bf = PositionalEncoding(d, max_len=n, batch_first=True)
+    torch.testing.assert_close(bf(x.transpose(0, 1)), (x + pe.pe[:5, None]).transpose(0, 1))
+    assert "pe" in dict(pe.named_buffers())
+    with pytest.raises(ValueError, match="max_len"):
+        pe(torch.randn(12, 1, d))
+
+
+@pytest.mark.parametrize("style", ["bahdanau", "luong"])
+@pytest.mark.parametrize("rnn", ["gru", "lstm"])
+def test_padding_does_not_change_results(style, rnn):
+    torch.manual_seed(0)
+    model = Seq2Seq(9, 8, emb_dim=8, hidden_dim=8, rnn=rnn, style=style).double().eval()
+    long = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    short = torch.tensor([[5, 6, 7]])
+    padded = torch.tensor([[3, 4, 5, 6, 7, 8], [5, 6, 7, 0, 0, 0]])
+    tgt = torch.tensor([[1, 3, 4, 5], [1, 6, 3, 7]])
+    logits, w = model(padded, tgt, need_weights=True)
+    alone_long, _ = model(long, tgt[:1])
+    alone_short, w_short = model(short, tgt[1:], need_weights=True)
+    torch.testing.assert_close(logits[0], alone_long[0])
+    torch.testing.assert_close(logits[1], alone_short[0])
+    assert torch.all(w[1, :, 3:] == 0)
+    torch.testing.assert_close(w[1, :, :3], w_short[0])
+    tokens, weights = model.greedy(padded, max_len=5)
+    assert tokens.shape[0] == 2 and weights.shape[:2] == tokens.shape and weights.shape[2] == 6
+
+
+@pytest.mark.parametrize("style,score,steps", [("bahdanau", "additive", 150), ("luong", "dot", 300)])
+def test_learns_to_reverse(style, score, steps):
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    vocab = demo.Vocab("abcdef")
+    model = Seq2Seq(len(vocab.itos), len(vocab.itos), emb_dim=16, hidden_dim=32, score=score,
+                    style=style)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def pairs(n):
+        out = []
+        for _ in range(n):
+            s = "".join(rng.choice("abcdef") for _ in range(rng.randint(2, 6)))
+            out.append((s, s[::-1]))
+        return out
+
+    for _ in range(steps):
+        src, tgt_in, tgt_out = demo.batchify(pairs(32), vocab, vocab)
+        logits, _ = model(src, tgt_in)
+        loss = F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=demo.PAD)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    acc, _ = demo.evaluate(model, pairs(200), vocab, vocab, max_len=8)
+    assert acc >= 0.9, f"accuracy {acc:.2f} after training"
+
+
+def test_demo_quick_writes_png(tmp_path, capsys):
+    out = tmp_path / "align.png"
+    assert demo.main(["--quick", "--steps", "15", "--test-size", "30", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "held-out exact match" in text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_date_formats_are_correct():
+    rng = random.Random(1)
+    months = {m[:3].lower(): i + 1 for i, m in enumerate(demo._MONTHS)}
+    for _ in range(200):
+        src, tgt = demo.date_pair(rng)
+        y, m, d = (int(x) for x in tgt.split("-"))
+        assert str(d) in src and (str(y) in src or f"{y % 100:02d}" in src)
+        assert f"{m:02d}" in src or str(m) in src or any(
+            name in src.lower() and months[name] == m for name in months)

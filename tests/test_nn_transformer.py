@@ -1,0 +1,158 @@
+"""attnx.nn Transformer classes against torch.nn with the same weights."""
+
+import inspect
+
+import pytest
+import torch
+
+import attnx.nn as ann
+
+D, H, FF = 16, 4, 24
+T = torch.nn
+
+
+def _clone(ours_cls, ref_cls, *args, **kwargs):
+    torch.manual_seed(0)
+    ref = ref_cls(*args, **kwargs)
+    torch.manual_seed(0)
+    ours = ours_cls(*args, **kwargs)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    return ours, ref
+
+
+def _backward(module, inputs, call):
+    inputs = [t.clone().requires_grad_() for t in inputs]
+    module.zero_grad()
+    out = call(module, *inputs)
+    out.pow(2).sum().backward()
+    return out, [t.grad for t in inputs] + [p.grad for p in module.parameters()]
+
+
+def _assert_same(ours, ref, inputs, call, tol=1e-10):
+    o1, g1 = _backward(ours, inputs, call)
+    o2, g2 = _backward(ref, inputs, call)
+    torch.testing.assert_close(o1, o2, rtol=tol, atol=tol)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def _attention_modules(module):
+    return [m for m in module.modules() if isinstance(m, T.MultiheadAttention)]
+
+
+@pytest.mark.parametrize("name", ["MultiheadAttention", "TransformerEncoderLayer",
+                                  "TransformerDecoderLayer", "TransformerEncoder",
+                                  "TransformerDecoder", "Transformer"])
+def test_signatures_match_torch(name):
+    def params(f):  # names, kinds and defaults (annotations may be spelled differently)
+        return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+    ours, ref = getattr(ann, name), getattr(T, name)
+    assert params(ours) == params(ref)
+    assert params(ours.forward) == params(ref.forward)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_encoder_layer(norm_first, batch_first):
+    kw = dict(dim_feedforward=FF, dropout=0.1, batch_first=batch_first, norm_first=norm_first,
+              activation="gelu", dtype=torch.float64)
+    ours, ref = _clone(ann.TransformerEncoderLayer, T.TransformerEncoderLayer, D, H, **kw)
+    assert all(type(m) is ann.MultiheadAttention for m in _attention_modules(ours))
+    ours.eval(), ref.eval()
+    n, l = 3, 7
+    x = torch.randn((n, l, D) if batch_first else (l, n, D), dtype=torch.float64)
+    kpm = torch.zeros(n, l, dtype=torch.bool)
+    kpm[1, 5:] = True
+    causal = T.Transformer.generate_square_subsequent_mask(l, dtype=torch.float64)
+    _assert_same(ours, ref, [x], lambda m, x: m(x, src_key_padding_mask=kpm))
+    _assert_same(ours, ref, [x], lambda m, x: m(x, src_mask=causal, is_causal=True))
+    with torch.no_grad():  # torch takes its fused fast path here; attnx must not
+        torch.testing.assert_close(ours(x, src_key_padding_mask=kpm), ref(x, src_key_padding_mask=kpm),
+                                   rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_decoder_layer(norm_first):
+    ours, ref = _clone(ann.TransformerDecoderLayer, T.TransformerDecoderLayer, D, H, FF, 0.0,
+                       batch_first=True, norm_first=norm_first, dtype=torch.float64)
+    assert len(_attention_modules(ours)) == 2
+    assert all(type(m) is ann.MultiheadAttention for m in _attention_modules(ours))
+    tgt, mem = torch.randn(2, 5, D, dtype=torch.float64), torch.randn(2, 9, D, dtype=torch.float64)
+    causal = T.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64)
+    mkpm = torch.zeros(2, 9, dtype=torch.bool)
+    mkpm[0, 4:] = True
+    _assert_same(ours, ref, [tgt, mem], lambda m, t, s: m(t, s, tgt_mask=causal, tgt_is_causal=True,
+                                                           memory_key_padding_mask=mkpm))
+
+
+def test_encoder_stack_with_padding_eval():
+    layer = T.TransformerEncoderLayer(D, H, FF, 0.0, batch_first=True, dtype=torch.float64)
+    torch.manual_seed(0)
+    ref = T.TransformerEncoder(layer, 2, norm=T.LayerNorm(D, dtype=torch.float64))
+    ours = ann.TransformerEncoder(layer, 2, norm=T.LayerNorm(D, dtype=torch.float64))
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    assert all(type(m) is ann.MultiheadAttention for m in _attention_modules(ours))
+    assert all(type(m) is T.MultiheadAttention for m in _attention_modules(ref))  # not mutated
+    ours.eval(), ref.eval()
+    x = torch.randn(3, 8, D, dtype=torch.float64)
+    kpm = torch.zeros(3, 8, dtype=torch.bool)
+    kpm[0, 5:] = True
+    kpm[2, 2:] = True
+    with torch.no_grad():  # torch runs nested tensors and zeroes padded positions here
+        a, b = ours(x, src_key_padding_mask=kpm), ref(x, src_key_padding_mask=kpm)
+    keep = ~kpm
+    torch.testing.assert_close(a[keep], b[keep], rtol=1e-9, atol=1e-9)
+    _assert_same(ours.train(), ref.train(), [x], lambda m, x: m(x, src_key_padding_mask=kpm))
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_transformer(batch_first):
+    kw = dict(num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=FF, dropout=0.0,
+              batch_first=batch_first, dtype=torch.float64)
+    torch.manual_seed(0)
+    ref = T.Transformer(D, H, **kw)
+    torch.manual_seed(0)
+    ours = ann.Transformer(D, H, **kw)
+    # The constructor is torch's: same seed, same weights, same names.
+    for (n1, p1), (n2, p2) in zip(ours.state_dict().items(), ref.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    assert len(_attention_modules(ours)) == 6
+    assert all(type(m) is ann.MultiheadAttention for m in _attention_modules(ours))
+    n, s, t = 2, 9, 6
+    shape = (lambda l: (n, l, D)) if batch_first else (lambda l: (l, n, D))
+    src, tgt = torch.randn(shape(s), dtype=torch.float64), torch.randn(shape(t), dtype=torch.float64)
+    tgt_mask = T.Transformer.generate_square_subsequent_mask(t, dtype=torch.float64)
+    skpm = torch.zeros(n, s, dtype=torch.bool)
+    skpm[1, 6:] = True
+    call = lambda m, a, b: m(a, b, tgt_mask=tgt_mask, src_key_padding_mask=skpm,
+                             memory_key_padding_mask=skpm, tgt_is_causal=True)
+    _assert_same(ours, ref, [src, tgt], call)
+    fresh = T.Transformer(D, H, **kw)
+    fresh.load_state_dict(ours.state_dict(), strict=True)
+
+
+def test_dropout_train_mode_reproducible():
+    model = ann.Transformer(D, H, 1, 1, FF, dropout=0.3, batch_first=True)
+    src, tgt = torch.randn(2, 7, D), torch.randn(2, 4, D)
+    torch.manual_seed(5)
+    a = model(src, tgt)
+    torch.manual_seed(5)
+    b = model(src, tgt)
+    assert torch.equal(a, b) and torch.isfinite(a).all()
+
+
+def test_attention_runs_on_attnx(monkeypatch):
+    import attnx
+    calls = []
+    real = attnx.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attnx, "scaled_dot_product_attention", counting)
+    model = ann.Transformer(D, H, 2, 1, FF, dropout=0.0, batch_first=True).eval()
+    with torch.no_grad():
+        model(torch.randn(2, 5, D), torch.randn(2, 3, D))
+    assert len(calls) == 2 + 2  # two encoder self-attentions, decoder self- and cross-attention
