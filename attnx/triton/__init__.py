@@ -5,4 +5,4 @@ does so lazily, on the first call that runs here. Under Triton's interpreter
 (`TRITON_INTERPRET=1`, set before Triton is imported) the same kernels run on CPU tensors.
 """
 
-from . import sdpa  # noqa: F401  (registers the ops)
+from . import additive, sdpa  # noqa: F401  (registers the ops)
