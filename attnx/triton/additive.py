@@ -275,7 +275,7 @@ def _launch_args(q, k, value, w, mask, dropout_p, seed):
     return m, rng, strides, consts, 1.0 / (1.0 - dropout_p)
 
 
-@torch.library.triton_op("attnx::triton_additive_fwd", mutates_args=())
+@common.register_op("triton_additive_fwd")
 def additive_fwd(q: torch.Tensor, k: torch.Tensor, value: torch.Tensor, v: torch.Tensor,
                  mask: Optional[torch.Tensor], window_lo: int, window_hi: int,
                  dropout_p: float, seed: Optional[torch.Tensor]
@@ -292,7 +292,7 @@ def additive_fwd(q: torch.Tensor, k: torch.Tensor, value: torch.Tensor, v: torch
     return out, lse
 
 
-@torch.library.triton_op("attnx::triton_additive_weights", mutates_args=())
+@common.register_op("triton_additive_weights")
 def additive_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: Optional[torch.Tensor], lse: torch.Tensor, window_lo: int,
                      window_hi: int, dropout_p: float, seed: Optional[torch.Tensor]
@@ -312,7 +312,7 @@ def additive_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return weights
 
 
-@torch.library.triton_op("attnx::triton_additive_bwd", mutates_args=())
+@common.register_op("triton_additive_bwd")
 def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value: torch.Tensor,
                  v: torch.Tensor, mask: Optional[torch.Tensor], out: torch.Tensor,
                  lse: torch.Tensor, window_lo: int, window_hi: int, dropout_p: float,
@@ -336,6 +336,27 @@ def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value
         q, k, value, v, m, grad_out, lse, delta, rng, dq, *strides, *grad_out.stride(),
         *sizes, **consts)
     return dq.to(q.dtype), dk.to(k.dtype), dvalue, dw.sum((0, 2)).to(v.dtype), dmask
+
+
+# Shape-only versions (see attnx/triton/sdpa.py for why they are spelled out).
+@additive_fwd.register_fake
+def _additive_fwd_fake(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed):
+    b, h, lq, _ = q.shape
+    return (q.new_empty((b, h, lq, value.shape[-1])),
+            q.new_empty((b, h, lq), dtype=torch.float32))
+
+
+@additive_weights.register_fake
+def _additive_weights_fake(q, k, v, mask, lse, window_lo, window_hi, dropout_p, seed):
+    return q.new_empty((*q.shape[:3], k.shape[2]))
+
+
+@additive_bwd.register_fake
+def _additive_bwd_fake(grad_out, q, k, value, v, mask, out, lse, window_lo, window_hi,
+                       dropout_p, seed, mask_grad):
+    dmask = q.new_empty((*q.shape[:3], k.shape[2]) if mask_grad else (0,))
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(value),
+            torch.empty_like(v), dmask)
 
 
 def _setup(ctx, inputs, output):

@@ -13,6 +13,14 @@ def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+def register_op(name: str):
+    """Decorator registering `attnx::<name>`: a triton_op, so torch.compile sees the kernels
+    inside; under the interpreter, where wrap_triton cannot trace a kernel, an opaque
+    custom_op (shape-only fake kernels are registered for both)."""
+    register = torch.library.custom_op if interpreting() else torch.library.triton_op
+    return register(f"attnx::{name}", mutates_args=())
+
+
 def mask_kind(mask) -> int:
     if mask is None:
         return MASK_NONE

@@ -229,7 +229,7 @@ def _common_args(q, k, v, mask, dropout_p, seed):
     return m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep
 
 
-@torch.library.triton_op("attnx::triton_sdpa_fwd", mutates_args=())
+@common.register_op("triton_sdpa_fwd")
 def sdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
              scale: float, window_lo: int, window_hi: int, dropout_p: float,
              seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,7 +244,7 @@ def sdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
     return out, lse
 
 
-@torch.library.triton_op("attnx::triton_sdpa_bwd", mutates_args=())
+@common.register_op("triton_sdpa_bwd")
 def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, scale: float,
              window_lo: int, window_hi: int, dropout_p: float, seed: Optional[torch.Tensor],
@@ -269,6 +269,21 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         q, k, v, m, grad_out, lse, delta, rng, dq, *strides, *grad_out.stride(),
         h, *sizes, **consts)
     return dq, dk, dv, dmask
+
+
+# Shape-only versions: triton_op derives them itself on a GPU, custom_op (the interpreter's
+# registration) needs them.
+@sdpa_fwd.register_fake
+def _sdpa_fwd_fake(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed):
+    b, h, lq, _ = q.shape
+    return q.new_empty((b, h, lq, v.shape[-1])), q.new_empty((b, h, lq), dtype=torch.float32)
+
+
+@sdpa_bwd.register_fake
+def _sdpa_bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi, dropout_p,
+                   seed, mask_grad):
+    dmask = q.new_empty((*q.shape[:3], k.shape[2]) if mask_grad else (0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
 def _setup(ctx, inputs, output):
