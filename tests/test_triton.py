@@ -153,8 +153,9 @@ def test_sdpa_window_lq_ne_lk_half():
 
 @pytest.mark.parametrize("dtype", [f32, bf16])
 def test_sdpa_gqa(dtype):
-    check_sdpa(dtype, 2, 4, 2, 17, 33, 16, is_causal=True)
-    check_sdpa(f32, 1, 6, 1, 17, 17, 24)
+    check_sdpa(dtype, 1, 4, 2, 17, 33, 16, is_causal=True)
+    if dtype == f32:
+        check_sdpa(f32, 1, 6, 1, 17, 17, 24)
 
 
 def test_sdpa_bool_mask_broadcast_with_empty_rows():
@@ -169,20 +170,20 @@ def test_sdpa_bool_mask_broadcast_with_empty_rows():
 def test_sdpa_float_mask_grad_broadcast(dtype):
     # (1, H, Lq, 1) and (Lq, Lk) masks: dmask is summed over the broadcast dims by autograd.
     check_sdpa(dtype, 2, 2, 2, 17, 33, 16, mask_shape=(1, 2, 17, 1), mask_kind="float")
-    check_sdpa(dtype, 2, 2, 2, 17, 33, 16, mask_shape=(17, 33), mask_kind="float",
+    check_sdpa(dtype, 1, 2, 2, 17, 33, 16, mask_shape=(17, 33), mask_kind="float",
                empty_rows=(3,), window=(8, 8))
 
 
 def test_sdpa_dropout_matches_reference():
     # The same seed drops the same elements: otherwise errors would be O(1), not rounding.
-    check_sdpa(f32, 2, 2, 2, 33, 40, 16, dropout_p=0.3)
+    check_sdpa(f32, 1, 2, 2, 33, 40, 16, dropout_p=0.3)
     check_sdpa(f16, 1, 4, 2, 17, 33, 24, dropout_p=0.5, is_causal=True)
     check_sdpa(f32, 1, 2, 2, 17, 17, 16, dropout_p=0.2, mask_shape=(17, 17), mask_kind="float")
 
 
 def test_sdpa_dropout_reproducible_and_deterministic():
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (_randn((1, 2, 33, 16), f32, gen).requires_grad_() for _ in range(3))
+    q, k, v = (_randn((1, 2, 17, 16), f32, gen).requires_grad_() for _ in range(3))
     runs = []
     for seed in (7, 7, 8):
         torch.manual_seed(seed)
@@ -257,7 +258,7 @@ def test_additive_causal_window_shared_v():
 
 
 def test_additive_masks_and_empty_rows():
-    out, weights, grads = check_additive(f32, 2, 2, 17, 33, 16, 16, mask_shape=(2, 1, 17, 33),
+    out, weights, grads = check_additive(f32, 2, 1, 17, 33, 16, 16, mask_shape=(2, 1, 17, 33),
                                          mask_kind="bool", empty_rows=(4,))
     assert (out[:, :, 4] == 0).all() and (weights[:, :, 4] == 0).all()
     assert (grads[0][:, :, 4] == 0).all()
@@ -278,6 +279,34 @@ def test_additive_bf16_and_three_d():
                                             return_weights=True)
     assert out.shape == (2, 5, 8) and weights.shape == (2, 5, 5)
     assert max_err(out, gold) < 1e-5 and max_err(weights, gold_w) < 1e-5
+
+
+# ---------------------------------------------------------------- registration
+
+
+def test_ops_pass_opcheck_and_compile():
+    """Schemas, fake kernels and autograd registration as torch.library checks them, and a
+    fullgraph torch.compile through the ops (backward included)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (_randn(s, f32, gen).requires_grad_() for s in ((1, 2, 17, 16), (1, 2, 20, 16),
+                                                              (1, 2, 20, 8)))
+    mask = _randn((1, 1, 17, 20), f32, gen).requires_grad_()
+    args = (q, k, v, mask.expand(1, 2, 17, 20), 0.25, -17, 3, 0.2, torch.tensor([5, 6]))
+    torch.library.opcheck(torch.ops.attnx.triton_sdpa_fwd.default, args)
+    w = _randn((2, 16), f32, gen).requires_grad_()
+    torch.library.opcheck(torch.ops.attnx.triton_additive_fwd.default,
+                          (q, q.detach(), v[:, :, :17].detach(), w, None, -17, 17, 0.0, None))
+
+    def f(q, k, v, mask):
+        return torch.ops.attnx.triton_sdpa_fwd(q, k, v, mask.expand(1, 2, 17, 20), 0.25, -17, 3,
+                                               0.0, None)[0]
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    eager_out, compiled_out = f(q, k, v, mask), compiled(q, k, v, mask)
+    assert torch.equal(eager_out, compiled_out)
+    leaves = (q, k, v, mask)
+    eager = torch.autograd.grad(eager_out.sum(), leaves)
+    assert all(torch.equal(a, b) for a, b in zip(eager, torch.autograd.grad(compiled_out.sum(), leaves)))
 
 
 # ---------------------------------------------------------------- availability
