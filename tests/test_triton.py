@@ -249,7 +249,7 @@ def check_additive(dtype, b, h, lq, lk, a, ev, w_shape=None, mask_shape=None, ma
 
 @pytest.mark.parametrize("dtype", [f32, f16])
 def test_additive_plain(dtype):
-    check_additive(dtype, 2, 2, 17, 33, 24, 20)
+    check_additive(dtype, 1, 2, 17, 33, 24, 20)
 
 
 def test_additive_causal_window_shared_v():
@@ -293,9 +293,10 @@ def test_ops_pass_opcheck_and_compile():
     mask = _randn((1, 1, 17, 20), f32, gen).requires_grad_()
     args = (q, k, v, mask.expand(1, 2, 17, 20), 0.25, -17, 3, 0.2, torch.tensor([5, 6]))
     torch.library.opcheck(torch.ops.attnx.triton_sdpa_fwd.default, args)
-    w = _randn((2, 16), f32, gen).requires_grad_()
+    aq, ak, avalue, aw = (_randn(s, f32, gen).requires_grad_() for s in ((1, 1, 5, 8), (1, 1, 7, 8),
+                                                                         (1, 1, 7, 4), (1, 8)))
     torch.library.opcheck(torch.ops.attnx.triton_additive_fwd.default,
-                          (q, q.detach(), v[:, :, :17].detach(), w, None, -17, 17, 0.0, None))
+                          (aq, ak, avalue, aw, None, -5, 0, 0.0, None))
 
     def f(q, k, v, mask):
         return torch.ops.attnx.triton_sdpa_fwd(q, k, v, mask.expand(1, 2, 17, 20), 0.25, -17, 3,
