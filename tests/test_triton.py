@@ -23,7 +23,7 @@ if not INTERPRET and not torch.cuda.is_available():
                 "kernels on CPU tensors in Triton's interpreter", allow_module_level=True)
 
 import attnx  # noqa: E402
-from attnx import _dispatch, _validate  # noqa: E402
+from attnx import _dispatch, _rng, _validate  # noqa: E402
 from attnx.backends import reference  # noqa: E402
 
 from _compare import assert_within, max_err  # noqa: E402
@@ -266,7 +266,11 @@ def test_additive_masks_and_empty_rows():
 
 
 def test_additive_dropout_matches_reference():
-    check_additive(f32, 2, 2, 17, 33, 16, 16, dropout_p=0.3)
+    _, weights, _ = check_additive(f32, 2, 2, 17, 33, 16, 16, dropout_p=0.3)
+    # Exactly the elements of attnx._rng's mask are dropped (every probability is > 0 here).
+    torch.manual_seed(SEED)
+    keep = _rng.keep_mask(_rng.draw_seed(), 2, 2, 17, 33, 0.3, weights.device)
+    assert torch.equal(weights != 0, keep)
 
 
 def test_additive_bf16_and_three_d():
