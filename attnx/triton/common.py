@@ -92,6 +92,21 @@ def admit(s, m_ptr, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
 
 
 @triton.jit
+def admit_block(s, m_ptr, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
+                MASK_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`admit` for the tile at (m0, n0), skipped for unmasked tiles wholly inside the band and
+    the bounds, where it would change nothing (most tiles of long sequences)."""
+    if MASK_KIND == 0:
+        inside = ((m0 + BLOCK_M <= Lq) & (n0 + BLOCK_N <= Lk)
+                  & (n0 - (m0 + BLOCK_M - 1) >= window_lo) & (n0 + BLOCK_N - 1 - m0 <= window_hi))
+        if not inside:
+            s = admit(s, m_ptr, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
+    else:
+        s = admit(s, m_ptr, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
+    return s
+
+
+@triton.jit
 def key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[start, end) of the key blocks that the band lets query rows m0.. reach."""
     last = tl.minimum(m0 + BLOCK_M, Lq) - 1

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import admit, dot, key_range, query_range
+from .common import admit_block, dot, key_range, query_range
 from .rng import keep, rng_words, row_keys
 
 _FWD = common.configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
@@ -63,7 +63,8 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
         kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd,
                      mask=(offs_n[None, :] < Lk) & (offs_d[:, None] < E), other=0.0)
         s = dot(q, kt, DOT_PREC) * scale
-        s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
+        s = admit_block(s, m_base, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
+                        MASK_KIND, BLOCK_M, BLOCK_N)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing admissible so far keeps max -inf; subtracting 0 instead keeps
         # exp(-inf - -inf) = NaN out.
@@ -88,12 +89,14 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
 
 
 @triton.jit
-def _probs(q, kt, m_base, lse, offs_m, offs_n, Lq, Lk, smm, smn, scale, window_lo, window_hi,
-           MASK_KIND: tl.constexpr, DOT_PREC: tl.constexpr):
+def _probs(q, kt, m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, scale, window_lo,
+           window_hi, MASK_KIND: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr):
     """Softmax probabilities of a tile recomputed from the saved lse (+inf on empty rows, so
     they come out 0)."""
     s = dot(q, kt, DOT_PREC) * scale
-    s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
+    s = admit_block(s, m_base, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
+                    MASK_KIND, BLOCK_M, BLOCK_N)
     return tl.exp(s - lse[:, None])
 
 
@@ -140,8 +143,8 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
             lse = tl.load(LSE + bh * Lq + offs_m, mask=row_ok, other=float("inf"))
             lse = tl.where(lse == float("-inf"), float("inf"), lse)
             delta = tl.load(DELTA + bh * Lq + offs_m, mask=row_ok, other=0.0)
-            p = _probs(q, kt, m_base, lse, offs_m, offs_n, Lq, Lk, smm, smn, scale,
-                       window_lo, window_hi, MASK_KIND, DOT_PREC)
+            p = _probs(q, kt, m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, scale,
+                       window_lo, window_hi, MASK_KIND, DOT_PREC, BLOCK_M, BLOCK_N)
             dp = dot(do, vt, DOT_PREC)
             if DROPOUT:
                 key_row, threshold = row_keys(RNG, bh, offs_m)
@@ -204,8 +207,8 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
                     mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < E), other=0.0)
         vt = tl.load(v_base + offs_n[None, :] * svn + offs_dv[:, None] * svd,
                      mask=(offs_n[None, :] < Lk) & (offs_dv[:, None] < Ev), other=0.0)
-        p = _probs(q, tl.trans(k), m_base, lse, offs_m, offs_n, Lq, Lk, smm, smn, scale,
-                   window_lo, window_hi, MASK_KIND, DOT_PREC)
+        p = _probs(q, tl.trans(k), m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, scale,
+                   window_lo, window_hi, MASK_KIND, DOT_PREC, BLOCK_M, BLOCK_N)
         dp = dot(do, vt, DOT_PREC)
         if DROPOUT:
             dp = tl.where(keep(key_row, offs_n, threshold), dp * inv_keep, 0.0)
