@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("the triton backend needs a CUDA device, or TRITON_INTERPRET=1 to run its "
                 "kernels on CPU tensors in Triton's interpreter", allow_module_level=True)
@@ -25,6 +25,7 @@ if not INTERPRET and not torch.cuda.is_available():
 import attnx  # noqa: E402
 from attnx import _dispatch, _rng, _validate  # noqa: E402
 from attnx.backends import reference  # noqa: E402
+from attnx.triton import additive as _additive_ops, sdpa as _sdpa_ops  # noqa: E402,F401
 
 from _compare import assert_within, max_err  # noqa: E402
 

@@ -19,8 +19,8 @@ MAX_HEAD_DIM = 256
 
 
 def _interpreting() -> bool:
-    import triton
-    return bool(triton.knobs.runtime.interpret)
+    from ..triton import common
+    return common.interpreting()
 
 
 def availability() -> Optional[str]:
@@ -51,25 +51,18 @@ def unsupported(op: str, call) -> Optional[str]:
     return None
 
 
-def _ops():
-    from .. import triton as kernels  # imports Triton and registers the ops on first use
-    return kernels
-
-
 def sdpa(call: SdpaCall):
-    kernels = _ops()
-    return kernels.sdpa.sdpa_fwd(call.q, call.k, call.v, call.mask, call.scale, call.window_lo,
-                                 call.window_hi, call.dropout_p, call.seed)
+    from ..triton import sdpa as kernels  # imports Triton and registers the ops on first use
+    return kernels.sdpa_fwd(call.q, call.k, call.v, call.mask, call.scale, call.window_lo,
+                            call.window_hi, call.dropout_p, call.seed)
 
 
 def additive(call: AdditiveCall):
-    kernels = _ops()
-    out, lse = kernels.additive.additive_fwd(call.q, call.k, call.value, call.v, call.mask,
-                                             call.window_lo, call.window_hi, call.dropout_p,
-                                             call.seed)
+    from ..triton import additive as kernels
+    out, lse = kernels.additive_fwd(call.q, call.k, call.value, call.v, call.mask,
+                                    call.window_lo, call.window_hi, call.dropout_p, call.seed)
     weights = None
     if call.return_weights:
-        weights = kernels.additive.additive_weights(call.q, call.k, call.v, call.mask, lse,
-                                                    call.window_lo, call.window_hi,
-                                                    call.dropout_p, call.seed)
+        weights = kernels.additive_weights(call.q, call.k, call.v, call.mask, lse, call.window_lo,
+                                           call.window_hi, call.dropout_p, call.seed)
     return out, lse, weights

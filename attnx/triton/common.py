@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -10,7 +12,11 @@ MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 
 
 def interpreting() -> bool:
-    return bool(triton.knobs.runtime.interpret)
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET, as Triton reads it)."""
+    knobs = getattr(triton, "knobs", None)  # Triton < 3.4 has no knobs
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
 def register_op(name: str):
