@@ -1,13 +1,68 @@
-"""The `triton` backend: the Triton kernels of `attnx/triton/` (not written yet)."""
+"""The `triton` backend: the Triton kernels of `attnx/triton/`, as `torch.ops.attnx.triton_*`.
+
+It serves CUDA tensors on a CUDA device, and CPU tensors only under Triton's interpreter
+(`TRITON_INTERPRET=1` set before Triton is imported), which exists for testing: the dispatcher
+never picks it for CPU tensors on its own.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Optional
+
+import torch
+
+from .._validate import AdditiveCall, SdpaCall
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def _interpreting() -> bool:
+    from ..triton import common
+    return common.interpreting()
 
 
 def availability() -> Optional[str]:
-    return "the Triton kernels are not written yet"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if _interpreting() or torch.cuda.is_available():
+        return None
+    return ("no CUDA device is visible to torch (TRITON_INTERPRET=1 runs the kernels on CPU "
+            "tensors in Triton's interpreter)")
 
 
 def unsupported(op: str, call) -> Optional[str]:
-    return availability()
+    reason = availability()
+    if reason is not None:
+        return reason
+    device = call.q.device.type
+    if _interpreting():
+        if device != "cpu":
+            return f"under TRITON_INTERPRET=1 the triton backend takes CPU tensors, got device {call.q.device}"
+    elif device != "cuda":
+        return (f"the triton backend takes CUDA tensors (CPU ones only under TRITON_INTERPRET=1), "
+                f"got device {call.q.device}")
+    if call.q.dtype not in DTYPES:
+        return f"the triton backend takes float16, bfloat16 and float32, got {call.q.dtype}"
+    dims = (call.q.shape[-1], call.v.shape[-1]) if op == "sdpa" else (call.value.shape[-1],)
+    if max(dims) > MAX_HEAD_DIM:
+        return f"the triton backend takes head dims up to {MAX_HEAD_DIM}, got {dims}"
+    return None
+
+
+def sdpa(call: SdpaCall):
+    from ..triton import sdpa as kernels  # imports Triton and registers the ops on first use
+    return kernels.sdpa_fwd(call.q, call.k, call.v, call.mask, call.scale, call.window_lo,
+                            call.window_hi, call.dropout_p, call.seed)
+
+
+def additive(call: AdditiveCall):
+    from ..triton import additive as kernels
+    out, lse = kernels.additive_fwd(call.q, call.k, call.value, call.v, call.mask,
+                                    call.window_lo, call.window_hi, call.dropout_p, call.seed)
+    weights = None
+    if call.return_weights:
+        weights = kernels.additive_weights(call.q, call.k, call.v, call.mask, lse, call.window_lo,
+                                           call.window_hi, call.dropout_p, call.seed)
+    return out, lse, weights

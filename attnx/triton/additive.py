@@ -1,0 +1,379 @@
+"""Additive (Bahdanau) attention in Triton, fused: the (Lq, Lk, A) tanh terms are never stored.
+
+score[i, j] = sum_a w[h, a] * tanh(q[i, a] + k[j, a]) is built tile by tile, looping over A in
+chunks of BLOCK_A inside the kernel; the softmax is the online one of the SDPA kernel. The
+backward recomputes the scores and then, in a second pass over A, the tanh terms it needs:
+
+    dq[i, a] = w[a] * sum_j ds[i, j] * (1 - t[i, j, a]^2)     (one kernel per query block)
+    dk[j, a] = w[a] * sum_i ds[i, j] * (1 - t[i, j, a]^2)     (one kernel per key block,
+    dw[a]    = sum_ij ds[i, j] * t[i, j, a]                     which also gives dvalue, dmask)
+
+Each program owns its rows of dq / dk (and one slot of dw partial sums), accumulated in fp32
+scratch across its loop, so the result is deterministic with no atomics. Here `w` is the
+op's `v` (H, A), renamed to keep it apart from the values.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import common
+from .common import admit, dot, key_range, query_range
+from .rng import keep, rng_words, row_keys
+
+
+def _blocks(a: int) -> dict:
+    """Fixed tiles (the backward accumulates in scratch, which autotuning reruns would spoil)."""
+    if common.interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_A=min(32, triton.next_power_of_2(a)))
+    return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_A=4, num_warps=4)
+
+
+@triton.jit
+def _tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))  # in (0, 1]: no overflow for any x
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _chunk(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A, sqm, sqa, skn, ska, swa):
+    """tanh(q[i, a] + k[j, a]) as (BLOCK_M, BLOCK_N, BLOCK_A) and w[a], both fp32 (0 past A)."""
+    a_ok = offs_a < A
+    qa = tl.load(q_base + offs_m[:, None] * sqm + offs_a[None, :] * sqa,
+                 mask=(offs_m[:, None] < Lq) & a_ok[None, :], other=0.0).to(tl.float32)
+    ka = tl.load(k_base + offs_n[:, None] * skn + offs_a[None, :] * ska,
+                 mask=(offs_n[:, None] < Lk) & a_ok[None, :], other=0.0).to(tl.float32)
+    wa = tl.load(w_base + offs_a * swa, mask=a_ok, other=0.0).to(tl.float32)
+    return _tanh(qa[:, None, :] + ka[None, :, :]), wa
+
+
+@triton.jit
+def _scores(q_base, k_base, w_base, offs_m, offs_n, Lq, Lk, A, sqm, sqa, skn, ska, swa,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr):
+    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for a0 in range(0, A, BLOCK_A):
+        t, wa = _chunk(q_base, k_base, w_base, offs_m, offs_n, a0 + tl.arange(0, BLOCK_A),
+                       Lq, Lk, A, sqm, sqa, skn, ska, swa)
+        s += tl.sum(t * wa[None, None, :], 2)
+    return s
+
+
+@triton.jit
+def _fwd_kernel(Q, K, VAL, W, M, O, LSE, RNG,
+                sqb, sqh, sqm, sqa, skb, skh, skn, ska, svb, svh, svn, svd, swh, swa,
+                smb, smh, smm, smn, sob, soh, som, sod,
+                H, Lq, Lk, A, Ev, window_lo, window_hi, inv_keep,
+                MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+                BLOCK_DV: tl.constexpr, BLOCK_A: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_base = Q + b * sqb + h * sqh
+    k_base = K + b * skb + h * skh
+    v_base = VAL + b * svb + h * svh
+    w_base = W + h * swh
+    m_base = M + b * smb + h * smh
+    if DROPOUT:
+        key_row, threshold = row_keys(RNG, bh, offs_m)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        s = _scores(q_base, k_base, w_base, offs_m, offs_n, Lq, Lk, A, sqm, sqa, skn, ska, swa,
+                    BLOCK_M, BLOCK_N, BLOCK_A)
+        s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # see the SDPA kernel
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            p = tl.where(keep(key_row, offs_n, threshold), p * inv_keep, 0.0)
+        val = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                      mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < Ev), other=0.0)
+        acc = acc * alpha[:, None] + dot(p.to(val.dtype), val, DOT_PREC)
+        m_i = m_new
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    out = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod,
+             out.to(O.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Ev))
+    tl.store(LSE + bh.to(tl.int64) * Lq + offs_m,
+             tl.where(has, m_i + tl.log(l_safe), float("-inf")), mask=offs_m < Lq)
+
+
+@triton.jit
+def _probs(q_base, k_base, w_base, m_base, LSE, bh, offs_m, offs_n, Lq, Lk, A,
+           sqm, sqa, skn, ska, swa, smm, smn, window_lo, window_hi,
+           MASK_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_A: tl.constexpr):
+    """Probabilities of a tile from the saved lse (+inf on empty rows, so they come out 0)."""
+    lse = tl.load(LSE + bh * Lq + offs_m, mask=offs_m < Lq, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    s = _scores(q_base, k_base, w_base, offs_m, offs_n, Lq, Lk, A, sqm, sqa, skn, ska, swa,
+                BLOCK_M, BLOCK_N, BLOCK_A)
+    s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
+    return tl.exp(s - lse[:, None])
+
+
+@triton.jit
+def _weights_kernel(Q, K, W, M, LSE, RNG, P,
+                    sqb, sqh, sqm, sqa, skb, skh, skn, ska, swh, swa, smb, smh, smm, smn,
+                    H, Lq, Lk, A, window_lo, window_hi, inv_keep,
+                    MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_A: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    bh = tl.program_id(2).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    p = _probs(Q + b * sqb + h * sqh, K + b * skb + h * skh, W + h * swh, M + b * smb + h * smh,
+               LSE, bh, offs_m, offs_n, Lq, Lk, A, sqm, sqa, skn, ska, swa, smm, smn,
+               window_lo, window_hi, MASK_KIND, BLOCK_M, BLOCK_N, BLOCK_A)
+    if DROPOUT:
+        key_row, threshold = row_keys(RNG, bh, offs_m)
+        p = tl.where(keep(key_row, offs_n, threshold), p * inv_keep, 0.0)
+    tl.store(P + (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :], p.to(P.dtype.element_ty),
+             mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))
+
+
+@triton.jit
+def _score_grad(p, do, val_t, delta, RNG, bh, offs_m, offs_n, inv_keep,
+                DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """(dscore, probabilities after dropout) of a tile."""
+    dp = dot(do, val_t, DOT_PREC)
+    if DROPOUT:
+        key_row, threshold = row_keys(RNG, bh, offs_m)
+        kept = keep(key_row, offs_n, threshold)
+        p_used = tl.where(kept, p * inv_keep, 0.0)
+        dp = tl.where(kept, dp * inv_keep, 0.0)
+    else:
+        p_used = p
+    return p * (dp - delta[:, None]), p_used
+
+
+@triton.jit
+def _dk_kernel(Q, K, VAL, W, M, DO, LSE, DELTA, RNG, DK, DVAL, DW, DM,
+               sqb, sqh, sqm, sqa, skb, skh, skn, ska, svb, svh, svn, svd, swh, swa,
+               smb, smh, smm, smn, sdb, sdh, sdm, sdd,
+               H, Lq, Lk, A, Ev, window_lo, window_hi, inv_keep,
+               MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
+               DOT_PREC: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_A: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    n0 = pid_n * BLOCK_N
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_base = Q + b * sqb + h * sqh
+    k_base = K + b * skb + h * skh
+    w_base = W + h * swh
+    m_base = M + b * smb + h * smh
+    val_mask = (offs_n[:, None] < Lk) & (offs_dv[None, :] < Ev)
+    val_t = tl.trans(tl.load(VAL + b * svb + h * svh + offs_n[:, None] * svn
+                             + offs_dv[None, :] * svd, mask=val_mask, other=0.0))
+    dk_rows = DK + (bh * Lk + offs_n[:, None]) * A  # fp32 scratch, zeroed, owned here
+    dw_slot = DW + (bh * tl.num_programs(0) + pid_n) * A
+    dval = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    start, end = query_range(n0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
+    for m0 in range(start, end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < Lq
+        p = _probs(q_base, k_base, w_base, m_base, LSE, bh, offs_m, offs_n, Lq, Lk, A,
+                   sqm, sqa, skn, ska, swa, smm, smn, window_lo, window_hi,
+                   MASK_KIND, BLOCK_M, BLOCK_N, BLOCK_A)
+        do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd,
+                     mask=row_ok[:, None] & (offs_dv[None, :] < Ev), other=0.0)
+        delta = tl.load(DELTA + bh * Lq + offs_m, mask=row_ok, other=0.0)
+        ds, p_used = _score_grad(p, do, val_t, delta, RNG, bh, offs_m, offs_n, inv_keep,
+                                 DROPOUT, DOT_PREC)
+        dval += dot(tl.trans(p_used.to(do.dtype)), do, DOT_PREC)
+        if MASK_GRAD:
+            tl.store(DM + (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :],
+                     ds.to(DM.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < Lk))
+        for a0 in range(0, A, BLOCK_A):
+            offs_a = a0 + tl.arange(0, BLOCK_A)
+            t, wa = _chunk(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A,
+                           sqm, sqa, skn, ska, swa)
+            g = ds[:, :, None] * t
+            ptrs = dk_rows + offs_a[None, :]
+            ok = (offs_n[:, None] < Lk) & (offs_a[None, :] < A)
+            dk = tl.load(ptrs, mask=ok, other=0.0)
+            tl.store(ptrs, dk + (tl.sum(ds[:, :, None] - g * t, 0)) * wa[None, :], mask=ok)
+            dw = tl.load(dw_slot + offs_a, mask=offs_a < A, other=0.0)
+            tl.store(dw_slot + offs_a, dw + tl.sum(tl.sum(g, 0), 0), mask=offs_a < A)
+            tl.debug_barrier()  # the next pass reads what this one stored
+    tl.store(DVAL + (bh * Lk + offs_n[:, None]) * Ev + offs_dv[None, :],
+             dval.to(DVAL.dtype.element_ty), mask=val_mask)
+
+
+@triton.jit
+def _dq_kernel(Q, K, VAL, W, M, DO, LSE, DELTA, RNG, DQ,
+               sqb, sqh, sqm, sqa, skb, skh, skn, ska, svb, svh, svn, svd, swh, swa,
+               smb, smh, smm, smn, sdb, sdh, sdm, sdd,
+               H, Lq, Lk, A, Ev, window_lo, window_hi, inv_keep,
+               MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+               BLOCK_DV: tl.constexpr, BLOCK_A: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < Lq
+    q_base = Q + b * sqb + h * sqh
+    k_base = K + b * skb + h * skh
+    v_base = VAL + b * svb + h * svh
+    w_base = W + h * swh
+    m_base = M + b * smb + h * smh
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < Ev), other=0.0)
+    delta = tl.load(DELTA + bh * Lq + offs_m, mask=row_ok, other=0.0)
+    dq_rows = DQ + (bh * Lq + offs_m[:, None]) * A  # fp32 scratch, zeroed, owned here
+    start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        p = _probs(q_base, k_base, w_base, m_base, LSE, bh, offs_m, offs_n, Lq, Lk, A,
+                   sqm, sqa, skn, ska, swa, smm, smn, window_lo, window_hi,
+                   MASK_KIND, BLOCK_M, BLOCK_N, BLOCK_A)
+        val_t = tl.load(v_base + offs_n[None, :] * svn + offs_dv[:, None] * svd,
+                        mask=(offs_n[None, :] < Lk) & (offs_dv[:, None] < Ev), other=0.0)
+        ds, _ = _score_grad(p, do, val_t, delta, RNG, bh, offs_m, offs_n, inv_keep,
+                            DROPOUT, DOT_PREC)
+        for a0 in range(0, A, BLOCK_A):
+            offs_a = a0 + tl.arange(0, BLOCK_A)
+            t, wa = _chunk(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A,
+                           sqm, sqa, skn, ska, swa)
+            ptrs = dq_rows + offs_a[None, :]
+            ok = row_ok[:, None] & (offs_a[None, :] < A)
+            dq = tl.load(ptrs, mask=ok, other=0.0)
+            tl.store(ptrs, dq + tl.sum(ds[:, :, None] * (1.0 - t * t), 1) * wa[None, :], mask=ok)
+            tl.debug_barrier()  # the next pass reads what this one stored
+
+
+def _launch_args(q, k, value, w, mask, dropout_p, seed):
+    m, m_strides = common.mask_arg(mask, q)
+    rng = rng_words(seed, dropout_p, q.device) if dropout_p > 0 else q
+    strides = (*q.stride(), *k.stride(), *value.stride(), *w.stride(), *m_strides)
+    consts = dict(MASK_KIND=common.mask_kind(mask), DROPOUT=dropout_p > 0,
+                  DOT_PREC=common.dot_precision(q.dtype),
+                  BLOCK_DV=common.head_block(value.shape[-1]), **_blocks(q.shape[-1]))
+    return m, rng, strides, consts, 1.0 / (1.0 - dropout_p)
+
+
+@common.register_op("triton_additive_fwd")
+def additive_fwd(q: torch.Tensor, k: torch.Tensor, value: torch.Tensor, v: torch.Tensor,
+                 mask: Optional[torch.Tensor], window_lo: int, window_hi: int,
+                 dropout_p: float, seed: Optional[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    m, rng, strides, consts, inv_keep = _launch_args(q, k, value, v, mask, dropout_p, seed)
+    b, h, lq, a = q.shape
+    lk, ev = k.shape[2], value.shape[-1]
+    out = q.new_empty((b, h, lq, ev))
+    lse = q.new_empty((b, h, lq), dtype=torch.float32)
+    grid = (triton.cdiv(lq, consts["BLOCK_M"]), b * h)
+    torch.library.wrap_triton(_fwd_kernel)[grid](
+        q, k, value, v, m, out, lse, rng, *strides, *out.stride(),
+        h, lq, lk, a, ev, window_lo, window_hi, inv_keep, **consts)
+    return out, lse
+
+
+@common.register_op("triton_additive_weights")
+def additive_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: Optional[torch.Tensor], lse: torch.Tensor, window_lo: int,
+                     window_hi: int, dropout_p: float, seed: Optional[torch.Tensor]
+                     ) -> torch.Tensor:
+    """The attention probabilities after dropout, (B, H, Lq, Lk), from the forward's lse."""
+    m, m_strides = common.mask_arg(mask, q)
+    rng = rng_words(seed, dropout_p, q.device) if dropout_p > 0 else q
+    b, h, lq, a = q.shape
+    lk = k.shape[2]
+    blocks = _blocks(a)
+    weights = q.new_empty((b, h, lq, lk))
+    grid = (triton.cdiv(lq, blocks["BLOCK_M"]), triton.cdiv(lk, blocks["BLOCK_N"]), b * h)
+    torch.library.wrap_triton(_weights_kernel)[grid](
+        q, k, v, m, lse, rng, weights, *q.stride(), *k.stride(), *v.stride(), *m_strides,
+        h, lq, lk, a, window_lo, window_hi, 1.0 / (1.0 - dropout_p),
+        MASK_KIND=common.mask_kind(mask), DROPOUT=dropout_p > 0, **blocks)
+    return weights
+
+
+@common.register_op("triton_additive_bwd")
+def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value: torch.Tensor,
+                 v: torch.Tensor, mask: Optional[torch.Tensor], out: torch.Tensor,
+                 lse: torch.Tensor, window_lo: int, window_hi: int, dropout_p: float,
+                 seed: Optional[torch.Tensor], mask_grad: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, rng, strides, consts, inv_keep = _launch_args(q, k, value, v, mask, dropout_p, seed)
+    b, h, lq, a = q.shape
+    lk, ev = k.shape[2], value.shape[-1]
+    delta = (grad_out.float() * out.float()).sum(-1)  # rowsum(dO * O), as in the SDPA backward
+    n_blocks = triton.cdiv(lk, consts["BLOCK_N"])
+    dq = q.new_zeros((b, h, lq, a), dtype=torch.float32)
+    dk = q.new_zeros((b, h, lk, a), dtype=torch.float32)
+    dw = q.new_zeros((b, h, n_blocks, a), dtype=torch.float32)
+    dvalue = value.new_empty((b, h, lk, ev))
+    dmask = q.new_zeros((b, h, lq, lk)) if mask_grad else q.new_empty((0,))
+    sizes = (h, lq, lk, a, ev, window_lo, window_hi, inv_keep)
+    torch.library.wrap_triton(_dk_kernel)[(n_blocks, b * h)](
+        q, k, value, v, m, grad_out, lse, delta, rng, dk, dvalue, dw, dmask, *strides,
+        *grad_out.stride(), *sizes, MASK_GRAD=mask_grad, **consts)
+    torch.library.wrap_triton(_dq_kernel)[(triton.cdiv(lq, consts["BLOCK_M"]), b * h)](
+        q, k, value, v, m, grad_out, lse, delta, rng, dq, *strides, *grad_out.stride(),
+        *sizes, **consts)
+    return dq.to(q.dtype), dk.to(k.dtype), dvalue, dw.sum((0, 2)).to(v.dtype), dmask
+
+
+# Shape-only versions (see attnx/triton/sdpa.py for why they are spelled out).
+@additive_fwd.register_fake
+def _additive_fwd_fake(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed):
+    b, h, lq, _ = q.shape
+    return (q.new_empty((b, h, lq, value.shape[-1])),
+            q.new_empty((b, h, lq), dtype=torch.float32))
+
+
+@additive_weights.register_fake
+def _additive_weights_fake(q, k, v, mask, lse, window_lo, window_hi, dropout_p, seed):
+    return q.new_empty((*q.shape[:3], k.shape[2]))
+
+
+@additive_bwd.register_fake
+def _additive_bwd_fake(grad_out, q, k, value, v, mask, out, lse, window_lo, window_hi,
+                       dropout_p, seed, mask_grad):
+    dmask = q.new_empty((*q.shape[:3], k.shape[2]) if mask_grad else (0,))
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(value),
+            torch.empty_like(v), dmask)
+
+
+def _setup(ctx, inputs, output):
+    q, k, value, v, mask, lo, hi, p, seed = inputs
+    out, lse = output
+    ctx.args = (lo, hi, p)
+    ctx.save_for_backward(q, k, value, v, mask, out, lse, seed)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, value, v, mask, out, lse, seed = ctx.saved_tensors
+    lo, hi, p = ctx.args
+    want_mask = mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[4]
+    dq, dk, dvalue, dv, dmask = additive_bwd(grad_out, q, k, value, v, mask, out, lse, lo, hi,
+                                             p, seed, want_mask)
+    return dq, dk, dvalue, dv, (dmask if want_mask else None), None, None, None, None
+
+
+additive_fwd.register_autograd(_backward, setup_context=_setup)

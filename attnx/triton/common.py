@@ -1,0 +1,128 @@
+"""What the SDPA and additive kernels share: the admissible-key test, launch configurations."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET, as Triton reads it)."""
+    knobs = getattr(triton, "knobs", None)  # Triton < 3.4 has no knobs
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+def register_op(name: str):
+    """Decorator registering `attnx::<name>`: a triton_op, so torch.compile sees the kernels
+    inside; under the interpreter, where wrap_triton cannot trace a kernel, an opaque
+    custom_op (shape-only fake kernels are registered for both)."""
+    register = torch.library.custom_op if interpreting() else torch.library.triton_op
+    return register(f"attnx::{name}", mutates_args=())
+
+
+def mask_kind(mask) -> int:
+    if mask is None:
+        return MASK_NONE
+    return MASK_BOOL if mask.dtype == torch.bool else MASK_FLOAT
+
+
+def mask_arg(mask, dummy: torch.Tensor):
+    """(tensor the kernel reads, its 4 strides); bool masks are read as bytes."""
+    if mask is None:
+        return dummy, (0, 0, 0, 0)
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    return mask, tuple(mask.stride())
+
+
+def head_block(d: int) -> int:
+    """The padded (power-of-two, >= 16 for tl.dot) block for a head dim; loads mask the rest."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The DOT_PREC constexpr of `dot`."""
+    if dtype == torch.float32:
+        return "ieee"  # true fp32 products: tf32 would lose to PyTorch's own fp32 error
+    if dtype == torch.bfloat16 and interpreting():
+        return "upcast"  # the interpreter's tl.dot mistakes bfloat16 for integers
+    return "tf32"  # ignored for 16-bit inputs
+
+
+def configs(shapes, small):
+    """Autotuning configs: (BLOCK_M, BLOCK_N, num_warps, num_stages) tuples for Ampere/Hopper,
+    one small config under the interpreter (it runs every program in Python)."""
+    if interpreting():
+        return [triton.Config({"BLOCK_M": small[0], "BLOCK_N": small[1]}, num_warps=4)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+            for m, n, w, s in shapes]
+
+
+def prune_wide_heads(configs_, named_args, **kwargs):
+    """Head dims over 128 do not fit 128-wide tiles in registers/shared memory."""
+    wide = max(kwargs.get("BLOCK_D", 0), kwargs.get("BLOCK_DV", 0)) > 128
+    kept = [c for c in configs_ if not wide or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64]
+    return kept or configs_[-1:]
+
+
+@triton.jit
+def dot(a, b, DOT_PREC: tl.constexpr):
+    """tl.dot with fp32 accumulation; "upcast" multiplies exactly-converted fp32 copies."""
+    if DOT_PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+@triton.jit
+def admit(s, m_ptr, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
+          MASK_KIND: tl.constexpr):
+    """Scores with inadmissible keys set to -inf (band, bounds, bool mask), float mask added."""
+    inb = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
+    diff = offs_n[None, :] - offs_m[:, None]
+    ok = inb & (diff >= window_lo) & (diff <= window_hi)
+    if MASK_KIND == 1:
+        allowed = tl.load(m_ptr + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=inb, other=0)
+        ok = ok & (allowed != 0)
+    if MASK_KIND == 2:
+        s = s + tl.load(m_ptr + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=inb,
+                        other=0.0).to(tl.float32)
+    return tl.where(ok, s, float("-inf"))
+
+
+@triton.jit
+def admit_block(s, m_ptr, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
+                MASK_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`admit` for the tile at (m0, n0), skipped for unmasked tiles wholly inside the band and
+    the bounds, where it would change nothing (most tiles of long sequences)."""
+    if MASK_KIND == 0:
+        inside = ((m0 + BLOCK_M <= Lq) & (n0 + BLOCK_N <= Lk)
+                  & (n0 - (m0 + BLOCK_M - 1) >= window_lo) & (n0 + BLOCK_N - 1 - m0 <= window_hi))
+        if not inside:
+            s = admit(s, m_ptr, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
+    else:
+        s = admit(s, m_ptr, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
+    return s
+
+
+@triton.jit
+def key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[start, end) of the key blocks that the band lets query rows m0.. reach."""
+    last = tl.minimum(m0 + BLOCK_M, Lq) - 1
+    start = (tl.maximum(m0 + window_lo, 0) // BLOCK_N) * BLOCK_N
+    return start, tl.minimum(last + window_hi + 1, Lk)
+
+
+@triton.jit
+def query_range(n0, Lq, Lk, window_lo, window_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[start, end) of the query blocks that the band lets key columns n0.. reach."""
+    last = tl.minimum(n0 + BLOCK_N, Lk) - 1
+    start = (tl.maximum(n0 - window_hi, 0) // BLOCK_M) * BLOCK_M
+    return start, tl.minimum(last - window_lo + 1, Lq)

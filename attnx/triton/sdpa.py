@@ -1,0 +1,309 @@
+"""Scaled dot-product attention in Triton, FlashAttention-2 style.
+
+Forward: one program per (query block, b * Hq + h) streams the key blocks of its band with an
+online softmax and saves the row log-sum-exp. Backward recomputes the probabilities from it:
+one kernel per (key block, b * Hkv + kv head) accumulates dK and dV over the query heads of its
+GQA group (no atomics, K/V never copied) and writes the float-mask gradient; a second kernel
+per query block accumulates dQ.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import common
+from .common import admit_block, dot, key_range, query_range
+from .rng import keep, rng_words, row_keys
+
+_FWD = common.configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
+                       (64, 32, 4, 4), (128, 32, 4, 4), (64, 64, 4, 2)], small=(16, 16))
+_DKDV = common.configs([(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 4),
+                        (64, 128, 8, 2), (32, 32, 4, 2)], small=(16, 16))
+_DQ = common.configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4),
+                      (128, 64, 8, 2), (32, 32, 4, 2)], small=(16, 16))
+_KEY = ["Lq", "Lk", "BLOCK_D", "BLOCK_DV", "MASK_KIND", "DROPOUT", "GROUPS"]
+_PRUNE = {"early_config_prune": common.prune_wide_heads}
+
+
+@triton.autotune(configs=_FWD, key=_KEY, prune_configs_by=_PRUNE)
+@triton.jit
+def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
+                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                smb, smh, smm, smn, sob, soh, som, sod,
+                H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
+                MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    hk = (h // GROUPS).to(tl.int64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    m_base = M + b * smb + h * smh
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < E), other=0.0)
+    if DROPOUT:
+        key_row, threshold = row_keys(RNG, bh, offs_m)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd,
+                     mask=(offs_n[None, :] < Lk) & (offs_d[:, None] < E), other=0.0)
+        s = dot(q, kt, DOT_PREC) * scale
+        s = admit_block(s, m_base, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
+                        MASK_KIND, BLOCK_M, BLOCK_N)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing admissible so far keeps max -inf; subtracting 0 instead keeps
+        # exp(-inf - -inf) = NaN out.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            p = tl.where(keep(key_row, offs_n, threshold), p * inv_keep, 0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                    mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < Ev), other=0.0)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PREC)
+        m_i = m_new
+
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    out = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod,
+             out.to(O.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Ev))
+    lse = tl.where(has, m_i + tl.log(l_safe), float("-inf"))
+    tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
+
+
+@triton.jit
+def _probs(q, kt, m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, scale, window_lo,
+           window_hi, MASK_KIND: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr):
+    """Softmax probabilities of a tile recomputed from the saved lse (+inf on empty rows, so
+    they come out 0)."""
+    s = dot(q, kt, DOT_PREC) * scale
+    s = admit_block(s, m_base, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
+                    MASK_KIND, BLOCK_M, BLOCK_N)
+    return tl.exp(s - lse[:, None])
+
+
+@triton.autotune(configs=_DKDV, key=_KEY, prune_configs_by=_PRUNE)
+@triton.jit
+def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
+                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                 smb, smh, smm, smn, sdb, sdh, sdm, sdd,
+                 H, Hkv, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
+                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
+                 DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    n0 = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    b = (bhk // Hkv).to(tl.int64)
+    hk = (bhk % Hkv).to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_mask = (offs_n[:, None] < Lk) & (offs_d[None, :] < E)
+    v_mask = (offs_n[:, None] < Lk) & (offs_dv[None, :] < Ev)
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
+                mask=k_mask, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                mask=v_mask, other=0.0)
+    kt = tl.trans(k)
+    vt = tl.trans(v)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    start, end = query_range(n0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
+    for g in range(GROUPS):
+        h = hk * GROUPS + g
+        bh = b * H + h
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdb + h * sdh
+        m_base = M + b * smb + h * smh
+        for m0 in range(start, end, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < Lq
+            q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                        mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * sdm + offs_dv[None, :] * sdd,
+                         mask=row_ok[:, None] & (offs_dv[None, :] < Ev), other=0.0)
+            lse = tl.load(LSE + bh * Lq + offs_m, mask=row_ok, other=float("inf"))
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)
+            delta = tl.load(DELTA + bh * Lq + offs_m, mask=row_ok, other=0.0)
+            p = _probs(q, kt, m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, scale,
+                       window_lo, window_hi, MASK_KIND, DOT_PREC, BLOCK_M, BLOCK_N)
+            dp = dot(do, vt, DOT_PREC)
+            if DROPOUT:
+                key_row, threshold = row_keys(RNG, bh, offs_m)
+                kept = keep(key_row, offs_n, threshold)
+                p_used = tl.where(kept, p * inv_keep, 0.0)
+                dp = tl.where(kept, dp * inv_keep, 0.0)
+            else:
+                p_used = p
+            dv += dot(tl.trans(p_used.to(do.dtype)), do, DOT_PREC)
+            ds = p * (dp - delta[:, None])
+            if MASK_GRAD:
+                tl.store(DM + bh * Lq * Lk + offs_m[:, None] * Lk + offs_n[None, :],
+                         ds.to(DM.dtype.element_ty),
+                         mask=row_ok[:, None] & (offs_n[None, :] < Lk))
+            dk += dot(tl.trans(ds.to(q.dtype)), q, DOT_PREC)
+    # dK and dV are contiguous, shaped like K and V.
+    base = bhk.to(tl.int64) * Lk
+    tl.store(DK + (base + offs_n[:, None]) * E + offs_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=k_mask)
+    tl.store(DV + (base + offs_n[:, None]) * Ev + offs_dv[None, :],
+             dv.to(DV.dtype.element_ty), mask=v_mask)
+
+
+@triton.autotune(configs=_DQ, key=_KEY, prune_configs_by=_PRUNE)
+@triton.jit
+def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
+               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+               smb, smh, smm, smn, sdb, sdh, sdm, sdd,
+               H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
+               MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    hk = (h // GROUPS).to(tl.int64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < Lq
+    q_mask = row_ok[:, None] & (offs_d[None, :] < E)
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=q_mask, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < Ev), other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    delta = tl.load(DELTA + bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=0.0)
+    if DROPOUT:
+        key_row, threshold = row_keys(RNG, bh, offs_m)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    m_base = M + b * smb + h * smh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd,
+                    mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < E), other=0.0)
+        vt = tl.load(v_base + offs_n[None, :] * svn + offs_dv[:, None] * svd,
+                     mask=(offs_n[None, :] < Lk) & (offs_dv[:, None] < Ev), other=0.0)
+        p = _probs(q, tl.trans(k), m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, scale,
+                   window_lo, window_hi, MASK_KIND, DOT_PREC, BLOCK_M, BLOCK_N)
+        dp = dot(do, vt, DOT_PREC)
+        if DROPOUT:
+            dp = tl.where(keep(key_row, offs_n, threshold), dp * inv_keep, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += dot(ds.to(k.dtype), k, DOT_PREC)
+    tl.store(DQ + (bh.to(tl.int64) * Lq + offs_m[:, None]) * E + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+def _common_args(q, k, v, mask, dropout_p, seed):
+    """Launch arguments shared by the three kernels: (tensors, strides, sizes, constexprs)."""
+    m, m_strides = common.mask_arg(mask, q)
+    rng = rng_words(seed, dropout_p, q.device) if dropout_p > 0 else q
+    b, h, lq, e = q.shape
+    hkv, lk, ev = k.shape[1], k.shape[2], v.shape[-1]
+    strides = (*q.stride(), *k.stride(), *v.stride(), *m_strides)
+    consts = dict(MASK_KIND=common.mask_kind(mask), DROPOUT=dropout_p > 0,
+                  DOT_PREC=common.dot_precision(q.dtype),
+                  BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
+    inv_keep = 1.0 / (1.0 - dropout_p)
+    return m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep
+
+
+@common.register_op("triton_sdpa_fwd")
+def sdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+             scale: float, window_lo: int, window_hi: int, dropout_p: float,
+             seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep = _common_args(
+        q, k, v, mask, dropout_p, seed)
+    out = q.new_empty((b, h, lq, ev))
+    lse = q.new_empty((b, h, lq), dtype=torch.float32)
+    grid = lambda meta: (triton.cdiv(lq, meta["BLOCK_M"]), b * h)  # noqa: E731
+    torch.library.wrap_triton(_fwd_kernel)[grid](
+        q, k, v, m, out, lse, rng, *strides, *out.stride(),
+        h, lq, lk, e, ev, h // hkv, scale, window_lo, window_hi, inv_keep, **consts)
+    return out, lse
+
+
+@common.register_op("triton_sdpa_bwd")
+def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, scale: float,
+             window_lo: int, window_hi: int, dropout_p: float, seed: Optional[torch.Tensor],
+             mask_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep = _common_args(
+        q, k, v, mask, dropout_p, seed)
+    # With dropout D_i = sum_j P_ij dP_ij still equals rowsum(dO * O): O is built from the
+    # dropped P, and dP of the dropped P differs from dP by the same keep / (1 - p) factor.
+    delta = (grad_out.float() * out.float()).sum(-1)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    # Only in-band entries are written: the rest of dmask stays zero.
+    dmask = q.new_zeros((b, h, lq, lk)) if mask_grad else q.new_empty((0,))
+    sizes = (lq, lk, e, ev, h // hkv, scale, window_lo, window_hi, inv_keep)
+    torch.library.wrap_triton(_dkdv_kernel)[
+        lambda meta: (triton.cdiv(lk, meta["BLOCK_N"]), b * hkv)](
+        q, k, v, m, grad_out, lse, delta, rng, dk, dv, dmask, *strides, *grad_out.stride(),
+        h, hkv, *sizes, MASK_GRAD=mask_grad, **consts)
+    torch.library.wrap_triton(_dq_kernel)[
+        lambda meta: (triton.cdiv(lq, meta["BLOCK_M"]), b * h)](
+        q, k, v, m, grad_out, lse, delta, rng, dq, *strides, *grad_out.stride(),
+        h, *sizes, **consts)
+    return dq, dk, dv, dmask
+
+
+# Shape-only versions: triton_op derives them itself on a GPU, custom_op (the interpreter's
+# registration) needs them.
+@sdpa_fwd.register_fake
+def _sdpa_fwd_fake(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed):
+    b, h, lq, _ = q.shape
+    return q.new_empty((b, h, lq, v.shape[-1])), q.new_empty((b, h, lq), dtype=torch.float32)
+
+
+@sdpa_bwd.register_fake
+def _sdpa_bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi, dropout_p,
+                   seed, mask_grad):
+    dmask = q.new_empty((*q.shape[:3], k.shape[2]) if mask_grad else (0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, mask, scale, lo, hi, p, seed = inputs
+    out, lse = output
+    ctx.args = (scale, lo, hi, p)
+    ctx.save_for_backward(q, k, v, mask, out, lse, seed)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, mask, out, lse, seed = ctx.saved_tensors
+    scale, lo, hi, p = ctx.args
+    want_mask = mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[3]
+    dq, dk, dv, dmask = sdpa_bwd(grad_out, q, k, v, mask, out, lse, scale, lo, hi, p, seed,
+                                 want_mask)
+    return dq, dk, dv, (dmask if want_mask else None), None, None, None, None, None
+
+
+sdpa_fwd.register_autograd(_backward, setup_context=_setup)

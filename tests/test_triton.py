@@ -1,0 +1,339 @@
+"""The `triton` backend against the float64 reference, forward and backward.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors: set TRITON_INTERPRET=1
+before Triton is imported (`TRITON_INTERPRET=1 python -m pytest tests/test_triton.py`). Shapes
+are small because the interpreter runs every program in Python; block sizes there are 16, so
+lengths like 17, 33 and 40 cross block edges and exercise the band's block skipping.
+
+Errors are bounded as in flash-attention's tests: a small multiple of the error that the same
+math done naively in the test dtype makes against the float64 golden value.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("the triton backend needs a CUDA device, or TRITON_INTERPRET=1 to run its "
+                "kernels on CPU tensors in Triton's interpreter", allow_module_level=True)
+
+import attnx  # noqa: E402
+from attnx import _dispatch, _rng, _validate  # noqa: E402
+from attnx.backends import reference  # noqa: E402
+from attnx.triton import additive as _additive_ops, sdpa as _sdpa_ops  # noqa: E402,F401
+
+from _compare import assert_within, max_err  # noqa: E402
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+SEED = 1234
+f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def _randn(shape, dtype, gen):
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(DEVICE, dtype)
+
+
+def _is_float_mask(t) -> bool:
+    return (isinstance(t, torch.Tensor) and not isinstance(t, CausalBias)
+            and t.dtype != torch.bool)
+
+
+def _up(t):
+    """Inputs for the float64 golden run."""
+    return t.double() if _is_float_mask(t) else t
+
+
+def _grads(out, leaves, grad):
+    wanted = [t for t in leaves if t.requires_grad]
+    return list(torch.autograd.grad(out, wanted, grad))
+
+
+# ---------------------------------------------------------------- SDPA
+
+
+def _naive_sdpa(q, k, v, mask, call):
+    """The reference math without its float32 upcast: PyTorch's own error in q's dtype."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    s = torch.matmul(q, k.transpose(-2, -1)) * call.scale
+    mask = None if mask is None or isinstance(mask, CausalBias) else mask.expand(s.shape)
+    p, lse = reference.masked_softmax(s, mask, call.window_lo, call.window_hi)
+    return torch.matmul(reference.apply_dropout(p, call.dropout_p, call.seed), v), lse
+
+
+def _run_sdpa(backend, q, k, v, mask, kwargs, grad):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    m = mask
+    if _is_float_mask(mask):
+        m = mask.detach().requires_grad_()
+        leaves.append(m)
+    torch.manual_seed(SEED)
+    if backend == "naive":
+        call = _validate.sdpa_call(*leaves[:3], m, kwargs.get("dropout_p", 0.0),
+                                   kwargs.get("is_causal", False), kwargs.get("scale"),
+                                   kwargs.get("enable_gqa", False), kwargs.get("window"),
+                                   "reference", True)
+        out, lse = _naive_sdpa(*leaves[:3], m, call)
+    else:
+        out, lse = attnx.scaled_dot_product_attention(*leaves[:3], attn_mask=m, backend=backend,
+                                                      return_lse=True, **kwargs)
+    return out, lse, _grads(out, leaves, grad.to(out.dtype))
+
+
+def check_sdpa(dtype, b, hq, hkv, lq, lk, e, ev=None, mask_shape=None, mask_kind=None,
+               empty_rows=(), attn_mask=None, **kwargs):
+    """Triton vs float64 reference on random inputs; returns (triton out, lse, grads).
+
+    The mask is random (`mask_kind` "bool"/"float" of `mask_shape`) or `attn_mask` as given."""
+    gen = torch.Generator().manual_seed(0)
+    ev = ev or e
+    q, k, v = (_randn(s, dtype, gen) for s in ((b, hq, lq, e), (b, hkv, lk, e), (b, hkv, lk, ev)))
+    grad = _randn((b, hq, lq, ev), torch.float64, gen)
+    mask = attn_mask
+    if mask_kind == "bool":
+        mask = torch.rand(mask_shape, generator=gen).to(DEVICE) > 0.3
+        for r in empty_rows:
+            mask[..., r, :] = False
+    elif mask_kind == "float":
+        mask = _randn(mask_shape, dtype, gen)
+        for r in empty_rows:
+            mask[..., r, :] = float("-inf")
+    if hq != hkv:
+        kwargs["enable_gqa"] = True
+    out, lse, grads = _run_sdpa("triton", q, k, v, mask, kwargs, grad)
+    gold_out, gold_lse, gold_grads = _run_sdpa("reference", _up(q), _up(k), _up(v), _up(mask),
+                                               kwargs, grad)
+    base_out, base_lse, base_grads = _run_sdpa("naive", q, k, v, mask, kwargs, grad)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_within(out, gold_out, base_out)
+    assert torch.equal(torch.isinf(lse), torch.isinf(gold_lse)), "lse: -inf rows differ"
+    fin = torch.isfinite(gold_lse)
+    assert_within(lse[fin], gold_lse[fin].float(), base_lse[fin].float(), what="lse")
+    names = ["dq", "dk", "dv", "dmask"]
+    for name, g, gg, bg in zip(names, grads, gold_grads, base_grads):
+        assert_within(g, gg, bg, factor=3.0, what=name)
+    return out, lse, grads
+
+
+@pytest.mark.parametrize("dtype", [f32, f16, bf16])
+def test_sdpa_plain(dtype):
+    check_sdpa(dtype, 2, 2, 2, 17, 33, 24)
+
+
+@pytest.mark.parametrize("lq,lk,e,ev", [(1, 17, 16, 16), (33, 1, 64, 16), (17, 17, 40, 72)])
+def test_sdpa_odd_sizes_and_head_dims(lq, lk, e, ev):
+    check_sdpa(f32, 1, 2, 2, lq, lk, e, ev)
+
+
+@pytest.mark.parametrize("dtype", [f32, f16])
+def test_sdpa_causal_lq_ne_lk(dtype):
+    check_sdpa(dtype, 1, 2, 2, 33, 17, 24, is_causal=True)
+    check_sdpa(dtype, 1, 2, 2, 17, 40, 24, is_causal=True, scale=0.3)
+
+
+def test_sdpa_causal_lower_right():
+    # Lq > Lk: the first Lq - Lk rows admit no key (lse -inf, zero output and grads).
+    out, lse, grads = check_sdpa(f32, 1, 2, 2, 40, 17, 16, attn_mask=causal_lower_right(40, 17))
+    assert torch.isinf(lse[..., :23]).all() and (out[..., :23, :] == 0).all()
+    assert (grads[0][..., :23, :] == 0).all()
+
+
+@pytest.mark.parametrize("window,causal", [((4, 2), False), ((5, None), True), ((0, 0), False)])
+def test_sdpa_window(window, causal):
+    check_sdpa(f32, 1, 2, 2, 40, 40, 16, window=window, is_causal=causal)
+
+
+def test_sdpa_window_lq_ne_lk_half():
+    check_sdpa(f16, 1, 1, 1, 17, 50, 32, window=(3, 20))
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_sdpa_gqa(dtype):
+    check_sdpa(dtype, 1, 4, 2, 17, 33, 16, is_causal=True)
+    if dtype == f32:
+        check_sdpa(f32, 1, 6, 1, 17, 17, 24)
+
+
+def test_sdpa_bool_mask_broadcast_with_empty_rows():
+    out, lse, grads = check_sdpa(f32, 2, 2, 2, 33, 17, 24, mask_shape=(2, 1, 33, 17),
+                                 mask_kind="bool", empty_rows=(0, 20))
+    for r in (0, 20):
+        assert torch.isinf(lse[:, :, r]).all() and (lse[:, :, r] < 0).all()
+        assert (out[:, :, r] == 0).all() and (grads[0][:, :, r] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [f32, f16])
+def test_sdpa_float_mask_grad_broadcast(dtype):
+    # (1, H, Lq, 1) and (Lq, Lk) masks: dmask is summed over the broadcast dims by autograd.
+    check_sdpa(dtype, 2, 2, 2, 17, 33, 16, mask_shape=(1, 2, 17, 1), mask_kind="float")
+    check_sdpa(dtype, 1, 2, 2, 17, 33, 16, mask_shape=(17, 33), mask_kind="float",
+               empty_rows=(3,), window=(8, 8))
+
+
+def test_sdpa_dropout_matches_reference():
+    # The same seed drops the same elements: otherwise errors would be O(1), not rounding.
+    check_sdpa(f32, 1, 2, 2, 33, 40, 16, dropout_p=0.3)
+    check_sdpa(f16, 1, 4, 2, 17, 33, 24, dropout_p=0.5, is_causal=True)
+    check_sdpa(f32, 1, 2, 2, 17, 17, 16, dropout_p=0.2, mask_shape=(17, 17), mask_kind="float")
+
+
+def test_sdpa_dropout_reproducible_and_deterministic():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (_randn((1, 2, 17, 16), f32, gen).requires_grad_() for _ in range(3))
+    runs = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        out = attnx.scaled_dot_product_attention(q, k, v, dropout_p=0.4, backend="triton")
+        runs.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+    assert not torch.equal(runs[0][0], runs[2][0])
+
+
+# ---------------------------------------------------------------- additive
+
+
+def _naive_additive(q, k, value, w, mask, call):
+    """The reference formula without its float32 upcast."""
+    t = torch.tanh(q.unsqueeze(3) + k.unsqueeze(2))
+    s = (t * w.expand(q.shape[1], q.shape[-1]).view(1, q.shape[1], 1, 1, -1)).sum(-1)
+    mask = None if mask is None else mask.expand(s.shape)
+    p, _ = reference.masked_softmax(s, mask, call.window_lo, call.window_hi)
+    p = reference.apply_dropout(p, call.dropout_p, call.seed)
+    return torch.matmul(p, value), p
+
+
+def _run_additive(backend, q, k, value, w, mask, kwargs, grad):
+    leaves = [t.detach().requires_grad_() for t in (q, k, value, w)]
+    m = mask
+    if _is_float_mask(mask):
+        m = mask.detach().requires_grad_()
+        leaves.append(m)
+    torch.manual_seed(SEED)
+    if backend == "naive":
+        call = _validate.additive_call(*leaves[:4], m, kwargs.get("dropout_p", 0.0),
+                                       kwargs.get("is_causal", False), kwargs.get("window"),
+                                       "reference", True)
+        out, weights = _naive_additive(*leaves[:4], m, call)
+    else:
+        out, weights = attnx.additive_attention(*leaves[:4], attn_mask=m, backend=backend,
+                                                return_weights=True, **kwargs)
+    return out, weights, _grads(out, leaves, grad.to(out.dtype))
+
+
+def check_additive(dtype, b, h, lq, lk, a, ev, w_shape=None, mask_shape=None, mask_kind=None,
+                   empty_rows=(), **kwargs):
+    gen = torch.Generator().manual_seed(0)
+    q, k, value = (_randn(s, dtype, gen) for s in ((b, h, lq, a), (b, h, lk, a), (b, h, lk, ev)))
+    w = _randn(w_shape or (h, a), dtype, gen) / a ** 0.5
+    grad = _randn((b, h, lq, ev), torch.float64, gen)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(mask_shape, generator=gen).to(DEVICE) > 0.3
+    elif mask_kind == "float":
+        mask = _randn(mask_shape, dtype, gen)
+    for r in empty_rows:
+        mask[..., r, :] = False if mask_kind == "bool" else float("-inf")
+    out, weights, grads = _run_additive("triton", q, k, value, w, mask, kwargs, grad)
+    gold = _run_additive("reference", _up(q), _up(k), _up(value), _up(w), _up(mask), kwargs, grad)
+    base = _run_additive("naive", q, k, value, w, mask, kwargs, grad)
+    assert_within(out, gold[0], base[0])
+    assert_within(weights, gold[1], base[1], what="weights")
+    for name, g, gg, bg in zip(["dq", "dk", "dvalue", "dv", "dmask"], grads, gold[2], base[2]):
+        assert_within(g, gg, bg, factor=3.0, what=name)
+    return out, weights, grads
+
+
+@pytest.mark.parametrize("dtype", [f32, f16])
+def test_additive_plain(dtype):
+    check_additive(dtype, 1, 2, 17, 33, 24, 20)
+
+
+def test_additive_causal_window_shared_v():
+    check_additive(f32, 1, 2, 33, 17, 40, 16, w_shape=(40,), is_causal=True)
+    check_additive(f32, 1, 1, 40, 40, 8, 16, window=(3, 5))
+
+
+def test_additive_masks_and_empty_rows():
+    out, weights, grads = check_additive(f32, 2, 1, 17, 33, 16, 16, mask_shape=(2, 1, 17, 33),
+                                         mask_kind="bool", empty_rows=(4,))
+    assert (out[:, :, 4] == 0).all() and (weights[:, :, 4] == 0).all()
+    assert (grads[0][:, :, 4] == 0).all()
+    check_additive(f32, 1, 2, 17, 20, 16, 16, mask_shape=(1, 2, 1, 20), mask_kind="float")
+
+
+def test_additive_dropout_matches_reference():
+    _, weights, _ = check_additive(f32, 2, 2, 17, 33, 16, 16, dropout_p=0.3)
+    # Exactly the elements of attnx._rng's mask are dropped (every probability is > 0 here).
+    torch.manual_seed(SEED)
+    keep = _rng.keep_mask(_rng.draw_seed(), 2, 2, 17, 33, 0.3, weights.device)
+    assert torch.equal(weights != 0, keep)
+
+
+def test_additive_bf16_and_three_d():
+    check_additive(bf16, 1, 1, 17, 17, 64, 16)
+    gen = torch.Generator().manual_seed(1)
+    q, k, value = (_randn((2, 5, 8), f32, gen) for _ in range(3))
+    w = _randn((8,), f32, gen)
+    out, weights = attnx.additive_attention(q, k, value, w, backend="triton", return_weights=True)
+    gold, gold_w = attnx.additive_attention(q, k, value, w, backend="reference",
+                                            return_weights=True)
+    assert out.shape == (2, 5, 8) and weights.shape == (2, 5, 5)
+    assert max_err(out, gold) < 1e-5 and max_err(weights, gold_w) < 1e-5
+
+
+# ---------------------------------------------------------------- registration
+
+
+def test_ops_pass_opcheck_and_compile():
+    """Schemas, fake kernels and autograd registration as torch.library checks them, and a
+    fullgraph torch.compile through the ops (backward included)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (_randn(s, f32, gen).requires_grad_() for s in ((1, 2, 17, 16), (1, 2, 20, 16),
+                                                              (1, 2, 20, 8)))
+    mask = _randn((1, 1, 17, 20), f32, gen).requires_grad_()
+    args = (q, k, v, mask.expand(1, 2, 17, 20), 0.25, -17, 3, 0.2, torch.tensor([5, 6]))
+    torch.library.opcheck(torch.ops.attnx.triton_sdpa_fwd.default, args)
+    aq, ak, avalue, aw = (_randn(s, f32, gen).requires_grad_() for s in ((1, 1, 5, 8), (1, 1, 7, 8),
+                                                                         (1, 1, 7, 4), (1, 8)))
+    torch.library.opcheck(torch.ops.attnx.triton_additive_fwd.default,
+                          (aq, ak, avalue, aw, None, -5, 0, 0.0, None))
+
+    def f(q, k, v, mask):
+        return torch.ops.attnx.triton_sdpa_fwd(q, k, v, mask.expand(1, 2, 17, 20), 0.25, -17, 3,
+                                               0.0, None)[0]
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    eager_out, compiled_out = f(q, k, v, mask), compiled(q, k, v, mask)
+    assert torch.equal(eager_out, compiled_out)
+    leaves = (q, k, v, mask)
+    eager = torch.autograd.grad(eager_out.sum(), leaves)
+    assert all(torch.equal(a, b) for a, b in zip(eager, torch.autograd.grad(compiled_out.sum(), leaves)))
+
+
+# ---------------------------------------------------------------- availability
+
+
+def test_backend_reported_usable():
+    status = _dispatch.backends()["triton"]
+    assert status.usable, status.reason
+
+
+def test_forced_backend_rejects_what_it_cannot_serve():
+    q = torch.randn(1, 1, 4, 8, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(_dispatch.BackendUnavailableError, match="float16, bfloat16 and float32"):
+        attnx.scaled_dot_product_attention(q, q, q, backend="triton")
+    big = torch.randn(1, 1, 4, 300, device=DEVICE)
+    with pytest.raises(_dispatch.BackendUnavailableError, match="head dims up to 256"):
+        attnx.scaled_dot_product_attention(big, big, big, backend="triton")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="auto-selection for CPU tensors only matters in the interpreter")
+def test_auto_never_picks_the_interpreter():
+    q = torch.randn(1, 1, 4, 8)
+    call = _validate.sdpa_call(q, q, q, None, 0.0, False, None, False, None, None, False)
+    assert _dispatch.select("sdpa", call) != "triton"
