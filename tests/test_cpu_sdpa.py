@@ -162,7 +162,7 @@ def test_dropout_with_float_mask_grad():
 
 
 def test_long_sequence_tiles():
-    """Forward query tiles of 128/256 rows and several key blocks, causal and not."""
+    """Several 128-row query tiles and 256-key blocks (128 x 128 in the backward), causal and not."""
     q, k, v, dout = _inputs(1, 1, 1, 800, 1100, 64, 64)
     _check(torch.float32, q, k, v, dout, is_causal=True)
     _check(torch.float32, q, k, v, dout)

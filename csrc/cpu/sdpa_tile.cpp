@@ -1,3 +1,5 @@
+// Let a * b + c become one FMA where the target has it (ISO -std modes turn contraction off).
+#pragma GCC optimize("fp-contract=fast")
 #include "sdpa_tile.h"
 
 #include <algorithm>
@@ -56,14 +58,14 @@ ATTNX_BODY v8f exp8(v8f x) {
   const v8f nf = t - splat(magic);
   const v8i n = (v8i)t - (v8i)splat(magic);
   const v8f r = (x - nf * splat(0.693359375f)) - nf * splat(-2.12194440e-4f);
-  v8f p = splat(1.0f / 5040.0f);
-  p = p * r + splat(1.0f / 720.0f);
-  p = p * r + splat(1.0f / 120.0f);
-  p = p * r + splat(1.0f / 24.0f);
-  p = p * r + splat(1.0f / 6.0f);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.0f);
-  p = p * r + splat(1.0f);
+  // exp(r) = 1 + r + r^2 * poly(r) on |r| <= ln2 / 2, Cephes' expf coefficients.
+  v8f p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * (r * r) + r + splat(1.0f);
   const v8f y = (v8f)((v8i)p + (n << 23));
   return dead ? splat(0.0f) : y;
 }
@@ -155,6 +157,20 @@ ATTNX_BODY void softmax_grad_body(float* ds, const float* p, int64_t n, float d)
   for (; j < n; ++j) ds[j] = p[j] * (ds[j] - d);
 }
 
+typedef uint8_t v8b __attribute__((vector_size(8)));
+
+ATTNX_BODY void mask_body(float* s, const bool* m, int64_t n) {
+  const v8f ninf = splat(NEG_INF);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    v8b bytes;
+    std::memcpy(&bytes, m + j, sizeof(bytes));
+    const v8i keep = __builtin_convertvector(bytes, v8i);
+    store(s + j, keep != 0 ? load(s + j) : ninf);
+  }
+  for (; j < n; ++j) s[j] = m[j] ? s[j] : NEG_INF;
+}
+
 #ifdef ATTNX_X86_DISPATCH
 bool use_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -169,6 +185,7 @@ ATTNX_AVX2 void dropout_avx2(float* x, int64_t n, uint32_t key_row, uint32_t j0,
 ATTNX_AVX2 void softmax_grad_avx2(float* ds, const float* p, int64_t n, float d) {
   softmax_grad_body(ds, p, n, d);
 }
+ATTNX_AVX2 void mask_avx2(float* s, const bool* m, int64_t n) { mask_body(s, m, n); }
 #define ATTNX_PICK(fast, ...) \
   if (use_avx2()) return fast(__VA_ARGS__)
 #else
@@ -185,6 +202,15 @@ float row_max(const float* x, int64_t n) {
 float exp_sum(float* x, int64_t n, float sub) {
   ATTNX_PICK(exp_sum_avx2, x, n, sub);
   return exp_sum_body(x, n, sub);
+}
+
+void mask_row(float* s, const bool* m, int64_t n) {
+  ATTNX_PICK(mask_avx2, s, m, n);
+  mask_body(s, m, n);
+}
+
+void mask_row(double* s, const bool* m, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) s[j] = m[j] ? s[j] : -std::numeric_limits<double>::infinity();
 }
 
 void scale_row(float* x, int64_t n, float a) {

@@ -33,6 +33,10 @@ void dropout_row(float* x, int64_t n, uint32_t key_row, uint32_t j0, uint32_t th
 void dropout_row(double* x, int64_t n, uint32_t key_row, uint32_t j0, uint32_t threshold,
                  double inv_keep);
 
+// Bool mask on a contiguous row: s[j] = -inf where !m[j].
+void mask_row(float* s, const bool* m, int64_t n);
+void mask_row(double* s, const bool* m, int64_t n);
+
 // Softmax backward on one row: ds = p * (ds - d).
 void softmax_grad_row(float* ds, const float* p, int64_t n, float d);
 void softmax_grad_row(double* ds, const double* p, int64_t n, double d);
