@@ -103,7 +103,7 @@ def test_masks(kind, mask_dtype):
 
 
 def test_mask_is_read_through_strides():
-    """A broadcast mask must not be copied to full size; its strides are what the kernel reads."""
+    """Masks broadcast over keys (stride 0) or transposed reach the kernel as strided views."""
     q, k, v, dout = _inputs(2, 2, 2, 40, 70, 16, 16)
     mask = torch.rand(70) > 0.5
     mask_t = torch.rand(70, 40).t() > 0.5  # a transposed, non-contiguous (40, 70) mask
