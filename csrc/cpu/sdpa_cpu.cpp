@@ -1,22 +1,414 @@
-// PLACEHOLDER until the fused kernel lands (issue 3): every call fails loudly.
+// Flash-style scaled-dot-product attention on the CPU. Conventions: csrc/ops.cpp.
+//
+// Forward: for each (batch, query head, tile of BQ queries), walk the keys the band admits in
+// blocks of BK: S = scale * Q K^T on the tile (BLAS), mask and band, online softmax, O += P V
+// (BLAS). Extra memory is one BQ x BK score tile per thread. Backward recomputes P from the
+// saved lse, tile by tile, with dK / dV of a block kept hot across the query tiles.
+// bfloat16 runs the float32 kernel on float32 copies (linear memory) and rounds once.
 #include "sdpa_cpu.h"
 
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
-namespace attnx::cpu {
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
 
-std::tuple<at::Tensor, at::Tensor> sdpa_fwd(const at::Tensor&, const at::Tensor&,
-                                            const at::Tensor&, const std::optional<at::Tensor>&,
-                                            double, int64_t, int64_t, double,
-                                            const std::optional<at::Tensor>&) {
-  TORCH_CHECK(false, "attnx::sdpa_fwd: the CPU kernel is not written yet");
+#include "sdpa_blas.h"
+#include "sdpa_tile.h"
+
+namespace attnx::cpu {
+namespace {
+
+using at::Tensor;
+
+template <typename T>
+constexpr T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_bwd(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, double, int64_t,
-    int64_t, double, const std::optional<at::Tensor>&, bool) {
-  TORCH_CHECK(false, "attnx::sdpa_bwd: the CPU kernel is not written yet");
+struct Dims {
+  int64_t B, Hq, Hkv, Lq, Lk, E, Ev;
+  int64_t group() const { return Hq / Hkv; }
+};
+
+// Query i may attend key j iff i + lo <= j <= i + hi.
+struct Band {
+  int64_t lo, hi;
+  // Keys [first, last) of the block j0 .. j0 + n - 1 that row i may attend (first >= last: none).
+  int64_t first(int64_t i, int64_t j0, int64_t n) const {
+    return std::clamp<int64_t>(i + lo - j0, 0, n);
+  }
+  int64_t last(int64_t i, int64_t j0, int64_t n) const {
+    return std::clamp<int64_t>(i + hi + 1 - j0, 0, n);
+  }
+  // Does some row of [i0, i0 + m) admit some key of [j0, j0 + n)?
+  bool touches(int64_t i0, int64_t m, int64_t j0, int64_t n) const {
+    return i0 + lo <= j0 + n - 1 && i0 + m - 1 + hi >= j0;
+  }
+};
+
+// The mask as the caller passed it: a (B, Hq, Lq, Lk) view read through its strides, so a
+// broadcast mask costs no memory.
+struct MaskRows {
+  const char* data = nullptr;
+  at::ScalarType dtype = at::kBool;
+  int64_t sb = 0, sh = 0, si = 0, sj = 0, esize = 1;
+
+  explicit MaskRows(const std::optional<Tensor>& mask) {
+    if (!mask.has_value()) return;
+    const Tensor& m = *mask;
+    data = static_cast<const char*>(m.data_ptr());
+    dtype = m.scalar_type();
+    sb = m.stride(0), sh = m.stride(1), si = m.stride(2), sj = m.stride(3);
+    esize = static_cast<int64_t>(m.element_size());
+  }
+  bool present() const { return data != nullptr; }
+
+  // Scores s of keys j0 .. j0 + n - 1 of row (b, h, i): bool masks turn refused keys to -inf,
+  // float masks are added.
+  template <typename T>
+  void apply(T* s, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n) const {
+    const char* row = data + (b * sb + h * sh + i * si + j0 * sj) * esize;
+    switch (dtype) {
+      case at::kBool: {
+        const bool* m = reinterpret_cast<const bool*>(row);
+        if (sj == 1) {
+          mask_row(s, m, n);
+        } else if (sj == 0) {  // one value for the whole row (a mask broadcast over keys)
+          if (!m[0]) std::fill(s, s + n, neg_inf<T>());
+        } else {
+          for (int64_t j = 0; j < n; ++j) {
+            if (!m[j * sj]) s[j] = neg_inf<T>();
+          }
+        }
+        break;
+      }
+      case at::kFloat: add(s, reinterpret_cast<const float*>(row), n); break;
+      case at::kDouble: add(s, reinterpret_cast<const double*>(row), n); break;
+      case at::kBFloat16: add(s, reinterpret_cast<const at::BFloat16*>(row), n); break;
+      default: TORCH_CHECK(false, "attnx::sdpa: unexpected mask dtype ", dtype);
+    }
+  }
+
+ private:
+  template <typename T, typename M>
+  void add(T* s, const M* m, int64_t n) const {
+    if (sj == 1) {
+      for (int64_t j = 0; j < n; ++j) s[j] += static_cast<T>(m[j]);
+    } else {
+      for (int64_t j = 0; j < n; ++j) s[j] += static_cast<T>(m[j * sj]);
+    }
+  }
+};
+
+// The dropout hash of attnx/_rng.py.
+struct Dropout {
+  bool on = false;
+  uint32_t s0 = 0, s1 = 0, threshold = 0;
+  double inv_keep = 1.0;
+
+  Dropout(double p, const std::optional<Tensor>& seed) {
+    if (p <= 0.0) return;
+    TORCH_CHECK(seed.has_value() && seed->numel() == 2 && seed->scalar_type() == at::kLong &&
+                    seed->device().is_cpu(),
+                "attnx::sdpa: dropout_p > 0 needs seed, an int64 (2,) CPU tensor");
+    const Tensor s = seed->contiguous();
+    s0 = static_cast<uint32_t>(s.data_ptr<int64_t>()[0]);
+    s1 = static_cast<uint32_t>(s.data_ptr<int64_t>()[1]);
+    const double t = std::floor(p * 4294967296.0);
+    threshold = t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
+    inv_keep = 1.0 / (1.0 - p);
+    on = true;
+  }
+  uint32_t key_bh(int64_t bh) const { return mix32(s0 ^ mix32(static_cast<uint32_t>(bh) ^ s1)); }
+  static uint32_t key_row(uint32_t key_bh, int64_t i) {
+    return mix32(key_bh ^ static_cast<uint32_t>(i));
+  }
+};
+
+// Block sizes (measured on a 2-core AVX2 machine at L = 1k-4k, D = 64): a 128 x 256 score
+// tile (128 KiB) stays in L2 and keeps BLAS efficient, and wastes little of the diagonal
+// blocks under a band; shorter sequences take smaller query tiles to keep every thread busy.
+int64_t fwd_query_block(int64_t lq) {
+  if (lq >= 768) return 128;
+  return lq >= 192 ? 64 : 32;
+}
+constexpr int64_t FWD_KEY_BLOCK = 256;
+constexpr int64_t BWD_QUERY_BLOCK = 128;
+constexpr int64_t BWD_KEY_BLOCK = 128;
+
+template <typename T>
+void forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T scale, Band band,
+                    const Dropout& drop, T* out, float* lse, const Dims& d) {
+  const int64_t BQ = fwd_query_block(d.Lq), BK = FWD_KEY_BLOCK;
+  const int64_t nqt = (d.Lq + BQ - 1) / BQ;
+  const T inv_keep = static_cast<T>(drop.inv_keep);
+  at::parallel_for(0, d.B * d.Hq * nqt, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> sbuf(BQ * BK), m(BQ), l(BQ);
+    T* s = sbuf.data();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t qt = task % nqt, bh = task / nqt, h = bh % d.Hq, b = bh / d.Hq;
+      const int64_t bhk = b * d.Hkv + h / d.group();
+      const int64_t i0 = qt * BQ, mq = std::min(BQ, d.Lq - i0);
+      const T* qp = q + (bh * d.Lq + i0) * d.E;
+      const T* kp = k + bhk * d.Lk * d.E;
+      const T* vp = v + bhk * d.Lk * d.Ev;
+      T* op = out + (bh * d.Lq + i0) * d.Ev;
+      float* lp = lse + bh * d.Lq + i0;
+      std::fill(m.begin(), m.end(), neg_inf<T>());
+      std::fill(l.begin(), l.end(), T(0));
+      std::fill(op, op + mq * d.Ev, T(0));
+      const uint32_t key_bh = drop.on ? drop.key_bh(bh) : 0;
+      // Only key blocks the band reaches are visited at all.
+      const int64_t jlo = std::max<int64_t>(0, i0 + band.lo);
+      const int64_t jhi = std::min<int64_t>(d.Lk, i0 + mq + band.hi);
+      for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
+        const int64_t nk = std::min(BK, jhi - j0);
+        gemm_rm(false, true, mq, nk, d.E, scale, qp, d.E, kp + j0 * d.E, d.E, T(0), s, nk);
+        for (int64_t r = 0; r < mq; ++r) {
+          const int64_t i = i0 + r;
+          T* sr = s + r * nk;
+          const int64_t a = band.first(i, j0, nk), e = std::max(a, band.last(i, j0, nk));
+          if (mask.present() && e > a) mask.apply(sr + a, b, h, i, j0 + a, e - a);
+          const T mnew = std::max(m[r], row_max(sr + a, e - a));
+          std::fill(sr, sr + a, T(0));
+          std::fill(sr + e, sr + nk, T(0));
+          if (mnew == neg_inf<T>()) {  // nothing admitted yet: this block adds nothing
+            std::fill(sr + a, sr + e, T(0));
+            continue;
+          }
+          const T alpha = m[r] == neg_inf<T>() ? T(0) : std::exp(m[r] - mnew);
+          l[r] = l[r] * alpha + exp_sum(sr + a, e - a, mnew);
+          m[r] = mnew;
+          if (alpha != T(1)) scale_row(op + r * d.Ev, d.Ev, alpha);
+          if (drop.on) {
+            dropout_row(sr + a, e - a, Dropout::key_row(key_bh, i),
+                        static_cast<uint32_t>(j0 + a), drop.threshold, inv_keep);
+          }
+        }
+        gemm_rm(false, false, mq, d.Ev, nk, T(1), s, nk, vp + j0 * d.Ev, d.Ev, T(1), op, d.Ev);
+      }
+      for (int64_t r = 0; r < mq; ++r) {
+        if (l[r] > T(0)) {
+          scale_row(op + r * d.Ev, d.Ev, T(1) / l[r]);
+          lp[r] = static_cast<float>(m[r] + std::log(l[r]));
+        } else {
+          std::fill(op + r * d.Ev, op + (r + 1) * d.Ev, T(0));
+          lp[r] = neg_inf<float>();
+        }
+      }
+    }
+  });
+}
+
+struct BwdOut {
+  void* dq;
+  void* dk;  // (B, Hq, Lk, E): per query head, summed over the GQA group afterwards
+  void* dv;
+  void* dmask;  // (B, Hq, Lq, Lk) or null
+};
+
+template <typename T>
+void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T* out,
+                     const float* lse, const MaskRows& mask, T scale, Band band,
+                     const Dropout& drop, const BwdOut& res, const Dims& d) {
+  T* dq = static_cast<T*>(res.dq);
+  T* dk = static_cast<T*>(res.dk);
+  T* dv = static_cast<T*>(res.dv);
+  T* dmask = static_cast<T*>(res.dmask);
+  const int64_t BQ = BWD_QUERY_BLOCK, BK = BWD_KEY_BLOCK;
+  const T inv_keep = static_cast<T>(drop.inv_keep);
+  at::parallel_for(0, d.B * d.Hq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> pbuf(BQ * BK), dsbuf(BQ * BK), pdbuf(drop.on ? BQ * BK : 0), dsum(d.Lq);
+    T* p = pbuf.data();
+    T* ds = dsbuf.data();
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t h = bh % d.Hq, b = bh / d.Hq, bhk = b * d.Hkv + h / d.group();
+      const T* qh = q + bh * d.Lq * d.E;
+      const T* doh = dout + bh * d.Lq * d.Ev;
+      const T* kh = k + bhk * d.Lk * d.E;
+      const T* vh = v + bhk * d.Lk * d.Ev;
+      const float* lh = lse + bh * d.Lq;
+      T* dqh = dq + bh * d.Lq * d.E;
+      T* dkh = dk + bh * d.Lk * d.E;
+      T* dvh = dv + bh * d.Lk * d.Ev;
+      // D_i = rowsum(dO * O): with dropout O already holds the dropped probabilities, and
+      // rowsum(dP_dropped * Z * P) is exactly dO . O.
+      const T* oh = out + bh * d.Lq * d.Ev;
+      for (int64_t i = 0; i < d.Lq; ++i) {
+        T acc = 0;
+        for (int64_t c = 0; c < d.Ev; ++c) acc += doh[i * d.Ev + c] * oh[i * d.Ev + c];
+        dsum[i] = acc;
+      }
+      const uint32_t key_bh = drop.on ? drop.key_bh(bh) : 0;
+      for (int64_t j0 = 0; j0 < d.Lk; j0 += BK) {
+        const int64_t nk = std::min(BK, d.Lk - j0);
+        for (int64_t i0 = 0; i0 < d.Lq; i0 += BQ) {
+          const int64_t mq = std::min(BQ, d.Lq - i0);
+          if (!band.touches(i0, mq, j0, nk)) continue;
+          gemm_rm(false, true, mq, nk, d.E, scale, qh + i0 * d.E, d.E, kh + j0 * d.E, d.E, T(0),
+                  p, nk);
+          for (int64_t r = 0; r < mq; ++r) {
+            const int64_t i = i0 + r;
+            T* pr = p + r * nk;
+            const int64_t a = band.first(i, j0, nk), e = std::max(a, band.last(i, j0, nk));
+            const float li = lh[i];
+            std::fill(pr, pr + a, T(0));
+            std::fill(pr + e, pr + nk, T(0));
+            if (li == neg_inf<float>()) {
+              std::fill(pr + a, pr + e, T(0));
+              continue;
+            }
+            if (mask.present() && e > a) mask.apply(pr + a, b, h, i, j0 + a, e - a);
+            exp_sum(pr + a, e - a, static_cast<T>(li));
+          }
+          // ds <- dP of the dropped probabilities = dO V^T
+          gemm_rm(false, true, mq, nk, d.Ev, T(1), doh + i0 * d.Ev, d.Ev, vh + j0 * d.Ev, d.Ev,
+                  T(0), ds, nk);
+          const T* pd = p;
+          if (drop.on) {
+            T* pdrop = pdbuf.data();
+            std::copy(p, p + mq * nk, pdrop);
+            for (int64_t r = 0; r < mq; ++r) {
+              const uint32_t kr = Dropout::key_row(key_bh, i0 + r);
+              dropout_row(pdrop + r * nk, nk, kr, static_cast<uint32_t>(j0), drop.threshold,
+                          inv_keep);
+              dropout_row(ds + r * nk, nk, kr, static_cast<uint32_t>(j0), drop.threshold,
+                          inv_keep);
+            }
+            pd = pdrop;
+          }
+          gemm_rm(true, false, nk, d.Ev, mq, T(1), pd, nk, doh + i0 * d.Ev, d.Ev, T(1),
+                  dvh + j0 * d.Ev, d.Ev);
+          for (int64_t r = 0; r < mq; ++r) softmax_grad_row(ds + r * nk, p + r * nk, nk, dsum[i0 + r]);
+          if (dmask != nullptr) {
+            for (int64_t r = 0; r < mq; ++r) {
+              std::copy(ds + r * nk, ds + (r + 1) * nk,
+                        dmask + (bh * d.Lq + i0 + r) * d.Lk + j0);
+            }
+          }
+          gemm_rm(false, false, mq, d.E, nk, scale, ds, nk, kh + j0 * d.E, d.E, T(1),
+                  dqh + i0 * d.E, d.E);
+          gemm_rm(true, false, nk, d.E, mq, scale, ds, nk, qh + i0 * d.E, d.E, T(1),
+                  dkh + j0 * d.E, d.E);
+        }
+      }
+    }
+  });
+}
+
+at::ScalarType compute_type(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+Tensor prepared(const Tensor& t, at::ScalarType ct) { return t.to(ct).contiguous(); }
+
+Dims check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const std::optional<Tensor>& mask, double dropout_p) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op,
+              ": expected 4-D q, k, v, got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16, op,
+              ": expected float32, float64 or bfloat16, got ", dt);
+  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt, op,
+              ": q, k, v must share a dtype");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), op,
+              ": expected CPU tensors");
+  Dims d{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  TORCH_CHECK(k.size(0) == d.B && v.size(0) == d.B, op, ": batch sizes differ");
+  TORCH_CHECK(d.Hkv > 0 && d.Hq % d.Hkv == 0 && v.size(1) == d.Hkv, op,
+              ": expected Hq a multiple of Hkv = value heads, got ", d.Hq, ", ", d.Hkv, ", ",
+              v.size(1));
+  TORCH_CHECK(k.size(3) == d.E && v.size(2) == d.Lk, op, ": k or v has the wrong shape");
+  if (mask.has_value()) {
+    const Tensor& m = *mask;
+    TORCH_CHECK(m.device().is_cpu(), op, ": expected a CPU mask");
+    TORCH_CHECK(m.dim() == 4 && m.size(0) == d.B && m.size(1) == d.Hq && m.size(2) == d.Lq &&
+                    m.size(3) == d.Lk,
+                op, ": expected a (B, Hq, Lq, Lk) mask view, got ", m.sizes());
+    TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == dt, op,
+                ": expected a bool mask or one of q's dtype, got ", m.scalar_type());
+  }
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": expected 0 <= dropout_p < 1");
+  return d;
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> sdpa_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const std::optional<Tensor>& mask, double scale,
+                                    int64_t window_lo, int64_t window_hi, double dropout_p,
+                                    const std::optional<Tensor>& seed) {
+  const Dims d = check_inputs("attnx::sdpa_fwd", q, k, v, mask, dropout_p);
+  const Dropout drop(dropout_p, seed);
+  const MaskRows rows(mask);
+  const auto ct = compute_type(q.scalar_type());
+  const Tensor qc = prepared(q, ct), kc = prepared(k, ct), vc = prepared(v, ct);
+  Tensor out = at::empty({d.B, d.Hq, d.Lq, d.Ev}, q.options().dtype(ct));
+  Tensor lse = at::empty({d.B, d.Hq, d.Lq}, q.options().dtype(at::kFloat));
+  const Band band{window_lo, window_hi};
+  if (ct == at::kDouble) {
+    forward_kernel<double>(qc.data_ptr<double>(), kc.data_ptr<double>(), vc.data_ptr<double>(),
+                           rows, scale, band, drop, out.data_ptr<double>(),
+                           lse.data_ptr<float>(), d);
+  } else {
+    forward_kernel<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                          rows, static_cast<float>(scale), band, drop, out.data_ptr<float>(),
+                          lse.data_ptr<float>(), d);
+  }
+  return {out.to(q.scalar_type()), lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+    const std::optional<Tensor>& mask, const Tensor& out, const Tensor& lse, double scale,
+    int64_t window_lo, int64_t window_hi, double dropout_p, const std::optional<Tensor>& seed,
+    bool mask_grad) {
+  const Dims d = check_inputs("attnx::sdpa_bwd", q, k, v, mask, dropout_p);
+  const std::vector<int64_t> out_shape{d.B, d.Hq, d.Lq, d.Ev};
+  TORCH_CHECK(grad_out.sizes() == out_shape && out.sizes() == out_shape, "attnx::sdpa_bwd: ",
+              "expected grad_out and out of shape (B, Hq, Lq, Ev), got ", grad_out.sizes(),
+              " and ", out.sizes());
+  TORCH_CHECK(grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "attnx::sdpa_bwd: grad_out and out must have q's dtype");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat &&
+                  lse.sizes() == std::vector<int64_t>({d.B, d.Hq, d.Lq}),
+              "attnx::sdpa_bwd: expected a float32 (B, Hq, Lq) lse, got ", lse.sizes());
+  TORCH_CHECK(!mask_grad || (mask.has_value() && mask->scalar_type() != at::kBool),
+              "attnx::sdpa_bwd: mask_grad needs a float mask");
+  const Dropout drop(dropout_p, seed);
+  const MaskRows rows(mask);
+  const auto ct = compute_type(q.scalar_type());
+  const auto opts = q.options().dtype(ct);
+  const Tensor qc = prepared(q, ct), kc = prepared(k, ct), vc = prepared(v, ct);
+  const Tensor doc = prepared(grad_out, ct), oc = prepared(out, ct);
+  const Tensor lc = lse.contiguous();
+  Tensor dq = at::zeros({d.B, d.Hq, d.Lq, d.E}, opts);
+  Tensor dk = at::zeros({d.B, d.Hq, d.Lk, d.E}, opts);
+  Tensor dv = at::zeros({d.B, d.Hq, d.Lk, d.Ev}, opts);
+  Tensor dmask = mask_grad ? at::zeros({d.B, d.Hq, d.Lq, d.Lk}, opts) : Tensor();
+  const BwdOut res{dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                   mask_grad ? dmask.data_ptr() : nullptr};
+  const Band band{window_lo, window_hi};
+  if (ct == at::kDouble) {
+    backward_kernel<double>(doc.data_ptr<double>(), qc.data_ptr<double>(), kc.data_ptr<double>(),
+                            vc.data_ptr<double>(), oc.data_ptr<double>(), lc.data_ptr<float>(),
+                            rows, scale, band, drop, res, d);
+  } else {
+    backward_kernel<float>(doc.data_ptr<float>(), qc.data_ptr<float>(), kc.data_ptr<float>(),
+                           vc.data_ptr<float>(), oc.data_ptr<float>(), lc.data_ptr<float>(), rows,
+                           static_cast<float>(scale), band, drop, res, d);
+  }
+  if (d.group() > 1) {  // dK, dV of a kv head: the sum over the query heads that read it
+    dk = dk.view({d.B, d.Hkv, d.group(), d.Lk, d.E}).sum(2);
+    dv = dv.view({d.B, d.Hkv, d.group(), d.Lk, d.Ev}).sum(2);
+  }
+  const auto dt = q.scalar_type();
+  return {dq.to(dt), dk.to(dt), dv.to(dt),
+          mask_grad ? dmask.to(dt) : at::empty({0}, q.options())};
 }
 
 }  // namespace attnx::cpu

@@ -1,0 +1,144 @@
+"""attnx's fused CPU SDPA against torch's own fused CPU kernel, interleaved in one process.
+
+For each case (fp32, B=1, H=8, L, D, plain / causal / broadcast bool mask, forward or
+forward+backward) the two are timed alternately, so machine load hits both alike; a 2048^3
+sgemm is timed in the same run to show what fraction of the BLAS rate each reaches.
+FLOPs as flash-attention counts them: forward 4*B*H*Lq*Lk*D, halved for causal; backward
+2.5x forward. Writes benchmarks/results/cpu-sdpa-<date>.json and prints a table.
+
+    python benchmarks/cpu_sdpa_targets.py [--quick] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import attnx
+
+TARGETS = {"none": 1.0, "causal": 1.3, "mask": 1.0}  # attnx speed / torch speed, per issue 3
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def summary(ts: list) -> dict:
+    return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "runs": len(ts)}
+
+
+def sgemm_gflops(repeats: int) -> dict:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    ts = [timed(lambda: a @ b) for _ in range(repeats)]
+    s = summary(ts)
+    s["gflops"] = 2 * 2048**3 / s["median_s"] / 1e9
+    return s
+
+
+def case(seq: int, dim: int, kind: str, backward: bool, repeats: int) -> dict:
+    b, h = 1, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, seq, dim, generator=g) for _ in range(3))
+    kw = {"is_causal": kind == "causal"}
+    if kind == "mask":
+        kw["attn_mask"] = torch.rand(1, 1, seq, seq, generator=g) > 0.1
+    dout = torch.randn(b, h, seq, dim, generator=g)
+    impls = {
+        "attnx": lambda *t: attnx.scaled_dot_product_attention(*t, backend="cpu", **kw),
+        "torch": lambda *t: F.scaled_dot_product_attention(*t, **kw),
+    }
+
+    def run(fn):
+        if not backward:
+            with torch.no_grad():
+                return fn(q, k, v)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        fn(*leaves).backward(dout)
+
+    times = {name: [] for name in impls}
+    for name, fn in impls.items():  # warm-up
+        run(fn)
+    for _ in range(repeats):
+        for name, fn in impls.items():
+            times[name].append(timed(lambda: run(fn)))
+    flops = 4 * b * h * seq * seq * dim * (0.5 if kind == "causal" else 1.0) * (3.5 if backward else 1.0)
+    row = {"L": seq, "D": dim, "kind": kind, "pass": "fwd+bwd" if backward else "fwd",
+           "flops": flops}
+    for name in impls:
+        s = summary(times[name])
+        s["gflops"] = flops / s["median_s"] / 1e9
+        row[name] = s
+    row["speedup"] = row["torch"]["median_s"] / row["attnx"]["median_s"]
+    row["target"] = TARGETS[kind]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="L=1024 and 2048, D=64 only")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--out", default=None, help="JSON path (default: results/cpu-sdpa-<date>.json)")
+    args = parser.parse_args()
+    repeats = args.repeats or (3 if args.quick else 5)
+    seqs = (1024, 2048) if args.quick else (1024, 2048, 4096)
+    dims = (64,) if args.quick else (64, 128)
+
+    gemm = sgemm_gflops(repeats)
+    print(f"sgemm 2048^3: {gemm['gflops']:.1f} GFLOP/s (threads: {torch.get_num_threads()})")
+    header = f"{'L':>5} {'D':>4} {'kind':>7} {'pass':>8} | {'attnx ms':>9} {'torch ms':>9} | " \
+             f"{'attnx GF/s':>10} {'torch GF/s':>10} | {'speedup':>7} {'target':>6}"
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for backward in (False, True):
+        for seq in seqs:
+            for dim in dims:
+                for kind in ("none", "causal", "mask"):
+                    r = case(seq, dim, kind, backward, repeats)
+                    rows.append(r)
+                    ok = "" if r["speedup"] >= r["target"] else "  MISS"
+                    print(f"{seq:>5} {dim:>4} {kind:>7} {r['pass']:>8} | "
+                          f"{r['attnx']['median_s'] * 1e3:>9.1f} {r['torch']['median_s'] * 1e3:>9.1f} | "
+                          f"{r['attnx']['gflops']:>10.1f} {r['torch']['gflops']:>10.1f} | "
+                          f"{r['speedup']:>6.2f}x {r['target']:>5.1f}x{ok}", flush=True)
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    result = {
+        "benchmark": "cpu_sdpa_targets", "quick": args.quick, "date": now.isoformat(),
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+                    "platform": platform.platform(), "load_avg": os.getloadavg()},
+        "torch": torch.__version__, "attnx": attnx.__version__, "repeats": repeats,
+        "sgemm_2048": gemm, "cases": rows,
+    }
+    path = args.out or os.path.join(HERE, "results", f"cpu-sdpa-{now:%Y-%m-%d}{'-quick' if args.quick else ''}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

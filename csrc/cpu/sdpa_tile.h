@@ -1,0 +1,44 @@
+// Row operations on a tile of attention scores, and the dropout hash of attnx/_rng.py.
+// The float versions are vectorized (AVX2 when the CPU has it, chosen at run time); the double
+// versions are plain loops (float64 is for gradcheck, not speed).
+#pragma once
+#include <cstdint>
+
+namespace attnx::cpu {
+
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// Max over x[0, n); -inf for n == 0.
+float row_max(const float* x, int64_t n);
+double row_max(const double* x, int64_t n);
+
+// x = exp(x - sub) in place (exp(-inf) = 0); returns the sum of the new values.
+float exp_sum(float* x, int64_t n, float sub);
+double exp_sum(double* x, int64_t n, double sub);
+
+void scale_row(float* x, int64_t n, float a);
+void scale_row(double* x, int64_t n, double a);
+
+// Dropout of row elements j0 .. j0 + n - 1 of a row whose hash key is key_row:
+// x[t] *= inv_keep where mix32(key_row ^ (j0 + t)) >= threshold, else x[t] = 0.
+void dropout_row(float* x, int64_t n, uint32_t key_row, uint32_t j0, uint32_t threshold,
+                 float inv_keep);
+void dropout_row(double* x, int64_t n, uint32_t key_row, uint32_t j0, uint32_t threshold,
+                 double inv_keep);
+
+// Bool mask on a contiguous row: s[j] = -inf where !m[j].
+void mask_row(float* s, const bool* m, int64_t n);
+void mask_row(double* s, const bool* m, int64_t n);
+
+// Softmax backward on one row: ds = p * (ds - d).
+void softmax_grad_row(float* ds, const float* p, int64_t n, float d);
+void softmax_grad_row(double* ds, const double* p, int64_t n, double d);
+
+}  // namespace attnx::cpu

@@ -1,0 +1,224 @@
+"""The fused CPU SDPA kernels (backend="cpu") against the reference backend in float64.
+
+Errors are bounded by a small multiple of the reference backend's own error in the same dtype
+(tests/_compare.py). Dropout is compared exactly: both backends draw the same hash mask.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+
+import attnx
+from attnx import _ops
+from tests._compare import assert_within
+
+pytestmark = pytest.mark.skipif(_ops.has_kernel("sdpa_fwd", "CPU") is False,
+                                reason="attnx._C is not built")
+
+
+def _inputs(b, hq, hkv, lq, lk, e, ev, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, lq, e, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, lk, e, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hkv, lk, ev, generator=g, dtype=torch.float64)
+    dout = torch.randn(b, hq, lq, ev, generator=g, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def _run(backend, dtype, q, k, v, dout, mask=None, seed=None, **kw):
+    """(out, lse, dq, dk, dv, dmask) of one backend on copies of the inputs in `dtype`."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    m = mask
+    if isinstance(mask, torch.Tensor) and not isinstance(mask, CausalBias):
+        m = mask if mask.dtype == torch.bool else mask.detach().to(dtype).requires_grad_()
+    if seed is not None:
+        torch.manual_seed(seed)
+    gqa = q.shape[1] != k.shape[1]
+    out, lse = attnx.scaled_dot_product_attention(*leaves, attn_mask=m, backend=backend,
+                                                  return_lse=True, enable_gqa=gqa, **kw)
+    out.backward(dout.to(dtype))
+    dmask = m.grad if m is not mask else None  # only a float mask became a new leaf
+    return (out.detach(), lse, *(t.grad for t in leaves), dmask)
+
+
+NAMES = ("out", "lse", "dq", "dk", "dv", "dmask")
+
+
+def _check(dtype, q, k, v, dout, mask=None, seed=None, factor=2.0, **kw):
+    golden = _run("reference", torch.float64, q, k, v, dout, mask, seed, **kw)
+    baseline = _run("reference", dtype, q, k, v, dout, mask, seed, **kw)
+    actual = _run("cpu", dtype, q, k, v, dout, mask, seed, **kw)
+    floor = 1e-5 if dtype != torch.bfloat16 else 1e-2
+    for name, a, g, b in zip(NAMES, actual, golden, baseline):
+        if g is None:
+            assert a is None, name
+            continue
+        if name == "lse":  # -inf on empty rows must match exactly
+            assert torch.equal(torch.isinf(a), torch.isinf(g)), name
+            a, g, b = (t.nan_to_num(neginf=0.0) for t in (a, g, b))
+        assert_within(a, g, b, factor=factor if name == "out" else 1.5 * factor, floor=floor,
+                      what=name)
+    return actual
+
+
+SHAPES = [  # b, hq, hkv, lq, lk, e, ev
+    (1, 1, 1, 1, 1, 16, 16),
+    (2, 3, 3, 17, 97, 16, 16),
+    (1, 2, 2, 97, 17, 64, 64),
+    (1, 4, 2, 33, 33, 80, 48),  # GQA, Ev != E
+    (1, 2, 1, 300, 260, 64, 64),  # crosses every tile edge, GQA over 2 heads
+]
+MODES = {
+    "none": {},
+    "causal": dict(is_causal=True),
+    "window": dict(window=(7, 3)),
+    "causal_window": dict(is_causal=True, window=(5, None)),
+    "scale": dict(scale=0.3),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_matches_reference(shape, mode):
+    _check(torch.float32, *_inputs(*shape), **MODES[mode])
+
+
+def _mask(kind, b, h, lq, lk, dtype=torch.float64):
+    g = torch.Generator().manual_seed(1)
+    shape = {"full": (b, h, lq, lk), "row": (lq, lk), "key": (b, 1, 1, lk),
+             "head": (1, h, 1, 1), "query": (b, 1, lq, 1)}[kind]
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.3
+    return torch.randn(shape, generator=g, dtype=dtype)
+
+
+@pytest.mark.parametrize("kind", ["full", "row", "key", "head", "query"])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64], ids=["bool", "float"])
+def test_masks(kind, mask_dtype):
+    b, h, lq, lk = 2, 3, 37, 53
+    q, k, v, dout = _inputs(b, h, h, lq, lk, 16, 16)
+    _check(torch.float32, q, k, v, dout, mask=_mask(kind, b, h, lq, lk, mask_dtype))
+
+
+def test_mask_is_read_through_strides():
+    """Masks broadcast over keys (stride 0) or transposed reach the kernel as strided views."""
+    q, k, v, dout = _inputs(2, 2, 2, 40, 70, 16, 16)
+    mask = torch.rand(70) > 0.5
+    mask_t = torch.rand(70, 40).t() > 0.5  # a transposed, non-contiguous (40, 70) mask
+    for m in (mask, mask_t):
+        _check(torch.float32, q, k, v, dout, mask=m)
+
+
+def test_causal_lower_right():
+    q, k, v, dout = _inputs(1, 2, 2, 19, 45, 32, 32)
+    bias = causal_lower_right(19, 45)
+    golden = _run("reference", torch.float64, q, k, v, dout, mask=bias)
+    baseline = _run("reference", torch.float32, q, k, v, dout, mask=bias)
+    actual = _run("cpu", torch.float32, q, k, v, dout, mask=bias)
+    for name, a, g, b in zip(NAMES[:5], actual, golden, baseline):
+        if name != "lse":
+            assert_within(a, g, b, factor=3.0, what=name)
+
+
+def test_fully_masked_rows_are_zero():
+    b, h, lq, lk = 1, 2, 24, 31
+    q, k, v, dout = _inputs(b, h, h, lq, lk, 16, 16)
+    mask = torch.rand(b, h, lq, lk) > 0.5
+    mask[:, :, 3] = False
+    mask[0, 1, 10:14] = False
+    out, lse, dq, dk, dv, _ = _check(torch.float32, q, k, v, dout, mask=mask)
+    assert (out[:, :, 3] == 0).all() and (out[0, 1, 10:14] == 0).all()
+    assert torch.isneginf(lse[:, :, 3]).all() and (dq[:, :, 3] == 0).all()
+    # A float mask of -inf on the whole row, and the band leaving rows empty (Lq > Lk, lower right).
+    fmask = torch.zeros(b, h, lq, lk, dtype=torch.float64)
+    fmask[:, :, 5] = float("-inf")
+    out, lse, dq, *_ = _check(torch.float32, q, k, v, dout, mask=fmask)
+    assert (out[:, :, 5] == 0).all() and (dq[:, :, 5] == 0).all() and torch.isneginf(lse[:, :, 5]).all()
+    q2, k2, v2, dout2 = _inputs(1, 2, 2, 30, 12, 16, 16)
+    out, lse, dq, dk, dv, _ = _run("cpu", torch.float32, q2, k2, v2, dout2,
+                                   mask=causal_lower_right(30, 12))
+    assert (out[:, :, :18] == 0).all() and torch.isneginf(lse[:, :, :18]).all()
+    assert all(torch.isfinite(t).all() for t in (out, dq, dk, dv))
+    assert (dq[:, :, :18] == 0).all()
+
+
+def test_dropout_matches_reference_exactly():
+    shape = (2, 4, 2, 45, 77, 32, 32)  # GQA, so the hash must use the query head
+    q, k, v, dout = _inputs(*shape)
+    for p in (0.1, 0.5):
+        _check(torch.float32, q, k, v, dout, seed=123, dropout_p=p, is_causal=True)
+    a = _run("cpu", torch.float32, q, k, v, dout, seed=7, dropout_p=0.3)
+    b = _run("cpu", torch.float32, q, k, v, dout, seed=7, dropout_p=0.3)
+    c = _run("cpu", torch.float32, q, k, v, dout, seed=8, dropout_p=0.3)
+    assert all(torch.equal(x, y) for x, y in zip(a[:5], b[:5]))  # reproducible
+    assert not torch.equal(a[0], c[0])  # and the seed matters
+
+
+def test_dropout_with_float_mask_grad():
+    q, k, v, dout = _inputs(1, 2, 2, 20, 33, 16, 16)
+    _check(torch.float32, q, k, v, dout, mask=_mask("full", 1, 2, 20, 33), seed=3, dropout_p=0.2)
+
+
+def test_long_sequence_tiles():
+    """Several 128-row query tiles and 256-key blocks (128 x 128 in the backward), causal and not."""
+    q, k, v, dout = _inputs(1, 1, 1, 800, 1100, 64, 64)
+    _check(torch.float32, q, k, v, dout, is_causal=True)
+    _check(torch.float32, q, k, v, dout)
+
+
+def test_non_contiguous_inputs():
+    q, k, v, dout = _inputs(1, 3, 3, 21, 29, 16, 16)
+    qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    assert not qt.is_contiguous()
+    _check(torch.float32, qt, kt, vt, dout, window=(4, 4))
+
+
+def test_bfloat16():
+    q, k, v, dout = _inputs(2, 2, 1, 50, 70, 64, 64)
+    _check(torch.bfloat16, q, k, v, dout, mask=_mask("key", 2, 2, 50, 70), factor=3.0)
+    _check(torch.bfloat16, q, k, v, dout, is_causal=True, factor=3.0)
+
+
+def test_gradcheck_float64():
+    q, k, v, _ = _inputs(1, 2, 1, 6, 9, 5, 4)
+    mask = _mask("full", 1, 2, 6, 9).requires_grad_()
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+
+    def f(q, k, v, m):
+        torch.manual_seed(0)
+        return attnx.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True,
+                                                  window=(3, 2), dropout_p=0.25, backend="cpu")
+
+    assert torch.autograd.gradcheck(f, (*inputs, mask))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                          backend="cpu"),
+        inputs)
+
+
+def test_opcheck():
+    q, k, v, _ = _inputs(1, 2, 2, 9, 13, 8, 8)
+    q, k, v = (t.float().requires_grad_() for t in (q, k, v))
+    mask = torch.randn(1, 1, 9, 13).expand(1, 2, 9, 13).requires_grad_()
+    seed = torch.tensor([5, 6], dtype=torch.int64)
+    for args in ((q, k, v, None, 0.3, -9, 13, 0.0, None),
+                 (q, k, v, mask, 0.3, -2, 0, 0.2, seed)):
+        torch.library.opcheck(torch.ops.attnx.sdpa_fwd.default, args)
+    out, lse = torch.ops.attnx.sdpa_fwd(q, k, v, mask, 0.3, -2, 0, 0.2, seed)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), mask.detach(),
+            out.detach(), lse, 0.3, -2, 0, 0.2, seed, True)
+    torch.library.opcheck(torch.ops.attnx.sdpa_bwd.default, args)
+
+
+def test_rejects_bad_shapes_in_cpp():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="Hkv"):
+        torch.ops.attnx.sdpa_fwd(q, torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8), None,
+                                 1.0, -4, 4, 0.0, None)
+    with pytest.raises(RuntimeError, match="mask"):
+        torch.ops.attnx.sdpa_fwd(q, q, q, torch.ones(1, 2, 4, 5, dtype=torch.bool), 1.0, -4, 4,
+                                 0.0, None)
+    with pytest.raises(RuntimeError, match="seed"):
+        torch.ops.attnx.sdpa_fwd(q, q, q, None, 1.0, -4, 4, 0.5, None)
