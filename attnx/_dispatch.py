@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import _validate
-from .backends import cpu, cuda, reference, triton_backend
+from ._backends import cpu, cuda, reference, triton_backend
 
 _MODULES = {"cuda": cuda, "triton": triton_backend, "cpu": cpu, "reference": reference}
 # What `backend=None`/"auto" tries, fastest first, by device type. The Triton interpreter is
