@@ -18,7 +18,16 @@ import attnx
 from attnx.backends import reference
 from tests._compare import assert_within
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+from attnx.backends import cuda as cuda_backend
+
+
+def _no_gpu_reason():
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return cuda_backend._device_reason(torch.device("cuda"))  # e.g. too little shared memory
+
+
+pytestmark = pytest.mark.skipif(_no_gpu_reason() is not None, reason=str(_no_gpu_reason()))
 
 DTYPES = (torch.float16, torch.bfloat16)
 DEV = "cuda"

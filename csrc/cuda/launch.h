@@ -13,9 +13,11 @@ namespace cuda {
 enum class DType : int { Half = 0, BFloat16 = 1 };
 enum class MaskKind : int { None = 0, Bool = 1, Additive = 2 };  // Additive: q's dtype
 
-// A (B, H, L, D) tensor whose last dim is contiguous.
+// A (B, H, L, D) tensor whose last dim is contiguous. vec16: its data pointer is 16-byte
+// aligned and b, h, l and D are multiples of 8 elements, so rows can be read 16 bytes at a time.
 struct Strides4 {
   int64_t b, h, l;
+  bool vec16;
 };
 
 // The (B, Hq, Lq, Lk) mask view, any strides (0 on broadcast dims).

@@ -35,7 +35,12 @@ Tensor rows(const Tensor& t, const Tensor& like, const char* name) {
   return t.size(3) <= 1 || t.stride(3) == 1 ? t : t.contiguous();
 }
 
-Strides4 strides(const Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+Strides4 strides(const Tensor& t) {
+  const auto addr = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const bool vec16 = addr % 16 == 0 && t.size(3) % 8 == 0 && t.stride(0) % 8 == 0 &&
+                     t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0;
+  return {t.stride(0), t.stride(1), t.stride(2), vec16};
+}
 
 MaskView mask_view(const OptTensor& mask, const Tensor& q, int64_t H, int64_t Lq, int64_t Lk) {
   MaskView m;
@@ -153,7 +158,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
   const Tensor q = rows(q_in, q_in, "q"), k = rows(k_in, q_in, "k"), v = rows(v_in, q_in, "v");
   SdpaParams p = sdpa_params(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed);
   const int D = family(p.E, p.Ev);
-  const Tensor dout = grad_out.to(q.scalar_type()).contiguous();
+  Tensor dout = grad_out.to(q.scalar_type()).contiguous();
+  if (reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 != 0) dout = dout.clone();  // vec16 loads
   TORCH_CHECK(dout.sizes() == out.sizes() && out.size(3) == p.Ev, "grad_out: expected shape ",
               out.sizes(), ", got ", grad_out.sizes());
   const Tensor lse_c = lse.to(at::kFloat).contiguous();

@@ -66,11 +66,13 @@ __global__ void __launch_bounds__(kThreads) sdpa_bwd_kernel(const SdpaParams p) 
   const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
   const int group = p.Hq / p.Hkv;
   const int warp = threadIdx.x / 32;
+  // grad_out is contiguous and freshly allocated (aligned): only its row length matters.
+  const bool dout_vec16 = p.Ev % (16 / sizeof(T)) == 0;
 
   const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h;
-  load_tile<T, D, C::LDH>(Ks, k, p.sk.l, j0, BN, p.Lk, p.E);
-  load_tile<T, D, C::LDH>(Vs, v, p.sv.l, j0, BN, p.Lk, p.Ev);
+  load_tile<T, D, C::LDH>(Ks, k, p.sk.l, j0, BN, p.Lk, p.E, p.sk.vec16);
+  load_tile<T, D, C::LDH>(Vs, v, p.sv.l, j0, BN, p.Lk, p.Ev, p.sv.vec16);
 
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> dk_acc[C::KV_FRAGS], dv_acc[C::KV_FRAGS];
 #pragma unroll
@@ -93,8 +95,8 @@ __global__ void __launch_bounds__(kThreads) sdpa_bwd_kernel(const SdpaParams p) 
     for (int qt = qt0; qt <= qt1; ++qt) {
       const int i0 = qt * BM;
       __syncthreads();  // the previous step's tiles are no longer read
-      load_tile<T, D, C::LDH>(Qs, q, p.sq.l, i0, BM, p.Lq, p.E);
-      load_tile<T, D, C::LDH>(dOs, dout, p.Ev, i0, BM, p.Lq, p.Ev);
+      load_tile<T, D, C::LDH>(Qs, q, p.sq.l, i0, BM, p.Lq, p.E, p.sq.vec16);
+      load_tile<T, D, C::LDH>(dOs, dout, p.Ev, i0, BM, p.Lq, p.Ev, dout_vec16);
       for (int r = threadIdx.x; r < BM; r += kThreads) {
         const bool in = i0 + r < p.Lq;
         lse_s[r] = in ? p.lse[bh * p.Lq + i0 + r] : -INFINITY;

@@ -41,10 +41,22 @@ struct Config {
       4 * (size_t(kBM) * LDS + size_t(kBM) * LDO);
 };
 
-// Loads rows [row0, row0 + rows) of a (L, D-padded) tile, zero past `L` rows and `cols` columns.
+// Loads rows [row0, row0 + rows) of a (L, D-padded) tile, zero past `L` rows and `cols` columns;
+// 16 bytes per load when `vec16` (then cols % 8 == 0, so a vector is wholly in or out).
 template <typename T, int D, int LD>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stride, int row0,
-                                          int rows, int L, int cols) {
+                                          int rows, int L, int cols, bool vec16) {
+  if (vec16) {
+    constexpr int V = 16 / sizeof(T);
+    for (int idx = threadIdx.x; idx < rows * (D / V); idx += kThreads) {
+      const int r = idx / (D / V), c = (idx % (D / V)) * V;
+      const int g = row0 + r;
+      uint4 val = make_uint4(0u, 0u, 0u, 0u);
+      if (g < L && c < cols) val = *reinterpret_cast<const uint4*>(src + int64_t(g) * row_stride + c);
+      *reinterpret_cast<uint4*>(dst + r * LD + c) = val;
+    }
+    return;
+  }
   for (int idx = threadIdx.x; idx < rows * D; idx += kThreads) {
     const int r = idx / D, c = idx % D;
     const int g = row0 + r;
@@ -75,8 +87,9 @@ __global__ void __launch_bounds__(kThreads) sdpa_fwd_kernel(const SdpaParams p) 
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h;
   const uint32_t key_bh = dropout_key_bh(p.drop, uint32_t(b * p.Hq + h));
 
-  load_tile<T, D, C::LDH>(Qs, q, p.sq.l, i0, kBM, p.Lq, p.E);
+  load_tile<T, D, C::LDH>(Qs, q, p.sq.l, i0, kBM, p.Lq, p.E, p.sq.vec16);
   for (int idx = threadIdx.x; idx < kBM * C::LDO; idx += kThreads) Os[idx] = 0.f;
+  __syncthreads();  // Os is read below even when no key tile is visited
 
   float m = -INFINITY, l = 0.f;
   int t0, t1;
@@ -84,8 +97,8 @@ __global__ void __launch_bounds__(kThreads) sdpa_fwd_kernel(const SdpaParams p) 
   for (int t = t0; t <= t1; ++t) {
     const int j0 = t * BN;
     __syncthreads();  // the previous K, V tiles are no longer read
-    load_tile<T, D, C::LDH>(Ks, k, p.sk.l, j0, BN, p.Lk, p.E);
-    load_tile<T, D, C::LDH>(Vs, v, p.sv.l, j0, BN, p.Lk, p.Ev);
+    load_tile<T, D, C::LDH>(Ks, k, p.sk.l, j0, BN, p.Lk, p.E, p.sk.vec16);
+    load_tile<T, D, C::LDH>(Vs, v, p.sv.l, j0, BN, p.Lk, p.Ev, p.sv.vec16);
     __syncthreads();
 
     // S = Q K^T for this warp's 16 rows. K is row-major (key, dim), i.e. K^T column-major.
@@ -153,7 +166,7 @@ __global__ void __launch_bounds__(kThreads) sdpa_fwd_kernel(const SdpaParams p) 
   const float inv_l = l > 0.f ? 1.f / l : 0.f;
   T* out = static_cast<T*>(p.out) + (bh * p.Lq + i) * p.Ev;
   const float* orow = Os + row * C::LDO;
-  for (int c = half; c < p.Ev; c += 2) out[c] = from_float<T>(orow[c] * inv_l);
+  for (int c = half; c < p.Ev; c += 2) out[c] = from_float<T>(l > 0.f ? orow[c] * inv_l : 0.f);
   if (half == 0) p.lse[bh * p.Lq + i] = l > 0.f ? m + logf(l) : -INFINITY;
 }
 
