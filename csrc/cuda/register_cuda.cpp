@@ -94,6 +94,15 @@ cudaError_t by_family(int D, F64 f64, F128 f128, F256 f256) {
   return D == 64 ? f64() : D == 128 ? f128() : f256();
 }
 
+// A gradient in the layout of the input it belongs to (what the fake kernels, empty_like,
+// promise); the kernels write contiguous rows.
+Tensor like_input(const Tensor& grad, const Tensor& input) {
+  if (input.is_contiguous()) return grad.to(input.scalar_type());
+  Tensor t = at::empty_like(input);
+  t.copy_(grad);
+  return t;
+}
+
 void check_launch(cudaError_t err) {
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -181,7 +190,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
       D, [&] { return sdpa_bwd_family<64>(p, stream); },
       [&] { return sdpa_bwd_family<128>(p, stream); },
       [&] { return sdpa_bwd_family<256>(p, stream); }));
-  return {dq_acc.to(q.scalar_type()), dk, dv, dmask};
+  return {like_input(dq_acc, q_in), like_input(dk, k_in), like_input(dv, v_in), dmask};
 }
 
 AdditiveParams additive_params(const Tensor& q, const Tensor& k, const Tensor& value,
@@ -275,10 +284,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
   p.dv = dv.data_ptr<float>();
   p.dmask = want_dmask ? dmask.data_ptr() : nullptr;
   check_launch(launch_additive_bwd(p, c10::cuda::getCurrentCUDAStream()));
-  const auto dt = q.scalar_type();
   // v may have been a broadcast (A,) vector: its gradient has v's own (H, A) shape here, the
   // autograd of the expand sums it back.
-  return {dq.to(dt), dk.to(dt), dvalue.to(dt), dv.to(dt), dmask};
+  return {like_input(dq, q_in), like_input(dk, k_in), like_input(dvalue, value_in),
+          like_input(dv, v), dmask};
 }
 
 }  // namespace
