@@ -12,6 +12,13 @@ import os
 
 import torch
 from setuptools import find_packages, setup
+# torch guesses CUDA_HOME from the `nvcc` on PATH; when that is a wrapper script outside the
+# toolkit (here /usr/local/bin/nvcc -> CUDA_HOME=/usr/local, which has no CUDA headers), point it
+# at the standard toolkit location instead. Must run before cpp_extension is imported.
+if not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")) and os.path.exists(
+        "/usr/local/cuda/include/cuda_runtime_api.h"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))

@@ -1,0 +1,78 @@
+// Device helpers shared by the attnx CUDA kernels: element types, the admissibility test
+// (band + mask), and the dropout hash of attnx/_rng.py in uint32 arithmetic.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "launch.h"
+
+namespace attnx {
+namespace cuda {
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// uint32 arithmetic wraps mod 2**32, which is exactly what _rng.py emulates with int64.
+__device__ __forceinline__ uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+__device__ __forceinline__ uint32_t dropout_key_bh(const Dropout& d, uint32_t bh) {
+  return mix32(d.seed0 ^ mix32(bh ^ d.seed1));
+}
+
+// The factor element (i, j) of head key_bh is multiplied by: 0 (dropped), 1/(1-p) (kept), or 1
+// without dropout.
+__device__ __forceinline__ float dropout_factor(const Dropout& d, uint32_t key_bh, uint32_t i,
+                                                uint32_t j) {
+  if (!d.on) return 1.f;
+  return mix32(mix32(key_bh ^ i) ^ j) >= d.threshold ? d.keep_scale : 0.f;
+}
+
+// The score of (b, h, i, j) after the band and the mask: `s` plus the additive mask, or -inf
+// when the key is not admissible (out of range, out of the band, or masked out).
+template <typename T>
+__device__ __forceinline__ float admit(float s, const MaskView& m, int64_t lo, int64_t hi,
+                                       int b, int h, int i, int j, int Lq, int Lk) {
+  const int64_t d = int64_t(j) - int64_t(i);
+  if (i >= Lq || j >= Lk || d < lo || d > hi) return -INFINITY;
+  if (m.kind == MaskKind::None) return s;
+  const int64_t off = b * m.b + h * m.h + i * m.i + j * m.j;
+  if (m.kind == MaskKind::Bool) return static_cast<const bool*>(m.ptr)[off] ? s : -INFINITY;
+  return s + to_float(static_cast<const T*>(m.ptr)[off]);
+}
+
+// exp(x) for x <= 0 or -inf, through the fast exp2 unit.
+__device__ __forceinline__ float fast_exp(float x) { return exp2f(x * 1.4426950408889634f); }
+
+__host__ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Key tiles [t0, t1] that hold an admissible key for some query in rows [i0, i1]; t1 < t0
+// when there is none. Keys outside i + lo <= j <= i + hi are never read.
+__device__ __forceinline__ void key_tile_range(int i0, int i1, int Lk, int64_t lo, int64_t hi,
+                                               int tile, int& t0, int& t1) {
+  const int64_t jlo = max(int64_t(0), int64_t(i0) + lo);
+  const int64_t jhi = min(int64_t(Lk) - 1, int64_t(i1) + hi);
+  t0 = int(jlo / tile);
+  t1 = jhi < jlo ? t0 - 1 : int(jhi / tile);
+}
+
+}  // namespace cuda
+}  // namespace attnx

@@ -1,0 +1,96 @@
+// The plain-C++ interface between the host code (register_cuda.cpp, torch headers) and the
+// CUDA kernels (*.cu, CUDA headers only, so nvcc never parses torch). Everything a kernel needs
+// is a raw pointer, a size or a stride counted in elements.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace attnx {
+namespace cuda {
+
+enum class DType : int { Half = 0, BFloat16 = 1 };
+enum class MaskKind : int { None = 0, Bool = 1, Additive = 2 };  // Additive: q's dtype
+
+// A (B, H, L, D) tensor whose last dim is contiguous. vec16: its data pointer is 16-byte
+// aligned and b, h, l and D are multiples of 8 elements, so rows can be read 16 bytes at a time.
+struct Strides4 {
+  int64_t b, h, l;
+  bool vec16;
+};
+
+// The (B, Hq, Lq, Lk) mask view, any strides (0 on broadcast dims).
+struct MaskView {
+  const void* ptr = nullptr;
+  MaskKind kind = MaskKind::None;
+  int64_t b = 0, h = 0, i = 0, j = 0;
+};
+
+// Dropout of attnx/_rng.py: keep iff hash(seed, b*Hq+h, i, j) >= threshold; kept values are
+// multiplied by keep_scale = 1 / (1 - p).
+struct Dropout {
+  bool on = false;
+  uint32_t seed0 = 0, seed1 = 0, threshold = 0;
+  float keep_scale = 1.f;
+};
+
+struct SdpaParams {
+  DType dtype;
+  int B, Hq, Hkv, Lq, Lk, E, Ev;
+  float scale;
+  int64_t window_lo, window_hi;  // key j admissible for query i iff lo <= j - i <= hi
+  const void *q, *k, *v;
+  Strides4 sq, sk, sv;
+  MaskView mask;
+  Dropout drop;
+  // forward outputs: out (B, Hq, Lq, Ev) and lse (B, Hq, Lq), both contiguous
+  void* out;
+  float* lse;
+  // backward input (contiguous): grad_out (B, Hq, Lq, Ev)
+  const void* dout;
+  // backward outputs, contiguous: dq_acc fp32 (B, Hq, Lq, E) zeroed, dk (B, Hkv, Lk, E),
+  // dv (B, Hkv, Lk, Ev) in the input dtype; dmask (B, Hq, Lq, Lk) zeroed or null; delta fp32
+  // (B, Hq, Lq) scratch.
+  float* dq_acc;
+  void *dk, *dv, *dmask;
+  float* delta;
+};
+
+struct AdditiveParams {
+  DType dtype;
+  int B, H, Lq, Lk, A, Ev;
+  int64_t window_lo, window_hi;
+  const void *q, *k, *value, *v;  // v: (H, A) with strides vh, va
+  Strides4 sq, sk, svalue;
+  int64_t vh, va;
+  MaskView mask;
+  Dropout drop;
+  void* out;  // (B, H, Lq, Ev) contiguous
+  float* lse;  // (B, H, Lq)
+  void* weights;  // (B, H, Lq, Lk) contiguous or null
+  // backward (all contiguous): dout (B, H, Lq, Ev); fp32 accumulators, zeroed:
+  // dq (B, H, Lq, A), dk (B, H, Lk, A), dvalue (B, H, Lk, Ev), dv (H, A); dmask as in SDPA;
+  // delta fp32 (B, H, Lq) = rowsum(dout * out).
+  const void* dout;
+  float *dq, *dk, *dvalue, *dv, *delta;
+  void* dmask;
+};
+
+// The SDPA kernels are built for head-dim families: family D serves every E, Ev <= D (the
+// tiles are zero-filled past E and Ev). Each family lives in its own translation unit
+// (sdpa_fwd_d64.cu, ...), so the families compile in parallel.
+constexpr int kSdpaFamilies[] = {64, 128, 256};
+template <int D>
+cudaError_t sdpa_fwd_family(const SdpaParams& p, cudaStream_t stream);
+template <int D>
+cudaError_t sdpa_bwd_family(const SdpaParams& p, cudaStream_t stream);
+
+// Each returns the cudaError_t of its launches (cudaSuccess when nothing had to run).
+// Shared memory the additive kernels need for value dim Ev (the host checks it fits).
+size_t additive_smem_bytes(int Ev);
+cudaError_t launch_additive_fwd(const AdditiveParams& p, cudaStream_t stream);
+cudaError_t launch_additive_bwd(const AdditiveParams& p, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace attnx

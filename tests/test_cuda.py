@@ -1,0 +1,305 @@
+"""The `cuda` backend (csrc/cuda/) against the float64 reference, on CUDA tensors.
+
+Each result is compared with the reference backend run in float64 (the golden value); the error
+is bounded by a small multiple of the error of the same PyTorch math done in the low dtype (the
+baseline: scores, probabilities and products rounded to the dtype as a plain PyTorch model
+would), flash-attention style (factor 2 for outputs, 3 for gradients). Dropout is compared
+exactly in its pattern: every backend draws the same hash, so the reference with the same seed
+is the golden value. Without a GPU the whole module is skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.bias import CausalBias
+
+import attnx
+from attnx.backends import reference
+from tests._compare import assert_within
+
+from attnx.backends import cuda as cuda_backend
+
+
+def _no_gpu_reason():
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return cuda_backend._device_reason(torch.device("cuda"))  # e.g. too little shared memory
+
+
+pytestmark = pytest.mark.skipif(_no_gpu_reason() is not None, reason=str(_no_gpu_reason()))
+
+DTYPES = (torch.float16, torch.bfloat16)
+DEV = "cuda"
+
+
+def rand(*shape, dtype, grad=True):
+    return torch.randn(*shape, device=DEV, dtype=dtype).requires_grad_(grad)
+
+
+def leaf64(t):
+    return t.detach().double().requires_grad_(t.requires_grad)
+
+
+def lowp_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False, window=None, **_):
+    """The baseline: SDPA math in q's dtype (softmax in float32, as torch's math path does)."""
+    call = attnx._validate.sdpa_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                     window, "reference", False)
+    groups = call.q.shape[1] // call.k.shape[1]
+    kk = call.k.repeat_interleave(groups, dim=1)
+    vv = call.v.repeat_interleave(groups, dim=1)
+    s = (call.q @ kk.transpose(-2, -1)) * call.scale
+    p, _ = reference.masked_softmax(s.float(), call.mask, call.window_lo, call.window_hi)
+    p = reference.apply_dropout(p, call.dropout_p, call.seed)
+    out = p.to(q.dtype) @ vv
+    return out.reshape(call.prefix + tuple(out.shape[-2:]))
+
+
+def lowp_additive(q, k, value, v, attn_mask=None, dropout_p=0.0, is_causal=False, window=None, **_):
+    call = attnx._validate.additive_call(q, k, value, v, attn_mask, dropout_p, is_causal, window,
+                                         "reference", False)
+    t = torch.tanh(call.q.unsqueeze(3) + call.k.unsqueeze(2))
+    s = (t * call.v.view(1, call.v.shape[0], 1, 1, call.v.shape[1])).sum(-1)
+    p, _ = reference.masked_softmax(s.float(), call.mask, call.window_lo, call.window_hi)
+    p = reference.apply_dropout(p, call.dropout_p, call.seed)
+    out = p.to(q.dtype) @ call.value
+    return out.squeeze(1) if call.three_d else out
+
+
+def is_mask_tensor(mask) -> bool:
+    return isinstance(mask, torch.Tensor) and not isinstance(mask, CausalBias)
+
+
+def grad_mask(mask) -> bool:
+    return is_mask_tensor(mask) and mask.requires_grad
+
+
+def mask64(mask):
+    """The float64 golden run's mask: a float mask as a float64 leaf, anything else as is."""
+    if is_mask_tensor(mask) and mask.dtype != torch.bool:
+        return leaf64(mask)
+    return mask
+
+
+def seeded(fn, seed, *args, **kw):
+    torch.manual_seed(seed)  # the dropout seed comes from torch's CPU generator
+    return fn(*args, **kw)
+
+
+def check_sdpa(q, k, v, mask=None, grads=True, seed=0, **kw):
+    """cuda vs float64 reference vs low-precision baseline, outputs and gradients."""
+    inputs = [q, k, v] + ([mask] if grad_mask(mask) else [])
+    out, lse = seeded(attnx.scaled_dot_product_attention, seed, q, k, v, mask, backend="cuda",
+                      return_lse=True, **kw)
+    m64 = mask64(mask)
+    ins64 = [leaf64(t) for t in (q, k, v)] + ([m64] if grad_mask(m64) else [])
+    gold, gold_lse = seeded(attnx.scaled_dot_product_attention, seed, *ins64[:3], m64,
+                            backend="reference", return_lse=True, **kw)
+    base = seeded(lowp_sdpa, seed, q, k, v, mask, **kw)
+    assert_within(out, gold, base, what="out")
+    finite = torch.isfinite(gold_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "lse: -inf rows differ"
+    torch.testing.assert_close(lse[finite], gold_lse[finite].float(), atol=2e-2, rtol=1e-3)
+    if not grads:
+        return out, lse
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, inputs, dout)
+    want = torch.autograd.grad(gold, ins64, dout.double())
+    bl = torch.autograd.grad(base, inputs, dout)
+    for name, g, w, b in zip(("dq", "dk", "dv", "dmask"), got, want, bl):
+        assert_within(g, w, b, factor=3.0, what=name)
+    return out, lse
+
+
+def check_additive(q, k, value, v, mask=None, seed=0, **kw):
+    inputs = [q, k, value, v] + ([mask] if grad_mask(mask) else [])
+    out, w = seeded(attnx.additive_attention, seed, q, k, value, v, mask, backend="cuda",
+                    return_weights=True, **kw)
+    m64 = mask64(mask)
+    ins64 = [leaf64(t) for t in (q, k, value, v)] + ([m64] if grad_mask(m64) else [])
+    gold, gold_w = seeded(attnx.additive_attention, seed, *ins64[:4], m64, backend="reference",
+                          return_weights=True, **kw)
+    base = seeded(lowp_additive, seed, q, k, value, v, mask, **kw)
+    assert_within(out, gold, base, what="out")
+    torch.testing.assert_close(w.double(), gold_w.detach(), atol=1e-2, rtol=1e-2)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, inputs, dout)
+    want = torch.autograd.grad(gold, ins64, dout.double())
+    bl = torch.autograd.grad(base, inputs, dout)
+    for name, g, wt, b in zip(("dq", "dk", "dvalue", "dv", "dmask"), got, want, bl):
+        assert_within(g, wt, b, factor=3.0, what=name)
+    return out
+
+
+def test_cuda_backend_is_usable():
+    status = attnx.backends()["cuda"]
+    assert status.usable, status.reason
+
+
+# ------------------------------------------------------------------------------------------ SDPA
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lq,lk", [(1, 1), (1, 97), (17, 17), (97, 17), (17, 97), (128, 128),
+                                   (1025, 1025)])
+def test_sdpa_sizes(dtype, lq, lk):
+    torch.manual_seed(1)
+    check_sdpa(rand(2, 3, lq, 64, dtype=dtype), rand(2, 3, lk, 64, dtype=dtype),
+               rand(2, 3, lk, 64, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("e,ev", [(16, 16), (32, 32), (59, 59), (64, 128), (96, 96), (111, 111),
+                                  (128, 128), (192, 64), (256, 256)])
+def test_sdpa_head_dims(dtype, e, ev):
+    torch.manual_seed(2)
+    check_sdpa(rand(1, 2, 97, e, dtype=dtype), rand(1, 2, 113, e, dtype=dtype),
+               rand(1, 2, 113, ev, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lq,lk", [(97, 97), (17, 203), (203, 17), (1025, 1025)])
+def test_sdpa_causal(dtype, lq, lk):
+    torch.manual_seed(3)
+    check_sdpa(rand(1, 2, lq, 128, dtype=dtype), rand(1, 2, lk, 128, dtype=dtype),
+               rand(1, 2, lk, 128, dtype=dtype), is_causal=True)
+
+
+@pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
+def test_sdpa_causal_bias(variant):
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+    torch.manual_seed(4)
+    lq, lk = 33, 150
+    bias = (causal_upper_left if variant == "upper_left" else causal_lower_right)(lq, lk)
+    check_sdpa(rand(2, 2, lq, 64, dtype=torch.float16), rand(2, 2, lk, 64, dtype=torch.float16),
+               rand(2, 2, lk, 64, dtype=torch.float16), bias)
+
+
+@pytest.mark.parametrize("window,causal", [((16, 16), False), ((0, 0), False), ((40, None), True),
+                                           ((None, 3), False), ((100, 0), False)])
+def test_sdpa_window(window, causal):
+    torch.manual_seed(5)
+    check_sdpa(rand(1, 2, 300, 64, dtype=torch.bfloat16), rand(1, 2, 260, 64, dtype=torch.bfloat16),
+               rand(1, 2, 260, 64, dtype=torch.bfloat16), window=window, is_causal=causal)
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 1), (8, 8)])
+def test_sdpa_gqa(hq, hkv):
+    torch.manual_seed(6)
+    check_sdpa(rand(2, hq, 97, 64, dtype=torch.float16), rand(2, hkv, 130, 64, dtype=torch.float16),
+               rand(2, hkv, 130, 64, dtype=torch.float16), enable_gqa=True, is_causal=True)
+
+
+def test_sdpa_bool_mask_broadcast_with_empty_rows():
+    torch.manual_seed(7)
+    lq, lk = 70, 90
+    mask = torch.rand(lq, lk, device=DEV) > 0.3  # broadcast over batch and heads
+    mask[5] = False
+    mask[63] = False
+    q = rand(2, 3, lq, 64, dtype=torch.float16)
+    out, lse = check_sdpa(q, rand(2, 3, lk, 64, dtype=torch.float16),
+                          rand(2, 3, lk, 64, dtype=torch.float16), mask)
+    assert (out[:, :, [5, 63]] == 0).all()
+    assert (lse[:, :, [5, 63]] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sdpa_float_mask_gradient(dtype):
+    torch.manual_seed(8)
+    lq, lk = 97, 65
+    mask = torch.randn(2, 1, lq, lk, device=DEV, dtype=dtype)
+    mask[..., 10, :] = float("-inf")  # a fully masked row
+    mask.requires_grad_(True)
+    check_sdpa(rand(2, 4, lq, 64, dtype=dtype), rand(2, 4, lk, 64, dtype=dtype),
+               rand(2, 4, lk, 64, dtype=dtype), mask)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_sdpa_dropout_matches_reference(p):
+    torch.manual_seed(9)
+    q, k, v = (rand(2, 4, 129, 64, dtype=torch.bfloat16) for _ in range(3))
+    check_sdpa(q, k, v, dropout_p=p, is_causal=True, seed=1234)
+    a = seeded(attnx.scaled_dot_product_attention, 7, q, k, v, dropout_p=p, backend="cuda")
+    b = seeded(attnx.scaled_dot_product_attention, 7, q, k, v, dropout_p=p, backend="cuda")
+    assert torch.equal(a, b)
+
+
+def test_sdpa_scale_and_noncontiguous_inputs():
+    torch.manual_seed(10)
+    # (B, L, H, D) storage viewed as (B, H, L, D), as a projection would produce.
+    q = torch.randn(2, 77, 4, 64, device=DEV, dtype=torch.float16).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 91, 4, 64, device=DEV, dtype=torch.float16).transpose(1, 2).requires_grad_()
+    v = torch.randn(2, 91, 4, 64, device=DEV, dtype=torch.float16).transpose(1, 2).requires_grad_()
+    check_sdpa(q, k, v, scale=0.3)
+
+
+def test_sdpa_deterministic_forward():
+    torch.manual_seed(11)
+    q, k, v = (rand(1, 2, 500, 128, dtype=torch.float16, grad=False) for _ in range(3))
+    a = attnx.scaled_dot_product_attention(q, k, v, backend="cuda")
+    assert all(torch.equal(a, attnx.scaled_dot_product_attention(q, k, v, backend="cuda"))
+               for _ in range(5))
+
+
+def test_sdpa_opcheck():
+    torch.manual_seed(12)
+    q = rand(1, 2, 33, 64, dtype=torch.float16)
+    k = rand(1, 1, 47, 64, dtype=torch.float16)
+    v = rand(1, 1, 47, 64, dtype=torch.float16)
+    mask = torch.randn(1, 2, 33, 47, device=DEV, dtype=torch.float16, requires_grad=True)
+    seed = torch.tensor([3, 5], dtype=torch.int64)
+    torch.library.opcheck(torch.ops.attnx.sdpa_fwd,
+                          (q, k, v, mask, 0.125, -33, 47, 0.0, None))
+    torch.library.opcheck(torch.ops.attnx.sdpa_fwd,
+                          (q, k, v, None, 0.125, -5, 0, 0.2, seed))
+
+
+# -------------------------------------------------------------------------------------- additive
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lq,lk,a,ev", [(1, 1, 8, 8), (17, 97, 64, 32), (97, 17, 100, 48),
+                                        (33, 65, 256, 256)])
+def test_additive_sizes(dtype, lq, lk, a, ev):
+    torch.manual_seed(20)
+    check_additive(rand(2, 2, lq, a, dtype=dtype), rand(2, 2, lk, a, dtype=dtype),
+                   rand(2, 2, lk, ev, dtype=dtype), rand(2, a, dtype=dtype))
+
+
+def test_additive_three_d_shared_v_and_float_mask():
+    torch.manual_seed(21)
+    b, lq, lk, a = 3, 19, 40, 32
+    mask = torch.randn(b, 1, lk, device=DEV, dtype=torch.float16)
+    mask[1, 0, :] = float("-inf")  # every query of batch 1 fully masked
+    mask.requires_grad_(True)
+    out = check_additive(rand(b, lq, a, dtype=torch.float16), rand(b, lk, a, dtype=torch.float16),
+                         rand(b, lk, 16, dtype=torch.float16), rand(a, dtype=torch.float16), mask)
+    assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("kw,with_mask", [(dict(is_causal=True), False),
+                                         (dict(window=(4, 4)), True),
+                                         (dict(dropout_p=0.3), True),
+                                         (dict(dropout_p=0.3, is_causal=True), False)])
+def test_additive_band_and_dropout(kw, with_mask):
+    torch.manual_seed(22)
+    mask = torch.rand(1, 1, 50, 50, device=DEV) > 0.2 if with_mask else None
+    check_additive(rand(2, 3, 50, 48, dtype=torch.bfloat16), rand(2, 3, 50, 48, dtype=torch.bfloat16),
+                   rand(2, 3, 50, 24, dtype=torch.bfloat16), rand(3, 48, dtype=torch.bfloat16),
+                   mask, seed=99, **kw)
+
+
+def test_additive_opcheck():
+    torch.manual_seed(23)
+    q, k = rand(1, 2, 9, 16, dtype=torch.float16), rand(1, 2, 21, 16, dtype=torch.float16)
+    value, v = rand(1, 2, 21, 8, dtype=torch.float16), rand(2, 16, dtype=torch.float16)
+    torch.library.opcheck(torch.ops.attnx.additive_fwd,
+                          (q, k, value, v, None, -9, 21, 0.0, None, False))
+    torch.library.opcheck(torch.ops.attnx.additive_fwd,
+                          (q, k, value, v, None, -2, 0, 0.25, torch.tensor([1, 2]), True))
+
+
+def test_sdpa_many_heads_and_batches():
+    """Many CTAs at once (the grid's y and z dims in use), vs the reference."""
+    torch.manual_seed(24)
+    check_sdpa(rand(16, 16, 64, 32, dtype=torch.float16), rand(16, 16, 64, 32, dtype=torch.float16),
+               rand(16, 16, 64, 32, dtype=torch.float16), grads=False)
