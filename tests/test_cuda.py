@@ -15,10 +15,10 @@ import torch
 from torch.nn.attention.bias import CausalBias
 
 import attnx
-from attnx.backends import reference
+from attnx._backends import reference
 from tests._compare import assert_within
 
-from attnx.backends import cuda as cuda_backend
+from attnx._backends import cuda as cuda_backend
 
 
 def _no_gpu_reason():

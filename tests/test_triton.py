@@ -24,7 +24,7 @@ if not INTERPRET and not torch.cuda.is_available():
 
 import attnx  # noqa: E402
 from attnx import _dispatch, _rng, _validate  # noqa: E402
-from attnx.backends import reference  # noqa: E402
+from attnx._backends import reference  # noqa: E402
 from attnx.triton import additive as _additive_ops, sdpa as _sdpa_ops  # noqa: E402,F401
 
 from _compare import assert_within, max_err  # noqa: E402
