@@ -72,7 +72,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     out = out.reshape(call.prefix + tuple(out.shape[-2:]))
     if not return_lse:
         return out
-    return out, lse.reshape(call.prefix + (lse.shape[-1],))
+    return out, lse.float().reshape(call.prefix + (lse.shape[-1],))
 
 
 def additive_attention(query, key, value, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,

@@ -38,6 +38,11 @@ def has_kernel(op: str, dispatch_key: str) -> bool:
     return (op, dispatch_key) in _KERNELS
 
 
+def _sdpa_lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float64 inputs keep a float64 lse (csrc/ops.cpp); the public ops return float32.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _empty_grad(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,))
 
@@ -48,7 +53,7 @@ if _C is not None:
     def _sdpa_fwd_fake(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed):
         b, h, lq, _ = q.shape
         out = q.new_empty((b, h, lq, v.shape[-1]))
-        return out, q.new_empty((b, h, lq), dtype=torch.float32)
+        return out, q.new_empty((b, h, lq), dtype=_sdpa_lse_dtype(q.dtype))
 
     @torch.library.register_fake("attnx::sdpa_bwd")
     def _sdpa_bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi,

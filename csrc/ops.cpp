@@ -7,8 +7,9 @@
 //   key/value head h / (Hq / Hkv)). mask: None, or a (B, Hq, Lq, Lk) view of dtype bool (true =
 //   may attend) or q's dtype (added to the scaled scores), read through its strides (size-1
 //   dims broadcast with stride 0). Key j is admissible for query i iff
-//   i + window_lo <= j <= i + window_hi (and the mask allows it). lse is float32 (B, Hq, Lq),
-//   -inf for rows with no admissible key, whose output is zero. seed: int64 (2,) on the CPU,
+//   i + window_lo <= j <= i + window_hi (and the mask allows it). lse is (B, Hq, Lq), float32
+//   (float64 for sdpa on float64 inputs, so that gradcheck-grade backward stays exact), -inf
+//   for rows with no admissible key, whose output is zero. seed: int64 (2,) on the CPU,
 //   the dropout hash key of attnx/_rng.py. A gradient that is not asked for comes back empty.
 #include <torch/library.h>
 

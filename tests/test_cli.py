@@ -13,8 +13,9 @@ def test_info_reports_versions_and_backends():
     out = subprocess.run([sys.executable, "-m", "attnx", "info"], capture_output=True, text=True, check=True).stdout
     assert f"attnx      {attnx.__version__}" in out
     assert torch.__version__ in out
+    listing = out.split("backends:")[1].splitlines()
     for name, status in attnx.backends().items():
-        line = next(ln for ln in out.splitlines() if ln.strip().startswith(name + " "))
+        line = next(ln for ln in listing if ln.strip().startswith(name + " "))
         assert ("usable" == line.split()[1]) == status.usable, line
 
 

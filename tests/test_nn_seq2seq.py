@@ -48,7 +48,9 @@ def test_padding_does_not_change_results(style, rnn):
     assert tokens.shape[0] == 2 and weights.shape[:2] == tokens.shape and weights.shape[2] == 6
 
 
-@pytest.mark.parametrize("style,score,steps", [("bahdanau", "additive", 150), ("luong", "dot", 300)])
+# 150 steps sat on a loss spike at lr 1e-2 (accuracy 0.86-0.90 depending on rounding); at 200
+# both the reference and the fused cpu backend reach 0.99.
+@pytest.mark.parametrize("style,score,steps", [("bahdanau", "additive", 200), ("luong", "dot", 300)])
 def test_learns_to_reverse(style, score, steps):
     torch.set_num_threads(1)
     rng = random.Random(0)

@@ -99,7 +99,7 @@ ADDITIVE_CASES = [
     (dict(dropout_p=2), ValueError, ["dropout_p"]),
     (dict(return_weights=1), TypeError, ["return_weights"]),
     (dict(window=(1,)), ValueError, ["window"]),
-    (dict(backend="triton"), ValueError, ["backend", "'triton'"]),
+    (dict(backend="cuda"), ValueError, ["backend", "'cuda'"]),
 ]
 
 

@@ -142,7 +142,7 @@ constexpr int64_t BWD_KEY_BLOCK = 128;
 
 template <typename T>
 void forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T scale, Band band,
-                    const Dropout& drop, T* out, float* lse, const Dims& d) {
+                    const Dropout& drop, T* out, T* lse, const Dims& d) {
   const int64_t BQ = fwd_query_block(d.Lq), BK = FWD_KEY_BLOCK;
   const int64_t nqt = (d.Lq + BQ - 1) / BQ;
   const T inv_keep = static_cast<T>(drop.inv_keep);
@@ -157,7 +157,7 @@ void forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
       const T* kp = k + bhk * d.Lk * d.E;
       const T* vp = v + bhk * d.Lk * d.Ev;
       T* op = out + (bh * d.Lq + i0) * d.Ev;
-      float* lp = lse + bh * d.Lq + i0;
+      T* lp = lse + bh * d.Lq + i0;
       std::fill(m.begin(), m.end(), neg_inf<T>());
       std::fill(l.begin(), l.end(), T(0));
       std::fill(op, op + mq * d.Ev, T(0));
@@ -194,10 +194,10 @@ void forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
       for (int64_t r = 0; r < mq; ++r) {
         if (l[r] > T(0)) {
           scale_row(op + r * d.Ev, d.Ev, T(1) / l[r]);
-          lp[r] = static_cast<float>(m[r] + std::log(l[r]));
+          lp[r] = m[r] + std::log(l[r]);
         } else {
           std::fill(op + r * d.Ev, op + (r + 1) * d.Ev, T(0));
-          lp[r] = neg_inf<float>();
+          lp[r] = neg_inf<T>();
         }
       }
     }
@@ -213,7 +213,7 @@ struct BwdOut {
 
 template <typename T>
 void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T* out,
-                     const float* lse, const MaskRows& mask, T scale, Band band,
+                     const T* lse, const MaskRows& mask, T scale, Band band,
                      const Dropout& drop, const BwdOut& res, const Dims& d) {
   T* dq = static_cast<T*>(res.dq);
   T* dk = static_cast<T*>(res.dk);
@@ -231,7 +231,7 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
       const T* doh = dout + bh * d.Lq * d.Ev;
       const T* kh = k + bhk * d.Lk * d.E;
       const T* vh = v + bhk * d.Lk * d.Ev;
-      const float* lh = lse + bh * d.Lq;
+      const T* lh = lse + bh * d.Lq;
       T* dqh = dq + bh * d.Lq * d.E;
       T* dkh = dk + bh * d.Lk * d.E;
       T* dvh = dv + bh * d.Lk * d.Ev;
@@ -255,10 +255,10 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
             const int64_t i = i0 + r;
             T* pr = p + r * nk;
             const int64_t a = band.first(i, j0, nk), e = std::max(a, band.last(i, j0, nk));
-            const float li = lh[i];
+            const T li = lh[i];
             std::fill(pr, pr + a, T(0));
             std::fill(pr + e, pr + nk, T(0));
-            if (li == neg_inf<float>()) {
+            if (li == neg_inf<T>()) {
               std::fill(pr + a, pr + e, T(0));
               continue;
             }
@@ -348,12 +348,14 @@ std::tuple<Tensor, Tensor> sdpa_fwd(const Tensor& q, const Tensor& k, const Tens
   const auto ct = compute_type(q.scalar_type());
   const Tensor qc = prepared(q, ct), kc = prepared(k, ct), vc = prepared(v, ct);
   Tensor out = at::empty({d.B, d.Hq, d.Lq, d.Ev}, q.options().dtype(ct));
-  Tensor lse = at::empty({d.B, d.Hq, d.Lq}, q.options().dtype(at::kFloat));
+  // lse in the accumulation dtype: float64 inputs keep a float64 lse so that their backward
+  // recomputes probabilities to float64 accuracy.
+  Tensor lse = at::empty({d.B, d.Hq, d.Lq}, q.options().dtype(ct));
   const Band band{window_lo, window_hi};
   if (ct == at::kDouble) {
     forward_kernel<double>(qc.data_ptr<double>(), kc.data_ptr<double>(), vc.data_ptr<double>(),
                            rows, scale, band, drop, out.data_ptr<double>(),
-                           lse.data_ptr<float>(), d);
+                           lse.data_ptr<double>(), d);
   } else {
     forward_kernel<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
                           rows, static_cast<float>(scale), band, drop, out.data_ptr<float>(),
@@ -374,9 +376,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
               " and ", out.sizes());
   TORCH_CHECK(grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
               "attnx::sdpa_bwd: grad_out and out must have q's dtype");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat &&
+  TORCH_CHECK(lse.scalar_type() == compute_type(q.scalar_type()) &&
                   lse.sizes() == std::vector<int64_t>({d.B, d.Hq, d.Lq}),
-              "attnx::sdpa_bwd: expected a float32 (B, Hq, Lq) lse, got ", lse.sizes());
+              "attnx::sdpa_bwd: expected a (B, Hq, Lq) lse of the forward's dtype, got ",
+              lse.scalar_type(), " ", lse.sizes());
   TORCH_CHECK(!mask_grad || (mask.has_value() && mask->scalar_type() != at::kBool),
               "attnx::sdpa_bwd: mask_grad needs a float mask");
   const Dropout drop(dropout_p, seed);
@@ -395,7 +398,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
   const Band band{window_lo, window_hi};
   if (ct == at::kDouble) {
     backward_kernel<double>(doc.data_ptr<double>(), qc.data_ptr<double>(), kc.data_ptr<double>(),
-                            vc.data_ptr<double>(), oc.data_ptr<double>(), lc.data_ptr<float>(),
+                            vc.data_ptr<double>(), oc.data_ptr<double>(), lc.data_ptr<double>(),
                             rows, scale, band, drop, res, d);
   } else {
     backward_kernel<float>(doc.data_ptr<float>(), qc.data_ptr<float>(), kc.data_ptr<float>(),
