@@ -237,3 +237,18 @@ def test_auto_backend_matches_reference_on_cpu():
     q, k, v = qkv()
     torch.testing.assert_close(attnx.scaled_dot_product_attention(q, k, v),
                                attnx.scaled_dot_product_attention(q, k, v, **REF))
+
+
+def test_additive_dropout_reproducible_and_correct():
+    q, k, val, v = rand(2, 3, 16, 8), rand(2, 3, 16, 8), rand(2, 3, 16, 5), rand(3, 8)
+    torch.manual_seed(1)
+    seed = _rng.draw_seed()
+    torch.manual_seed(1)
+    a, w = attnx.additive_attention(q, k, val, v, dropout_p=0.3, return_weights=True, **REF)
+    torch.manual_seed(1)
+    b = attnx.additive_attention(q, k, val, v, dropout_p=0.3, **REF)
+    assert torch.equal(a, b)
+    keep = _rng.keep_mask(seed, 2, 3, 16, 16, 0.3, torch.device("cpu"))
+    _, p = golden.additive(q, k, val, v)
+    check(w, p * keep / 0.7)  # the weights returned are the ones applied, after dropout
+    check(a, (p * keep / 0.7) @ val.double())
