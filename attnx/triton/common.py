@@ -132,6 +132,13 @@ def query_range(n0, Lq, Lk, window_lo, window_hi, BLOCK_M: tl.constexpr, BLOCK_N
 
 
 @triton.jit
+def softmax_start(BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The online softmax's running row max, row sum and output before any key tile."""
+    return (tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.zeros([BLOCK_M, BLOCK_DV], tl.float32))
+
+
+@triton.jit
 def softmax_step(s, v, m_i, l_i, acc, key_row, threshold, offs_n, inv_keep,
                  DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
     """One key tile of the online softmax: its scores s and values v folded into the running

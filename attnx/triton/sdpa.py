@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (admit_block, dot, key_range, query_range, score_grad, softmax_step,
-                     store_rows)
+from .common import (admit_block, dot, key_range, query_range, score_grad, softmax_start,
+                     softmax_step, store_rows)
 from .rng import keep, rng_words, row_keys
 
 _FWD = common.configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
@@ -66,9 +66,7 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
     if DROPOUT:
         key_row, threshold = row_keys(RNG, bh, offs_m)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_DV)
     start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
