@@ -66,23 +66,30 @@ def _naive_sdpa(q, k, v, mask, call):
     return torch.matmul(reference.apply_dropout(p, call.dropout_p, call.seed), v), lse
 
 
-def _run_sdpa(backend, q, k, v, mask, kwargs, grad):
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+def _run(inputs, mask, grad, forward):
+    """forward(*leaves, mask) under SEED on fresh leaves of the inputs (and of a float mask),
+    and the gradients of every leaf: (out, forward's second result, grads)."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
     m = mask
     if _is_float_mask(mask):
         m = mask.detach().requires_grad_()
         leaves.append(m)
     torch.manual_seed(SEED)
-    if backend == "naive":
-        call = _validate.sdpa_call(*leaves[:3], m, kwargs.get("dropout_p", 0.0),
-                                   kwargs.get("is_causal", False), kwargs.get("scale"),
-                                   kwargs.get("enable_gqa", False), kwargs.get("window"),
-                                   "reference", True)
-        out, lse = _naive_sdpa(*leaves[:3], m, call)
-    else:
-        out, lse = attnx.scaled_dot_product_attention(*leaves[:3], attn_mask=m, backend=backend,
-                                                      return_lse=True, **kwargs)
-    return out, lse, _grads(out, leaves, grad.to(out.dtype))
+    out, extra = forward(*leaves[:len(inputs)], m)
+    return out, extra, _grads(out, leaves, grad.to(out.dtype))
+
+
+def _run_sdpa(backend, q, k, v, mask, kwargs, grad):
+    def forward(q, k, v, m):
+        if backend == "naive":
+            call = _validate.sdpa_call(q, k, v, m, kwargs.get("dropout_p", 0.0),
+                                       kwargs.get("is_causal", False), kwargs.get("scale"),
+                                       kwargs.get("enable_gqa", False), kwargs.get("window"),
+                                       "reference", True)
+            return _naive_sdpa(q, k, v, m, call)
+        return attnx.scaled_dot_product_attention(q, k, v, attn_mask=m, backend=backend,
+                                                  return_lse=True, **kwargs)
+    return _run((q, k, v), mask, grad, forward)
 
 
 def check_sdpa(dtype, b, hq, hkv, lq, lk, e, ev=None, mask_shape=None, mask_kind=None,
@@ -208,21 +215,15 @@ def _naive_additive(q, k, value, w, mask, call):
 
 
 def _run_additive(backend, q, k, value, w, mask, kwargs, grad):
-    leaves = [t.detach().requires_grad_() for t in (q, k, value, w)]
-    m = mask
-    if _is_float_mask(mask):
-        m = mask.detach().requires_grad_()
-        leaves.append(m)
-    torch.manual_seed(SEED)
-    if backend == "naive":
-        call = _validate.additive_call(*leaves[:4], m, kwargs.get("dropout_p", 0.0),
-                                       kwargs.get("is_causal", False), kwargs.get("window"),
-                                       "reference", True)
-        out, weights = _naive_additive(*leaves[:4], m, call)
-    else:
-        out, weights = attnx.additive_attention(*leaves[:4], attn_mask=m, backend=backend,
-                                                return_weights=True, **kwargs)
-    return out, weights, _grads(out, leaves, grad.to(out.dtype))
+    def forward(q, k, value, w, m):
+        if backend == "naive":
+            call = _validate.additive_call(q, k, value, w, m, kwargs.get("dropout_p", 0.0),
+                                           kwargs.get("is_causal", False), kwargs.get("window"),
+                                           "reference", True)
+            return _naive_additive(q, k, value, w, m, call)
+        return attnx.additive_attention(q, k, value, w, attn_mask=m, backend=backend,
+                                        return_weights=True, **kwargs)
+    return _run((q, k, value, w), mask, grad, forward)
 
 
 def check_additive(dtype, b, h, lq, lk, a, ev, w_shape=None, mask_shape=None, mask_kind=None,

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import admit, dot, key_range, query_range
+from .common import (admit, dot, key_range, query_range, score_grad, softmax_start,
+                     softmax_step, store_rows)
 from .rng import keep, rng_words, row_keys
 
 
@@ -82,35 +83,22 @@ def _fwd_kernel(Q, K, VAL, W, M, O, LSE, RNG,
     v_base = VAL + b * svb + h * svh
     w_base = W + h * swh
     m_base = M + b * smb + h * smh
+    key_row, threshold = None, None
     if DROPOUT:
         key_row, threshold = row_keys(RNG, bh, offs_m)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_DV)
     start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         s = _scores(q_base, k_base, w_base, offs_m, offs_n, Lq, Lk, A, sqm, sqa, skn, ska, swa,
                     BLOCK_M, BLOCK_N, BLOCK_A)
         s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # see the SDPA kernel
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
-            p = tl.where(keep(key_row, offs_n, threshold), p * inv_keep, 0.0)
         val = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
                       mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < Ev), other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(val.dtype), val, DOT_PREC)
-        m_i = m_new
-    has = l_i > 0.0
-    l_safe = tl.where(has, l_i, 1.0)
-    out = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod,
-             out.to(O.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Ev))
-    tl.store(LSE + bh.to(tl.int64) * Lq + offs_m,
-             tl.where(has, m_i + tl.log(l_safe), float("-inf")), mask=offs_m < Lq)
+        m_i, l_i, acc = softmax_step(s, val, m_i, l_i, acc, key_row, threshold, offs_n, inv_keep,
+                                     DROPOUT, DOT_PREC)
+    store_rows(O + b * sob + h * soh, LSE + bh.to(tl.int64) * Lq, m_i, l_i, acc, offs_m, offs_dv,
+               Lq, Ev, som, sod)
 
 
 @triton.jit
@@ -149,21 +137,6 @@ def _weights_kernel(Q, K, W, M, LSE, RNG, P,
 
 
 @triton.jit
-def _score_grad(p, do, val_t, delta, RNG, bh, offs_m, offs_n, inv_keep,
-                DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """(dscore, probabilities after dropout) of a tile."""
-    dp = dot(do, val_t, DOT_PREC)
-    if DROPOUT:
-        key_row, threshold = row_keys(RNG, bh, offs_m)
-        kept = keep(key_row, offs_n, threshold)
-        p_used = tl.where(kept, p * inv_keep, 0.0)
-        dp = tl.where(kept, dp * inv_keep, 0.0)
-    else:
-        p_used = p
-    return p * (dp - delta[:, None]), p_used
-
-
-@triton.jit
 def _dk_kernel(Q, K, VAL, W, M, DO, LSE, DELTA, RNG, DK, DVAL, DW, DM,
                sqb, sqh, sqm, sqa, skb, skh, skn, ska, svb, svh, svn, svd, swh, swa,
                smb, smh, smm, smn, sdb, sdh, sdm, sdd,
@@ -198,8 +171,8 @@ def _dk_kernel(Q, K, VAL, W, M, DO, LSE, DELTA, RNG, DK, DVAL, DW, DM,
         do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd,
                      mask=row_ok[:, None] & (offs_dv[None, :] < Ev), other=0.0)
         delta = tl.load(DELTA + bh * Lq + offs_m, mask=row_ok, other=0.0)
-        ds, p_used = _score_grad(p, do, val_t, delta, RNG, bh, offs_m, offs_n, inv_keep,
-                                 DROPOUT, DOT_PREC)
+        ds, p_used = score_grad(p, do, val_t, delta, RNG, bh, offs_m, offs_n, inv_keep,
+                                DROPOUT, DOT_PREC)
         dval += dot(tl.trans(p_used.to(do.dtype)), do, DOT_PREC)
         if MASK_GRAD:
             tl.store(DM + (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :],
@@ -252,8 +225,8 @@ def _dq_kernel(Q, K, VAL, W, M, DO, LSE, DELTA, RNG, DQ,
                    MASK_KIND, BLOCK_M, BLOCK_N, BLOCK_A)
         val_t = tl.load(v_base + offs_n[None, :] * svn + offs_dv[:, None] * svd,
                         mask=(offs_n[None, :] < Lk) & (offs_dv[:, None] < Ev), other=0.0)
-        ds, _ = _score_grad(p, do, val_t, delta, RNG, bh, offs_m, offs_n, inv_keep,
-                            DROPOUT, DOT_PREC)
+        ds, _ = score_grad(p, do, val_t, delta, RNG, bh, offs_m, offs_n, inv_keep,
+                           DROPOUT, DOT_PREC)
         for a0 in range(0, A, BLOCK_A):
             offs_a = a0 + tl.arange(0, BLOCK_A)
             t, wa = _chunk(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A,

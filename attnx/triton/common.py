@@ -1,4 +1,5 @@
-"""What the SDPA and additive kernels share: the admissible-key test, launch configurations."""
+"""What the SDPA and additive kernels share: the admissible-key test, the online softmax,
+launch configurations."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from .rng import keep, row_keys
 
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 
@@ -126,3 +129,58 @@ def query_range(n0, Lq, Lk, window_lo, window_hi, BLOCK_M: tl.constexpr, BLOCK_N
     last = tl.minimum(n0 + BLOCK_N, Lk) - 1
     start = (tl.maximum(n0 - window_hi, 0) // BLOCK_M) * BLOCK_M
     return start, tl.minimum(last - window_lo + 1, Lq)
+
+
+@triton.jit
+def softmax_start(BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The online softmax's running row max, row sum and output before any key tile."""
+    return (tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.zeros([BLOCK_M, BLOCK_DV], tl.float32))
+
+
+@triton.jit
+def softmax_step(s, v, m_i, l_i, acc, key_row, threshold, offs_n, inv_keep,
+                 DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One key tile of the online softmax: its scores s and values v folded into the running
+    row max m_i, row sum l_i (taken before dropout) and output acc; returns the new three.
+    key_row and threshold are `row_keys` of the rows (None without DROPOUT)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with nothing admissible so far keeps max -inf; subtracting 0 instead keeps
+    # exp(-inf - -inf) = NaN out.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        p = tl.where(keep(key_row, offs_n, threshold), p * inv_keep, 0.0)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_rows(o_base, lse_base, m_i, l_i, acc, offs_m, offs_dv, Lq, Ev, som, sod):
+    """Normalises and stores the output rows and their lse: 0 and -inf on rows that admitted
+    no key."""
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    out = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
+    tl.store(o_base + offs_m[:, None] * som + offs_dv[None, :] * sod,
+             out.to(o_base.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Ev))
+    tl.store(lse_base + offs_m, tl.where(has, m_i + tl.log(l_safe), float("-inf")),
+             mask=offs_m < Lq)
+
+
+@triton.jit
+def score_grad(p, do, val_t, delta, RNG, bh, offs_m, offs_n, inv_keep,
+               DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """(dscore, probabilities after dropout) of a tile, from its probabilities p, the output
+    gradient rows do, the values transposed and delta = rowsum(dO * O)."""
+    dp = dot(do, val_t, DOT_PREC)
+    if DROPOUT:
+        key_row, threshold = row_keys(RNG, bh, offs_m)
+        kept = keep(key_row, offs_n, threshold)
+        p_used = tl.where(kept, p * inv_keep, 0.0)
+        dp = tl.where(kept, dp * inv_keep, 0.0)
+    else:
+        p_used = p
+    return p * (dp - delta[:, None]), p_used

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import admit_block, dot, key_range, query_range
+from .common import (admit_block, dot, key_range, query_range, score_grad, softmax_start,
+                     softmax_step, store_rows)
 from .rng import keep, rng_words, row_keys
 
 _FWD = common.configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
@@ -29,6 +30,22 @@ _KEY = ["Lq", "Lk", "BLOCK_D", "BLOCK_DV", "MASK_KIND", "DROPOUT", "GROUPS"]
 _PRUNE = {"early_config_prune": common.prune_wide_heads}
 
 
+@triton.jit
+def _query_program(H, GROUPS, BLOCK_M: tl.constexpr):
+    """(first query row, b * Hq + h, b, h, kv head) of a program over (query block, b * Hq + h)."""
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    return m0, bh, b, h, (h // GROUPS).to(tl.int64)
+
+
+@triton.jit
+def _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh):
+    """Where the keys, values (kv head hk) and mask (query head h) of batch b start."""
+    return K + b * skb + hk * skh, V + b * svb + hk * svh, M + b * smb + h * smh
+
+
 @triton.autotune(configs=_FWD, key=_KEY, prune_configs_by=_PRUNE)
 @triton.jit
 def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
@@ -38,25 +55,18 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    m0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    hk = (h // GROUPS).to(tl.int64)
+    m0, bh, b, h, hk = _query_program(H, GROUPS, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
-    m_base = M + b * smb + h * smh
+    k_base, v_base, m_base = _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh)
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
                 mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < E), other=0.0)
+    key_row, threshold = None, None
     if DROPOUT:
         key_row, threshold = row_keys(RNG, bh, offs_m)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_DV)
     start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -65,27 +75,12 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
         s = dot(q, kt, DOT_PREC) * scale
         s = admit_block(s, m_base, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
                         MASK_KIND, BLOCK_M, BLOCK_N)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with nothing admissible so far keeps max -inf; subtracting 0 instead keeps
-        # exp(-inf - -inf) = NaN out.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
-            p = tl.where(keep(key_row, offs_n, threshold), p * inv_keep, 0.0)
         v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
                     mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < Ev), other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PREC)
-        m_i = m_new
-
-    has = l_i > 0.0
-    l_safe = tl.where(has, l_i, 1.0)
-    out = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod,
-             out.to(O.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Ev))
-    lse = tl.where(has, m_i + tl.log(l_safe), float("-inf"))
-    tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
+        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, key_row, threshold, offs_n, inv_keep,
+                                     DROPOUT, DOT_PREC)
+    store_rows(O + b * sob + h * soh, LSE + bh.to(tl.int64) * Lq, m_i, l_i, acc, offs_m, offs_dv,
+               Lq, Ev, som, sod)
 
 
 @triton.jit
@@ -145,16 +140,9 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
             delta = tl.load(DELTA + bh * Lq + offs_m, mask=row_ok, other=0.0)
             p = _probs(q, kt, m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, scale,
                        window_lo, window_hi, MASK_KIND, DOT_PREC, BLOCK_M, BLOCK_N)
-            dp = dot(do, vt, DOT_PREC)
-            if DROPOUT:
-                key_row, threshold = row_keys(RNG, bh, offs_m)
-                kept = keep(key_row, offs_n, threshold)
-                p_used = tl.where(kept, p * inv_keep, 0.0)
-                dp = tl.where(kept, dp * inv_keep, 0.0)
-            else:
-                p_used = p
+            ds, p_used = score_grad(p, do, vt, delta, RNG, bh, offs_m, offs_n, inv_keep,
+                                    DROPOUT, DOT_PREC)
             dv += dot(tl.trans(p_used.to(do.dtype)), do, DOT_PREC)
-            ds = p * (dp - delta[:, None])
             if MASK_GRAD:
                 tl.store(DM + bh * Lq * Lk + offs_m[:, None] * Lk + offs_n[None, :],
                          ds.to(DM.dtype.element_ty),
@@ -177,11 +165,7 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
                MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    m0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    hk = (h // GROUPS).to(tl.int64)
+    m0, bh, b, h, hk = _query_program(H, GROUPS, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -196,9 +180,7 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
     delta = tl.load(DELTA + bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=0.0)
     if DROPOUT:
         key_row, threshold = row_keys(RNG, bh, offs_m)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
-    m_base = M + b * smb + h * smh
+    k_base, v_base, m_base = _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
