@@ -129,6 +129,26 @@ struct Dropout {
   }
 };
 
+// Rows [r0, r1) of a query tile and the keys [c0, c1) of a key block that some of them admit.
+struct RowGroup {
+  int64_t r0, r1, c0, c1;
+};
+
+// The tile of mq queries from i0 against keys j0 .. j0 + nk - 1, cut into row groups so that
+// the GEMMs skip what the band refuses: one group when the band admits the whole block.
+template <typename F>
+void for_row_groups(Band band, int64_t i0, int64_t mq, int64_t j0, int64_t nk, int64_t rows,
+                    F&& f) {
+  // first() and last() grow with the row, so the corners bound every row of a group.
+  const bool whole = band.first(i0 + mq - 1, j0, nk) == 0 && band.last(i0, j0, nk) == nk;
+  const int64_t step = whole ? mq : rows;
+  for (int64_t r0 = 0; r0 < mq; r0 += step) {
+    const int64_t r1 = std::min(mq, r0 + step);
+    const int64_t c0 = band.first(i0 + r0, j0, nk), c1 = band.last(i0 + r1 - 1, j0, nk);
+    if (c1 > c0) f(RowGroup{r0, r1, c0, c1});
+  }
+}
+
 // Block sizes (measured on a 2-core AVX2 machine at L = 1k-4k, D = 64): a 128 x 256 score
 // tile (128 KiB) stays in L2 and keeps BLAS efficient, and wastes little of the diagonal
 // blocks under a band; shorter sequences take smaller query tiles to keep every thread busy.
@@ -137,6 +157,9 @@ int64_t fwd_query_block(int64_t lq) {
   return lq >= 192 ? 64 : 32;
 }
 constexpr int64_t FWD_KEY_BLOCK = 256;
+// Rows per GEMM on a block the band cuts (a causal diagonal): the keys past the band of such
+// a group are never multiplied, so a 128-row tile does ~1/8 of a square's waste, not 1/2.
+constexpr int64_t FWD_EDGE_ROWS = 32;
 constexpr int64_t BWD_QUERY_BLOCK = 128;
 constexpr int64_t BWD_KEY_BLOCK = 128;
 
@@ -167,7 +190,11 @@ void forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
       const int64_t jhi = std::min<int64_t>(d.Lk, i0 + mq + band.hi);
       for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
         const int64_t nk = std::min(BK, jhi - j0);
-        gemm_rm(false, true, mq, nk, d.E, scale, qp, d.E, kp + j0 * d.E, d.E, T(0), s, nk);
+        // Entries of S outside a row's [first, last) are never read, so they need not exist.
+        for_row_groups(band, i0, mq, j0, nk, FWD_EDGE_ROWS, [&](const RowGroup& g) {
+          gemm_rm(false, true, g.r1 - g.r0, g.c1 - g.c0, d.E, scale, qp + g.r0 * d.E, d.E,
+                  kp + (j0 + g.c0) * d.E, d.E, T(0), s + g.r0 * nk + g.c0, nk);
+        });
         for (int64_t r = 0; r < mq; ++r) {
           const int64_t i = i0 + r;
           T* sr = s + r * nk;
@@ -189,7 +216,11 @@ void forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
                         static_cast<uint32_t>(j0 + a), drop.threshold, inv_keep);
           }
         }
-        gemm_rm(false, false, mq, d.Ev, nk, T(1), s, nk, vp + j0 * d.Ev, d.Ev, T(1), op, d.Ev);
+        // P is 0 outside each row's band, so a group's product needs only its keys.
+        for_row_groups(band, i0, mq, j0, nk, FWD_EDGE_ROWS, [&](const RowGroup& g) {
+          gemm_rm(false, false, g.r1 - g.r0, d.Ev, g.c1 - g.c0, T(1), s + g.r0 * nk + g.c0, nk,
+                  vp + (j0 + g.c0) * d.Ev, d.Ev, T(1), op + g.r0 * d.Ev, d.Ev);
+        });
       }
       for (int64_t r = 0; r < mq; ++r) {
         if (l[r] > T(0)) {
