@@ -168,6 +168,14 @@ def test_long_sequence_tiles():
     _check(torch.float32, q, k, v, dout)
 
 
+def test_causal_edge_blocks_split_into_row_groups():
+    """Key blocks the band cuts run their GEMMs per 32-row group: causal both alignments."""
+    q, k, v, dout = _inputs(1, 1, 1, 777, 1100, 32, 32)
+    _check(torch.float32, q, k, v, dout, is_causal=True)
+    q, k, v, dout = _inputs(1, 1, 1, 1100, 700, 32, 32)
+    _check(torch.float32, q, k, v, dout, mask=causal_lower_right(1100, 700))
+
+
 def test_non_contiguous_inputs():
     q, k, v, dout = _inputs(1, 3, 3, 21, 29, 16, 16)
     qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
