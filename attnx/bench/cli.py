@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 import sys
 import time
@@ -95,7 +94,7 @@ def _measure(case, pass_, provs, sweep, mem, device) -> list:
             steps[p.name] = make_step(p, case, pass_)
         except Exception as exc:  # e.g. a kernel that rejects the shape or runs out of memory
             errors[p.name] = timing.Timing(error=f"{type(exc).__name__}: {exc}"[:300])
-    timings = {**timing.interleaved(steps, device, sweep.repeats), **errors}
+    timings = {**timing.interleaved(steps, device, sweep.repeats, sweep.time_scale), **errors}
     count = flops.count(case, pass_)
     rows = []
     for p in provs:
@@ -111,8 +110,7 @@ def _measure(case, pass_, provs, sweep, mem, device) -> list:
                 except Exception as exc:
                     row["memory"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         rows.append(row)
-    steps.clear()
-    gc.collect()
+    steps.clear()  # frees the inputs and retained graphs before the next case
     if device == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -137,7 +135,7 @@ def run(args) -> dict:
     doc.update(schema=report.SCHEMA, settings={
         "argv": sys.argv[1:], "ops": list(args.ops), "repeats": sweep.repeats,
         "passes": list(sweep.passes), "timing": timing.__doc__.strip().splitlines()[0],
-        "block_seconds": timing.BLOCK_SECONDS[device]})
+        "block_seconds": timing.BLOCK_SECONDS[device] * sweep.time_scale})
     doc["providers"] = [{"name": p.name, "op": p.op, "available": p.available, "reason": p.reason}
                         for p in chosen]
     doc["memory_method"] = None if args.no_memory else (

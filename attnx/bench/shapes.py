@@ -52,6 +52,7 @@ class Sweep:
     additive_value_dim: int
     additive_seqlens: tuple
     additive_dims: tuple
+    time_scale: float = 1.0  # multiplies the warm-up and block durations of `timing`
 
 
 def default_sweep(device: str, quick: bool) -> Sweep:
@@ -63,12 +64,12 @@ def default_sweep(device: str, quick: bool) -> Sweep:
     if device == "cuda":
         if quick:
             return Sweep((512, 1024), (64,), ("bfloat16",), ("forward", "forward_backward"), 5,
-                         8192, 2048, 16, 256, (64, 128), (256,))
+                         8192, 2048, 16, 256, (64, 128), (256,), time_scale=0.2)
         return Sweep((512, 1024, 2048, 4096, 8192, 16384), (64, 128), ("bfloat16",), PASSES, 10,
                      16384, 2048, 32, 256, (32, 64, 128, 256, 512), (256, 1024))
     if quick:
-        return Sweep((128, 256), (64,), ("float32",), ("forward", "forward_backward"), 3,
-                     256, 512, 2, 64, (16, 32), (64,))
+        return Sweep((64, 128), (64,), ("float32",), ("forward", "forward_backward"), 3,
+                     256, 512, 2, 64, (16, 32), (64,), time_scale=0.2)
     return Sweep((256, 512, 1024, 2048), (64,), ("float32",), ("forward", "forward_backward"), 5,
                  2048, 512, 8, 128, (32, 64, 128), (128,))
 

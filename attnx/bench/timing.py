@@ -60,31 +60,33 @@ def time_block(step, device: str, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def warm_up(step, device: str) -> int:
-    """Runs `step` until warm and returns how many calls make a block of BLOCK_SECONDS."""
+def warm_up(step, device: str, scale: float = 1.0) -> int:
+    """Runs `step` until warm and returns how many calls make a block of BLOCK_SECONDS
+    (both durations times `scale`)."""
     step()  # the first call pays for compilation and lazy initialisation: never timed
     synchronize(device)
     calls, spent = 0, 0.0
-    while calls < 2 or spent < WARMUP_SECONDS[device]:
+    while calls < 2 or spent < WARMUP_SECONDS[device] * scale:
         spent += time_block(step, device, 1)
         calls += 1
     per_call = spent / calls
-    return max(1, math.ceil(BLOCK_SECONDS[device] / max(per_call, 1e-9)))
+    return max(1, math.ceil(BLOCK_SECONDS[device] * scale / max(per_call, 1e-9)))
 
 
 def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
 
-def interleaved(steps: dict, device: str, repeats: int) -> dict:
-    """name -> Timing for each step (a no-argument callable), timed round-robin.
+def interleaved(steps: dict, device: str, repeats: int, scale: float = 1.0) -> dict:
+    """name -> Timing for each step (a no-argument callable), timed round-robin; `scale`
+    shortens (< 1) or lengthens the warm-up and the blocks.
 
     A step that raises is reported with its error and dropped from the later rounds.
     """
     timings, calls = {}, {}
     for name, step in steps.items():
         try:
-            calls[name] = warm_up(step, device)
+            calls[name] = warm_up(step, device, scale)
             timings[name] = Timing(calls_per_sample=calls[name])
         except Exception as exc:  # a provider failing must not stop the sweep
             timings[name] = Timing(error=_error(exc))
