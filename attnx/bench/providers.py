@@ -120,8 +120,9 @@ def _flex(device: str, probe: bool) -> Provider:
     except ImportError as exc:
         return Provider("torch-flex", "sdpa", reason=f"no FlexAttention in this torch ({exc})")
     if not probe:
-        return Provider("torch-flex", "sdpa", reason="not probed (torch.compile is slow; "
-                        "name it in --providers to try it)")
+        return Provider("torch-flex", "sdpa", reason=(
+            "not probed, compiling FlexAttention is slow (attnx bench --quick: name torch-flex "
+            "in --providers; pytest benchmarks/: set ATTNX_BENCH_FLEX=1)"))
     reason = _flex_probe(device, FLEX_PROBE_SECONDS)
     if reason is not None:
         return Provider("torch-flex", "sdpa", reason=reason)
