@@ -86,7 +86,11 @@ def test_cpu_peak_memory_sees_the_naive_score_matrix():
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    broken = Provider("broken", "sdpa", run=lambda x, causal: (_ for _ in ()).throw(RuntimeError("boom")))
+
+    def boom(x, causal):
+        raise RuntimeError("boom")
+
+    broken = Provider("broken", "sdpa", run=boom)
     real_discover = providers.discover
     providers.discover = lambda device, probe_flex=True: real_discover(device, probe_flex) + [broken]
     try:

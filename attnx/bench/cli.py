@@ -116,7 +116,7 @@ def _measure(case, pass_, provs, sweep, mem, device) -> list:
     return rows
 
 
-def run(args) -> dict:
+def run(args, argv) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -133,7 +133,7 @@ def run(args) -> dict:
         raise SystemExit(str(exc))
     doc = machine.describe(device)
     doc.update(schema=report.SCHEMA, settings={
-        "argv": sys.argv[1:], "ops": list(args.ops), "repeats": sweep.repeats,
+        "argv": list(argv), "ops": list(args.ops), "repeats": sweep.repeats,
         "passes": list(sweep.passes), "timing": timing.__doc__.strip().splitlines()[0],
         "block_seconds": timing.BLOCK_SECONDS[device] * sweep.time_scale})
     doc["providers"] = [{"name": p.name, "op": p.op, "available": p.available, "reason": p.reason}
@@ -167,13 +167,16 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
-    doc = run(args)
+    doc = run(args, argv)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "results.json")
     report.write_json(path, doc)
     pngs = plots.write_all(doc, args.out)
     print(report.header(doc))
     print(report.table(doc))
+    print()
+    print(report.summary(doc))
     print(f"wrote {path}" + "".join(f"\nwrote {p}" for p in pngs))
     return 0

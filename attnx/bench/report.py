@@ -68,3 +68,25 @@ def header(doc: dict) -> str:
     if off:
         out.append("not run: " + "; ".join(off))
     return "\n".join(out)
+
+
+def summary(doc: dict) -> str:
+    """Throughput pivot: one row per (op, pass, causal, shape, provider), one column per
+    sequence length; "err" where the provider failed."""
+    div, label = unit(doc["device"]["type"])
+    rows, seqlens = {}, set()
+    for r in doc["results"]:
+        c = r["case"]
+        dims = f"D{c['head_dim']}" if c["op"] == "sdpa" else f"A{c['head_dim']} Ev{c['value_dim']}"
+        key = (c["op"], r["pass"], "causal" if c["causal"] else "", f"H{c['heads']} {dims} {c['dtype']}",
+               r["provider"])
+        seqlens.add(c["seqlen_q"])
+        cell = "err" if "error" in r["time"] else f"{r['flops_per_s'] / div:.1f}"
+        rows.setdefault(key, {})[c["seqlen_q"]] = cell
+    cols = sorted(seqlens)
+    head = ["op", "pass", "causal", "shape", "provider"] + [f"L={n}" for n in cols]
+    lines = [f"{label} (median; batch x L held constant per op)", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in sorted(rows):
+        lines.append("| " + " | ".join(list(key) + [rows[key].get(n, "") for n in cols]) + " |")
+    return "\n".join(lines)

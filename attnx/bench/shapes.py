@@ -66,7 +66,7 @@ def default_sweep(device: str, quick: bool) -> Sweep:
             return Sweep((512, 1024), (64,), ("bfloat16",), ("forward", "forward_backward"), 5,
                          8192, 2048, 16, 256, (64, 128), (256,), time_scale=0.2)
         return Sweep((512, 1024, 2048, 4096, 8192, 16384), (64, 128), ("bfloat16",), PASSES, 10,
-                     16384, 2048, 32, 256, (32, 64, 128, 256, 512), (256, 1024))
+                     16384, 2048, 32, 256, (32, 64, 128, 256, 512), (256, 512))
     if quick:
         return Sweep((64, 128), (64,), ("float32",), ("forward", "forward_backward"), 3,
                      256, 512, 2, 64, (16, 32), (64,), time_scale=0.2)
