@@ -1,0 +1,182 @@
+"""`attnx bench`: runs a sweep, prints a table, writes results.json and PNG plots."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+import torch
+
+from . import flops, machine, memory, plots, providers, report, shapes, timing
+from .workload import make_step
+
+
+def _csv(kind):
+    return lambda text: tuple(kind(x) for x in text.split(",") if x.strip())
+
+
+def _pass(name: str) -> str:
+    name = shapes.PASS_ALIASES.get(name, name)
+    if name not in shapes.PASSES:
+        raise argparse.ArgumentTypeError(f"unknown pass {name!r}; choose from {shapes.PASSES}")
+    return name
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attnx bench", description=(
+        "Time attnx's kernels against torch's SDPA kernels, FlexAttention, the naive formulas "
+        "and flash-attn/xformers when installed. Prints a table and writes results.json and "
+        "PNG plots to --out."))
+    p.add_argument("--ops", type=_csv(str), default=("sdpa", "additive"), help="sdpa,additive")
+    p.add_argument("--seqlens", type=_csv(int), help="sequence lengths (Lq = Lk), e.g. 512,1024")
+    p.add_argument("--head-dims", type=_csv(int), help="SDPA head dims, e.g. 64,128")
+    p.add_argument("--attn-dims", type=_csv(int), help="additive attention dims A, e.g. 256")
+    p.add_argument("--dtypes", type=_csv(str), help="float32,bfloat16,float16,float64")
+    p.add_argument("--providers", type=_csv(str), help="only these (names as in the table)")
+    p.add_argument("--passes", type=_csv(_pass), help="forward,backward,forward_backward")
+    p.add_argument("--repeats", type=int, help="timed rounds per measurement")
+    p.add_argument("--quick", action="store_true", help="a small sweep that runs in seconds")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
+    p.add_argument("--out", default="bench-results", help="folder for results.json and plots")
+    return p
+
+
+def _sweep(args, device):
+    sweep = shapes.default_sweep(device, args.quick)
+    if args.seqlens:
+        sweep.seqlens = sweep.additive_seqlens = args.seqlens
+    if args.head_dims:
+        sweep.head_dims = args.head_dims
+    if args.attn_dims:
+        sweep.additive_dims = args.attn_dims
+    if args.dtypes:
+        unknown = set(args.dtypes) - set(shapes.DTYPES)
+        if unknown:
+            raise SystemExit(f"--dtypes: unknown {sorted(unknown)}; choose from {sorted(shapes.DTYPES)}")
+        sweep.dtypes = args.dtypes
+    if args.passes:
+        sweep.passes = args.passes
+    if args.repeats:
+        sweep.repeats = args.repeats
+    return sweep
+
+
+class Progress:
+    """A plain-text progress line on stderr (rewritten in place on a terminal)."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        width = 24
+        filled = width * self.done // max(self.total, 1)
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                f"{time.perf_counter() - self.start:6.1f}s {what}")
+        sys.stderr.write(("\r" + line[:150].ljust(150)) if self.tty else line + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def _measure(case, pass_, provs, sweep, mem, device) -> list:
+    steps, errors = {}, {}
+    for p in provs:
+        try:
+            steps[p.name] = make_step(p, case, pass_)
+        except Exception as exc:  # e.g. a kernel that rejects the shape or runs out of memory
+            errors[p.name] = timing.Timing(error=f"{type(exc).__name__}: {exc}"[:300])
+    timings = {**timing.interleaved(steps, device, sweep.repeats, sweep.time_scale), **errors}
+    count = flops.count(case, pass_)
+    rows = []
+    for p in provs:
+        t = timings[p.name]
+        row = {"op": case.op, "provider": p.name, "pass": pass_, "case": case.as_dict(),
+               "flops": count, "time": t.as_dict()}
+        if t.error is None:
+            row["flops_per_s"] = count / t.median
+            if mem is not None:
+                try:
+                    row["memory"] = {"bytes": memory.gpu_peak(steps[p.name]) if device == "cuda"
+                                     else mem.peak(p.name, case, pass_)}
+                except Exception as exc:
+                    row["memory"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        rows.append(row)
+    steps.clear()  # frees the inputs and retained graphs before the next case
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run(args, argv) -> dict:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    unknown_ops = set(args.ops) - {"sdpa", "additive"}
+    if unknown_ops:
+        raise SystemExit(f"--ops: unknown {sorted(unknown_ops)}; choose from sdpa, additive")
+    sweep = _sweep(args, device)
+    names = set(args.providers or ())
+    probe_flex = "sdpa" in args.ops and (not args.quick or "torch-flex" in names)
+    found = providers.discover(device, probe_flex=probe_flex)
+    try:
+        chosen = providers.select(found, args.ops, names)
+    except ValueError as exc:
+        raise SystemExit(str(exc))
+    doc = machine.describe(device)
+    doc.update(schema=report.SCHEMA, settings={
+        "argv": list(argv), "ops": list(args.ops), "repeats": sweep.repeats,
+        "passes": list(sweep.passes), "timing": timing.__doc__.strip().splitlines()[0],
+        "block_seconds": timing.BLOCK_SECONDS[device] * sweep.time_scale})
+    doc["providers"] = [{"name": p.name, "op": p.op, "available": p.available, "reason": p.reason}
+                        for p in chosen]
+    doc["memory_method"] = None if args.no_memory else (
+        memory.GPU_METHOD if device == "cuda" else memory.CPU_METHOD)
+    doc["gemm"] = machine.gemm_rate(device, sweep.repeats, small=args.quick)
+    doc["load_average_before"] = machine.load_average()
+    work = [(c, p) for op in args.ops for c in shapes.cases(op, sweep, device) for p in sweep.passes]
+    progress = Progress(len(work))
+    results = []
+    mem_reason = None if device == "cuda" else memory.rss_supported()
+    if mem_reason and not args.no_memory:
+        doc["memory_method"] = f"not measured: {mem_reason}"
+    with contextlib.ExitStack() as stack:
+        mem = None
+        if not args.no_memory and mem_reason is None:
+            mem = True if device == "cuda" else stack.enter_context(memory.CpuMemory())
+        for case, pass_ in work:
+            provs = [p for p in chosen if p.op == case.op and p.available]
+            results += _measure(case, pass_, provs, sweep, mem, device)
+            progress.step(f"{case.label()} {pass_}")
+    progress.close()
+    gemm_rate = doc["gemm"]["flops_per_s"]
+    for r in results:
+        if "flops_per_s" in r:
+            r["fraction_of_gemm"] = r["flops_per_s"] / gemm_rate
+    doc["results"] = results
+    doc["load_average_after"] = machine.load_average()
+    return doc
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser().parse_args(argv)
+    doc = run(args, argv)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "results.json")
+    report.write_json(path, doc)
+    pngs = plots.write_all(doc, args.out)
+    print(report.header(doc))
+    print(report.table(doc))
+    print()
+    print(report.summary(doc))
+    print(f"wrote {path}" + "".join(f"\nwrote {p}" for p in pngs))
+    return 0

@@ -1,0 +1,69 @@
+"""Inputs for a Case and the callable that runs one pass of a provider on them."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .providers import Provider
+from .shapes import DTYPES, Case
+
+
+def make_inputs(case: Case, layout: str = "bhld", requires_grad: bool = False, seed: int = 0) -> dict:
+    """Random inputs of the case, scaled like trained activations (unit-variance rows)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dtype = DTYPES[case.dtype]
+
+    def rand(*shape):
+        t = torch.randn(*shape, generator=gen, dtype=torch.float32).to(case.device, dtype)
+        if layout == "blhd" and len(shape) == 4:
+            t = t.transpose(1, 2).contiguous()
+        return t.requires_grad_(requires_grad)
+
+    b, h, lq, lk = case.batch, case.heads, case.seqlen_q, case.seqlen_k
+    if case.op == "sdpa":
+        return {"q": rand(b, h, lq, case.head_dim), "k": rand(b, h, lk, case.head_dim),
+                "v": rand(b, h, lk, case.value_dim)}
+    return {"q": rand(b, h, lq, case.head_dim), "k": rand(b, h, lk, case.head_dim),
+            "value": rand(b, h, lk, case.value_dim), "v": rand(case.head_dim) / case.head_dim ** 0.5}
+
+
+def make_step(provider: Provider, case: Case, pass_: str) -> Callable[[], object]:
+    """A no-argument callable running one `pass_` of `provider` on fresh inputs of `case`.
+
+    "backward" runs the forward once here and then times only `torch.autograd.grad` on the
+    retained graph; gradients are returned, not accumulated into `.grad`, so every call does
+    the same work.
+    """
+    def call(x):
+        with provider.context():  # e.g. torch's sdpa_kernel(...) forcing one SDPA kernel
+            return provider.run(x, case.causal)
+
+    if pass_ == "forward":
+        x = make_inputs(case, provider.layout)
+
+        def forward():
+            with torch.no_grad():
+                return call(x)
+        return forward
+
+    x = make_inputs(case, provider.layout, requires_grad=True)
+    leaves = list(x.values())
+    if pass_ == "backward":
+        out = call(x)
+        grad = torch.randn_like(out)
+
+        def backward():
+            return torch.autograd.grad(out, leaves, grad, retain_graph=True)
+        return backward
+
+    grad = None
+
+    def forward_backward():
+        nonlocal grad
+        out = call(x)
+        if grad is None:
+            grad = torch.randn_like(out)
+        return torch.autograd.grad(out, leaves, grad)
+    return forward_backward

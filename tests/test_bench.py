@@ -1,0 +1,153 @@
+"""Fast tests of the benchmark suite itself (attnx.bench): FLOP formulas, timing method, the
+memory probe, and one tiny end-to-end run writing the table, results.json and the plots."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from attnx.bench import flops, main, memory, providers, report, timing
+from attnx.bench.providers import Provider
+from attnx.bench.shapes import Case
+from attnx.bench.workload import make_inputs
+
+
+def _case(op="sdpa", causal=False, b=2, h=3, lq=17, lk=17, d=8, ev=8):
+    return Case(op, b, h, lq, lk, d, ev, causal, "float32", "cpu")
+
+
+def test_sdpa_flops_follow_flash_attention():
+    c = _case(lq=17, lk=33)
+    assert flops.forward(c) == 4 * 2 * 3 * 17 * 33 * 8
+    assert flops.forward(_case(causal=True, lq=17, lk=33)) == flops.forward(c) / 2
+    assert flops.count(c, "backward") == 2.5 * flops.forward(c)
+    assert flops.count(c, "forward_backward") == 3.5 * flops.forward(c)
+
+
+def test_sdpa_forward_flops_equal_torch_count_of_the_naive_matmuls():
+    c = _case(lq=17, lk=33, d=16, ev=16)
+    with FlopCounterMode(display=False) as counter:
+        providers.naive_sdpa(make_inputs(c), causal=False)
+    assert counter.get_total_flops() == flops.forward(c)
+
+
+def test_additive_flops_formula():
+    c = _case("additive", b=4, h=1, lq=5, lk=7, d=32, ev=16)
+    pairs = 4 * 5 * 7
+    assert flops.forward(c) == pairs * (4 * 32 + 2 * 16)
+    assert flops.backward(c) == pairs * (12 * 32 + 4 * 16)
+    assert flops.forward(_case("additive", causal=True, b=4, h=1, lq=5, lk=7, d=32, ev=16)) == flops.forward(c) / 2
+
+
+def test_naive_additive_matches_reference():
+    c = _case("additive", b=2, h=1, lq=5, lk=9, d=6, ev=4)
+    x = make_inputs(c)
+    import attnx
+    for causal in (False, True):
+        want = attnx.additive_attention(x["q"], x["k"], x["value"], x["v"], is_causal=causal,
+                                        backend="reference")
+        torch.testing.assert_close(providers.naive_additive(x, causal), want)
+
+
+def test_interleaved_rotates_order_and_survives_a_failing_step(monkeypatch):
+    monkeypatch.setitem(timing.WARMUP_SECONDS, "cpu", 0.0)
+    monkeypatch.setitem(timing.BLOCK_SECONDS, "cpu", 0.0)
+    log = []
+
+    def step(name):
+        return lambda: log.append(name)
+
+    def broken():
+        raise RuntimeError("kernel not written\nsecond line")
+
+    out = timing.interleaved({"a": step("a"), "bad": broken, "b": step("b")}, "cpu", repeats=3)
+    assert out["bad"].error == "RuntimeError: kernel not written"
+    assert len(out["a"].samples) == len(out["b"].samples) == 3
+    timed = log[-6:]  # after warm-up: one call per provider per repeat, order rotated
+    assert timed == ["a", "b", "b", "a", "a", "b"]
+    d = out["a"].as_dict()
+    assert d["min_ms"] <= d["median_ms"] <= d["max_ms"]
+
+
+def test_cpu_peak_memory_sees_the_naive_score_matrix():
+    if memory.rss_supported() is not None:
+        pytest.skip(memory.rss_supported())
+    small, large = (Case("sdpa", 1, 4, n, n, 16, 16, False, "float32", "cpu") for n in (64, 512))
+    with memory.CpuMemory() as mem:
+        naive_small = mem.peak("naive", small, "forward")
+        naive_large = mem.peak("naive", large, "forward")
+        flash_large = mem.peak("torch-flash", large, "forward")
+    scores = 4 * 512 * 512 * 4  # one (H, L, L) float32 matrix
+    assert naive_large - naive_small >= scores
+    assert flash_large < scores  # the fused kernel never holds the matrix
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+
+    def boom(x, causal):
+        raise RuntimeError("boom")
+
+    broken = Provider("broken", "sdpa", run=boom)
+    real_discover = providers.discover
+    providers.discover = lambda device, probe_flex=True: real_discover(device, probe_flex) + [broken]
+    try:
+        main(["--quick", "--out", str(out), "--seqlens", "16", "--repeats", "2", "--threads", "1",
+              "--providers", "naive,attnx-reference,attnx-cpu,torch-flash,broken"])
+    finally:
+        providers.discover = real_discover
+    return out
+
+
+def test_quick_run_writes_results_json(quick_run, capsys):
+    doc = json.loads((quick_run / "results.json").read_text())
+    assert doc["schema"] == report.SCHEMA
+    assert doc["device"]["type"] == "cpu" and doc["device"]["name"]
+    assert doc["software"]["torch"] == torch.__version__
+    assert doc["gemm"]["flops_per_s"] > 0
+    names = {(p["name"], p["op"]) for p in doc["providers"]}
+    assert {("naive", "sdpa"), ("naive", "additive"), ("broken", "sdpa")} <= names
+    seen = set()
+    for r in doc["results"]:
+        c = r["case"]
+        seen.add((r["provider"], c["op"], r["pass"], c["seqlen_q"], c["causal"]))
+        if r["provider"] == "broken":
+            assert r["time"] == {"error": "RuntimeError: boom"}
+            continue
+        if r["provider"] == "naive":
+            t = r["time"]
+            assert t["min_ms"] <= t["median_ms"] <= t["max_ms"] and len(t["samples_ms"]) == 2
+            assert r["flops"] == flops.count(Case(**c), r["pass"])
+            assert r["flops_per_s"] == pytest.approx(r["flops"] / (t["median_ms"] * 1e-3))
+            assert r["memory"]["bytes"] >= 0
+    for op in ("sdpa", "additive"):
+        for pass_ in ("forward", "forward_backward"):
+            for L in (16,):
+                for causal in (False, True):
+                    assert ("naive", op, pass_, L, causal) in seen
+
+
+def test_quick_run_writes_readable_pngs(quick_run):
+    for name in ("throughput_sdpa", "throughput_additive", "memory_sdpa", "memory_additive",
+                 "additive_vs_naive"):
+        data = (quick_run / f"{name}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_table_lists_errors_and_spread():
+    doc = {"device": {"type": "cpu"}, "results": [
+        {"op": "sdpa", "provider": "x", "pass": "forward", "case": _case().as_dict(),
+         "flops": 1e9, "time": {"median_ms": 2.0, "min_ms": 1.5, "max_ms": 3.0},
+         "flops_per_s": 5e11, "fraction_of_gemm": 0.5, "memory": {"bytes": 2**21}},
+        {"op": "sdpa", "provider": "y", "pass": "forward", "case": _case().as_dict(),
+         "flops": 1e9, "time": {"error": "RuntimeError: boom"}}]}
+    text = report.table(doc)
+    assert "| 2.000 | 1.500-3.000 | 500.0 | 50 | 2.0 |" in text
+    assert "error: RuntimeError: boom" in text
+
+
+def test_unknown_provider_is_a_clear_error():
+    with pytest.raises(SystemExit, match="unknown"):
+        main(["--quick", "--providers", "nope", "--out", "/nonexistent"])
