@@ -23,20 +23,10 @@ import torch
 import torch.nn.functional as F
 
 import attnx
+from attnx.bench.machine import device_name
 
 TARGETS = {"none": 1.0, "causal": 1.3, "mask": 1.0}  # attnx speed / torch speed, per issue 3
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def timed(fn) -> float:
@@ -128,7 +118,7 @@ def main() -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
     result = {
         "benchmark": "cpu_sdpa_targets", "quick": args.quick, "date": now.isoformat(),
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+        "machine": {"cpu": device_name("cpu"), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
                     "platform": platform.platform(), "load_avg": os.getloadavg()},
         "torch": torch.__version__, "attnx": attnx.__version__, "repeats": repeats,
         "sgemm_2048": gemm, "cases": rows,
