@@ -28,7 +28,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "additive_dropout.h"
+#include "dropout.h"
 #include "additive_rows.h"
 
 namespace attnx::cpu {
@@ -84,7 +84,7 @@ struct Problem {
   int64_t B, H, Lq, Lk, A, Ev;
   int64_t lo, hi;
   MaskView mask;
-  additive::Dropout drop;
+  Dropout drop;
 
   Problem(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& value_,
           const at::Tensor& v_, const std::optional<at::Tensor>& mask_, int64_t window_lo,

@@ -16,6 +16,7 @@
 #include <limits>
 #include <vector>
 
+#include "dropout.h"
 #include "sdpa_blas.h"
 #include "sdpa_tile.h"
 
@@ -101,31 +102,6 @@ struct MaskRows {
     } else {
       for (int64_t j = 0; j < n; ++j) s[j] += static_cast<T>(m[j * sj]);
     }
-  }
-};
-
-// The dropout hash of attnx/_rng.py.
-struct Dropout {
-  bool on = false;
-  uint32_t s0 = 0, s1 = 0, threshold = 0;
-  double inv_keep = 1.0;
-
-  Dropout(double p, const std::optional<Tensor>& seed) {
-    if (p <= 0.0) return;
-    TORCH_CHECK(seed.has_value() && seed->numel() == 2 && seed->scalar_type() == at::kLong &&
-                    seed->device().is_cpu(),
-                "attnx::sdpa: dropout_p > 0 needs seed, an int64 (2,) CPU tensor");
-    const Tensor s = seed->contiguous();
-    s0 = static_cast<uint32_t>(s.data_ptr<int64_t>()[0]);
-    s1 = static_cast<uint32_t>(s.data_ptr<int64_t>()[1]);
-    const double t = std::floor(p * 4294967296.0);
-    threshold = t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
-    inv_keep = 1.0 / (1.0 - p);
-    on = true;
-  }
-  uint32_t key_bh(int64_t bh) const { return mix32(s0 ^ mix32(static_cast<uint32_t>(bh) ^ s1)); }
-  static uint32_t key_row(uint32_t key_bh, int64_t i) {
-    return mix32(key_bh ^ static_cast<uint32_t>(i));
   }
 };
 

@@ -4,16 +4,9 @@
 #pragma once
 #include <cstdint>
 
-namespace attnx::cpu {
+#include "dropout_hash.h"
 
-inline uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  x ^= x >> 16;
-  return x;
-}
+namespace attnx::cpu {
 
 // Max over x[0, n); -inf for n == 0.
 float row_max(const float* x, int64_t n);
