@@ -15,6 +15,14 @@ K = torch.randn(2, 4, 10, 16)
 V = torch.randn(2, 4, 10, 12)
 
 
+def assert_raises_naming(fn, over, exc, words):
+    """fn(**over) raises exc, and its message contains every one of words."""
+    with pytest.raises(exc) as info:
+        fn(**over)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
 def sdpa(**over):
     args = dict(query=Q, key=K, value=V)
     args.update(over)
@@ -62,10 +70,7 @@ SDPA_CASES = [
 
 @pytest.mark.parametrize("over,exc,words", SDPA_CASES, ids=[str(i) for i in range(len(SDPA_CASES))])
 def test_sdpa_bad_input(over, exc, words):
-    with pytest.raises(exc) as info:
-        sdpa(**over)
-    for w in words:
-        assert w in str(info.value), (w, str(info.value))
+    assert_raises_naming(sdpa, over, exc, words)
 
 
 def test_meta_device_mismatch():
@@ -105,10 +110,7 @@ ADDITIVE_CASES = [
 
 @pytest.mark.parametrize("over,exc,words", ADDITIVE_CASES, ids=[str(i) for i in range(len(ADDITIVE_CASES))])
 def test_additive_bad_input(over, exc, words):
-    with pytest.raises(exc) as info:
-        additive(**over)
-    for w in words:
-        assert w in str(info.value), (w, str(info.value))
+    assert_raises_naming(additive, over, exc, words)
 
 
 def test_additive_three_d_mask_shape():
