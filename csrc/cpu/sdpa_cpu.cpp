@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "dropout.h"
-#include "sdpa_blas.h"
+#include "sdpa_products.h"
 #include "sdpa_tile.h"
 
 namespace attnx::cpu {
@@ -29,11 +29,6 @@ template <typename T>
 constexpr T neg_inf() {
   return -std::numeric_limits<T>::infinity();
 }
-
-struct Dims {
-  int64_t B, Hq, Hkv, Lq, Lk, E, Ev;
-  int64_t group() const { return Hq / Hkv; }
-};
 
 // Query i may attend key j iff i + lo <= j <= i + hi.
 struct Band {
@@ -97,11 +92,7 @@ struct MaskRows {
  private:
   template <typename T, typename M>
   void add(T* s, const M* m, int64_t n) const {
-    if (sj == 1) {
-      for (int64_t j = 0; j < n; ++j) s[j] += static_cast<T>(m[j]);
-    } else {
-      for (int64_t j = 0; j < n; ++j) s[j] += static_cast<T>(m[j * sj]);
-    }
+    for (int64_t j = 0; j < n; ++j) s[j] += static_cast<T>(m[j * sj]);
   }
 };
 
@@ -139,41 +130,40 @@ constexpr int64_t FWD_EDGE_ROWS = 32;
 constexpr int64_t BWD_QUERY_BLOCK = 128;
 constexpr int64_t BWD_KEY_BLOCK = 128;
 
-template <typename T>
-void forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T scale, Band band,
+template <typename T, typename Products>
+void forward_kernel(const T* q, const Products& kv, const MaskRows& mask, T scale, Band band,
                     const Dropout& drop, T* out, T* lse, const Dims& d) {
-  const int64_t BQ = fwd_query_block(d.Lq), BK = FWD_KEY_BLOCK;
+  const int64_t BQ = fwd_query_block(d.Lq), BK = FWD_KEY_BLOCK, ldo = kv.out_stride();
   const int64_t nqt = (d.Lq + BQ - 1) / BQ;
   const T inv_keep = static_cast<T>(drop.inv_keep);
   at::parallel_for(0, d.B * d.Hq * nqt, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> sbuf(BQ * BK), m(BQ), l(BQ);
+    // o accumulates P V unnormalized; it goes to `out` once divided by the row sums.
+    std::vector<T> sbuf(BQ * BK), obuf(BQ * ldo), m(BQ), l(BQ);
     T* s = sbuf.data();
+    T* o = obuf.data();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qt = task % nqt, bh = task / nqt, h = bh % d.Hq, b = bh / d.Hq;
       const int64_t bhk = b * d.Hkv + h / d.group();
       const int64_t i0 = qt * BQ, mq = std::min(BQ, d.Lq - i0);
       const T* qp = q + (bh * d.Lq + i0) * d.E;
-      const T* kp = k + bhk * d.Lk * d.E;
-      const T* vp = v + bhk * d.Lk * d.Ev;
       T* op = out + (bh * d.Lq + i0) * d.Ev;
       T* lp = lse + bh * d.Lq + i0;
       std::fill(m.begin(), m.end(), neg_inf<T>());
       std::fill(l.begin(), l.end(), T(0));
-      std::fill(op, op + mq * d.Ev, T(0));
+      std::fill(o, o + mq * ldo, T(0));
       const uint32_t key_bh = drop.on ? drop.key_bh(bh) : 0;
-      // Only key blocks the band reaches are visited at all.
-      const int64_t jlo = std::max<int64_t>(0, i0 + band.lo);
+      // Only key blocks the band reaches are visited at all; they start on a panel boundary.
+      const int64_t jlo = std::max<int64_t>(0, i0 + band.lo) / PANEL * PANEL;
       const int64_t jhi = std::min<int64_t>(d.Lk, i0 + mq + band.hi);
       for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
         const int64_t nk = std::min(BK, jhi - j0);
         // Entries of S outside a row's [first, last) are never read, so they need not exist.
         for_row_groups(band, i0, mq, j0, nk, FWD_EDGE_ROWS, [&](const RowGroup& g) {
-          gemm_rm(false, true, g.r1 - g.r0, g.c1 - g.c0, d.E, scale, qp + g.r0 * d.E, d.E,
-                  kp + (j0 + g.c0) * d.E, d.E, T(0), s + g.r0 * nk + g.c0, nk);
+          kv.scores(bhk, g.r1 - g.r0, qp + g.r0 * d.E, j0, g.c0, g.c1, scale, s + g.r0 * BK, BK);
         });
         for (int64_t r = 0; r < mq; ++r) {
           const int64_t i = i0 + r;
-          T* sr = s + r * nk;
+          T* sr = s + r * BK;
           const int64_t a = band.first(i, j0, nk), e = std::max(a, band.last(i, j0, nk));
           if (mask.present() && e > a) mask.apply(sr + a, b, h, i, j0 + a, e - a);
           const T mnew = std::max(m[r], row_max(sr + a, e - a));
@@ -186,7 +176,7 @@ void forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
           const T alpha = m[r] == neg_inf<T>() ? T(0) : std::exp(m[r] - mnew);
           l[r] = l[r] * alpha + exp_sum(sr + a, e - a, mnew);
           m[r] = mnew;
-          if (alpha != T(1)) scale_row(op + r * d.Ev, d.Ev, alpha);
+          if (alpha != T(1)) scale_row(o + r * ldo, d.Ev, alpha);
           if (drop.on) {
             dropout_row(sr + a, e - a, Dropout::key_row(key_bh, i),
                         static_cast<uint32_t>(j0 + a), drop.threshold, inv_keep);
@@ -194,18 +184,13 @@ void forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
         }
         // P is 0 outside each row's band, so a group's product needs only its keys.
         for_row_groups(band, i0, mq, j0, nk, FWD_EDGE_ROWS, [&](const RowGroup& g) {
-          gemm_rm(false, false, g.r1 - g.r0, d.Ev, g.c1 - g.c0, T(1), s + g.r0 * nk + g.c0, nk,
-                  vp + (j0 + g.c0) * d.Ev, d.Ev, T(1), op + g.r0 * d.Ev, d.Ev);
+          kv.values(bhk, g.r1 - g.r0, s + g.r0 * BK, BK, j0, g.c0, g.c1, o + g.r0 * ldo);
         });
       }
       for (int64_t r = 0; r < mq; ++r) {
-        if (l[r] > T(0)) {
-          scale_row(op + r * d.Ev, d.Ev, T(1) / l[r]);
-          lp[r] = m[r] + std::log(l[r]);
-        } else {
-          std::fill(op + r * d.Ev, op + (r + 1) * d.Ev, T(0));
-          lp[r] = neg_inf<T>();
-        }
+        const T inv = l[r] > T(0) ? T(1) / l[r] : T(0);  // no admitted key: zeros
+        for (int64_t c = 0; c < d.Ev; ++c) op[r * d.Ev + c] = o[r * ldo + c] * inv;
+        lp[r] = l[r] > T(0) ? m[r] + std::log(l[r]) : neg_inf<T>();
       }
     }
   });
@@ -218,7 +203,7 @@ struct BwdOut {
   void* dmask;  // (B, Hq, Lq, Lk) or null
 };
 
-template <typename T>
+template <typename T, typename Grads>
 void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T* out,
                      const T* lse, const MaskRows& mask, T scale, Band band,
                      const Dropout& drop, const BwdOut& res, const Dims& d) {
@@ -229,19 +214,20 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
   const int64_t BQ = BWD_QUERY_BLOCK, BK = BWD_KEY_BLOCK;
   const T inv_keep = static_cast<T>(drop.inv_keep);
   at::parallel_for(0, d.B * d.Hq, 1, [&](int64_t begin, int64_t end) {
+    Grads g(d);
+    const int64_t ldq = g.q_stride(), ldv = g.v_stride();
     std::vector<T> pbuf(BQ * BK), dsbuf(BQ * BK), pdbuf(drop.on ? BQ * BK : 0), dsum(d.Lq);
+    std::vector<T> dq_acc(d.Lq * ldq), dk_acc(d.Lk * ldq), dv_acc(d.Lk * ldv);
     T* p = pbuf.data();
     T* ds = dsbuf.data();
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t h = bh % d.Hq, b = bh / d.Hq, bhk = b * d.Hkv + h / d.group();
-      const T* qh = q + bh * d.Lq * d.E;
       const T* doh = dout + bh * d.Lq * d.Ev;
-      const T* kh = k + bhk * d.Lk * d.E;
-      const T* vh = v + bhk * d.Lk * d.Ev;
       const T* lh = lse + bh * d.Lq;
-      T* dqh = dq + bh * d.Lq * d.E;
-      T* dkh = dk + bh * d.Lk * d.E;
-      T* dvh = dv + bh * d.Lk * d.Ev;
+      g.load(q + bh * d.Lq * d.E, k + bhk * d.Lk * d.E, v + bhk * d.Lk * d.Ev, doh);
+      std::fill(dq_acc.begin(), dq_acc.end(), T(0));
+      std::fill(dk_acc.begin(), dk_acc.end(), T(0));
+      std::fill(dv_acc.begin(), dv_acc.end(), T(0));
       // D_i = rowsum(dO * O): with dropout O already holds the dropped probabilities, and
       // rowsum(dP_dropped * Z * P) is exactly dO . O.
       const T* oh = out + bh * d.Lq * d.Ev;
@@ -256,11 +242,10 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
         for (int64_t i0 = 0; i0 < d.Lq; i0 += BQ) {
           const int64_t mq = std::min(BQ, d.Lq - i0);
           if (!band.touches(i0, mq, j0, nk)) continue;
-          gemm_rm(false, true, mq, nk, d.E, scale, qh + i0 * d.E, d.E, kh + j0 * d.E, d.E, T(0),
-                  p, nk);
+          g.scores(i0, mq, j0, nk, scale, p, BK);
           for (int64_t r = 0; r < mq; ++r) {
             const int64_t i = i0 + r;
-            T* pr = p + r * nk;
+            T* pr = p + r * BK;
             const int64_t a = band.first(i, j0, nk), e = std::max(a, band.last(i, j0, nk));
             const T li = lh[i];
             std::fill(pr, pr + a, T(0));
@@ -273,35 +258,39 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
             exp_sum(pr + a, e - a, static_cast<T>(li));
           }
           // ds <- dP of the dropped probabilities = dO V^T
-          gemm_rm(false, true, mq, nk, d.Ev, T(1), doh + i0 * d.Ev, d.Ev, vh + j0 * d.Ev, d.Ev,
-                  T(0), ds, nk);
+          g.dprobs(i0, mq, j0, nk, ds, BK);
           const T* pd = p;
           if (drop.on) {
             T* pdrop = pdbuf.data();
-            std::copy(p, p + mq * nk, pdrop);
             for (int64_t r = 0; r < mq; ++r) {
               const uint32_t kr = Dropout::key_row(key_bh, i0 + r);
-              dropout_row(pdrop + r * nk, nk, kr, static_cast<uint32_t>(j0), drop.threshold,
+              std::copy(p + r * BK, p + r * BK + nk, pdrop + r * BK);
+              dropout_row(pdrop + r * BK, nk, kr, static_cast<uint32_t>(j0), drop.threshold,
                           inv_keep);
-              dropout_row(ds + r * nk, nk, kr, static_cast<uint32_t>(j0), drop.threshold,
+              dropout_row(ds + r * BK, nk, kr, static_cast<uint32_t>(j0), drop.threshold,
                           inv_keep);
             }
             pd = pdrop;
           }
-          gemm_rm(true, false, nk, d.Ev, mq, T(1), pd, nk, doh + i0 * d.Ev, d.Ev, T(1),
-                  dvh + j0 * d.Ev, d.Ev);
-          for (int64_t r = 0; r < mq; ++r) softmax_grad_row(ds + r * nk, p + r * nk, nk, dsum[i0 + r]);
+          g.add_dv(i0, mq, j0, nk, pd, BK, dv_acc.data());
+          for (int64_t r = 0; r < mq; ++r) {
+            softmax_grad_row(ds + r * BK, p + r * BK, nk, dsum[i0 + r]);
+          }
           if (dmask != nullptr) {
             for (int64_t r = 0; r < mq; ++r) {
-              std::copy(ds + r * nk, ds + (r + 1) * nk,
-                        dmask + (bh * d.Lq + i0 + r) * d.Lk + j0);
+              std::copy(ds + r * BK, ds + r * BK + nk, dmask + (bh * d.Lq + i0 + r) * d.Lk + j0);
             }
           }
-          gemm_rm(false, false, mq, d.E, nk, scale, ds, nk, kh + j0 * d.E, d.E, T(1),
-                  dqh + i0 * d.E, d.E);
-          gemm_rm(true, false, nk, d.E, mq, scale, ds, nk, qh + i0 * d.E, d.E, T(1),
-                  dkh + j0 * d.E, d.E);
+          g.add_dq(i0, mq, j0, nk, scale, ds, BK, dq_acc.data());
+          g.add_dk(i0, mq, j0, nk, scale, ds, BK, dk_acc.data());
         }
+      }
+      for (int64_t i = 0; i < d.Lq; ++i) {
+        std::copy_n(dq_acc.data() + i * ldq, d.E, dq + (bh * d.Lq + i) * d.E);
+      }
+      for (int64_t j = 0; j < d.Lk; ++j) {
+        std::copy_n(dk_acc.data() + j * ldq, d.E, dk + (bh * d.Lk + j) * d.E);
+        std::copy_n(dv_acc.data() + j * ldv, d.Ev, dv + (bh * d.Lk + j) * d.Ev);
       }
     }
   });
@@ -360,13 +349,17 @@ std::tuple<Tensor, Tensor> sdpa_fwd(const Tensor& q, const Tensor& k, const Tens
   Tensor lse = at::empty({d.B, d.Hq, d.Lq}, q.options().dtype(ct));
   const Band band{window_lo, window_hi};
   if (ct == at::kDouble) {
-    forward_kernel<double>(qc.data_ptr<double>(), kc.data_ptr<double>(), vc.data_ptr<double>(),
-                           rows, scale, band, drop, out.data_ptr<double>(),
-                           lse.data_ptr<double>(), d);
+    const BlasProducts<double> kv{kc.data_ptr<double>(), vc.data_ptr<double>(), d};
+    forward_kernel(qc.data_ptr<double>(), kv, rows, scale, band, drop, out.data_ptr<double>(),
+                   lse.data_ptr<double>(), d);
+  } else if (panels_available()) {
+    forward_kernel(qc.data_ptr<float>(), PanelProducts(kc, vc, d), rows,
+                   static_cast<float>(scale), band, drop, out.data_ptr<float>(),
+                   lse.data_ptr<float>(), d);
   } else {
-    forward_kernel<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
-                          rows, static_cast<float>(scale), band, drop, out.data_ptr<float>(),
-                          lse.data_ptr<float>(), d);
+    const BlasProducts<float> kv{kc.data_ptr<float>(), vc.data_ptr<float>(), d};
+    forward_kernel(qc.data_ptr<float>(), kv, rows, static_cast<float>(scale), band, drop,
+                   out.data_ptr<float>(), lse.data_ptr<float>(), d);
   }
   return {out.to(q.scalar_type()), lse};
 }
@@ -396,21 +389,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
   const Tensor qc = prepared(q, ct), kc = prepared(k, ct), vc = prepared(v, ct);
   const Tensor doc = prepared(grad_out, ct), oc = prepared(out, ct);
   const Tensor lc = lse.contiguous();
-  Tensor dq = at::zeros({d.B, d.Hq, d.Lq, d.E}, opts);
-  Tensor dk = at::zeros({d.B, d.Hq, d.Lk, d.E}, opts);
-  Tensor dv = at::zeros({d.B, d.Hq, d.Lk, d.Ev}, opts);
+  Tensor dq = at::empty({d.B, d.Hq, d.Lq, d.E}, opts);
+  Tensor dk = at::empty({d.B, d.Hq, d.Lk, d.E}, opts);
+  Tensor dv = at::empty({d.B, d.Hq, d.Lk, d.Ev}, opts);
   Tensor dmask = mask_grad ? at::zeros({d.B, d.Hq, d.Lq, d.Lk}, opts) : Tensor();
   const BwdOut res{dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                    mask_grad ? dmask.data_ptr() : nullptr};
   const Band band{window_lo, window_hi};
   if (ct == at::kDouble) {
-    backward_kernel<double>(doc.data_ptr<double>(), qc.data_ptr<double>(), kc.data_ptr<double>(),
-                            vc.data_ptr<double>(), oc.data_ptr<double>(), lc.data_ptr<double>(),
-                            rows, scale, band, drop, res, d);
+    backward_kernel<double, BlasGrads<double>>(
+        doc.data_ptr<double>(), qc.data_ptr<double>(), kc.data_ptr<double>(),
+        vc.data_ptr<double>(), oc.data_ptr<double>(), lc.data_ptr<double>(), rows, scale, band,
+        drop, res, d);
   } else {
-    backward_kernel<float>(doc.data_ptr<float>(), qc.data_ptr<float>(), kc.data_ptr<float>(),
-                           vc.data_ptr<float>(), oc.data_ptr<float>(), lc.data_ptr<float>(), rows,
-                           static_cast<float>(scale), band, drop, res, d);
+    // The engine the forward used (panels_available() does not change), so the scores match.
+    const auto kernel = panels_available() ? backward_kernel<float, PanelGrads>
+                                           : backward_kernel<float, BlasGrads<float>>;
+    kernel(doc.data_ptr<float>(), qc.data_ptr<float>(), kc.data_ptr<float>(),
+           vc.data_ptr<float>(), oc.data_ptr<float>(), lc.data_ptr<float>(), rows,
+           static_cast<float>(scale), band, drop, res, d);
   }
   if (d.group() > 1) {  // dK, dV of a kv head: the sum over the query heads that read it
     dk = dk.view({d.B, d.Hkv, d.group(), d.Lk, d.E}).sum(2);

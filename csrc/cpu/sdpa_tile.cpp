@@ -47,27 +47,26 @@ ATTNX_BODY void store_tail(float* p, int64_t n, v8f v) {
   for (int64_t t = 0; t < n; ++t) p[t] = buf[t];
 }
 
-// exp(x), relative error ~2e-7; exactly 0 below -86 (so exp(-inf) = 0; what is lost there is
-// below 1e-37 of a row's largest term).
+// exp(x) as 2^(x log2(e)), relative error ~3e-7 for the x <= 0 of a softmax (Cephes' exp2f
+// polynomial on |f| <= 1/2: fewer operations than a Cody-Waite reduction); exactly 0 below
+// -86 (so exp(-inf) = 0; what is lost there is below 1e-37 of a row's largest term).
 ATTNX_BODY v8f exp8(v8f x) {
-  const v8i dead = x < splat(-86.0f);
-  x = x > splat(88.0f) ? splat(88.0f) : x;
-  x = dead ? splat(0.0f) : x;
+  x *= splat(1.44269504088896341f);
+  const v8i dead = x < splat(-125.0f);
+  x = x < splat(-125.0f) ? splat(-125.0f) : x;
+  x = x > splat(127.0f) ? splat(127.0f) : x;
   const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const v8f t = x * splat(1.44269504088896341f) + splat(magic);
-  const v8f nf = t - splat(magic);
+  const v8f t = x + splat(magic);
+  const v8f f = x - (t - splat(magic));
   const v8i n = (v8i)t - (v8i)splat(magic);
-  const v8f r = (x - nf * splat(0.693359375f)) - nf * splat(-2.12194440e-4f);
-  // exp(r) = 1 + r + r^2 * poly(r) on |r| <= ln2 / 2, Cephes' expf coefficients.
-  v8f p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * (r * r) + r + splat(1.0f);
-  const v8f y = (v8f)((v8i)p + (n << 23));
-  return dead ? splat(0.0f) : y;
+  v8f p = splat(1.535336188319500e-4f);
+  p = p * f + splat(1.339887440266574e-3f);
+  p = p * f + splat(9.618437357674640e-3f);
+  p = p * f + splat(5.550332471162809e-2f);
+  p = p * f + splat(2.402264791363012e-1f);
+  p = p * f + splat(6.931472028550421e-1f);
+  p = p * f + splat(1.0f);
+  return (v8f)(((v8i)p + (n << 23)) & ~dead);
 }
 
 ATTNX_BODY float hmax(v8f v) {
@@ -177,7 +176,9 @@ bool use_avx2() {
   return yes;
 }
 ATTNX_AVX2 float row_max_avx2(const float* x, int64_t n) { return row_max_body(x, n); }
-ATTNX_AVX2 float exp_sum_avx2(float* x, int64_t n, float sub) { return exp_sum_body(x, n, sub); }
+ATTNX_AVX2 float exp_sum_avx2(float* x, int64_t n, float sub) {
+  return exp_sum_body(x, n, sub);
+}
 ATTNX_AVX2 void dropout_avx2(float* x, int64_t n, uint32_t key_row, uint32_t j0,
                              uint32_t threshold, float inv_keep) {
   dropout_body(x, n, key_row, j0, threshold, inv_keep);

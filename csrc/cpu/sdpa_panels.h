@@ -1,0 +1,27 @@
+// A small GEMM for the attention tiles: B packed once into 16-column panels, A read in place,
+// an AVX2 6 x 16 FMA micro-kernel. Packing K, V once per head (not once per GEMM call, as BLAS
+// does) and writing C without a separate beta pass is what makes the CPU kernels faster than
+// the same loops on MKL's sgemm.
+#pragma once
+#include <cstdint>
+
+namespace attnx::cpu {
+
+constexpr int64_t PANEL = 16;
+inline int64_t panel_count(int64_t n) { return (n + PANEL - 1) / PANEL; }
+
+// Whether this CPU runs the micro-kernel (x86 with AVX2 and FMA); elsewhere callers use BLAS.
+bool panels_available();
+
+// Packs B (k x n, element (kk, j) at b[kk * bks + j * bns]) into panel_count(n) panels of
+// k x PANEL values, panel p at dst + p * k * PANEL, columns past n zero.
+void pack_panels(const float* b, int64_t k, int64_t n, int64_t bks, int64_t bns, float* dst);
+
+// C (m x np * PANEL, row stride ldc) = alpha * A * B (+ C when accumulate), where A (m x k) has
+// element (r, kk) at a[r * ars + kk * aks] and B is np panels of k rows, panel p at
+// bp + p * pstride (16 values per row).
+void panel_gemm(int64_t m, int64_t np, int64_t k, float alpha, const float* a, int64_t ars,
+                int64_t aks, const float* bp, int64_t pstride, bool accumulate, float* c,
+                int64_t ldc);
+
+}  // namespace attnx::cpu

@@ -1,0 +1,86 @@
+#include "sdpa_products.h"
+
+namespace attnx::cpu {
+
+PanelProducts::PanelProducts(const at::Tensor& k, const at::Tensor& v, const Dims& dims)
+    : d(dims) {
+  const int64_t heads = d.B * d.Hkv;
+  kt = at::empty({heads, panel_count(d.Lk) * d.E * PANEL}, k.options());
+  vp = at::empty({heads, panel_count(d.Ev) * d.Lk * PANEL}, v.options());
+  const float* kd = k.data_ptr<float>();
+  const float* vd = v.data_ptr<float>();
+  float* ktd = kt.data_ptr<float>();
+  float* vpd = vp.data_ptr<float>();
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      pack_panels(kd + h * d.Lk * d.E, d.E, d.Lk, 1, d.E, ktd + h * kt.size(1));
+      pack_panels(vd + h * d.Lk * d.Ev, d.Lk, d.Ev, d.Ev, 1, vpd + h * vp.size(1));
+    }
+  });
+}
+
+void PanelProducts::scores(int64_t bhk, int64_t m, const float* q, int64_t j0, int64_t c0,
+                           int64_t c1, float alpha, float* s, int64_t lds) const {
+  const int64_t p0 = (j0 + c0) / PANEL, p1 = panel_count(j0 + c1);
+  panel_gemm(m, p1 - p0, d.E, alpha, q, d.E, 1,
+             kt.data_ptr<float>() + bhk * kt.size(1) + p0 * d.E * PANEL, d.E * PANEL, false,
+             s + p0 * PANEL - j0, lds);
+}
+
+void PanelProducts::values(int64_t bhk, int64_t m, const float* p, int64_t ldp, int64_t j0,
+                           int64_t c0, int64_t c1, float* o) const {
+  panel_gemm(m, panel_count(d.Ev), c1 - c0, 1.0f, p + c0, ldp, 1,
+             vp.data_ptr<float>() + bhk * vp.size(1) + (j0 + c0) * PANEL, d.Lk * PANEL, true, o,
+             out_stride());
+}
+
+PanelGrads::PanelGrads(const Dims& dims)
+    : d(dims),
+      kt(panel_count(d.Lk) * d.E * PANEL),
+      vt(panel_count(d.Lk) * d.Ev * PANEL),
+      kc(panel_count(d.E) * d.Lk * PANEL),
+      qc(panel_count(d.E) * d.Lq * PANEL),
+      dc(panel_count(d.Ev) * d.Lq * PANEL) {}
+
+void PanelGrads::load(const float* q_, const float* k, const float* v, const float* dout_) {
+  q = q_, dout = dout_;
+  pack_panels(k, d.E, d.Lk, 1, d.E, kt.data());
+  pack_panels(v, d.Ev, d.Lk, 1, d.Ev, vt.data());
+  pack_panels(k, d.Lk, d.E, d.E, 1, kc.data());
+  pack_panels(q, d.Lq, d.E, d.E, 1, qc.data());
+  pack_panels(dout, d.Lq, d.Ev, d.Ev, 1, dc.data());
+}
+
+// Same call as PanelProducts::scores on the same rows: bitwise the forward's scores.
+void PanelGrads::scores(int64_t i0, int64_t mq, int64_t j0, int64_t nk, float alpha, float* s,
+                        int64_t lds) const {
+  panel_gemm(mq, panel_count(nk), d.E, alpha, q + i0 * d.E, d.E, 1,
+             kt.data() + j0 / PANEL * d.E * PANEL, d.E * PANEL, false, s, lds);
+}
+
+void PanelGrads::dprobs(int64_t i0, int64_t mq, int64_t j0, int64_t nk, float* dp,
+                        int64_t lds) const {
+  panel_gemm(mq, panel_count(nk), d.Ev, 1.0f, dout + i0 * d.Ev, d.Ev, 1,
+             vt.data() + j0 / PANEL * d.Ev * PANEL, d.Ev * PANEL, false, dp, lds);
+}
+
+// A = P^T: element (key c, query r) at p[r * lds + c], so rows step by 1 and k by lds.
+void PanelGrads::add_dv(int64_t i0, int64_t mq, int64_t j0, int64_t nk, const float* p,
+                        int64_t lds, float* dv) const {
+  panel_gemm(nk, panel_count(d.Ev), mq, 1.0f, p, 1, lds, dc.data() + i0 * PANEL,
+             d.Lq * PANEL, true, dv + j0 * v_stride(), v_stride());
+}
+
+void PanelGrads::add_dq(int64_t i0, int64_t mq, int64_t j0, int64_t nk, float alpha,
+                        const float* ds, int64_t lds, float* dq) const {
+  panel_gemm(mq, panel_count(d.E), nk, alpha, ds, lds, 1, kc.data() + j0 * PANEL, d.Lk * PANEL,
+             true, dq + i0 * q_stride(), q_stride());
+}
+
+void PanelGrads::add_dk(int64_t i0, int64_t mq, int64_t j0, int64_t nk, float alpha,
+                        const float* ds, int64_t lds, float* dk) const {
+  panel_gemm(nk, panel_count(d.E), mq, alpha, ds, 1, lds, qc.data() + i0 * PANEL, d.Lq * PANEL,
+             true, dk + j0 * q_stride(), q_stride());
+}
+
+}  // namespace attnx::cpu

@@ -1,0 +1,122 @@
+// The matrix products of the CPU SDPA kernels, behind one interface with two engines: BLAS on
+// the operands as they are (float64, and float on CPUs without AVX2), or the panel
+// micro-kernel on operands packed once (float). Scores must come out bitwise the same in the
+// forward and the backward, so both passes take them from the same engine.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "sdpa_blas.h"
+#include "sdpa_panels.h"
+
+namespace attnx::cpu {
+
+struct Dims {
+  int64_t B, Hq, Hkv, Lq, Lk, E, Ev;
+  int64_t group() const { return Hq / Hkv; }
+};
+
+// Forward products on one (batch, kv head) bhk: scores S = alpha Q K^T and O += P V on the keys
+// [c0, c1) of the block at j0 (a multiple of PANEL). O rows have out_stride() elements.
+template <typename T>
+struct BlasProducts {
+  const T* k;
+  const T* v;
+  Dims d;
+  int64_t out_stride() const { return d.Ev; }
+  // S[r][c0, c1) of m rows (row stride lds), q the first query row.
+  void scores(int64_t bhk, int64_t m, const T* q, int64_t j0, int64_t c0, int64_t c1, T alpha,
+              T* s, int64_t lds) const {
+    gemm_rm(false, true, m, c1 - c0, d.E, alpha, q, d.E, k + (bhk * d.Lk + j0 + c0) * d.E, d.E,
+            T(0), s + c0, lds);
+  }
+  // o (m rows) += P[:, c0, c1) V[j0 + c0, j0 + c1).
+  void values(int64_t bhk, int64_t m, const T* p, int64_t ldp, int64_t j0, int64_t c0,
+              int64_t c1, T* o) const {
+    gemm_rm(false, false, m, d.Ev, c1 - c0, T(1), p + c0, ldp,
+            v + (bhk * d.Lk + j0 + c0) * d.Ev, d.Ev, T(1), o, d.Ev);
+  }
+};
+
+struct PanelProducts {
+  at::Tensor kt;  // per kv head, K^T as panels of 16 keys
+  at::Tensor vp;  // per kv head, V as panels of 16 value columns
+  Dims d;
+
+  PanelProducts(const at::Tensor& k, const at::Tensor& v, const Dims& dims);
+  int64_t out_stride() const { return panel_count(d.Ev) * PANEL; }
+  // Whole panels: S also gets columns [c0 rounded down, c0) and [c1, c1 rounded up).
+  void scores(int64_t bhk, int64_t m, const float* q, int64_t j0, int64_t c0, int64_t c1,
+              float alpha, float* s, int64_t lds) const;
+  void values(int64_t bhk, int64_t m, const float* p, int64_t ldp, int64_t j0, int64_t c0,
+              int64_t c1, float* o) const;
+};
+
+// Backward products on one query head, loaded with load(): the query tile at i0 (mq rows)
+// against the key block at j0 (nk keys, j0 a multiple of PANEL). Gradient accumulators have
+// rows of q_stride() (dQ, dK) and v_stride() (dV) elements.
+template <typename T>
+struct BlasGrads {
+  Dims d;
+  const T *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr;
+
+  explicit BlasGrads(const Dims& dims) : d(dims) {}
+  void load(const T* q_, const T* k_, const T* v_, const T* dout_) {
+    q = q_, k = k_, v = v_, dout = dout_;
+  }
+  int64_t q_stride() const { return d.E; }
+  int64_t v_stride() const { return d.Ev; }
+  // s = alpha Q K^T and dp = dO V^T, nk columns of row stride lds.
+  void scores(int64_t i0, int64_t mq, int64_t j0, int64_t nk, T alpha, T* s, int64_t lds) const {
+    gemm_rm(false, true, mq, nk, d.E, alpha, q + i0 * d.E, d.E, k + j0 * d.E, d.E, T(0), s, lds);
+  }
+  void dprobs(int64_t i0, int64_t mq, int64_t j0, int64_t nk, T* dp, int64_t lds) const {
+    gemm_rm(false, true, mq, nk, d.Ev, T(1), dout + i0 * d.Ev, d.Ev, v + j0 * d.Ev, d.Ev, T(0),
+            dp, lds);
+  }
+  // dv += P^T dO, dq += alpha dS K, dk += alpha dS^T Q (accumulators for the whole head).
+  void add_dv(int64_t i0, int64_t mq, int64_t j0, int64_t nk, const T* p, int64_t lds,
+              T* dv) const {
+    gemm_rm(true, false, nk, d.Ev, mq, T(1), p, lds, dout + i0 * d.Ev, d.Ev, T(1),
+            dv + j0 * d.Ev, d.Ev);
+  }
+  void add_dq(int64_t i0, int64_t mq, int64_t j0, int64_t nk, T alpha, const T* ds, int64_t lds,
+              T* dq) const {
+    gemm_rm(false, false, mq, d.E, nk, alpha, ds, lds, k + j0 * d.E, d.E, T(1), dq + i0 * d.E,
+            d.E);
+  }
+  void add_dk(int64_t i0, int64_t mq, int64_t j0, int64_t nk, T alpha, const T* ds, int64_t lds,
+              T* dk) const {
+    gemm_rm(true, false, nk, d.E, mq, alpha, ds, lds, q + i0 * d.E, d.E, T(1), dk + j0 * d.E,
+            d.E);
+  }
+};
+
+struct PanelGrads {
+  Dims d;
+  // The head's operands as panels: K^T and V^T by keys (for S, dP), K by columns (dQ), Q and
+  // dO by columns (dK, dV). Linear in the sequence lengths, reused by every tile pair.
+  std::vector<float> kt, vt, kc, qc, dc;
+
+  explicit PanelGrads(const Dims& dims);
+  void load(const float* q, const float* k, const float* v, const float* dout);
+  int64_t q_stride() const { return panel_count(d.E) * PANEL; }
+  int64_t v_stride() const { return panel_count(d.Ev) * PANEL; }
+  void scores(int64_t i0, int64_t mq, int64_t j0, int64_t nk, float alpha, float* s,
+              int64_t lds) const;
+  void dprobs(int64_t i0, int64_t mq, int64_t j0, int64_t nk, float* dp, int64_t lds) const;
+  void add_dv(int64_t i0, int64_t mq, int64_t j0, int64_t nk, const float* p, int64_t lds,
+              float* dv) const;
+  void add_dq(int64_t i0, int64_t mq, int64_t j0, int64_t nk, float alpha, const float* ds,
+              int64_t lds, float* dq) const;
+  void add_dk(int64_t i0, int64_t mq, int64_t j0, int64_t nk, float alpha, const float* ds,
+              int64_t lds, float* dk) const;
+
+ private:
+  const float* q = nullptr;  // the query rows themselves, broadcast by scores()
+  const float* dout = nullptr;
+};
+
+}  // namespace attnx::cpu
