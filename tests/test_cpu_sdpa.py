@@ -69,6 +69,8 @@ SHAPES = [  # b, hq, hkv, lq, lk, e, ev
     (1, 2, 2, 97, 17, 64, 64),
     (1, 4, 2, 33, 33, 80, 48),  # GQA, Ev != E
     (1, 2, 1, 300, 260, 64, 64),  # crosses every tile edge, GQA over 2 heads
+    (1, 3, 3, 45, 70, 20, 12),  # E, Ev not multiples of the 16-wide GEMM panels
+    (2, 2, 1, 130, 61, 7, 33),
 ]
 MODES = {
     "none": {},
@@ -162,14 +164,14 @@ def test_dropout_with_float_mask_grad():
 
 
 def test_long_sequence_tiles():
-    """Several 128-row query tiles and 256-key blocks (128 x 128 in the backward), causal and not."""
+    """Several 132-row query tiles and 256-key blocks (128 x 128 in the backward), causal and not."""
     q, k, v, dout = _inputs(1, 1, 1, 800, 1100, 64, 64)
     _check(torch.float32, q, k, v, dout, is_causal=True)
     _check(torch.float32, q, k, v, dout)
 
 
 def test_causal_edge_blocks_split_into_row_groups():
-    """Key blocks the band cuts run their GEMMs per 32-row group: causal both alignments."""
+    """Key blocks the band cuts run their GEMMs per 30-row group: causal both alignments."""
     q, k, v, dout = _inputs(1, 1, 1, 777, 1100, 32, 32)
     _check(torch.float32, q, k, v, dout, is_causal=True)
     q, k, v, dout = _inputs(1, 1, 1, 1100, 700, 32, 32)
