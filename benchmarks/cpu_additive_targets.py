@@ -5,7 +5,8 @@ the naive formula that materialises tanh(q + k) as a (B, Lq, Lk, A) tensor (that
 reference backend). Timings are interleaved in one process (median, min, max). Peak memory is
 measured in a fresh subprocess per backend and size, as the growth of the process's peak RSS
 (VmHWM) over one forward + backward, at A=256 and A=512 to show which one grows with
-A x Lq x Lk.
+A x Lq x Lk. GFLOP/s use attnx.bench.flops' count for additive attention, beside the machine's
+float32 GEMM rate measured in the same run.
 
     python benchmarks/cpu_additive_targets.py [--reps 7]
 
@@ -30,6 +31,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import attnx  # noqa: E402
+from attnx.bench import flops  # noqa: E402
+from attnx.bench.machine import gemm_rate  # noqa: E402
+from attnx.bench.shapes import Case  # noqa: E402
 
 B, L, A, EV = 8, 128, 256, 256
 BACKENDS = ("cpu", "reference")
@@ -115,19 +119,26 @@ def main() -> None:
         return
 
     info = machine()
+    gemm = gemm_rate("cpu", args.reps)
     times = measure_time(args.reps)
     memory = {f"{b}_A{a}": measure_memory(b, a) for a in (A, 2 * A) for b in BACKENDS}
     stats = {b: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t), "runs_s": t}
              for b, t in times.items()}
     speedup = stats["reference"]["median_s"] / stats["cpu"]["median_s"]
+    case = Case("additive", B, 1, L, L, A, EV, False, "float32", "cpu")
+    work = flops.count(case, "forward_backward")
+    for s in stats.values():
+        s["gflops"] = work / s["median_s"] / 1e9
 
     print(f"additive attention fwd+bwd, B={B} L={L} A={A} Ev={EV} H=1 float32, "
           f"{info['torch_threads']} threads, {args.reps} interleaved runs")
-    print(f"{'backend':<22}{'median ms':>11}{'min ms':>9}{'max ms':>9}"
+    print(f"float32 GEMM 2048^3 in the same run: {gemm['flops_per_s'] / 1e9:.1f} GFLOP/s")
+    print(f"{'backend':<22}{'median ms':>11}{'min ms':>9}{'max ms':>9}{'GFLOP/s':>9}"
           f"{'peak RSS +MB A=' + str(A):>20}{'A=' + str(2 * A):>8}")
     for b, label in (("cpu", "attnx cpu (fused)"), ("reference", "naive PyTorch")):
         s = stats[b]
         print(f"{label:<22}{s['median_s'] * 1e3:>11.1f}{s['min_s'] * 1e3:>9.1f}{s['max_s'] * 1e3:>9.1f}"
+              f"{s['gflops']:>9.1f}"
               f"{memory[f'{b}_A{A}'] / 2**20:>20.1f}{memory[f'{b}_A{2 * A}'] / 2**20:>8.1f}")
     tanh_mb = B * L * L * A * 4 / 2**20
     print(f"speedup (median): {speedup:.2f}x (target >= {TARGET_SPEEDUP}x: "
@@ -140,6 +151,8 @@ def main() -> None:
         "attnx": attnx.__version__, "machine": info,
         "config": {"B": B, "H": 1, "Lq": L, "Lk": L, "A": A, "Ev": EV, "dtype": "float32",
                    "reps": args.reps, "what": "forward + backward, all inputs require grad"},
+        "flops": work, "flop_formula": "attnx.bench.flops, additive: pairs * (16A + 6Ev)",
+        "gemm_2048": gemm,
         "time": stats, "speedup_median": speedup, "target_speedup": TARGET_SPEEDUP,
         "peak_rss_growth_bytes": memory,
         "tanh_tensor_bytes": {f"A{a}": B * L * L * a * 4 for a in (A, 2 * A)},

@@ -2,6 +2,8 @@
 // registrations); build_info tells `attnx info` what this binary was compiled with.
 #include <torch/extension.h>
 
+#include "cpu/sdpa_panels.h"
+
 namespace {
 
 pybind11::dict build_info() {
@@ -20,6 +22,8 @@ pybind11::dict build_info() {
 #else
       false;
 #endif
+  // Which engine runs the float32 CPU SDPA products (csrc/cpu/sdpa_products.h).
+  info["cpu_gemm"] = attnx::cpu::panels_available() ? "panels" : "blas";
   return info;
 }
 

@@ -6,6 +6,10 @@ Errors are bounded by a small multiple of the reference backend's own error in t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.nn.attention.bias import CausalBias, causal_lower_right
@@ -176,6 +180,21 @@ def test_causal_edge_blocks_split_into_row_groups():
     _check(torch.float32, q, k, v, dout, is_causal=True)
     q, k, v, dout = _inputs(1, 1, 1, 1100, 700, 32, 32)
     _check(torch.float32, q, k, v, dout, mask=causal_lower_right(1100, 700))
+
+
+def test_blas_engine_matches_reference():
+    """ATTNX_CPU_PANELS=0 runs float32 on the BLAS engine (what CPUs without AVX2 get): the same
+    reference checks pass there."""
+    env = dict(os.environ, ATTNX_CPU_PANELS="0")
+    probe = "from attnx import _ops; print(_ops.build_info()['cpu_gemm'])"
+    engine = subprocess.run([sys.executable, "-c", probe], env=env, check=True,
+                            capture_output=True, text=True).stdout.strip()
+    assert engine == "blas"
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", "(matches_reference or masks or long_sequence or causal_edge or dropout)"
+                          " and not blas_engine"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:]
 
 
 def test_non_contiguous_inputs():

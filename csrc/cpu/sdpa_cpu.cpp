@@ -64,16 +64,15 @@ struct MaskRows {
   bool present() const { return data != nullptr; }
 
   // Scores s of keys j0 .. j0 + n - 1 of row (b, h, i): bool masks turn refused keys to -inf,
-  // float masks are added.
+  // float masks are added. Returns the max of the row after.
   template <typename T>
-  void apply(T* s, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n) const {
+  T apply(T* s, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n) const {
     const char* row = data + (b * sb + h * sh + i * si + j0 * sj) * esize;
     switch (dtype) {
       case at::kBool: {
         const bool* m = reinterpret_cast<const bool*>(row);
-        if (sj == 1) {
-          mask_row(s, m, n);
-        } else if (sj == 0) {  // one value for the whole row (a mask broadcast over keys)
+        if (sj == 1) return mask_row(s, m, n);  // the common case: one fused pass
+        if (sj == 0) {  // one value for the whole row (a mask broadcast over keys)
           if (!m[0]) std::fill(s, s + n, neg_inf<T>());
         } else {
           for (int64_t j = 0; j < n; ++j) {
@@ -87,6 +86,7 @@ struct MaskRows {
       case at::kBFloat16: add(s, reinterpret_cast<const at::BFloat16*>(row), n); break;
       default: TORCH_CHECK(false, "attnx::sdpa: unexpected mask dtype ", dtype);
     }
+    return row_max(s, n);
   }
 
  private:
@@ -167,8 +167,9 @@ void forward_kernel(const T* q, const Products& kv, const MaskRows& mask, T scal
           const int64_t i = i0 + r;
           T* sr = s + r * BK;
           const int64_t a = band.first(i, j0, nk), e = std::max(a, band.last(i, j0, nk));
-          if (mask.present() && e > a) mask.apply(sr + a, b, h, i, j0 + a, e - a);
-          const T mnew = std::max(m[r], row_max(sr + a, e - a));
+          const T mnew = std::max(m[r], mask.present() && e > a
+                                            ? mask.apply(sr + a, b, h, i, j0 + a, e - a)
+                                            : row_max(sr + a, e - a));
           std::fill(sr, sr + a, T(0));
           std::fill(sr + e, sr + nk, T(0));
           if (mnew == neg_inf<T>()) {  // nothing admitted yet: this block adds nothing

@@ -5,7 +5,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #include <immintrin.h>
@@ -13,7 +15,6 @@
 #endif
 
 namespace attnx::cpu {
-
 void pack_panels(const float* b, int64_t k, int64_t n, int64_t bks, int64_t bns, float* dst) {
   for (int64_t p = 0; p < panel_count(n); ++p) {
     const int64_t j0 = p * PANEL, w = std::min(PANEL, n - j0);
@@ -29,6 +30,13 @@ void pack_panels(const float* b, int64_t k, int64_t n, int64_t bks, int64_t bns,
 
 #ifdef ATTNX_PANELS_X86
 namespace {
+
+// ATTNX_CPU_PANELS=0 keeps the BLAS engine on a CPU that has AVX2: what machines without it
+// run, so that path can be tested and compared here.
+bool forced_off() {
+  const char* v = std::getenv("ATTNX_CPU_PANELS");
+  return v != nullptr && std::string(v) == "0";
+}
 
 // MR rows of C by one panel: 2 * MR accumulators in registers, B rows from the panel, A values
 // broadcast straight from memory (the memory form of vbroadcastss costs no shuffle port, which
@@ -71,7 +79,8 @@ constexpr int64_t MR = 6;
 }  // namespace
 
 bool panels_available() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          !forced_off();
   return yes;
 }
 

@@ -10,7 +10,8 @@ namespace attnx::cpu {
 constexpr int64_t PANEL = 16;
 inline int64_t panel_count(int64_t n) { return (n + PANEL - 1) / PANEL; }
 
-// Whether this CPU runs the micro-kernel (x86 with AVX2 and FMA); elsewhere callers use BLAS.
+// Whether this CPU runs the micro-kernel (x86 with AVX2 and FMA, unless the environment has
+// ATTNX_CPU_PANELS=0 at the first call); elsewhere callers use BLAS.
 bool panels_available();
 
 // Packs B (k x n, element (kk, j) at b[kk * bks + j * bns]) into panel_count(n) panels of

@@ -158,16 +158,24 @@ ATTNX_BODY void softmax_grad_body(float* ds, const float* p, int64_t n, float d)
 
 typedef uint8_t v8b __attribute__((vector_size(8)));
 
-ATTNX_BODY void mask_body(float* s, const bool* m, int64_t n) {
+ATTNX_BODY float mask_body(float* s, const bool* m, int64_t n) {
   const v8f ninf = splat(NEG_INF);
+  v8f mx = ninf;
   int64_t j = 0;
   for (; j + W <= n; j += W) {
     v8b bytes;
     std::memcpy(&bytes, m + j, sizeof(bytes));
     const v8i keep = __builtin_convertvector(bytes, v8i);
-    store(s + j, keep != 0 ? load(s + j) : ninf);
+    const v8f x = keep != 0 ? load(s + j) : ninf;
+    store(s + j, x);
+    mx = x > mx ? x : mx;
   }
-  for (; j < n; ++j) s[j] = m[j] ? s[j] : NEG_INF;
+  float tail = NEG_INF;
+  for (; j < n; ++j) {
+    s[j] = m[j] ? s[j] : NEG_INF;
+    tail = std::max(tail, s[j]);
+  }
+  return std::max(hmax(mx), tail);
 }
 
 #ifdef ATTNX_X86_DISPATCH
@@ -186,7 +194,7 @@ ATTNX_AVX2 void dropout_avx2(float* x, int64_t n, uint32_t key_row, uint32_t j0,
 ATTNX_AVX2 void softmax_grad_avx2(float* ds, const float* p, int64_t n, float d) {
   softmax_grad_body(ds, p, n, d);
 }
-ATTNX_AVX2 void mask_avx2(float* s, const bool* m, int64_t n) { mask_body(s, m, n); }
+ATTNX_AVX2 float mask_avx2(float* s, const bool* m, int64_t n) { return mask_body(s, m, n); }
 #define ATTNX_PICK(fast, ...) \
   if (use_avx2()) return fast(__VA_ARGS__)
 #else
@@ -205,13 +213,14 @@ float exp_sum(float* x, int64_t n, float sub) {
   return exp_sum_body(x, n, sub);
 }
 
-void mask_row(float* s, const bool* m, int64_t n) {
+float mask_row(float* s, const bool* m, int64_t n) {
   ATTNX_PICK(mask_avx2, s, m, n);
-  mask_body(s, m, n);
+  return mask_body(s, m, n);
 }
 
-void mask_row(double* s, const bool* m, int64_t n) {
+double mask_row(double* s, const bool* m, int64_t n) {
   for (int64_t j = 0; j < n; ++j) s[j] = m[j] ? s[j] : -std::numeric_limits<double>::infinity();
+  return row_max(s, n);
 }
 
 void scale_row(float* x, int64_t n, float a) {
