@@ -108,6 +108,17 @@ def test_masks(kind, mask_dtype):
     _check(torch.float32, q, k, v, dout, mask=_mask(kind, b, h, lq, lk, mask_dtype))
 
 
+def test_bool_mask_inside_a_window():
+    """A window starts each row's keys at any offset, so the packed mask bits are read
+    unaligned; 300 keys cross several blocks and bytes."""
+    b, h, lq, lk = 1, 2, 150, 300
+    q, k, v, dout = _inputs(b, h, h, lq, lk, 16, 16)
+    _check(torch.float32, q, k, v, dout, mask=_mask("full", b, h, lq, lk, torch.bool),
+           window=(37, 21))
+    _check(torch.float64, q, k, v, dout, mask=_mask("row", b, h, lq, lk, torch.bool),
+           window=(37, 21))
+
+
 def test_mask_is_read_through_strides():
     """Masks broadcast over keys (stride 0) or transposed reach the kernel as strided views."""
     q, k, v, dout = _inputs(2, 2, 2, 40, 70, 16, 16)

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "dropout.h"
+#include "sdpa_mask.h"
 #include "sdpa_products.h"
 #include "sdpa_tile.h"
 
@@ -43,56 +44,6 @@ struct Band {
   // Does some row of [i0, i0 + m) admit some key of [j0, j0 + n)?
   bool touches(int64_t i0, int64_t m, int64_t j0, int64_t n) const {
     return i0 + lo <= j0 + n - 1 && i0 + m - 1 + hi >= j0;
-  }
-};
-
-// The mask as the caller passed it: a (B, Hq, Lq, Lk) view read through its strides, so a
-// broadcast mask costs no memory.
-struct MaskRows {
-  const char* data = nullptr;
-  at::ScalarType dtype = at::kBool;
-  int64_t sb = 0, sh = 0, si = 0, sj = 0, esize = 1;
-
-  explicit MaskRows(const std::optional<Tensor>& mask) {
-    if (!mask.has_value()) return;
-    const Tensor& m = *mask;
-    data = static_cast<const char*>(m.data_ptr());
-    dtype = m.scalar_type();
-    sb = m.stride(0), sh = m.stride(1), si = m.stride(2), sj = m.stride(3);
-    esize = static_cast<int64_t>(m.element_size());
-  }
-  bool present() const { return data != nullptr; }
-
-  // Scores s of keys j0 .. j0 + n - 1 of row (b, h, i): bool masks turn refused keys to -inf,
-  // float masks are added. Returns the max of the row after.
-  template <typename T>
-  T apply(T* s, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n) const {
-    const char* row = data + (b * sb + h * sh + i * si + j0 * sj) * esize;
-    switch (dtype) {
-      case at::kBool: {
-        const bool* m = reinterpret_cast<const bool*>(row);
-        if (sj == 1) return mask_row(s, m, n);  // the common case: one fused pass
-        if (sj == 0) {  // one value for the whole row (a mask broadcast over keys)
-          if (!m[0]) std::fill(s, s + n, neg_inf<T>());
-        } else {
-          for (int64_t j = 0; j < n; ++j) {
-            if (!m[j * sj]) s[j] = neg_inf<T>();
-          }
-        }
-        break;
-      }
-      case at::kFloat: add(s, reinterpret_cast<const float*>(row), n); break;
-      case at::kDouble: add(s, reinterpret_cast<const double*>(row), n); break;
-      case at::kBFloat16: add(s, reinterpret_cast<const at::BFloat16*>(row), n); break;
-      default: TORCH_CHECK(false, "attnx::sdpa: unexpected mask dtype ", dtype);
-    }
-    return row_max(s, n);
-  }
-
- private:
-  template <typename T, typename M>
-  void add(T* s, const M* m, int64_t n) const {
-    for (int64_t j = 0; j < n; ++j) s[j] += static_cast<T>(m[j * sj]);
   }
 };
 

@@ -156,23 +156,27 @@ ATTNX_BODY void softmax_grad_body(float* ds, const float* p, int64_t n, float d)
   for (; j < n; ++j) ds[j] = p[j] * (ds[j] - d);
 }
 
-typedef uint8_t v8b __attribute__((vector_size(8)));
+// The 8 mask bits of keys pos .. pos + 7, from the two bytes that hold them.
+ATTNX_BODY uint32_t bits8(const uint8_t* bits, int64_t pos) {
+  uint16_t two;
+  std::memcpy(&two, bits + (pos >> 3), sizeof(two));
+  return (two >> (pos & 7)) & 0xFFu;
+}
 
-ATTNX_BODY float mask_body(float* s, const bool* m, int64_t n) {
+ATTNX_BODY float mask_body(float* s, const uint8_t* bits, int64_t pos, int64_t n) {
   const v8f ninf = splat(NEG_INF);
+  const v8i lane_bit = {1, 2, 4, 8, 16, 32, 64, 128};
   v8f mx = ninf;
   int64_t j = 0;
   for (; j + W <= n; j += W) {
-    v8b bytes;
-    std::memcpy(&bytes, m + j, sizeof(bytes));
-    const v8i keep = __builtin_convertvector(bytes, v8i);
+    const v8i keep = ((v8i){} + static_cast<int32_t>(bits8(bits, pos + j))) & lane_bit;
     const v8f x = keep != 0 ? load(s + j) : ninf;
     store(s + j, x);
     mx = x > mx ? x : mx;
   }
   float tail = NEG_INF;
   for (; j < n; ++j) {
-    s[j] = m[j] ? s[j] : NEG_INF;
+    if (!((bits[(pos + j) >> 3] >> ((pos + j) & 7)) & 1)) s[j] = NEG_INF;
     tail = std::max(tail, s[j]);
   }
   return std::max(hmax(mx), tail);
@@ -194,7 +198,9 @@ ATTNX_AVX2 void dropout_avx2(float* x, int64_t n, uint32_t key_row, uint32_t j0,
 ATTNX_AVX2 void softmax_grad_avx2(float* ds, const float* p, int64_t n, float d) {
   softmax_grad_body(ds, p, n, d);
 }
-ATTNX_AVX2 float mask_avx2(float* s, const bool* m, int64_t n) { return mask_body(s, m, n); }
+ATTNX_AVX2 float mask_avx2(float* s, const uint8_t* bits, int64_t pos, int64_t n) {
+  return mask_body(s, bits, pos, n);
+}
 #define ATTNX_PICK(fast, ...) \
   if (use_avx2()) return fast(__VA_ARGS__)
 #else
@@ -213,13 +219,17 @@ float exp_sum(float* x, int64_t n, float sub) {
   return exp_sum_body(x, n, sub);
 }
 
-float mask_row(float* s, const bool* m, int64_t n) {
-  ATTNX_PICK(mask_avx2, s, m, n);
-  return mask_body(s, m, n);
+float mask_bits(float* s, const uint8_t* bits, int64_t pos, int64_t n) {
+  ATTNX_PICK(mask_avx2, s, bits, pos, n);
+  return mask_body(s, bits, pos, n);
 }
 
-double mask_row(double* s, const bool* m, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) s[j] = m[j] ? s[j] : -std::numeric_limits<double>::infinity();
+double mask_bits(double* s, const uint8_t* bits, int64_t pos, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (!((bits[(pos + j) >> 3] >> ((pos + j) & 7)) & 1)) {
+      s[j] = -std::numeric_limits<double>::infinity();
+    }
+  }
   return row_max(s, n);
 }
 

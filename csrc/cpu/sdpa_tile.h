@@ -26,10 +26,11 @@ void dropout_row(float* x, int64_t n, uint32_t key_row, uint32_t j0, uint32_t th
 void dropout_row(double* x, int64_t n, uint32_t key_row, uint32_t j0, uint32_t threshold,
                  double inv_keep);
 
-// Bool mask on a contiguous row: s[j] = -inf where !m[j]; returns the max of the masked row
-// (the same pass, so the forward need not read the row again for its running max).
-float mask_row(float* s, const bool* m, int64_t n);
-double mask_row(double* s, const bool* m, int64_t n);
+// A bool mask packed to bits (key k admitted iff bit k % 8 of bits[k / 8]; the byte after the
+// last key's must be readable): s[t] = -inf where key pos + t is refused. Returns the max of the
+// masked row (the same pass, so the forward need not read the row again for its running max).
+float mask_bits(float* s, const uint8_t* bits, int64_t pos, int64_t n);
+double mask_bits(double* s, const uint8_t* bits, int64_t pos, int64_t n);
 
 // Softmax backward on one row: ds = p * (ds - d).
 void softmax_grad_row(float* ds, const float* p, int64_t n, float d);

@@ -1,0 +1,88 @@
+#include "sdpa_mask.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "sdpa_tile.h"
+
+namespace attnx::cpu {
+namespace {
+
+// The bits of n bool bytes at stride sj (0 or 1 valued), 8 per byte.
+void pack_bits(const bool* m, int64_t sj, int64_t n, uint8_t* dst) {
+  int64_t j = 0;
+  if (sj == 1) {
+    for (; j + 8 <= n; j += 8) {
+      uint64_t w;
+      std::memcpy(&w, m + j, sizeof(w));
+      // Byte t of w is 0 or 1; the product moves it to bit 56 + t, and no two terms collide.
+      dst[j / 8] = static_cast<uint8_t>((w * 0x0102040810204080ull) >> 56);
+    }
+  }
+  for (; j < n; j += 8) {
+    uint8_t byte = 0;
+    for (int64_t t = 0; t < 8 && j + t < n; ++t) byte |= uint8_t(m[(j + t) * sj] ? 1 : 0) << t;
+    dst[j / 8] = byte;
+  }
+}
+
+template <typename T, typename M>
+void add_row(T* s, const M* m, int64_t sj, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) s[j] += static_cast<T>(m[j * sj]);
+}
+
+}  // namespace
+
+MaskRows::MaskRows(const std::optional<at::Tensor>& mask) {
+  if (!mask.has_value()) return;
+  const at::Tensor& m = *mask;
+  present_ = true;
+  dtype_ = m.scalar_type();
+  if (dtype_ != at::kBool) {
+    data_ = static_cast<const char*>(m.data_ptr());
+    sb_ = m.stride(0), sh_ = m.stride(1), si_ = m.stride(2), sj_ = m.stride(3);
+    esize_ = static_cast<int64_t>(m.element_size());
+    return;
+  }
+  // One packed row per index the view does not broadcast (stride 0 means one row serves all).
+  nb_ = m.stride(0) == 0 ? 1 : m.size(0);
+  nh_ = m.stride(1) == 0 ? 1 : m.size(1);
+  nq_ = m.stride(2) == 0 ? 1 : m.size(2);
+  const int64_t lk = m.size(3), sj = m.stride(3);
+  row_bytes_ = (lk + 7) / 8 + 1;  // one spare byte: mask_bits reads bytes in pairs
+  bits_ = at::zeros({nb_ * nh_ * nq_, row_bytes_}, m.options().dtype(at::kByte));
+  const bool* src = m.data_ptr<bool>();
+  uint8_t* dst = bits_.data_ptr<uint8_t>();
+  const int64_t sb = m.stride(0), sh = m.stride(1), si = m.stride(2);
+  at::parallel_for(0, nb_ * nh_ * nq_, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t i = r % nq_, h = r / nq_ % nh_, b = r / nq_ / nh_;
+      pack_bits(src + b * sb + h * sh + i * si, sj, lk, dst + r * row_bytes_);
+    }
+  });
+}
+
+template <typename T>
+T MaskRows::apply(T* s, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n) const {
+  if (dtype_ == at::kBool) {
+    const int64_t row = ((b % nb_) * nh_ + h % nh_) * nq_ + i % nq_;
+    return mask_bits(s, bits_.data_ptr<uint8_t>() + row * row_bytes_, j0, n);
+  }
+  const char* row = data_ + (b * sb_ + h * sh_ + i * si_ + j0 * sj_) * esize_;
+  switch (dtype_) {
+    case at::kFloat: add_row(s, reinterpret_cast<const float*>(row), sj_, n); break;
+    case at::kDouble: add_row(s, reinterpret_cast<const double*>(row), sj_, n); break;
+    case at::kBFloat16: add_row(s, reinterpret_cast<const at::BFloat16*>(row), sj_, n); break;
+    default: TORCH_CHECK(false, "attnx::sdpa: unexpected mask dtype ", dtype_);
+  }
+  return row_max(s, n);
+}
+
+template float MaskRows::apply(float*, int64_t, int64_t, int64_t, int64_t, int64_t) const;
+template double MaskRows::apply(double*, int64_t, int64_t, int64_t, int64_t, int64_t) const;
+
+}  // namespace attnx::cpu

@@ -1,0 +1,36 @@
+// The attention mask as the SDPA kernels read it, row by row.
+//
+// A float mask is read in place through the strides of its (B, Hq, Lq, Lk) broadcast view. A
+// bool mask is packed once per call to one bit per key, one row per distinct (b, h, i) of that
+// view: a broadcast mask stays the size of what the caller passed, and a (Lq, Lk) mask read
+// again for every head and both passes costs 1/8 of the memory traffic of its bytes.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace attnx::cpu {
+
+class MaskRows {
+ public:
+  explicit MaskRows(const std::optional<at::Tensor>& mask);
+  bool present() const { return present_; }
+
+  // Scores s of keys j0 .. j0 + n - 1 of row (b, h, i): keys a bool mask refuses become -inf,
+  // a float mask is added. Returns the max of the row after.
+  template <typename T>
+  T apply(T* s, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n) const;
+
+ private:
+  bool present_ = false;
+  at::ScalarType dtype_ = at::kBool;
+  // float masks: the view itself
+  const char* data_ = nullptr;
+  int64_t sb_ = 0, sh_ = 0, si_ = 0, sj_ = 0, esize_ = 1;
+  // bool masks: bit j % 8 of byte j / 8 of a packed row is key j; rows_ (nb, nh, nq)
+  at::Tensor bits_;
+  int64_t nb_ = 1, nh_ = 1, nq_ = 1, row_bytes_ = 0;
+};
+
+}  // namespace attnx::cpu
