@@ -262,3 +262,15 @@ def test_rejects_bad_shapes_in_cpp():
                                  0.0, None)
     with pytest.raises(RuntimeError, match="seed"):
         torch.ops.attnx.sdpa_fwd(q, q, q, None, 1.0, -4, 4, 0.5, None)
+
+
+def test_extreme_window_bounds_in_cpp():
+    """The op called directly with windows far past the sequence: the same pairs as the
+    sequence-sized bounds (nothing overflows i + window)."""
+    q, k, v, _ = (t.float() for t in _inputs(1, 2, 2, 40, 300, 16, 16))
+    big = 2**63 - 1  # int64 max
+    wide, _ = torch.ops.attnx.sdpa_fwd(q, k, v, None, 0.25, -big, big, 0.0, None)
+    full, _ = torch.ops.attnx.sdpa_fwd(q, k, v, None, 0.25, -40, 300, 0.0, None)
+    assert torch.equal(wide, full)
+    none, lse = torch.ops.attnx.sdpa_fwd(q, k, v, None, 0.25, big, big, 0.0, None)
+    assert torch.equal(none, torch.zeros_like(none)) and torch.isneginf(lse).all()

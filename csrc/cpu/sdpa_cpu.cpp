@@ -49,6 +49,12 @@ struct Band {
   }
 };
 
+// The same admissible pairs with bounds in [-Lq, Lk], so that i + lo and i + hi cannot overflow
+// whatever a direct caller of the op passes.
+Band clamped_band(int64_t lo, int64_t hi, const Dims& d) {
+  return Band{std::clamp(lo, -d.Lq, d.Lk), std::clamp(hi, -d.Lq, d.Lk)};
+}
+
 // Rows [r0, r1) of a query tile and the keys [c0, c1) of a key block that some of them admit.
 struct RowGroup {
   int64_t r0, r1, c0, c1;
@@ -84,6 +90,8 @@ constexpr int64_t FWD_KEY_BLOCK = 256;
 constexpr int64_t FWD_EDGE_ROWS = 30;
 constexpr int64_t BWD_QUERY_BLOCK = 128;
 constexpr int64_t BWD_KEY_BLOCK = 128;
+static_assert(FWD_KEY_BLOCK % PANEL == 0 && BWD_KEY_BLOCK % PANEL == 0,
+              "key blocks start on panel boundaries: the panel engine indexes K by j0 / PANEL");
 
 template <typename T, typename Products>
 void forward_kernel(const T* q, const Products& kv, const MaskRows& mask, T scale, Band band,
@@ -303,7 +311,7 @@ std::tuple<Tensor, Tensor> sdpa_fwd(const Tensor& q, const Tensor& k, const Tens
   // lse in the accumulation dtype: float64 inputs keep a float64 lse so that their backward
   // recomputes probabilities to float64 accuracy.
   Tensor lse = at::empty({d.B, d.Hq, d.Lq}, q.options().dtype(ct));
-  const Band band{window_lo, window_hi};
+  const Band band = clamped_band(window_lo, window_hi, d);
   if (ct == at::kDouble) {
     const BlasProducts<double> kv{kc.data_ptr<double>(), vc.data_ptr<double>(), d};
     forward_kernel(qc.data_ptr<double>(), kv, rows, scale, band, drop, out.data_ptr<double>(),
@@ -351,7 +359,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
   Tensor dmask = mask_grad ? at::zeros({d.B, d.Hq, d.Lq, d.Lk}, opts) : Tensor();
   const BwdOut res{dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                    mask_grad ? dmask.data_ptr() : nullptr};
-  const Band band{window_lo, window_hi};
+  const Band band = clamped_band(window_lo, window_hi, d);
   if (ct == at::kDouble) {
     backward_kernel<double, BlasGrads<double>>(
         doc.data_ptr<double>(), qc.data_ptr<double>(), kc.data_ptr<double>(),

@@ -3,9 +3,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <cstring>
-#include <limits>
 
 #include "sdpa_tile.h"
 
@@ -57,6 +55,7 @@ MaskRows::MaskRows(const std::optional<at::Tensor>& mask) {
   bits_ = at::zeros({nb_ * nh_ * nq_, row_bytes_}, m.options().dtype(at::kByte));
   const bool* src = m.data_ptr<bool>();
   uint8_t* dst = bits_.data_ptr<uint8_t>();
+  bits_data_ = dst;
   const int64_t sb = m.stride(0), sh = m.stride(1), si = m.stride(2);
   at::parallel_for(0, nb_ * nh_ * nq_, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -70,7 +69,7 @@ template <typename T>
 T MaskRows::apply(T* s, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n) const {
   if (dtype_ == at::kBool) {
     const int64_t row = ((b % nb_) * nh_ + h % nh_) * nq_ + i % nq_;
-    return mask_bits(s, bits_.data_ptr<uint8_t>() + row * row_bytes_, j0, n);
+    return mask_bits(s, bits_data_ + row * row_bytes_, j0, n);
   }
   const char* row = data_ + (b * sb_ + h * sh_ + i * si_ + j0 * sj_) * esize_;
   switch (dtype_) {

@@ -30,6 +30,7 @@ class MaskRows {
   int64_t sb_ = 0, sh_ = 0, si_ = 0, sj_ = 0, esize_ = 1;
   // bool masks: bit j % 8 of byte j / 8 of a packed row is key j; rows_ (nb, nh, nq)
   at::Tensor bits_;
+  const uint8_t* bits_data_ = nullptr;
   int64_t nb_ = 1, nh_ = 1, nq_ = 1, row_bytes_ = 0;
 };
 

@@ -1,5 +1,7 @@
 #include "sdpa_products.h"
 
+#include <ATen/Parallel.h>
+
 namespace attnx::cpu {
 
 PanelProducts::PanelProducts(const at::Tensor& k, const at::Tensor& v, const Dims& dims)
@@ -44,9 +46,12 @@ PanelGrads::PanelGrads(const Dims& dims)
 
 void PanelGrads::load(const float* q_, const float* k, const float* v, const float* dout_) {
   q = q_, dout = dout_;
-  pack_panels(k, d.E, d.Lk, 1, d.E, kt.data());
-  pack_panels(v, d.Ev, d.Lk, 1, d.Ev, vt.data());
-  pack_panels(k, d.Lk, d.E, d.E, 1, kc.data());
+  if (k != packed_k || v != packed_v) {  // GQA: the query heads of a group share K and V
+    pack_panels(k, d.E, d.Lk, 1, d.E, kt.data());
+    pack_panels(v, d.Ev, d.Lk, 1, d.Ev, vt.data());
+    pack_panels(k, d.Lk, d.E, d.E, 1, kc.data());
+    packed_k = k, packed_v = v;
+  }
   pack_panels(q, d.Lq, d.E, d.E, 1, qc.data());
   pack_panels(dout, d.Lq, d.Ev, d.Ev, 1, dc.data());
 }

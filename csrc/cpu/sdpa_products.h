@@ -1,10 +1,10 @@
 // The matrix products of the CPU SDPA kernels, behind one interface with two engines: BLAS on
 // the operands as they are (float64, and float on CPUs without AVX2), or the panel
-// micro-kernel on operands packed once (float). Scores must come out bitwise the same in the
-// forward and the backward, so both passes take them from the same engine.
+// micro-kernel on operands packed once (float). Both passes take their scores from the same
+// engine; with panels they come out bitwise the same (one FMA chain per score, whatever the
+// tile), which keeps the backward's recomputed probabilities consistent with the saved lse.
 #pragma once
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
 #include <vector>
 
@@ -97,7 +97,8 @@ struct BlasGrads {
 struct PanelGrads {
   Dims d;
   // The head's operands as panels: K^T and V^T by keys (for S, dP), K by columns (dQ), Q and
-  // dO by columns (dK, dV). Linear in the sequence lengths, reused by every tile pair.
+  // dO by columns (dK, dV). Linear in the sequence lengths (about 3 Lk + 2 Lq rows of the head
+  // dims per thread), reused by every tile pair; K and V repacked only when the kv head changes.
   std::vector<float> kt, vt, kc, qc, dc;
 
   explicit PanelGrads(const Dims& dims);
@@ -117,6 +118,8 @@ struct PanelGrads {
  private:
   const float* q = nullptr;  // the query rows themselves, broadcast by scores()
   const float* dout = nullptr;
+  const float* packed_k = nullptr;  // the K and V that kt, vt, kc hold
+  const float* packed_v = nullptr;
 };
 
 }  // namespace attnx::cpu

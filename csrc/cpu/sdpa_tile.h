@@ -30,6 +30,7 @@ void dropout_row(double* x, int64_t n, uint32_t key_row, uint32_t j0, uint32_t t
 // last key's must be readable): s[t] = -inf where key pos + t is refused. Returns the max of the
 // masked row (the same pass, so the forward need not read the row again for its running max).
 float mask_bits(float* s, const uint8_t* bits, int64_t pos, int64_t n);
+inline bool mask_bit(const uint8_t* bits, int64_t k) { return (bits[k >> 3] >> (k & 7)) & 1; }
 double mask_bits(double* s, const uint8_t* bits, int64_t pos, int64_t n);
 
 // Softmax backward on one row: ds = p * (ds - d).
