@@ -78,11 +78,11 @@ void for_row_groups(Band band, int64_t i0, int64_t mq, int64_t j0, int64_t nk, i
 // Block sizes (measured on a 2-core AVX2 machine at L = 1k-4k, D = 64 and 128; within +-2%
 // of each other from 96 to 256 rows and 256 to 512 keys): a ~128 x 256 score tile (128 KiB)
 // stays in L2 and wastes little of the diagonal blocks under a band; row counts are multiples
-// of the micro-kernel's 6 rows, so no GEMM ends on a slow short strip; shorter sequences take
-// smaller query tiles to keep every thread busy. Key blocks are multiples of PANEL.
+// of the micro-kernel's 6 rows, so no GEMM ends on a slow short strip; sequences below 768
+// take 66-row tiles (30-row tiles measured 5-10% slower at L = 64-256, where each task's fixed
+// costs weigh). Key blocks are multiples of PANEL.
 int64_t fwd_query_block(int64_t lq) {
-  if (lq >= 768) return 132;
-  return lq >= 192 ? 66 : 30;
+  return lq >= 768 ? 132 : 66;
 }
 constexpr int64_t FWD_KEY_BLOCK = 256;
 // Rows per GEMM on a block the band cuts (a causal diagonal): the keys past the band of such
@@ -94,12 +94,15 @@ static_assert(FWD_KEY_BLOCK % PANEL == 0 && BWD_KEY_BLOCK % PANEL == 0,
               "key blocks start on panel boundaries: the panel engine indexes K by j0 / PANEL");
 
 template <typename T, typename Products>
-void forward_kernel(const T* q, const Products& kv, const MaskRows& mask, T scale, Band band,
-                    const Dropout& drop, T* out, T* lse, const Dims& d) {
-  const int64_t BQ = fwd_query_block(d.Lq), BK = FWD_KEY_BLOCK, ldo = kv.out_stride();
+void forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T scale,
+                    Band band, const Dropout& drop, T* out, T* lse, const Dims& d) {
+  const int64_t BQ = fwd_query_block(d.Lq), BK = FWD_KEY_BLOCK;
   const int64_t nqt = (d.Lq + BQ - 1) / BQ;
   const T inv_keep = static_cast<T>(drop.inv_keep);
   at::parallel_for(0, d.B * d.Hq * nqt, 1, [&](int64_t begin, int64_t end) {
+    // Tasks run query tiles fastest, so a thread loads each kv head's operands about once.
+    Products kv(d);
+    const int64_t ldo = kv.out_stride();
     // o accumulates P V unnormalized; it goes to `out` once divided by the row sums.
     std::vector<T> sbuf(BQ * BK), obuf(BQ * ldo), m(BQ), l(BQ);
     T* s = sbuf.data();
@@ -108,6 +111,7 @@ void forward_kernel(const T* q, const Products& kv, const MaskRows& mask, T scal
       const int64_t qt = task % nqt, bh = task / nqt, h = bh % d.Hq, b = bh / d.Hq;
       const int64_t bhk = b * d.Hkv + h / d.group();
       const int64_t i0 = qt * BQ, mq = std::min(BQ, d.Lq - i0);
+      kv.load(k + bhk * d.Lk * d.E, v + bhk * d.Lk * d.Ev);
       const T* qp = q + (bh * d.Lq + i0) * d.E;
       T* op = out + (bh * d.Lq + i0) * d.Ev;
       T* lp = lse + bh * d.Lq + i0;
@@ -122,7 +126,7 @@ void forward_kernel(const T* q, const Products& kv, const MaskRows& mask, T scal
         const int64_t nk = std::min(BK, jhi - j0);
         // Entries of S outside a row's [first, last) are never read, so they need not exist.
         for_row_groups(band, i0, mq, j0, nk, FWD_EDGE_ROWS, [&](const RowGroup& g) {
-          kv.scores(bhk, g.r1 - g.r0, qp + g.r0 * d.E, j0, g.c0, g.c1, scale, s + g.r0 * BK, BK);
+          kv.scores(g.r1 - g.r0, qp + g.r0 * d.E, j0, g.c0, g.c1, scale, s + g.r0 * BK, BK);
         });
         for (int64_t r = 0; r < mq; ++r) {
           const int64_t i = i0 + r;
@@ -148,7 +152,7 @@ void forward_kernel(const T* q, const Products& kv, const MaskRows& mask, T scal
         }
         // P is 0 outside each row's band, so a group's product needs only its keys.
         for_row_groups(band, i0, mq, j0, nk, FWD_EDGE_ROWS, [&](const RowGroup& g) {
-          kv.values(bhk, g.r1 - g.r0, s + g.r0 * BK, BK, j0, g.c0, g.c1, o + g.r0 * ldo);
+          kv.values(g.r1 - g.r0, s + g.r0 * BK, BK, j0, g.c0, g.c1, o + g.r0 * ldo);
         });
       }
       for (int64_t r = 0; r < mq; ++r) {
@@ -313,17 +317,15 @@ std::tuple<Tensor, Tensor> sdpa_fwd(const Tensor& q, const Tensor& k, const Tens
   Tensor lse = at::empty({d.B, d.Hq, d.Lq}, q.options().dtype(ct));
   const Band band = clamped_band(window_lo, window_hi, d);
   if (ct == at::kDouble) {
-    const BlasProducts<double> kv{kc.data_ptr<double>(), vc.data_ptr<double>(), d};
-    forward_kernel(qc.data_ptr<double>(), kv, rows, scale, band, drop, out.data_ptr<double>(),
-                   lse.data_ptr<double>(), d);
-  } else if (panels_available()) {
-    forward_kernel(qc.data_ptr<float>(), PanelProducts(kc, vc, d), rows,
-                   static_cast<float>(scale), band, drop, out.data_ptr<float>(),
-                   lse.data_ptr<float>(), d);
+    forward_kernel<double, BlasProducts<double>>(
+        qc.data_ptr<double>(), kc.data_ptr<double>(), vc.data_ptr<double>(), rows, scale, band,
+        drop, out.data_ptr<double>(), lse.data_ptr<double>(), d);
   } else {
-    const BlasProducts<float> kv{kc.data_ptr<float>(), vc.data_ptr<float>(), d};
-    forward_kernel(qc.data_ptr<float>(), kv, rows, static_cast<float>(scale), band, drop,
-                   out.data_ptr<float>(), lse.data_ptr<float>(), d);
+    const auto kernel = panels_available() ? forward_kernel<float, PanelProducts>
+                                           : forward_kernel<float, BlasProducts<float>>;
+    kernel(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), rows,
+           static_cast<float>(scale), band, drop, out.data_ptr<float>(), lse.data_ptr<float>(),
+           d);
   }
   return {out.to(q.scalar_type()), lse};
 }

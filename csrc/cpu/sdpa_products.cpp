@@ -1,39 +1,28 @@
 #include "sdpa_products.h"
 
-#include <ATen/Parallel.h>
-
 namespace attnx::cpu {
 
-PanelProducts::PanelProducts(const at::Tensor& k, const at::Tensor& v, const Dims& dims)
-    : d(dims) {
-  const int64_t heads = d.B * d.Hkv;
-  kt = at::empty({heads, panel_count(d.Lk) * d.E * PANEL}, k.options());
-  vp = at::empty({heads, panel_count(d.Ev) * d.Lk * PANEL}, v.options());
-  const float* kd = k.data_ptr<float>();
-  const float* vd = v.data_ptr<float>();
-  float* ktd = kt.data_ptr<float>();
-  float* vpd = vp.data_ptr<float>();
-  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h) {
-      pack_panels(kd + h * d.Lk * d.E, d.E, d.Lk, 1, d.E, ktd + h * kt.size(1));
-      pack_panels(vd + h * d.Lk * d.Ev, d.Lk, d.Ev, d.Ev, 1, vpd + h * vp.size(1));
-    }
-  });
+PanelProducts::PanelProducts(const Dims& dims)
+    : d(dims), kt(panel_count(d.Lk) * d.E * PANEL), vp(panel_count(d.Ev) * d.Lk * PANEL) {}
+
+void PanelProducts::load(const float* k, const float* v) {
+  if (k == packed_k && v == packed_v) return;
+  pack_panels(k, d.E, d.Lk, 1, d.E, kt.data());
+  pack_panels(v, d.Lk, d.Ev, d.Ev, 1, vp.data());
+  packed_k = k, packed_v = v;
 }
 
-void PanelProducts::scores(int64_t bhk, int64_t m, const float* q, int64_t j0, int64_t c0,
-                           int64_t c1, float alpha, float* s, int64_t lds) const {
+void PanelProducts::scores(int64_t m, const float* q, int64_t j0, int64_t c0, int64_t c1,
+                           float alpha, float* s, int64_t lds) const {
   const int64_t p0 = (j0 + c0) / PANEL, p1 = panel_count(j0 + c1);
-  panel_gemm(m, p1 - p0, d.E, alpha, q, d.E, 1,
-             kt.data_ptr<float>() + bhk * kt.size(1) + p0 * d.E * PANEL, d.E * PANEL, false,
-             s + p0 * PANEL - j0, lds);
+  panel_gemm(m, p1 - p0, d.E, alpha, q, d.E, 1, kt.data() + p0 * d.E * PANEL, d.E * PANEL,
+             false, s + p0 * PANEL - j0, lds);
 }
 
-void PanelProducts::values(int64_t bhk, int64_t m, const float* p, int64_t ldp, int64_t j0,
-                           int64_t c0, int64_t c1, float* o) const {
-  panel_gemm(m, panel_count(d.Ev), c1 - c0, 1.0f, p + c0, ldp, 1,
-             vp.data_ptr<float>() + bhk * vp.size(1) + (j0 + c0) * PANEL, d.Lk * PANEL, true, o,
-             out_stride());
+void PanelProducts::values(int64_t m, const float* p, int64_t ldp, int64_t j0, int64_t c0,
+                           int64_t c1, float* o) const {
+  panel_gemm(m, panel_count(d.Ev), c1 - c0, 1.0f, p + c0, ldp, 1, vp.data() + (j0 + c0) * PANEL,
+             d.Lk * PANEL, true, o, out_stride());
 }
 
 PanelGrads::PanelGrads(const Dims& dims)

@@ -18,40 +18,49 @@ struct Dims {
   int64_t group() const { return Hq / Hkv; }
 };
 
-// Forward products on one (batch, kv head) bhk: scores S = alpha Q K^T and O += P V on the keys
-// [c0, c1) of the block at j0 (a multiple of PANEL). O rows have out_stride() elements.
+// Forward products on one kv head, loaded with load() (per thread: repeated loads of the same
+// head cost nothing): scores S = alpha Q K^T and O += P V on the keys [c0, c1) of the block at
+// j0 (a multiple of PANEL). O rows have out_stride() elements.
 template <typename T>
 struct BlasProducts {
-  const T* k;
-  const T* v;
   Dims d;
+  const T* k = nullptr;
+  const T* v = nullptr;
+
+  explicit BlasProducts(const Dims& dims) : d(dims) {}
+  void load(const T* k_, const T* v_) { k = k_, v = v_; }
   int64_t out_stride() const { return d.Ev; }
   // S[r][c0, c1) of m rows (row stride lds), q the first query row.
-  void scores(int64_t bhk, int64_t m, const T* q, int64_t j0, int64_t c0, int64_t c1, T alpha,
-              T* s, int64_t lds) const {
-    gemm_rm(false, true, m, c1 - c0, d.E, alpha, q, d.E, k + (bhk * d.Lk + j0 + c0) * d.E, d.E,
-            T(0), s + c0, lds);
+  void scores(int64_t m, const T* q, int64_t j0, int64_t c0, int64_t c1, T alpha, T* s,
+              int64_t lds) const {
+    gemm_rm(false, true, m, c1 - c0, d.E, alpha, q, d.E, k + (j0 + c0) * d.E, d.E, T(0), s + c0,
+            lds);
   }
   // o (m rows) += P[:, c0, c1) V[j0 + c0, j0 + c1).
-  void values(int64_t bhk, int64_t m, const T* p, int64_t ldp, int64_t j0, int64_t c0,
-              int64_t c1, T* o) const {
-    gemm_rm(false, false, m, d.Ev, c1 - c0, T(1), p + c0, ldp,
-            v + (bhk * d.Lk + j0 + c0) * d.Ev, d.Ev, T(1), o, d.Ev);
+  void values(int64_t m, const T* p, int64_t ldp, int64_t j0, int64_t c0, int64_t c1,
+              T* o) const {
+    gemm_rm(false, false, m, d.Ev, c1 - c0, T(1), p + c0, ldp, v + (j0 + c0) * d.Ev, d.Ev, T(1),
+            o, d.Ev);
   }
 };
 
 struct PanelProducts {
-  at::Tensor kt;  // per kv head, K^T as panels of 16 keys
-  at::Tensor vp;  // per kv head, V as panels of 16 value columns
   Dims d;
+  std::vector<float> kt;  // K^T as panels of 16 keys
+  std::vector<float> vp;  // V as panels of 16 value columns
 
-  PanelProducts(const at::Tensor& k, const at::Tensor& v, const Dims& dims);
+  explicit PanelProducts(const Dims& dims);
+  void load(const float* k, const float* v);
   int64_t out_stride() const { return panel_count(d.Ev) * PANEL; }
   // Whole panels: S also gets columns [c0 rounded down, c0) and [c1, c1 rounded up).
-  void scores(int64_t bhk, int64_t m, const float* q, int64_t j0, int64_t c0, int64_t c1,
-              float alpha, float* s, int64_t lds) const;
-  void values(int64_t bhk, int64_t m, const float* p, int64_t ldp, int64_t j0, int64_t c0,
-              int64_t c1, float* o) const;
+  void scores(int64_t m, const float* q, int64_t j0, int64_t c0, int64_t c1, float alpha,
+              float* s, int64_t lds) const;
+  void values(int64_t m, const float* p, int64_t ldp, int64_t j0, int64_t c0, int64_t c1,
+              float* o) const;
+
+ private:
+  const float* packed_k = nullptr;  // the K and V that kt, vp hold
+  const float* packed_v = nullptr;
 };
 
 // Backward products on one query head, loaded with load(): the query tile at i0 (mq rows)
