@@ -3,8 +3,8 @@
 // Forward: for each (batch, query head, tile of BQ queries), walk the keys the band admits in
 // blocks of BK: S = scale * Q K^T on the tile, mask and band, online softmax, O += P V. The
 // products come from sdpa_products.h (the panel micro-kernel for float32 on AVX2, else BLAS).
-// Extra memory: one BQ x BK score tile and one BQ x Ev accumulator per thread, plus packed
-// copies of K and V. Backward recomputes P from the saved lse, tile by tile, with dK / dV of a
+// Extra memory per thread: one BQ x BK score tile, one BQ x Ev accumulator and one kv head's
+// K and V packed. Backward recomputes P from the saved lse, tile by tile, with dK / dV of a
 // block kept hot across the query tiles.
 // bfloat16 runs the float32 kernel on float32 copies (linear memory) and rounds once.
 #include "sdpa_cpu.h"
