@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "dropout_hash.h"
+#include "../dropout_hash.h"
 
 namespace attnx::cpu {
 

@@ -4,7 +4,7 @@
 #pragma once
 #include <cstdint>
 
-#include "dropout_hash.h"
+#include "../dropout_hash.h"
 
 namespace attnx::cpu {
 

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "../dropout_hash.h"
 #include "launch.h"
 
 namespace attnx {
@@ -22,16 +23,6 @@ __device__ __forceinline__ __half from_float<__half>(float x) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
-}
-
-// uint32 arithmetic wraps mod 2**32, which is exactly what _rng.py emulates with int64.
-__device__ __forceinline__ uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  x ^= x >> 16;
-  return x;
 }
 
 __device__ __forceinline__ uint32_t dropout_key_bh(const Dropout& d, uint32_t bh) {
