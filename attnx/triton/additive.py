@@ -259,7 +259,7 @@ def additive_fwd(q: torch.Tensor, k: torch.Tensor, value: torch.Tensor, v: torch
     out = q.new_empty((b, h, lq, ev))
     lse = q.new_empty((b, h, lq), dtype=torch.float32)
     grid = (triton.cdiv(lq, consts["BLOCK_M"]), b * h)
-    torch.library.wrap_triton(_fwd_kernel)[grid](
+    common.launcher(_fwd_kernel)[grid](
         q, k, value, v, m, out, lse, rng, *strides, *out.stride(),
         h, lq, lk, a, ev, window_lo, window_hi, inv_keep, **consts)
     return out, lse
@@ -278,7 +278,7 @@ def additive_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     blocks = _blocks(a)
     weights = q.new_empty((b, h, lq, lk))
     grid = (triton.cdiv(lq, blocks["BLOCK_M"]), triton.cdiv(lk, blocks["BLOCK_N"]), b * h)
-    torch.library.wrap_triton(_weights_kernel)[grid](
+    common.launcher(_weights_kernel)[grid](
         q, k, v, m, lse, rng, weights, *q.stride(), *k.stride(), *v.stride(), *m_strides,
         h, lq, lk, a, window_lo, window_hi, 1.0 / (1.0 - dropout_p),
         MASK_KIND=common.mask_kind(mask), DROPOUT=dropout_p > 0, **blocks)
@@ -302,10 +302,10 @@ def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value
     dvalue = value.new_empty((b, h, lk, ev))
     dmask = q.new_zeros((b, h, lq, lk)) if mask_grad else q.new_empty((0,))
     sizes = (h, lq, lk, a, ev, window_lo, window_hi, inv_keep)
-    torch.library.wrap_triton(_dk_kernel)[(n_blocks, b * h)](
+    common.launcher(_dk_kernel)[(n_blocks, b * h)](
         q, k, value, v, m, grad_out, lse, delta, rng, dk, dvalue, dw, dmask, *strides,
         *grad_out.stride(), *sizes, MASK_GRAD=mask_grad, **consts)
-    torch.library.wrap_triton(_dq_kernel)[(triton.cdiv(lq, consts["BLOCK_M"]), b * h)](
+    common.launcher(_dq_kernel)[(triton.cdiv(lq, consts["BLOCK_M"]), b * h)](
         q, k, value, v, m, grad_out, lse, delta, rng, dq, *strides, *grad_out.stride(),
         *sizes, **consts)
     return dq.to(q.dtype), dk.to(k.dtype), dvalue, dw.sum((0, 2)).to(v.dtype), dmask

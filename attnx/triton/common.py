@@ -30,6 +30,13 @@ def register_op(name: str):
     return register(f"attnx::{name}", mutates_args=())
 
 
+def launcher(kernel):
+    """`kernel` as an op launches it: through wrap_triton, so torch.compile traces the launch
+    inside a triton_op; directly under the interpreter, whose kernels run inside opaque
+    custom_ops and which torch 2.11's wrap_triton rejects."""
+    return kernel if interpreting() else torch.library.wrap_triton(kernel)
+
+
 def mask_kind(mask) -> int:
     if mask is None:
         return MASK_NONE

@@ -223,7 +223,7 @@ def sdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
     out = q.new_empty((b, h, lq, ev))
     lse = q.new_empty((b, h, lq), dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(lq, meta["BLOCK_M"]), b * h)  # noqa: E731
-    torch.library.wrap_triton(_fwd_kernel)[grid](
+    common.launcher(_fwd_kernel)[grid](
         q, k, v, m, out, lse, rng, *strides, *out.stride(),
         h, lq, lk, e, ev, h // hkv, scale, window_lo, window_hi, inv_keep, **consts)
     return out, lse
@@ -245,11 +245,11 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     # Only in-band entries are written: the rest of dmask stays zero.
     dmask = q.new_zeros((b, h, lq, lk)) if mask_grad else q.new_empty((0,))
     sizes = (lq, lk, e, ev, h // hkv, scale, window_lo, window_hi, inv_keep)
-    torch.library.wrap_triton(_dkdv_kernel)[
+    common.launcher(_dkdv_kernel)[
         lambda meta: (triton.cdiv(lk, meta["BLOCK_N"]), b * hkv)](
         q, k, v, m, grad_out, lse, delta, rng, dk, dv, dmask, *strides, *grad_out.stride(),
         h, hkv, *sizes, MASK_GRAD=mask_grad, **consts)
-    torch.library.wrap_triton(_dq_kernel)[
+    common.launcher(_dq_kernel)[
         lambda meta: (triton.cdiv(lq, meta["BLOCK_M"]), b * h)](
         q, k, v, m, grad_out, lse, delta, rng, dq, *strides, *grad_out.stride(),
         h, *sizes, **consts)
