@@ -65,6 +65,18 @@ def padding_mask(b, lk, dtype=torch.bool):
     return torch.zeros(b, 1, 1, lk, dtype=dtype).masked_fill(~keep.view(b, 1, 1, lk), float("-inf"))
 
 
+def huge_bias_mask(b, lq, lk, big=torch.finfo(torch.float32).min):
+    """(B, 1, Lq, Lk) float mask padding whole rows with a huge finite bias, as Hugging Face
+    models do with finfo.min: the row's lse rounds to its max, where the backward must still
+    find probabilities 1 / l (csrc/cpu/huge_lse.h). One row has a single key less biased."""
+    m = torch.zeros(b, 1, lq, lk, dtype=torch.float64)
+    m[:, :, 1] = big
+    m[0, :, 4, 3:] = big
+    m[-1, :, lq - 1] = big
+    m[-1, :, lq - 1, 2] = big / 2
+    return m
+
+
 CASES = {
     "4d": (dict(b=2, h=3, lq=17, lk=17, a=33, ev=9), {}),
     "3d": (dict(b=2, h=1, lq=17, lk=13, a=16, ev=5, three_d=True), {}),
@@ -84,6 +96,7 @@ CASES = {
                    dict(attn_mask=torch.randn(1, 3, 7, 9, generator=torch.Generator().manual_seed(4)))),
     "float_padding_3d": (dict(b=3, h=1, lq=6, lk=17, a=12, ev=5, three_d=True),
                          dict(attn_mask=padding_mask(3, 17, torch.float64).view(3, 1, 17))),
+    "huge_bias_rows": (dict(b=2, h=2, lq=9, lk=13, a=12, ev=5), dict(attn_mask=huge_bias_mask(2, 9, 13))),
     "dropout": (dict(b=2, h=2, lq=17, lk=19, a=16, ev=6), dict(dropout_p=0.3, dropout_seed=7)),
     "dropout_mask_window": (dict(b=2, h=2, lq=9, lk=9, a=16, ev=6),
                             dict(dropout_p=0.5, dropout_seed=8, window=(2, 2),
@@ -96,6 +109,18 @@ CASES = {
 def test_matches_reference(case, dtype):
     sizes, kw = CASES[case]
     check_case(dtype, make_inputs(**sizes), **kw)
+
+
+def test_float64_rows_whose_lse_overflows_float32():
+    """A float64 row under a -1e300 bias has a finite lse that float32 (the saved lse's dtype)
+    cannot hold: its backward must not take it for a row with no admissible key."""
+    inputs = make_inputs(b=1, h=2, lq=6, lk=9, a=8, ev=4)
+    mask = huge_bias_mask(1, 6, 9, big=-1e300)
+    actual = run("cpu", inputs, torch.float64, attn_mask=mask)
+    golden = run("reference", inputs, torch.float64, attn_mask=mask)
+    for name, a, g in zip(NAMES, actual, golden):
+        assert_within(a, g, g, floor=1e-12, what=name)
+    assert actual[2][:, :, 1].abs().max() > 1e-3  # the biased row passes a gradient to q
 
 
 def test_strided_inputs():

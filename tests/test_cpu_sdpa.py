@@ -161,6 +161,28 @@ def test_fully_masked_rows_are_zero():
     assert (dq[:, :, :18] == 0).all()
 
 
+def test_rows_under_a_huge_finite_bias():
+    """Rows whose every key carries a huge finite bias (padding by finfo.min): their lse rounds
+    to the row max, and the backward must still find probabilities 1 / l, not 1
+    (csrc/cpu/huge_lse.h). Two query tiles (one without such rows), several key blocks, GQA."""
+    q, k, v, dout = _inputs(2, 2, 1, 140, 150, 16, 8)
+    big = torch.finfo(torch.float32).min
+    mask = torch.zeros(2, 1, 140, 150, dtype=torch.float64)
+    mask[:, :, 3] = big
+    mask[0, :, 7, 100:] = big
+    mask[1, :, 20] = big
+    mask[1, :, 20, 5] = big / 2
+    _check(torch.float32, q, k, v, dout, mask=mask)
+    _check(torch.float32, q, k, v, dout, mask=mask, window=(40, 60))
+    # float64 keeps log(l) up to |lse| ~ 1e15; a -1e300 bias loses it there too
+    mask64 = torch.where(mask == big, mask.new_tensor(-1e300), mask)
+    actual = _run("cpu", torch.float64, q, k, v, dout, mask=mask64)
+    golden = _run("reference", torch.float64, q, k, v, dout, mask=mask64)
+    for name, a, g in zip(NAMES, actual, golden):
+        if name != "lse":  # float32 public lse; -1e300 is out of its range
+            assert_within(a, g, g, floor=1e-12, what=name)
+
+
 def test_dropout_matches_reference_exactly():
     shape = (2, 4, 2, 45, 77, 32, 32)  # GQA, so the hash must use the query head
     q, k, v, dout = _inputs(*shape)

@@ -7,7 +7,8 @@
 //
 // The backward pass recomputes each score with its A tanh terms kept in a buffer of A values,
 // gets P from the saved lse and D_i = dO_i . out_i (= sum_j P_ij dP_ij, also with dropout;
-// for float64 and bfloat16 both are recomputed exactly in an extra pass over the row),
+// for float64, bfloat16 and rows of huge lse, huge_lse.h, both are recomputed exactly in an
+// extra pass over the row),
 // then accumulates dq, dk, dvalue and dv. dq rows belong to one thread; dk, dvalue and dv are
 // sums over query rows, see `Slices` below for how threads share them deterministically.
 //
@@ -28,8 +29,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "dropout.h"
 #include "additive_rows.h"
+#include "dropout.h"
+#include "huge_lse.h"
 
 namespace attnx::cpu {
 namespace {
@@ -233,32 +235,40 @@ void backward_rows(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out
   const acc_t* v = pb.v_row(bh);
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t r = bh * pb.Lq + i;
-    // Rows with no admissible key pass no gradient; dq and dmask start at zero.
-    if (lse[r] == -std::numeric_limits<float>::infinity()) continue;
+    // Rows with no admissible key pass no gradient; dq and dmask start at zero. (A float32 lse
+    // of -inf is such a row, except for float64 inputs, whose lse may just overflow float32.)
+    if (std::is_same_v<acc_t, float> && lse[r] == -std::numeric_limits<float>::infinity()) {
+      continue;
+    }
     const auto [j0, j1] = pb.band(i);
     pb.mask.fill(b, h, i, j0, j1, bias.data());
     const acc_t* qi = pb.q_row(bh, i);
     const acc_t* doi = dout + r * pb.Ev;
     const auto row_key = pb.drop.row_key(bh, i);
-    acc_t D, l;
-    if constexpr (std::is_same_v<scalar_t, float>) {
+    acc_t D, c, f;  // P_ij = exp(s_ij - c) * f
+    if (std::is_same_v<scalar_t, float> && std::abs(lse[r]) <= HUGE_LSE) {
       D = dot(doi, out + r * pb.Ev, pb.Ev);
-      l = static_cast<acc_t>(lse[r]);
+      c = static_cast<acc_t>(lse[r]);
+      f = acc_t(1);
     } else {
       // float32 lse and an out rounded to a low dtype would cost these dtypes their accuracy
-      // (double: gradcheck; bfloat16: the float32 reference), so recompute both exactly.
+      // (double: gradcheck; bfloat16: the float32 reference), and a huge lse may have lost its
+      // log(l) (huge_lse.h): recompute the row's max, sum and D exactly.
       acc_t m = -std::numeric_limits<acc_t>::infinity();
       for (int64_t j = j0; j < j1; ++j) {
         if (bias[j] == -std::numeric_limits<acc_t>::infinity()) continue;
         bias[j] += tanh_dot(qi, pb.k_row(bh, j), v, pb.A);
         m = std::max(m, bias[j]);
       }
+      if (m == -std::numeric_limits<acc_t>::infinity()) continue;
       acc_t sum = 0;
       for (int64_t j = j0; j < j1; ++j) sum += std::exp(bias[j] - m);
-      l = m + std::log(sum);
+      c = m;
+      f = acc_t(1) / sum;
       D = 0;
       for (int64_t j = j0; j < j1; ++j) {
-        const acc_t pd = std::exp(bias[j] - l) * static_cast<acc_t>(pb.drop.factor(row_key, j));
+        const acc_t pd =
+            std::exp(bias[j] - c) * f * static_cast<acc_t>(pb.drop.factor(row_key, j));
         if (pd != acc_t(0)) D += pd * dot(doi, pb.value_row(bh, j), pb.Ev);
       }
       pb.mask.fill(b, h, i, j0, j1, bias.data());
@@ -267,7 +277,7 @@ void backward_rows(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out
     for (int64_t j = j0; j < j1; ++j) {
       if (bias[j] == -std::numeric_limits<acc_t>::infinity()) continue;
       const acc_t* kj = pb.k_row(bh, j);
-      const acc_t p = std::exp(bias[j] + tanh_dot_keep(qi, kj, v, t.data(), pb.A) - l);
+      const acc_t p = std::exp(bias[j] + tanh_dot_keep(qi, kj, v, t.data(), pb.A) - c) * f;
       const acc_t keep = static_cast<acc_t>(pb.drop.factor(row_key, j));
       const acc_t pd = p * keep;  // the probability after dropout, as out used it
       const acc_t ds = p * (keep * dot(doi, pb.value_row(bh, j), pb.Ev) - D);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "dropout.h"
+#include "huge_lse.h"
 #include "sdpa_mask.h"
 #include "sdpa_products.h"
 #include "sdpa_tile.h"
@@ -185,7 +186,8 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
     Grads g(d);
     const int64_t ldq = g.q_stride(), ldv = g.v_stride();
     std::vector<T> pbuf(BQ * BK), dsbuf(BQ * BK), pdbuf(drop.on ? BQ * BK : 0), dsum(d.Lq);
-    std::vector<T> dq_acc(d.Lq * ldq), dk_acc(d.Lk * ldq), dv_acc(d.Lk * ldv);
+    std::vector<T> dq_acc(d.Lq * ldq), dk_acc(d.Lk * ldq), dv_acc(d.Lk * ldv), renorm(d.Lq);
+    std::vector<uint8_t> huge_row(d.Lq);
     T* p = pbuf.data();
     T* ds = dsbuf.data();
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -193,6 +195,43 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
       const T* doh = dout + bh * d.Lq * d.Ev;
       const T* lh = lse + bh * d.Lq;
       g.load(q + bh * d.Lq * d.E, k + bhk * d.Lk * d.E, v + bhk * d.Lk * d.Ev, doh);
+      // Row i of the tile in p (scores of the key block at j0) becomes exp(s - lse) inside the
+      // band and 0 outside; returns its sum.
+      const auto probs_row = [&](int64_t i, T* pr, int64_t j0, int64_t nk) -> T {
+        const int64_t a = band.first(i, j0, nk), e = std::max(a, band.last(i, j0, nk));
+        std::fill(pr, pr + a, T(0));
+        std::fill(pr + e, pr + nk, T(0));
+        if (lh[i] == neg_inf<T>()) {
+          std::fill(pr + a, pr + e, T(0));
+          return T(0);
+        }
+        if (mask.present() && e > a) mask.apply(pr + a, b, h, i, j0 + a, e - a);
+        return exp_sum(pr + a, e - a, lh[i]);
+      };
+      // The rows HUGE_LSE is about get renorm[i] = 1 / sum_j exp(s_ij - lse_i), from a pass
+      // over their tiles before any gradient uses them.
+      bool huge = false;
+      for (int64_t i = 0; i < d.Lq; ++i) {
+        huge_row[i] = std::isfinite(lh[i]) && std::abs(lh[i]) > T(HUGE_LSE);
+        renorm[i] = T(0);
+        huge = huge || huge_row[i];
+      }
+      for (int64_t i0 = 0; huge && i0 < d.Lq; i0 += BQ) {
+        const int64_t mq = std::min(BQ, d.Lq - i0);
+        if (std::count(huge_row.begin() + i0, huge_row.begin() + i0 + mq, 1) == 0) continue;
+        for (int64_t j0 = 0; j0 < d.Lk; j0 += BK) {
+          const int64_t nk = std::min(BK, d.Lk - j0);
+          if (!band.touches(i0, mq, j0, nk)) continue;
+          g.scores(i0, mq, j0, nk, scale, p, BK);
+          for (int64_t r = 0; r < mq; ++r) {
+            if (huge_row[i0 + r]) renorm[i0 + r] += probs_row(i0 + r, p + r * BK, j0, nk);
+          }
+        }
+      }
+      for (int64_t i = 0; huge && i < d.Lq; ++i) {
+        // the sum holds exp(m - lse) >= 1 / l > 0 for the row's largest score m
+        if (huge_row[i]) renorm[i] = T(1) / renorm[i];
+      }
       std::fill(dq_acc.begin(), dq_acc.end(), T(0));
       std::fill(dk_acc.begin(), dk_acc.end(), T(0));
       std::fill(dv_acc.begin(), dv_acc.end(), T(0));
@@ -212,18 +251,8 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
           if (!band.touches(i0, mq, j0, nk)) continue;
           g.scores(i0, mq, j0, nk, scale, p, BK);
           for (int64_t r = 0; r < mq; ++r) {
-            const int64_t i = i0 + r;
-            T* pr = p + r * BK;
-            const int64_t a = band.first(i, j0, nk), e = std::max(a, band.last(i, j0, nk));
-            const T li = lh[i];
-            std::fill(pr, pr + a, T(0));
-            std::fill(pr + e, pr + nk, T(0));
-            if (li == neg_inf<T>()) {
-              std::fill(pr + a, pr + e, T(0));
-              continue;
-            }
-            if (mask.present() && e > a) mask.apply(pr + a, b, h, i, j0 + a, e - a);
-            exp_sum(pr + a, e - a, static_cast<T>(li));
+            probs_row(i0 + r, p + r * BK, j0, nk);
+            if (huge_row[i0 + r]) scale_row(p + r * BK, nk, renorm[i0 + r]);
           }
           // ds <- dP of the dropped probabilities = dO V^T
           g.dprobs(i0, mq, j0, nk, ds, BK);
