@@ -182,6 +182,22 @@ def test_sdpa_float_mask_grad_broadcast(dtype):
                empty_rows=(3,), window=(8, 8))
 
 
+def _huge_bias_mask(b, lq, lk):
+    """Whole rows padded with finfo.min, as Hugging Face models pad: their lse rounds to the
+    row max, where the backward must still find probabilities 1 / l (common.HUGE_LSE)."""
+    big = torch.finfo(f32).min
+    m = torch.zeros(b, 1, lq, lk)
+    m[:, :, 2] = big
+    m[0, :, 5, 9:] = big
+    m[-1, :, lq - 1] = big
+    m[-1, :, lq - 1, 3] = big / 2
+    return m.to(DEVICE)
+
+
+def test_sdpa_rows_under_a_huge_finite_bias():
+    check_sdpa(f32, 2, 2, 1, 40, 37, 16, attn_mask=_huge_bias_mask(2, 40, 37))
+
+
 def test_sdpa_dropout_matches_reference():
     # The same seed drops the same elements: otherwise errors would be O(1), not rounding.
     check_sdpa(f32, 1, 2, 2, 33, 40, 16, dropout_p=0.3)
@@ -227,12 +243,12 @@ def _run_additive(backend, q, k, value, w, mask, kwargs, grad):
 
 
 def check_additive(dtype, b, h, lq, lk, a, ev, w_shape=None, mask_shape=None, mask_kind=None,
-                   empty_rows=(), **kwargs):
+                   empty_rows=(), attn_mask=None, **kwargs):
     gen = torch.Generator().manual_seed(0)
     q, k, value = (_randn(s, dtype, gen) for s in ((b, h, lq, a), (b, h, lk, a), (b, h, lk, ev)))
     w = _randn(w_shape or (h, a), dtype, gen) / a ** 0.5
     grad = _randn((b, h, lq, ev), torch.float64, gen)
-    mask = None
+    mask = attn_mask
     if mask_kind == "bool":
         mask = torch.rand(mask_shape, generator=gen).to(DEVICE) > 0.3
     elif mask_kind == "float":
@@ -265,6 +281,11 @@ def test_additive_masks_and_empty_rows():
     assert (out[:, :, 4] == 0).all() and (weights[:, :, 4] == 0).all()
     assert (grads[0][:, :, 4] == 0).all()
     check_additive(f32, 1, 2, 17, 20, 16, 16, mask_shape=(1, 2, 1, 20), mask_kind="float")
+
+
+def test_additive_rows_under_a_huge_finite_bias():
+    """The backward and the weights (made from the saved lse) both renormalize such rows."""
+    check_additive(f32, 2, 1, 20, 37, 16, 8, attn_mask=_huge_bias_mask(2, 20, 37))
 
 
 def test_additive_dropout_matches_reference():

@@ -116,6 +116,34 @@ def _probs(q_base, k_base, w_base, m_base, LSE, bh, offs_m, offs_n, Lq, Lk, A,
 
 
 @triton.jit
+def _row_sums_kernel(Q, K, W, M, LSE, R,
+                     sqb, sqh, sqm, sqa, skb, skh, skn, ska, swh, swa, smb, smh, smm, smn,
+                     H, Lq, Lk, A, window_lo, window_hi, huge_lse,
+                     MASK_KIND: tl.constexpr, BLOCK_A: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """R = sum_j exp(s_ij - lse_i) on rows of huge |lse| (common.HUGE_LSE), 1 on the others;
+    blocks without such rows read nothing but their lse."""
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < Lq
+    lse = tl.load(LSE + bh * Lq + offs_m, mask=row_ok, other=0.0)
+    huge = (tl.abs(lse) > huge_lse) & (tl.abs(lse) < float("inf"))
+    start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
+    end = tl.where(tl.max(huge.to(tl.int32), 0) > 0, end, start)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        p = _probs(Q + b * sqb + h * sqh, K + b * skb + h * skh, W + h * swh,
+                   M + b * smb + h * smh, LSE, bh, offs_m, offs_n, Lq, Lk, A, sqm, sqa, skn, ska,
+                   swa, smm, smn, window_lo, window_hi, MASK_KIND, BLOCK_M, BLOCK_N, BLOCK_A)
+        total += tl.sum(p, 1)
+    tl.store(R + bh * Lq + offs_m, tl.where(huge, total, 1.0), mask=row_ok)
+
+
+@triton.jit
 def _weights_kernel(Q, K, W, M, LSE, RNG, P,
                     sqb, sqh, sqm, sqa, skb, skh, skn, ska, swh, swa, smb, smh, smm, smn,
                     H, Lq, Lk, A, window_lo, window_hi, inv_keep,
@@ -265,6 +293,19 @@ def additive_fwd(q: torch.Tensor, k: torch.Tensor, value: torch.Tensor, v: torch
     return out, lse
 
 
+def _row_sums(q, k, v, mask, lse, window_lo, window_hi):
+    """common.HUGE_LSE's r: sum_j exp(s_ij - lse_i) on rows of huge |lse|, else 1."""
+    m, m_strides = common.mask_arg(mask, q)
+    b, h, lq, a = q.shape
+    blocks = _blocks(a)
+    r = torch.empty_like(lse)
+    common.launcher(_row_sums_kernel)[(triton.cdiv(lq, blocks["BLOCK_M"]), b * h)](
+        q, k, v, m, lse, r, *q.stride(), *k.stride(), *v.stride(), *m_strides,
+        h, lq, k.shape[2], a, window_lo, window_hi, common.HUGE_LSE,
+        MASK_KIND=common.mask_kind(mask), **blocks)
+    return r
+
+
 @common.register_op("triton_additive_weights")
 def additive_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: Optional[torch.Tensor], lse: torch.Tensor, window_lo: int,
@@ -282,7 +323,7 @@ def additive_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v, m, lse, rng, weights, *q.stride(), *k.stride(), *v.stride(), *m_strides,
         h, lq, lk, a, window_lo, window_hi, 1.0 / (1.0 - dropout_p),
         MASK_KIND=common.mask_kind(mask), DROPOUT=dropout_p > 0, **blocks)
-    return weights
+    return common.divide_rows(weights, _row_sums(q, k, v, mask, lse, window_lo, window_hi))
 
 
 @common.register_op("triton_additive_bwd")
@@ -294,6 +335,7 @@ def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value
     m, rng, strides, consts, inv_keep = _launch_args(q, k, value, v, mask, dropout_p, seed)
     b, h, lq, a = q.shape
     lk, ev = k.shape[2], value.shape[-1]
+    grad_out = common.divide_rows(grad_out, _row_sums(q, k, v, mask, lse, window_lo, window_hi))
     delta = (grad_out.float() * out.float()).sum(-1)  # rowsum(dO * O), as in the SDPA backward
     n_blocks = triton.cdiv(lk, consts["BLOCK_N"])
     dq = q.new_zeros((b, h, lq, a), dtype=torch.float32)

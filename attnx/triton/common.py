@@ -37,6 +37,17 @@ def launcher(kernel):
     return kernel if interpreting() else torch.library.wrap_triton(kernel)
 
 
+# Rows whose |lse| exceeds this may have lost log(l) to rounding (csrc/cpu/huge_lse.h): a
+# row-sums kernel finds r_i = sum_j exp(s_ij - lse_i) there (1 elsewhere), and the backward
+# runs on dO / r, which is exact since dV = P^T dO and dS = P (dP - D) are linear in dO.
+HUGE_LSE = 256.0
+
+
+def divide_rows(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """x (..., L, D) with row i divided by r (..., L), in x's dtype (rows with r = 1 unchanged)."""
+    return (x.float() / r.unsqueeze(-1)).to(x.dtype)
+
+
 def mask_kind(mask) -> int:
     if mask is None:
         return MASK_NONE

@@ -26,6 +26,7 @@ _DKDV = common.configs([(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 6
                         (64, 128, 8, 2), (32, 32, 4, 2)], small=(16, 16))
 _DQ = common.configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4),
                       (128, 64, 8, 2), (32, 32, 4, 2)], small=(16, 16))
+_SUMS = common.configs([(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4)], small=(16, 16))
 _KEY = ["Lq", "Lk", "BLOCK_D", "BLOCK_DV", "MASK_KIND", "DROPOUT", "GROUPS"]
 _PRUNE = {"early_config_prune": common.prune_wide_heads}
 
@@ -93,6 +94,37 @@ def _probs(q, kt, m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, scale, 
     s = admit_block(s, m_base, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
                     MASK_KIND, BLOCK_M, BLOCK_N)
     return tl.exp(s - lse[:, None])
+
+
+@triton.autotune(configs=_SUMS, key=["Lq", "Lk", "BLOCK_D", "MASK_KIND", "GROUPS"],
+                 prune_configs_by=_PRUNE)
+@triton.jit
+def _row_sums_kernel(Q, K, M, LSE, R, sqb, sqh, sqm, sqd, skb, skh, skn, skd, smb, smh, smm, smn,
+                     H, Lq, Lk, E, GROUPS, scale, window_lo, window_hi, huge_lse,
+                     MASK_KIND: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """R = sum_j exp(s_ij - lse_i) on rows of huge |lse| (common.HUGE_LSE), 1 on the others;
+    blocks without such rows read nothing but their lse."""
+    m0, bh, b, h, hk = _query_program(H, GROUPS, BLOCK_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < Lq
+    lse = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=0.0)
+    huge = (tl.abs(lse) > huge_lse) & (tl.abs(lse) < float("inf"))
+    k_base, _, m_base = _head_bases(K, K, M, b, h, hk, skb, skh, skb, skh, smb, smh)
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
+    start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
+    end = tl.where(tl.max(huge.to(tl.int32), 0) > 0, end, start)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd,
+                     mask=(offs_n[None, :] < Lk) & (offs_d[:, None] < E), other=0.0)
+        total += tl.sum(_probs(q, kt, m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn,
+                               scale, window_lo, window_hi, MASK_KIND, DOT_PREC, BLOCK_M,
+                               BLOCK_N), 1)
+    tl.store(R + bh.to(tl.int64) * Lq + offs_m, tl.where(huge, total, 1.0), mask=row_ok)
 
 
 @triton.autotune(configs=_DKDV, key=_KEY, prune_configs_by=_PRUNE)
@@ -236,6 +268,12 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
              mask_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep = _common_args(
         q, k, v, mask, dropout_p, seed)
+    r = torch.empty_like(lse)
+    common.launcher(_row_sums_kernel)[lambda meta: (triton.cdiv(lq, meta["BLOCK_M"]), b * h)](
+        q, k, m, lse, r, *strides[:8], *strides[12:], h, lq, lk, e, h // hkv, scale, window_lo,
+        window_hi, common.HUGE_LSE, MASK_KIND=consts["MASK_KIND"], DOT_PREC=consts["DOT_PREC"],
+        BLOCK_D=consts["BLOCK_D"])
+    grad_out = common.divide_rows(grad_out, r)
     # With dropout D_i = sum_j P_ij dP_ij still equals rowsum(dO * O): O is built from the
     # dropped P, and dP of the dropped P differs from dP by the same keep / (1 - p) factor.
     delta = (grad_out.float() * out.float()).sum(-1)
