@@ -47,6 +47,14 @@ def _empty_grad(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,))
 
 
+def no_double_backward(ctx, *grads):
+    """The autograd of every fused backward op: without it, a second-order gradient through one
+    would be silently wrong (torch only warns that the op has no autograd kernel)."""
+    raise NotImplementedError(
+        "attnx: second-order gradients are not implemented by the fused backends (cpu, cuda, "
+        "triton); pass backend='reference' for them")
+
+
 if _C is not None:
 
     @torch.library.register_fake("attnx::sdpa_fwd")
@@ -115,3 +123,5 @@ if _C is not None:
     torch.library.register_autograd("attnx::sdpa_fwd", _sdpa_backward, setup_context=_sdpa_setup)
     torch.library.register_autograd("attnx::additive_fwd", _additive_backward,
                                     setup_context=_additive_setup)
+    torch.library.register_autograd("attnx::sdpa_bwd", no_double_backward)
+    torch.library.register_autograd("attnx::additive_bwd", no_double_backward)

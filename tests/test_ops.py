@@ -51,3 +51,21 @@ def test_opcheck_additive(mask_kind, return_weights):
     bwd = (g, q.detach(), k.detach(), value.detach(), v.detach(), mask, out.detach(), lse, -7, 5, 0.0,
            None, mask_kind == "float")
     torch.library.opcheck(torch.ops.attnx.additive_bwd.default, bwd)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_second_order_gradients_raise_or_are_right(backend):
+    """The fused backward ops have no derivative of their own: a second-order gradient through
+    them raises instead of coming out silently wrong; the reference backend computes it."""
+    q = torch.randn(1, 2, 4, 3, dtype=torch.float64, requires_grad=True)
+    k, v = torch.randn(1, 2, 5, 3, dtype=torch.float64), torch.randn(1, 2, 5, 2, dtype=torch.float64)
+    w = torch.randn(3, dtype=torch.float64)
+    calls = (lambda q: attnx.scaled_dot_product_attention(q, k, v, backend=backend),
+             lambda q: attnx.additive_attention(q, k, v, w, backend=backend))
+    for fn in calls:
+        if backend == "reference":
+            torch.autograd.gradgradcheck(fn, (q,))
+            continue
+        g, = torch.autograd.grad(fn(q).pow(2).sum(), q, create_graph=True)
+        with pytest.raises(NotImplementedError, match="second-order"):
+            torch.autograd.grad(g.sum(), q)

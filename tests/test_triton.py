@@ -311,6 +311,17 @@ def test_additive_bf16_and_three_d():
 # ---------------------------------------------------------------- registration
 
 
+def test_second_order_gradients_raise():
+    gen = torch.Generator().manual_seed(0)
+    q = _randn((1, 1, 5, 16), f32, gen).requires_grad_()
+    k, v, w = _randn((1, 1, 6, 16), f32, gen), _randn((1, 1, 6, 16), f32, gen), _randn((16,), f32, gen)
+    for fn in (lambda q: attnx.scaled_dot_product_attention(q, k, v, backend="triton"),
+               lambda q: attnx.additive_attention(q, k, v, w, backend="triton")):
+        g, = torch.autograd.grad(fn(q).pow(2).sum(), q, create_graph=True)
+        with pytest.raises(NotImplementedError, match="second-order"):
+            torch.autograd.grad(g.sum(), q)
+
+
 def test_ops_pass_opcheck_and_compile():
     """Schemas, fake kernels and autograd registration as torch.library checks them, and a
     fullgraph torch.compile through the ops (backward included)."""

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._ops import no_double_backward
 from . import common
 from .common import (admit, dot, key_range, query_range, score_grad, softmax_start,
                      softmax_step, store_rows)
@@ -392,3 +393,4 @@ def _backward(ctx, grad_out, _grad_lse):
 
 
 additive_fwd.register_autograd(_backward, setup_context=_setup)
+additive_bwd.register_autograd(no_double_backward)
