@@ -104,7 +104,7 @@ def test_local_window_and_attn_mask(score):
     torch.testing.assert_close(w, want_w, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("score", ["additive", "scaled_dot", "location"])
+@pytest.mark.parametrize("score", ["additive", "scaled_dot", "cosine", "location"])
 def test_multi_head_splits(score):
     torch.manual_seed(0)
     att = Attention(8, 8, score=score, attn_dim=6, num_heads=2, max_len=LK).double()
@@ -118,6 +118,8 @@ def test_multi_head_splits(score):
         elif score == "scaled_dot":
             qh, kh = q[..., 4 * h:4 * h + 4], k[..., 4 * h:4 * h + 4]
             e = qh @ kh.transpose(1, 2) / 2.0
+        elif score == "cosine":  # per head: beta * cos(s_i, h_j) of the head's slices
+            e = _formula(att, score, q[..., 4 * h:4 * h + 4], k[..., 4 * h:4 * h + 4])
         else:
             e = (q @ att.W_a.weight.T + att.W_a.bias).view(B, LQ, 2, LK)[:, :, h]
         want, want_w = _softmax_context(e, k[..., 4 * h:4 * h + 4])

@@ -99,8 +99,10 @@ class Attention(nn.Module):
         computes this once and passes it as `forward(..., projected_key=...)`."""
         if self.score == "additive":
             return self.U_a(key)
-        if self.score == "cosine":
-            return F.normalize(key, dim=-1)
+        if self.score == "cosine":  # each head's slice a unit vector, as its queries are
+            b, lk, d = key.shape
+            heads = key.reshape(b, lk, self.num_heads, d // self.num_heads)
+            return F.normalize(heads, dim=-1).reshape(b, lk, d)
         return key
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: Optional[torch.Tensor] = None,
