@@ -190,3 +190,21 @@ def test_dropout_runs_and_is_reproducible():
     d, _ = ours(q, k, v)
     e, _ = _pair(batch_first=True, dropout=0.5)[1].eval()(q, k, v)
     torch.testing.assert_close(d, e, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(attn_mask=torch.ones(5, 7, dtype=torch.int64)), TypeError, "attn_mask: expected a bool or floating"),
+    (dict(key_padding_mask=torch.zeros(2, 7, dtype=torch.uint8)), TypeError, "key_padding_mask"),
+    (dict(attn_mask=torch.zeros(1, 7, dtype=torch.bool)), ValueError, r"attn_mask: expected shape \(5, 7\)"),
+    (dict(attn_mask=torch.zeros(5, 1)), ValueError, "attn_mask"),
+    (dict(attn_mask=torch.zeros(3, 5, 7)), ValueError, r"\(6, 5, 7\)"),
+    (dict(key_padding_mask=torch.zeros(2, 1, dtype=torch.bool)), ValueError, r"key_padding_mask: expected shape \(2, 7\)"),
+])
+def test_bad_masks_are_rejected(kwargs, error, match):
+    """torch rejects these too; broadcasting them, or adding an integer 0/1 mask to the scores
+    as a bias, would be a silently wrong answer."""
+    ours, ref = _pair(batch_first=True)
+    with pytest.raises(error, match=match):
+        ours(*_inputs(2, 5, 7, True), **kwargs)
+    with pytest.raises(Exception):
+        ref(*_inputs(2, 5, 7, True), **kwargs)

@@ -14,6 +14,20 @@ from typing import Optional, Sequence
 import torch
 
 
+def check_mask(name: str, mask: Optional[torch.Tensor], shapes: Sequence[tuple]) -> None:
+    """torch.nn's rules for a mask argument: None, or a bool or floating tensor of one of
+    `shapes` (an integer 0/1 mask would otherwise be added to the scores as a bias)."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name}: expected a Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"{name}: expected a bool or floating-point mask, got {mask.dtype}")
+    if tuple(mask.shape) not in {tuple(s) for s in shapes}:
+        expected = " or ".join(str(tuple(s)) for s in shapes)
+        raise ValueError(f"{name}: expected shape {expected}, got {tuple(mask.shape)}")
+
+
 def combine(masks: Sequence[Optional[torch.Tensor]], dtype: torch.dtype) -> Optional[torch.Tensor]:
     """torch.nn-convention masks, already shaped to broadcast together -> one attnx mask."""
     masks = [m for m in masks if m is not None]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import attnx
 
-from ._masks import combine
+from ._masks import check_mask, combine
 from ._weights import softmax_weights
 
 
@@ -71,6 +71,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
         n, lq, e = query.shape
         h, d = self.num_heads, self.head_dim
+        ls = key.shape[1]
+        check_mask("attn_mask", attn_mask, [(lq, ls), (n * h, lq, ls)])
+        check_mask("key_padding_mask", key_padding_mask, [(n, ls)])
 
         if self._qkv_same_embed_dim:
             w_q, w_k, w_v = self.in_proj_weight.chunk(3)

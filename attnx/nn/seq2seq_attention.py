@@ -37,7 +37,7 @@ from torch import nn
 
 import attnx
 
-from ._masks import combine
+from ._masks import check_mask, combine
 from ._weights import softmax_weights
 
 SCORES = ("additive", "concat", "dot", "general", "scaled_dot", "cosine", "location")
@@ -109,13 +109,18 @@ class Attention(nn.Module):
                 key_padding_mask: Optional[torch.Tensor] = None,
                 attn_mask: Optional[torch.Tensor] = None, need_weights: bool = False, *,
                 projected_key: Optional[torch.Tensor] = None):
+        for name, x in (("query", query), ("key", key)):
+            if x.dim() != 3:
+                raise ValueError(f"{name}: expected a (B, L, dim) tensor, got shape {tuple(x.shape)}")
+        b, lq, _ = query.shape
+        lk = key.shape[1]
+        check_mask("attn_mask", attn_mask, [(lq, lk), (b, lq, lk)])
+        check_mask("key_padding_mask", key_padding_mask, [(b, lk)])
         value = key if value is None else value
         pk = self.project_key(key) if projected_key is None else projected_key
         if value.shape[-1] % self.num_heads:
             raise ValueError(f"value: expected a last dim divisible by num_heads={self.num_heads}, "
                              f"got shape {tuple(value.shape)}")
-        b, lq, _ = query.shape
-        lk = key.shape[1]
         mask = _attnx_mask(attn_mask, key_padding_mask, query.dtype)
         dropout_p = self.dropout if self.training else 0.0
         vh = self._heads(value)
