@@ -47,6 +47,11 @@ def _empty_grad(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,))
 
 
+def _or_zeros(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The gradient of an output the loss did not use (None) as zeros."""
+    return torch.zeros_like(like) if grad is None else grad
+
+
 def no_double_backward(ctx, *grads):
     """The autograd of every fused backward op: without it, a second-order gradient through one
     would be silently wrong (torch only warns that the op has no autograd kernel)."""
@@ -65,7 +70,7 @@ if _C is not None:
 
     @torch.library.register_fake("attnx::sdpa_bwd")
     def _sdpa_bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi,
-                       dropout_p, seed, mask_grad):
+                       dropout_p, seed, mask_grad, grad_lse=None):
         dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
@@ -80,7 +85,7 @@ if _C is not None:
 
     @torch.library.register_fake("attnx::additive_bwd")
     def _additive_bwd_fake(grad_out, q, k, value, v, mask, out, lse, window_lo, window_hi,
-                           dropout_p, seed, mask_grad):
+                           dropout_p, seed, mask_grad, grad_lse=None):
         dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
         return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(value),
                 torch.empty_like(v), dmask)
@@ -94,14 +99,14 @@ if _C is not None:
         ctx.additive = False
         ctx.args = (scale, lo, hi, p)
         ctx.save_for_backward(q, k, v, mask, out, lse, seed)
-        ctx.mark_non_differentiable(lse)
 
-    def _sdpa_backward(ctx, grad_out, _grad_lse):
+    def _sdpa_backward(ctx, grad_out, grad_lse):
         q, k, v, mask, out, lse, seed = ctx.saved_tensors
         scale, lo, hi, p = ctx.args
         want_mask = _wants_mask_grad(ctx, mask)
         dq, dk, dv, dmask = torch.ops.attnx.sdpa_bwd(
-            grad_out, q, k, v, mask, out, lse, scale, lo, hi, p, seed, want_mask)
+            _or_zeros(grad_out, out), q, k, v, mask, out, lse, scale, lo, hi, p, seed, want_mask,
+            grad_lse)
         return dq, dk, dv, (dmask if want_mask else None), None, None, None, None, None
 
     def _additive_setup(ctx, inputs, output):
@@ -110,14 +115,15 @@ if _C is not None:
         ctx.additive = True
         ctx.args = (lo, hi, p)
         ctx.save_for_backward(q, k, value, v, mask, out, lse, seed)
-        ctx.mark_non_differentiable(lse, weights)
+        ctx.mark_non_differentiable(weights)
 
-    def _additive_backward(ctx, grad_out, _grad_lse, _grad_weights):
+    def _additive_backward(ctx, grad_out, grad_lse, _grad_weights):
         q, k, value, v, mask, out, lse, seed = ctx.saved_tensors
         lo, hi, p = ctx.args
         want_mask = _wants_mask_grad(ctx, mask)
         dq, dk, dvalue, dv, dmask = torch.ops.attnx.additive_bwd(
-            grad_out, q, k, value, v, mask, out, lse, lo, hi, p, seed, want_mask)
+            _or_zeros(grad_out, out), q, k, value, v, mask, out, lse, lo, hi, p, seed, want_mask,
+            grad_lse)
         return dq, dk, dvalue, dv, (dmask if want_mask else None), None, None, None, None, None
 
     torch.library.register_autograd("attnx::sdpa_fwd", _sdpa_backward, setup_context=_sdpa_setup)

@@ -11,6 +11,8 @@
 //   (float64 for sdpa on float64 inputs, so that gradcheck-grade backward stays exact), -inf
 //   for rows with no admissible key, whose output is zero. seed: int64 (2,) on the CPU,
 //   the dropout hash key of attnx/_rng.py. A gradient that is not asked for comes back empty.
+//   grad_lse (backward ops): the gradient of lse, or None. Since d lse_i / d s_ij = P_ij, it
+//   only turns the softmax backward's D_i = rowsum(dO * O) into D_i - grad_lse_i.
 #include <torch/library.h>
 
 TORCH_LIBRARY(attnx, m) {
@@ -20,7 +22,7 @@ TORCH_LIBRARY(attnx, m) {
   m.def(
       "sdpa_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, "
       "Tensor lse, float scale, int window_lo, int window_hi, float dropout_p, Tensor? seed, "
-      "bool mask_grad) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
+      "bool mask_grad, Tensor? grad_lse=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
   // Additive (Bahdanau): score[i, j] = sum_a v[h, a] * tanh(q[i, a] + k[j, a]); no scale, no
   // GQA (k and value have q's heads); v is (H, A). weights (B, H, Lq, Lk) are the
   // probabilities after dropout, returned only when return_weights, else empty.
@@ -31,5 +33,6 @@ TORCH_LIBRARY(attnx, m) {
   m.def(
       "additive_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor value, Tensor v, Tensor? mask, "
       "Tensor out, Tensor lse, int window_lo, int window_hi, float dropout_p, Tensor? seed, "
-      "bool mask_grad) -> (Tensor dq, Tensor dk, Tensor dvalue, Tensor dv, Tensor dmask)");
+      "bool mask_grad, Tensor? grad_lse=None) -> "
+      "(Tensor dq, Tensor dk, Tensor dvalue, Tensor dv, Tensor dmask)");
 }

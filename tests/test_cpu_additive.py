@@ -234,6 +234,27 @@ def _op_args(seed_p=0.25, return_weights=False, mask_kind="float"):
     return (q, k, value, v, mask, -3, 2, seed_p, seed, return_weights)
 
 
+def test_lse_gradient_of_the_op():
+    """attnx::additive_fwd's lse is differentiable (d lse_i / d s_ij = P_ij shifts D_i), as
+    the reference's is; additive_attention does not return it, the op does."""
+    from attnx import _validate
+    from attnx._backends import native, reference
+
+    q, k, value, v = make_inputs(b=2, h=2, lq=7, lk=9, a=8, ev=4)
+    mask = huge_bias_mask(2, 7, 9)
+    g = torch.Generator().manual_seed(2)
+    dout, dlse = torch.randn(2, 2, 7, 4, generator=g, dtype=torch.float64), torch.randn(2, 2, 7, generator=g)
+    grads = {}
+    for name, backend in (("cpu", native), ("reference", reference)):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, value, v)]
+        call = _validate.additive_call(*leaves, mask, 0.0, False, (2, 3), name, False)
+        out, lse, _ = backend.additive(call)
+        loss = (out * dout).sum() + (lse * dlse).sum()
+        grads[name] = torch.autograd.grad(loss, leaves)
+    for a, b in zip(grads["cpu"], grads["reference"]):
+        assert_within(a, b, b, floor=1e-10, what="grad")
+
+
 def test_gradcheck_float64():
     args = _op_args()
     mask_leaf = args[4]._base if args[4]._base is not None else args[4]

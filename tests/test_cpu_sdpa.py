@@ -183,6 +183,32 @@ def test_rows_under_a_huge_finite_bias():
             assert_within(a, g, g, floor=1e-12, what=name)
 
 
+def test_lse_is_differentiable():
+    """A loss on the returned lse (a z-loss, say) gets its gradient: d lse_i / d s_ij = P_ij only
+    shifts D_i. GQA, a float mask (its gradient too), a row under a huge bias, dropout."""
+    q, k, v, dout = _inputs(2, 4, 2, 40, 70, 16, 8)
+    g = torch.Generator().manual_seed(9)
+    mask = torch.randn(1, 1, 40, 70, generator=g, dtype=torch.float64)
+    mask[..., 6, :] = torch.finfo(torch.float32).min
+    dlse = torch.randn(2, 4, 40, generator=g, dtype=torch.float64)
+
+    def grads(backend, dtype, **kw):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, mask)]
+        torch.manual_seed(3)
+        out, lse = attnx.scaled_dot_product_attention(*leaves[:3], attn_mask=leaves[3],
+                                                      enable_gqa=True, return_lse=True,
+                                                      backend=backend, **kw)
+        loss = (out * dout.to(dtype)).sum() + (lse * dlse.float()).sum()
+        return torch.autograd.grad(loss, leaves)
+
+    for kw in ({}, {"dropout_p": 0.3}):
+        golden = grads("reference", torch.float64, **kw)
+        for dtype, floor in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+            actual, baseline = grads("cpu", dtype, **kw), grads("reference", dtype, **kw)
+            for name, a, gd, b in zip(("dq", "dk", "dv", "dmask"), actual, golden, baseline):
+                assert_within(a, gd, b, factor=3.0, floor=floor, what=name)
+
+
 def test_dropout_matches_reference_exactly():
     shape = (2, 4, 2, 45, 77, 32, 32)  # GQA, so the hash must use the query head
     q, k, v, dout = _inputs(*shape)
@@ -270,7 +296,7 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.attnx.sdpa_fwd.default, args)
     out, lse = torch.ops.attnx.sdpa_fwd(q, k, v, mask, 0.3, -2, 0, 0.2, seed)
     args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), mask.detach(),
-            out.detach(), lse, 0.3, -2, 0, 0.2, seed, True)
+            out.detach(), lse.detach(), 0.3, -2, 0, 0.2, seed, True)
     torch.library.opcheck(torch.ops.attnx.sdpa_bwd.default, args)
 
 

@@ -31,9 +31,10 @@ def test_opcheck_sdpa(mask_kind, dropout_p):
     torch.library.opcheck(torch.ops.attnx.sdpa_fwd.default, fwd)
     out, lse = torch.ops.attnx.sdpa_fwd(*fwd)
     g = torch.randn_like(out)
-    bwd = (g, q.detach(), k.detach(), v.detach(), mask, out.detach(), lse, 0.3, -5, 3, dropout_p, seed,
+    bwd = (g, q.detach(), k.detach(), v.detach(), mask, out.detach(), lse.detach(), 0.3, -5, 3, dropout_p, seed,
            mask_kind == "float")
     torch.library.opcheck(torch.ops.attnx.sdpa_bwd.default, bwd)
+    torch.library.opcheck(torch.ops.attnx.sdpa_bwd.default, bwd + (torch.randn_like(lse),))
 
 
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
@@ -48,9 +49,10 @@ def test_opcheck_additive(mask_kind, return_weights):
     torch.library.opcheck(torch.ops.attnx.additive_fwd.default, fwd)
     out, lse, _ = torch.ops.attnx.additive_fwd(*fwd)
     g = torch.randn_like(out)
-    bwd = (g, q.detach(), k.detach(), value.detach(), v.detach(), mask, out.detach(), lse, -7, 5, 0.0,
+    bwd = (g, q.detach(), k.detach(), value.detach(), v.detach(), mask, out.detach(), lse.detach(), -7, 5, 0.0,
            None, mask_kind == "float")
     torch.library.opcheck(torch.ops.attnx.additive_bwd.default, bwd)
+    torch.library.opcheck(torch.ops.attnx.additive_bwd.default, bwd + (torch.randn_like(lse),))
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])

@@ -52,7 +52,11 @@ def masked_softmax(s: torch.Tensor, mask: Optional[torch.Tensor], lo: int, hi: i
     # Rows with no admissible key are replaced by zeros before the softmax so that neither the
     # forward nor the backward pass ever sees exp(-inf - (-inf)).
     s = torch.where(empty, torch.zeros_like(s), s)
-    lse = torch.logsumexp(s, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
+    # Not torch.logsumexp: its backward, exp(s - lse), is 1 per key, not 1 / l, on a row whose
+    # lse rounded to its max (every key under a huge finite bias, csrc/cpu/huge_lse.h).
+    m = s.amax(dim=-1, keepdim=True).detach()
+    lse = (m + torch.log(torch.exp(s - m).sum(-1, keepdim=True))).squeeze(-1)
+    lse = lse.masked_fill(empty.squeeze(-1), float("-inf"))
     p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
     return p, lse
 

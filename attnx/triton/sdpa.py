@@ -266,7 +266,8 @@ def sdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
 def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, scale: float,
              window_lo: int, window_hi: int, dropout_p: float, seed: Optional[torch.Tensor],
-             mask_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             mask_grad: bool, grad_lse: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep = _common_args(
         q, k, v, mask, dropout_p, seed)
     r = torch.empty_like(lse)
@@ -278,6 +279,8 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     # With dropout D_i = sum_j P_ij dP_ij still equals rowsum(dO * O): O is built from the
     # dropped P, and dP of the dropped P differs from dP by the same keep / (1 - p) factor.
     delta = (grad_out.float() * out.float()).sum(-1)
+    if grad_lse is not None:  # d lse_i / d s_ij = P_ij: the lse gradient only shifts D_i,
+        delta = delta - grad_lse.float() / r  # scaled as dO was
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -305,7 +308,7 @@ def _sdpa_fwd_fake(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed):
 
 @sdpa_bwd.register_fake
 def _sdpa_bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi, dropout_p,
-                   seed, mask_grad):
+                   seed, mask_grad, grad_lse=None):
     dmask = q.new_empty((*q.shape[:3], k.shape[2]) if mask_grad else (0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
@@ -315,15 +318,15 @@ def _setup(ctx, inputs, output):
     out, lse = output
     ctx.args = (scale, lo, hi, p)
     ctx.save_for_backward(q, k, v, mask, out, lse, seed)
-    ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, grad_out, _grad_lse):
+def _backward(ctx, grad_out, grad_lse):
     q, k, v, mask, out, lse, seed = ctx.saved_tensors
     scale, lo, hi, p = ctx.args
     want_mask = mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[3]
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
     dq, dk, dv, dmask = sdpa_bwd(grad_out, q, k, v, mask, out, lse, scale, lo, hi, p, seed,
-                                 want_mask)
+                                 want_mask, grad_lse)
     return dq, dk, dv, (dmask if want_mask else None), None, None, None, None, None
 
 

@@ -228,7 +228,7 @@ struct Grads {
 
 template <typename scalar_t, typename acc_t>
 void backward_rows(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out,
-                   const float* lse, int64_t bh, int64_t i0, int64_t i1, acc_t* dk,
+                   const float* lse, const acc_t* grad_lse, int64_t bh, int64_t i0, int64_t i1, acc_t* dk,
                    acc_t* dvalue, acc_t* dv, const Grads<scalar_t, acc_t>& g,
                    std::vector<acc_t>& bias, std::vector<acc_t>& t) {
   const int64_t b = bh / pb.H, h = bh % pb.H;
@@ -273,6 +273,7 @@ void backward_rows(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out
       }
       pb.mask.fill(b, h, i, j0, j1, bias.data());
     }
+    if (grad_lse != nullptr) D -= grad_lse[r];  // csrc/ops.cpp
     acc_t* dqi = g.dq + r * pb.A;
     for (int64_t j = j0; j < j1; ++j) {
       if (bias[j] == -std::numeric_limits<acc_t>::infinity()) continue;
@@ -290,7 +291,7 @@ void backward_rows(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out
 
 template <typename scalar_t, typename acc_t>
 void backward(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out, const float* lse,
-              const Grads<scalar_t, acc_t>& g) {
+              const acc_t* grad_lse, const Grads<scalar_t, acc_t>& g) {
   const int64_t BH = pb.B * pb.H, rows = BH * pb.Lq;
   Slices<acc_t> slices(rows, at::get_num_threads());
   at::parallel_for(0, slices.count, 1, [&](int64_t s_begin, int64_t s_end) {
@@ -313,7 +314,7 @@ void backward(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out, con
           dvalue = sh.dvalue.data();
           dv = sh.dv.data();
         }
-        backward_rows(pb, dout, out, lse, bh, i0, i1, dk, dvalue, dv, g, bias, t);
+        backward_rows(pb, dout, out, lse, grad_lse, bh, i0, i1, dk, dvalue, dv, g, bias, t);
       }
     }
   });
@@ -353,7 +354,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& value, const at::Tensor& v, const std::optional<at::Tensor>& mask,
     const at::Tensor& out, const at::Tensor& lse, int64_t window_lo, int64_t window_hi,
-    double dropout_p, const std::optional<at::Tensor>& seed, bool mask_grad) {
+    double dropout_p, const std::optional<at::Tensor>& seed, bool mask_grad,
+    const std::optional<at::Tensor>& grad_lse) {
   check_inputs("attnx::additive_bwd", q, k, value, v, mask, dropout_p, seed);
   TORCH_CHECK(!mask_grad || (mask.has_value() && mask->scalar_type() != at::kBool),
               "attnx::additive_bwd: mask_grad needs a float mask");
@@ -364,6 +366,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
               " do not match value ", value.sizes());
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(2) == Lq,
               "attnx::additive_bwd: expected a float32 (B, H, Lq) lse, got ", lse.sizes());
+  TORCH_CHECK(!grad_lse.has_value() || (grad_lse->sizes() == lse.sizes() && grad_lse->is_cpu()),
+              "attnx::additive_bwd: expected a CPU grad_lse of lse's shape ", lse.sizes());
   at::Tensor dq, dk, dvalue, dv, dmask;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attnx_additive_bwd", [&] {
     using acc_t = acc_type<scalar_t>;
@@ -372,6 +376,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
     const at::Tensor dout_acc = grad_out.to(acc_opts.dtype()).contiguous();
     const at::Tensor out_acc = out.to(acc_opts.dtype()).contiguous();
     const at::Tensor lse_c = lse.contiguous();
+    const at::Tensor glse =
+        grad_lse.has_value() ? grad_lse->to(acc_opts.dtype()).contiguous() : at::Tensor();
     at::Tensor dq_acc = at::zeros({B, H, Lq, A}, acc_opts);
     at::Tensor dk_acc = at::zeros({B, H, Lk, A}, acc_opts);
     at::Tensor dvalue_acc = at::zeros({B, H, Lk, Ev}, acc_opts);
@@ -381,7 +387,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
                                    dvalue_acc.data_ptr<acc_t>(), dv_acc.data_ptr<acc_t>(),
                                    mask_grad ? dmask.data_ptr<scalar_t>() : nullptr};
     backward<scalar_t, acc_t>(pb, dout_acc.data_ptr<acc_t>(), out_acc.data_ptr<acc_t>(),
-                              lse_c.data_ptr<float>(), g);
+                              lse_c.data_ptr<float>(),
+                              glse.defined() ? glse.data_ptr<acc_t>() : nullptr, g);
     dq = dq_acc.to(q.scalar_type());
     dk = dk_acc.to(q.scalar_type());
     dvalue = dvalue_acc.to(q.scalar_type());

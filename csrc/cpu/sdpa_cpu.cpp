@@ -175,7 +175,8 @@ struct BwdOut {
 template <typename T, typename Grads>
 void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T* out,
                      const T* lse, const MaskRows& mask, T scale, Band band,
-                     const Dropout& drop, const BwdOut& res, const Dims& d) {
+                     const Dropout& drop, const T* grad_lse, const BwdOut& res,
+                     const Dims& d) {
   T* dq = static_cast<T*>(res.dq);
   T* dk = static_cast<T*>(res.dk);
   T* dv = static_cast<T*>(res.dv);
@@ -241,7 +242,8 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
       for (int64_t i = 0; i < d.Lq; ++i) {
         T acc = 0;
         for (int64_t c = 0; c < d.Ev; ++c) acc += doh[i * d.Ev + c] * oh[i * d.Ev + c];
-        dsum[i] = acc;
+        // less the lse gradient, if any (csrc/ops.cpp)
+        dsum[i] = grad_lse == nullptr ? acc : acc - grad_lse[bh * d.Lq + i];
       }
       const uint32_t key_bh = drop.on ? drop.key_bh(bh) : 0;
       for (int64_t j0 = 0; j0 < d.Lk; j0 += BK) {
@@ -363,7 +365,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
     const std::optional<Tensor>& mask, const Tensor& out, const Tensor& lse, double scale,
     int64_t window_lo, int64_t window_hi, double dropout_p, const std::optional<Tensor>& seed,
-    bool mask_grad) {
+    bool mask_grad, const std::optional<Tensor>& grad_lse) {
   const Dims d = check_inputs("attnx::sdpa_bwd", q, k, v, mask, dropout_p);
   const std::vector<int64_t> out_shape{d.B, d.Hq, d.Lq, d.Ev};
   TORCH_CHECK(grad_out.sizes() == out_shape && out.sizes() == out_shape, "attnx::sdpa_bwd: ",
@@ -377,6 +379,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
               lse.scalar_type(), " ", lse.sizes());
   TORCH_CHECK(!mask_grad || (mask.has_value() && mask->scalar_type() != at::kBool),
               "attnx::sdpa_bwd: mask_grad needs a float mask");
+  TORCH_CHECK(!grad_lse.has_value() || (grad_lse->sizes() == lse.sizes() && grad_lse->is_cpu()),
+              "attnx::sdpa_bwd: expected a CPU grad_lse of lse's shape ", lse.sizes());
   const Dropout drop(dropout_p, seed);
   const MaskRows rows(mask);
   const auto ct = compute_type(q.scalar_type());
@@ -384,6 +388,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
   const Tensor qc = prepared(q, ct), kc = prepared(k, ct), vc = prepared(v, ct);
   const Tensor doc = prepared(grad_out, ct), oc = prepared(out, ct);
   const Tensor lc = lse.contiguous();
+  const Tensor glc = grad_lse.has_value() ? prepared(*grad_lse, ct) : Tensor();
   Tensor dq = at::empty({d.B, d.Hq, d.Lq, d.E}, opts);
   Tensor dk = at::empty({d.B, d.Hq, d.Lk, d.E}, opts);
   Tensor dv = at::empty({d.B, d.Hq, d.Lk, d.Ev}, opts);
@@ -395,14 +400,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
     backward_kernel<double, BlasGrads<double>>(
         doc.data_ptr<double>(), qc.data_ptr<double>(), kc.data_ptr<double>(),
         vc.data_ptr<double>(), oc.data_ptr<double>(), lc.data_ptr<double>(), rows, scale, band,
-        drop, res, d);
+        drop, glc.defined() ? glc.data_ptr<double>() : nullptr, res, d);
   } else {
     // The engine the forward used (panels_available() does not change), so the scores match.
     const auto kernel = panels_available() ? backward_kernel<float, PanelGrads>
                                            : backward_kernel<float, BlasGrads<float>>;
     kernel(doc.data_ptr<float>(), qc.data_ptr<float>(), kc.data_ptr<float>(),
            vc.data_ptr<float>(), oc.data_ptr<float>(), lc.data_ptr<float>(), rows,
-           static_cast<float>(scale), band, drop, res, d);
+           static_cast<float>(scale), band, drop,
+           glc.defined() ? glc.data_ptr<float>() : nullptr, res, d);
   }
   if (d.group() > 1) {  // dK, dV of a kv head: the sum over the query heads that read it
     dk = dk.view({d.B, d.Hkv, d.group(), d.Lk, d.E}).sum(2);

@@ -159,10 +159,24 @@ std::tuple<Tensor, Tensor> sdpa_fwd(const Tensor& q_in, const Tensor& k_in, cons
   return {out, lse};
 }
 
+// D_i = rowsum(dO * O) of the softmax backward, less the lse gradient (csrc/ops.cpp).
+Tensor softmax_delta(const Tensor& dout, const Tensor& out, const Tensor& lse,
+                     const OptTensor& grad_lse) {
+  Tensor d = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
+  if (grad_lse.has_value()) {
+    TORCH_CHECK(grad_lse->sizes() == lse.sizes() && grad_lse->device() == lse.device(),
+                "grad_lse: expected lse's shape ", lse.sizes(), " on its device, got ",
+                grad_lse->sizes());
+    d = d - grad_lse->to(at::kFloat);
+  }
+  return d.contiguous();
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
     const OptTensor& mask, const Tensor& out, const Tensor& lse, double scale, int64_t window_lo,
-    int64_t window_hi, double dropout_p, const OptTensor& seed, bool mask_grad) {
+    int64_t window_hi, double dropout_p, const OptTensor& seed, bool mask_grad,
+    const OptTensor& grad_lse) {
   const c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = rows(q_in, q_in, "q"), k = rows(k_in, q_in, "k"), v = rows(v_in, q_in, "v");
   SdpaParams p = sdpa_params(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed);
@@ -172,7 +186,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
   TORCH_CHECK(dout.sizes() == out.sizes() && out.size(3) == p.Ev, "grad_out: expected shape ",
               out.sizes(), ", got ", grad_out.sizes());
   const Tensor lse_c = lse.to(at::kFloat).contiguous();
-  const Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1).contiguous();
+  const Tensor delta = softmax_delta(dout, out, lse, grad_lse);
   Tensor dq_acc = at::zeros({p.B, p.Hq, p.Lq, p.E}, q.options().dtype(at::kFloat));
   Tensor dk = at::empty({p.B, p.Hkv, p.Lk, p.E}, q.options());
   Tensor dv = at::empty({p.B, p.Hkv, p.Lk, p.Ev}, q.options());
@@ -258,7 +272,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& value_in,
     const Tensor& v, const OptTensor& mask, const Tensor& out, const Tensor& lse,
     int64_t window_lo, int64_t window_hi, double dropout_p, const OptTensor& seed,
-    bool mask_grad) {
+    bool mask_grad, const OptTensor& grad_lse) {
   const c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = rows(q_in, q_in, "q"), k = rows(k_in, q_in, "k");
   const Tensor value = rows(value_in, q_in, "value");
@@ -267,7 +281,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
   TORCH_CHECK(dout.sizes() == out.sizes() && out.size(3) == p.Ev, "grad_out: expected shape ",
               out.sizes(), ", got ", grad_out.sizes());
   const Tensor lse_c = lse.to(at::kFloat).contiguous();
-  const Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1).contiguous();
+  const Tensor delta = softmax_delta(dout, out, lse, grad_lse);
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor dq = at::zeros({p.B, p.H, p.Lq, p.A}, f32);
   Tensor dk = at::zeros({p.B, p.H, p.Lk, p.A}, f32);
