@@ -2,7 +2,8 @@
 
 For each case (fp32, B=1, H=8, L, D, plain / causal / broadcast bool mask, forward or
 forward+backward) the two are timed alternately, so machine load hits both alike; a 2048^3
-sgemm is timed in the same run to show what fraction of the BLAS rate each reaches.
+sgemm is timed in the same run to show what fraction of the BLAS rate each reaches, and the
+FMA ceiling (benchmarks/fma_peak.py) to show what no fp32 kernel can pass.
 FLOPs as flash-attention counts them: forward 4*B*H*Lq*Lk*D, halved for causal; backward
 2.5x forward. Writes benchmarks/results/cpu-sdpa-<date>.json and prints a table.
 
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 import attnx
 from attnx.bench.machine import device_name
+from fma_peak import fma_peak
 
 # attnx speed / torch speed, per issue 3: the forward by kind; forward+backward 1.0x for all
 TARGETS = {"none": 1.0, "causal": 1.3, "mask": 1.0}
@@ -100,6 +102,9 @@ def main() -> None:
 
     gemm = sgemm_gflops(repeats)
     print(f"sgemm 2048^3: {gemm['gflops']:.1f} GFLOP/s (threads: {torch.get_num_threads()})")
+    peak = fma_peak(repeats)
+    if peak is not None:
+        print(f"FMA ceiling: {peak['gflops']:.1f} GFLOP/s (min {peak['min']:.1f}, max {peak['max']:.1f})")
     header = f"{'L':>5} {'D':>4} {'kind':>7} {'pass':>8} | {'attnx ms':>9} {'torch ms':>9} | " \
              f"{'attnx GF/s':>10} {'torch GF/s':>10} | {'speedup':>7} {'target':>6}"
     print(header)
@@ -123,7 +128,7 @@ def main() -> None:
         "machine": {"cpu": device_name("cpu"), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
                     "platform": platform.platform(), "load_avg": os.getloadavg()},
         "torch": torch.__version__, "attnx": attnx.__version__, "repeats": repeats,
-        "sgemm_2048": gemm, "cases": rows,
+        "sgemm_2048": gemm, "fma_peak": peak, "cases": rows,
     }
     path = args.out or os.path.join(HERE, "results", f"cpu-sdpa-{now:%Y-%m-%d}{'-quick' if args.quick else ''}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
