@@ -211,6 +211,9 @@ def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     elif not math.isfinite(float(scale)):
         raise ValueError(f"scale: expected a finite float, got {scale}")
     scale = float(scale)
+    if q.dtype != torch.float64 and abs(scale) > torch.finfo(torch.float32).max:
+        # the kernels scale in float32 (float64 only for float64 inputs): inf there, NaN after
+        raise ValueError(f"scale: expected a value float32 can hold for {q.dtype} inputs, got {scale}")
 
     target = lead + (hq, lq, lk)
     mask, causal_offset = _check_mask(attn_mask, q, target, lq, lk)

@@ -57,6 +57,7 @@ SDPA_CASES = [
     (dict(dropout_p="0.1"), TypeError, ["dropout_p", "float", "str"]),
     (dict(scale=math.nan), ValueError, ["scale", "finite", "nan"]),
     (dict(scale="1"), TypeError, ["scale", "float", "str"]),
+    (dict(scale=1e39), ValueError, ["scale", "float32 can hold", "1e+39"]),
     (dict(window=(1, 2, 3)), ValueError, ["window", "pair"]),
     (dict(window=(-1, 2)), ValueError, ["window", "left >= 0", "-1"]),
     (dict(window=(1, 2.5)), TypeError, ["window", "right", "float"]),
