@@ -57,9 +57,12 @@ class AdditiveCall:
 
 
 def _type_name(x) -> str:
+    if isinstance(x, CausalBias):
+        return f"CausalBias({x.variant.name}, seq_len_q={x.seq_len_q}, seq_len_kv={x.seq_len_kv})"
     if isinstance(x, torch.Tensor):
         return f"Tensor(dtype={x.dtype}, shape={tuple(x.shape)}, device={x.device})"
-    return type(x).__name__
+    t = type(x)  # numpy.bool, not a bare "bool" that reads like Python's own
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 def _check_bool(name: str, x) -> bool:

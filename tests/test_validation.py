@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -51,6 +52,9 @@ SDPA_CASES = [
     (dict(attn_mask=causal_lower_right(8, 11)), ValueError, ["attn_mask", "CausalBias", "(8, 10)", "(8, 11)"]),
     (dict(attn_mask=torch.ones(8, 10, dtype=torch.bool), is_causal=True), ValueError, ["attn_mask", "is_causal"]),
     (dict(is_causal=1), TypeError, ["is_causal", "bool", "int"]),
+    (dict(is_causal=np.bool_(True)), TypeError, ["is_causal", "expected a bool, got numpy.bool"]),
+    (dict(attn_mask=causal_lower_right(8, 10), is_causal=True), ValueError,
+     ["attn_mask", "CausalBias(LOWER_RIGHT, seq_len_q=8, seq_len_kv=10)"]),
     (dict(enable_gqa="yes"), TypeError, ["enable_gqa", "bool", "str"]),
     (dict(dropout_p=1.0), ValueError, ["dropout_p", "< 1", "1.0"]),
     (dict(dropout_p=-0.1), ValueError, ["dropout_p", "-0.1"]),
