@@ -168,38 +168,44 @@ def _flatten_lead(x: torch.Tensor, lead: tuple) -> torch.Tensor:
 def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
               window, backend, return_lse) -> SdpaCall:
     q = _check_tensor("query", query, 2)
-    prefix = tuple(q.shape[:-2])
     k = _check_tensor("key", key, 2)
     v = _check_tensor("value", value, 2)
     _check_same("key", k, q, "query")
     _check_same("value", v, q, "query")
-    if not (q.dim() == k.dim() == v.dim()):
-        raise ValueError(f"key, value: expected the same number of dimensions as query ({q.dim()}), "
-                         f"got key {tuple(k.shape)} and value {tuple(v.shape)}")
     is_causal = _check_bool("is_causal", is_causal)
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
     return_lse = _check_bool("return_lse", return_lse)
     p = _check_dropout(dropout_p)
     backend = _check_backend(backend)
 
-    if q.dim() == 2:  # (L, E): one batch, one head
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    lead = tuple(q.shape[:-3])
-    for name, t in (("key", k), ("value", v)):
-        if tuple(t.shape[:-3]) != lead:
-            raise ValueError(f"{name}: expected batch dims {lead} (those of query), got shape {tuple(t.shape)}")
+    # The dims before (L, E) broadcast as in torch's function (its matmul): missing leading
+    # dims, size-1 batch dims, a single query or key/value head. (L, E) alone is one head.
+    rank = max(q.dim(), k.dim(), v.dim())
+    q, k, v = (t.reshape((1,) * (max(rank, 3) - t.dim()) + tuple(t.shape)) for t in (q, k, v))
+    try:
+        lead = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
+    except RuntimeError:
+        raise ValueError(f"key, value: expected batch dims that broadcast with query's "
+                         f"{tuple(query.shape)}, got key {tuple(key.shape)} and value "
+                         f"{tuple(value.shape)}") from None
     hq, lq, e = q.shape[-3:]
     hk, lk, ek = k.shape[-3:]
-    hv, lv, _ = v.shape[-3:]
+    hv, lv, ev = v.shape[-3:]
+    if hk != hv and 1 in (hk, hv):  # one key (or value) head for every value (or key) head
+        hk = hv = max(hk, hv)
+    if hq == 1 and hk > 1:  # one query head against every key/value head
+        hq = hk
+    q, k, v = q.expand(lead + (hq, lq, e)), k.expand(lead + (hk, lk, ek)), v.expand(lead + (hv, lv, ev))
+    prefix = (lead + (hq,))[max(rank, 3) - rank:]
     if ek != e:
-        raise ValueError(f"key: expected head dim {e} (that of query), got shape {tuple(k.shape)}")
+        raise ValueError(f"key: expected head dim {e} (that of query), got shape {tuple(key.shape)}")
     if e == 0:
-        raise ValueError(f"query: expected a head dim >= 1, got shape {tuple(q.shape)}")
+        raise ValueError(f"query: expected a head dim >= 1, got shape {tuple(query.shape)}")
     if lv != lk:
-        raise ValueError(f"value: expected sequence length {lk} (that of key), got shape {tuple(v.shape)}")
+        raise ValueError(f"value: expected sequence length {lk} (that of key), got shape {tuple(value.shape)}")
     if hv != hk:
-        raise ValueError(f"value: expected {hk} heads (those of key), got shape {tuple(v.shape)}")
-    if hk != hq:
+        raise ValueError(f"value: expected {hk} heads (those of key), got shape {tuple(value.shape)}")
+    if hk != hq and hk != 1:  # one key/value head serves every query head, as torch broadcasts
         if not enable_gqa:
             raise ValueError(f"key: expected {hq} heads (those of query), got {hk}; "
                              f"pass enable_gqa=True for grouped-query attention")

@@ -209,6 +209,34 @@ def test_lse_is_differentiable():
                 assert_within(a, gd, b, factor=3.0, floor=floor, what=name)
 
 
+@pytest.mark.parametrize("shapes", [
+    ((2, 3, 5, 4), (1, 3, 6, 4), (1, 3, 6, 4)),  # key/value batch 1
+    ((2, 3, 5, 4), (3, 6, 4), (3, 6, 4)),  # key/value without the batch dim
+    ((2, 3, 5, 4), (2, 1, 6, 4), (2, 1, 6, 4)),  # one key/value head, no enable_gqa
+    ((3, 5, 4), (2, 3, 6, 4), (2, 3, 6, 4)),  # query without the batch dim
+    ((2, 1, 5, 4), (2, 3, 6, 4), (2, 3, 6, 4)),  # one query head
+    ((2, 3, 5, 4), (1, 3, 6, 4), (2, 3, 6, 4)),  # key and value broadcast differently
+    ((2, 1, 3, 5, 4), (1, 4, 3, 6, 4), (1, 4, 3, 6, 4)),  # 5-D, both sides broadcast
+    ((5, 4), (2, 3, 6, 4), (6, 4)),  # 2-D query
+])
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_leading_dims_broadcast_as_in_torch(shapes, backend):
+    """A model calling torch's function gets the same numbers: the dims before (L, E) broadcast
+    as torch broadcasts them, gradients summed back over the broadcast."""
+    g = torch.Generator().manual_seed(0)
+    ins = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    res = {}
+    for name, fn in (("attnx", lambda *t: attnx.scaled_dot_product_attention(*t, backend=backend)),
+                     ("torch", torch.nn.functional.scaled_dot_product_attention)):
+        leaves = [t.clone().requires_grad_() for t in ins]
+        out = fn(*leaves)
+        out.backward(torch.sin(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))
+        res[name] = [out, *(t.grad for t in leaves)]
+    for a, b in zip(res["attnx"], res["torch"]):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_dropout_matches_reference_exactly():
     shape = (2, 4, 2, 45, 77, 32, 32)  # GQA, so the hash must use the query head
     q, k, v, dout = _inputs(*shape)
