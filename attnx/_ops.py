@@ -47,7 +47,7 @@ def _empty_grad(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,))
 
 
-def _or_zeros(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+def or_zeros(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     """The gradient of an output the loss did not use (None) as zeros."""
     return torch.zeros_like(like) if grad is None else grad
 
@@ -105,7 +105,7 @@ if _C is not None:
         scale, lo, hi, p = ctx.args
         want_mask = _wants_mask_grad(ctx, mask)
         dq, dk, dv, dmask = torch.ops.attnx.sdpa_bwd(
-            _or_zeros(grad_out, out), q, k, v, mask, out, lse, scale, lo, hi, p, seed, want_mask,
+            or_zeros(grad_out, out), q, k, v, mask, out, lse, scale, lo, hi, p, seed, want_mask,
             grad_lse)
         return dq, dk, dv, (dmask if want_mask else None), None, None, None, None, None
 
@@ -122,7 +122,7 @@ if _C is not None:
         lo, hi, p = ctx.args
         want_mask = _wants_mask_grad(ctx, mask)
         dq, dk, dvalue, dv, dmask = torch.ops.attnx.additive_bwd(
-            _or_zeros(grad_out, out), q, k, value, v, mask, out, lse, lo, hi, p, seed, want_mask,
+            or_zeros(grad_out, out), q, k, value, v, mask, out, lse, lo, hi, p, seed, want_mask,
             grad_lse)
         return dq, dk, dvalue, dv, (dmask if want_mask else None), None, None, None, None, None
 

@@ -23,8 +23,8 @@ import triton.language as tl
 
 from .._ops import no_double_backward
 from . import common
-from .common import (admit, dot, key_range, query_range, score_grad, softmax_start,
-                     softmax_step, store_rows)
+from .common import (admit, dot, huge_rows, key_range, query_range, score_grad,
+                     softmax_start, softmax_step, store_rows)
 from .rng import keep, rng_words, row_keys
 
 
@@ -131,7 +131,7 @@ def _row_sums_kernel(Q, K, W, M, LSE, R,
     offs_m = m0 + tl.arange(0, BLOCK_M)
     row_ok = offs_m < Lq
     lse = tl.load(LSE + bh * Lq + offs_m, mask=row_ok, other=0.0)
-    huge = (tl.abs(lse) > huge_lse) & (tl.abs(lse) < float("inf"))
+    huge = huge_rows(lse, huge_lse)
     start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
     end = tl.where(tl.max(huge.to(tl.int32), 0) > 0, end, start)
     total = tl.zeros([BLOCK_M], tl.float32)

@@ -43,6 +43,12 @@ def launcher(kernel):
 HUGE_LSE = 256.0
 
 
+@triton.jit
+def huge_rows(lse, huge_lse):
+    """The rows HUGE_LSE is about (empty rows, lse = +-inf, are not)."""
+    return (tl.abs(lse) > huge_lse) & (tl.abs(lse) < float("inf"))
+
+
 def divide_rows(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """x (..., L, D) with row i divided by r (..., L), in x's dtype (rows with r = 1 unchanged)."""
     return (x.float() / r.unsqueeze(-1)).to(x.dtype)

@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .._ops import no_double_backward
+from .._ops import no_double_backward, or_zeros
 from . import common
-from .common import (admit_block, dot, key_range, query_range, score_grad, softmax_start,
-                     softmax_step, store_rows)
+from .common import (admit_block, dot, huge_rows, key_range, query_range, score_grad,
+                     softmax_start, softmax_step, store_rows)
 from .rng import keep, rng_words, row_keys
 
 _FWD = common.configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
@@ -111,7 +111,7 @@ def _row_sums_kernel(Q, K, M, LSE, R, sqb, sqh, sqm, sqd, skb, skh, skn, skd, sm
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < Lq
     lse = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=0.0)
-    huge = (tl.abs(lse) > huge_lse) & (tl.abs(lse) < float("inf"))
+    huge = huge_rows(lse, huge_lse)
     k_base, _, m_base = _head_bases(K, K, M, b, h, hk, skb, skh, skb, skh, smb, smh)
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
                 mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
@@ -324,9 +324,8 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, mask, out, lse, seed = ctx.saved_tensors
     scale, lo, hi, p = ctx.args
     want_mask = mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[3]
-    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-    dq, dk, dv, dmask = sdpa_bwd(grad_out, q, k, v, mask, out, lse, scale, lo, hi, p, seed,
-                                 want_mask, grad_lse)
+    dq, dk, dv, dmask = sdpa_bwd(or_zeros(grad_out, out), q, k, v, mask, out, lse, scale, lo, hi,
+                                 p, seed, want_mask, grad_lse)
     return dq, dk, dv, (dmask if want_mask else None), None, None, None, None, None
 
 

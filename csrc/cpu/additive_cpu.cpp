@@ -228,8 +228,8 @@ struct Grads {
 
 template <typename scalar_t, typename acc_t>
 void backward_rows(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out,
-                   const float* lse, const acc_t* grad_lse, int64_t bh, int64_t i0, int64_t i1, acc_t* dk,
-                   acc_t* dvalue, acc_t* dv, const Grads<scalar_t, acc_t>& g,
+                   const float* lse, const acc_t* grad_lse, int64_t bh, int64_t i0, int64_t i1,
+                   acc_t* dk, acc_t* dvalue, acc_t* dv, const Grads<scalar_t, acc_t>& g,
                    std::vector<acc_t>& bias, std::vector<acc_t>& t) {
   const int64_t b = bh / pb.H, h = bh % pb.H;
   const acc_t* v = pb.v_row(bh);
@@ -246,7 +246,7 @@ void backward_rows(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out
     const acc_t* doi = dout + r * pb.Ev;
     const auto row_key = pb.drop.row_key(bh, i);
     acc_t D, c, f;  // P_ij = exp(s_ij - c) * f
-    if (std::is_same_v<scalar_t, float> && std::abs(lse[r]) <= HUGE_LSE) {
+    if (std::is_same_v<scalar_t, float> && !huge_lse(lse[r])) {
       D = dot(doi, out + r * pb.Ev, pb.Ev);
       c = static_cast<acc_t>(lse[r]);
       f = acc_t(1);

@@ -1,5 +1,6 @@
 // Where the saved log-sum-exp stops being enough for the backward passes of the CPU kernels.
 #pragma once
+#include <cmath>
 
 namespace attnx::cpu {
 
@@ -10,5 +11,8 @@ namespace attnx::cpu {
 // and l recomputed, or renormalize them by the sum of their exp(s - lse): either cancels the
 // rounding whatever its size.
 constexpr double HUGE_LSE = 256.0;
+
+// Whether a row's saved lse is one of those (empty rows, lse = -inf, are not).
+inline bool huge_lse(double lse) { return std::isfinite(lse) && std::abs(lse) > HUGE_LSE; }
 
 }  // namespace attnx::cpu

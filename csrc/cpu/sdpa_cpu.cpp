@@ -209,11 +209,11 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
         if (mask.present() && e > a) mask.apply(pr + a, b, h, i, j0 + a, e - a);
         return exp_sum(pr + a, e - a, lh[i]);
       };
-      // The rows HUGE_LSE is about get renorm[i] = 1 / sum_j exp(s_ij - lse_i), from a pass
+      // The rows huge_lse() picks get renorm[i] = 1 / sum_j exp(s_ij - lse_i), from a pass
       // over their tiles before any gradient uses them.
       bool huge = false;
       for (int64_t i = 0; i < d.Lq; ++i) {
-        huge_row[i] = std::isfinite(lh[i]) && std::abs(lh[i]) > T(HUGE_LSE);
+        huge_row[i] = huge_lse(lh[i]);
         renorm[i] = T(0);
         huge = huge || huge_row[i];
       }
