@@ -261,6 +261,28 @@ def test_long_sequence_tiles():
     _check(torch.float32, q, k, v, dout)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_backward_key_splits_across_thread_counts(threads):
+    """When heads do not deal evenly among the threads the backward cuts each head's key blocks
+    into splits (partial dQ summed afterwards): 1 thread keeps one split; 2 and 3 threads cut
+    one head's 9 key blocks into 2 and 3, and 3 heads into 2 on 2 threads. Causal (uneven
+    blocks), float mask gradient with dropout, and float64; the same results on every run."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k, v, dout = _inputs(1, 1, 1, 300, 1100, 32, 32)
+        first = _check(torch.float32, q, k, v, dout, is_causal=True)
+        again = _run("cpu", torch.float32, q, k, v, dout, is_causal=True)
+        for name, a, b in zip(NAMES, first, again):
+            assert (a is None and b is None) or torch.equal(a, b), name
+        _check(torch.float64, q, k, v, dout, window=(40, 0))
+        q, k, v, dout = _inputs(1, 3, 3, 150, 290, 16, 16)
+        _check(torch.float32, q, k, v, dout, mask=_mask("full", 1, 3, 150, 290), seed=5,
+               dropout_p=0.2)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_causal_edge_blocks_split_into_row_groups():
     """Key blocks the band cuts run their GEMMs per 30-row group: causal both alignments."""
     q, k, v, dout = _inputs(1, 1, 1, 777, 1100, 32, 32)

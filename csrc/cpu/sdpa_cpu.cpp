@@ -56,6 +56,12 @@ Band clamped_band(int64_t lo, int64_t hi, const Dims& d) {
   return Band{std::clamp(lo, -d.Lq, d.Lk), std::clamp(hi, -d.Lq, d.Lk)};
 }
 
+// at::parallel_for gives each thread a contiguous run of tasks. Under a causal band a query
+// tile's work grows with its index, so the forward deals a head's tiles in the order 0, n - 1,
+// 1, n - 2, ...: neighbours pair light with heavy, and a single head's halves weigh alike (in
+// index order the second thread got 3/4 of the work).
+int64_t zigzag(int64_t t, int64_t n) { return t % 2 == 0 ? t / 2 : n - 1 - t / 2; }
+
 // Rows [r0, r1) of a query tile and the keys [c0, c1) of a key block that some of them admit.
 struct RowGroup {
   int64_t r0, r1, c0, c1;
@@ -109,7 +115,7 @@ void forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
     T* s = sbuf.data();
     T* o = obuf.data();
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t qt = task % nqt, bh = task / nqt, h = bh % d.Hq, b = bh / d.Hq;
+      const int64_t qt = zigzag(task % nqt, nqt), bh = task / nqt, h = bh % d.Hq, b = bh / d.Hq;
       const int64_t bhk = b * d.Hkv + h / d.group();
       const int64_t i0 = qt * BQ, mq = std::min(BQ, d.Lq - i0);
       kv.load(k + bhk * d.Lk * d.E, v + bhk * d.Lk * d.Ev);
@@ -165,8 +171,28 @@ void forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
   });
 }
 
+// The backward's tasks are (batch x head, key split): split s of a head takes one key block of
+// each round of `splits` blocks, in snake order (s, 2 splits - 1 - s, 2 splits + s, ...), so
+// that under a causal band the splits get like shares of the work; it writes dK, dV of those
+// keys and its own partial dQ, which sdpa_bwd sums.
+// Splits: the fewest that deal the tasks evenly among the threads (or make 4 per thread), e.g.
+// 2 for 1, 3 or 5 heads on 2 threads, 1 for 8. A single head's backward ran on one thread at
+// 0.6x torch's speed. Each extra split costs an Lq x E partial and repeats the head's packing:
+// at 1 head on 2 threads, 2 and 4 splits measured alike and 8 up to 1.5x slower.
+int64_t backward_key_splits(const Dims& d) {
+  const int64_t threads = at::get_num_threads(), heads = d.B * d.Hq;
+  const int64_t blocks = (d.Lk + BWD_KEY_BLOCK - 1) / BWD_KEY_BLOCK;
+  int64_t splits = 1;
+  while (threads > 1 && splits < blocks && (heads * splits) % threads != 0 &&
+         heads * splits < 4 * threads) {
+    ++splits;
+  }
+  return splits;
+}
+
 struct BwdOut {
-  void* dq;
+  void* dq;  // (splits, B, Hq, Lq, E): each split's part of dQ
+  int64_t splits;
   void* dk;  // (B, Hq, Lk, E): per query head, summed over the GQA group afterwards
   void* dv;
   void* dmask;  // (B, Hq, Lq, Lk) or null
@@ -183,7 +209,11 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
   T* dmask = static_cast<T*>(res.dmask);
   const int64_t BQ = BWD_QUERY_BLOCK, BK = BWD_KEY_BLOCK;
   const T inv_keep = static_cast<T>(drop.inv_keep);
-  at::parallel_for(0, d.B * d.Hq, 1, [&](int64_t begin, int64_t end) {
+  const int64_t splits = res.splits, blocks = (d.Lk + BK - 1) / BK;
+  const auto snake_block = [splits](int64_t round, int64_t split) {
+    return round * splits + (round % 2 == 0 ? split : splits - 1 - split);
+  };
+  at::parallel_for(0, d.B * d.Hq * splits, 1, [&](int64_t begin, int64_t end) {
     Grads g(d);
     const int64_t ldq = g.q_stride(), ldv = g.v_stride();
     std::vector<T> pbuf(BQ * BK), dsbuf(BQ * BK), pdbuf(drop.on ? BQ * BK : 0), dsum(d.Lq);
@@ -191,7 +221,8 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
     std::vector<uint8_t> huge_row(d.Lq);
     T* p = pbuf.data();
     T* ds = dsbuf.data();
-    for (int64_t bh = begin; bh < end; ++bh) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t split = task % splits, bh = task / splits;
       const int64_t h = bh % d.Hq, b = bh / d.Hq, bhk = b * d.Hkv + h / d.group();
       const T* doh = dout + bh * d.Lq * d.Ev;
       const T* lh = lse + bh * d.Lq;
@@ -246,8 +277,10 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
         dsum[i] = grad_lse == nullptr ? acc : acc - grad_lse[bh * d.Lq + i];
       }
       const uint32_t key_bh = drop.on ? drop.key_bh(bh) : 0;
-      for (int64_t j0 = 0; j0 < d.Lk; j0 += BK) {
-        const int64_t nk = std::min(BK, d.Lk - j0);
+      for (int64_t round = 0; round * splits < blocks; ++round) {
+        const int64_t jb = snake_block(round, split);
+        if (jb >= blocks) continue;
+        const int64_t j0 = jb * BK, nk = std::min(BK, d.Lk - j0);
         for (int64_t i0 = 0; i0 < d.Lq; i0 += BQ) {
           const int64_t mq = std::min(BQ, d.Lq - i0);
           if (!band.touches(i0, mq, j0, nk)) continue;
@@ -284,12 +317,16 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
           g.add_dk(i0, mq, j0, nk, scale, ds, BK, dk_acc.data());
         }
       }
+      T* dq_part = dq + (split * d.B * d.Hq + bh) * d.Lq * d.E;
       for (int64_t i = 0; i < d.Lq; ++i) {
-        std::copy_n(dq_acc.data() + i * ldq, d.E, dq + (bh * d.Lq + i) * d.E);
+        std::copy_n(dq_acc.data() + i * ldq, d.E, dq_part + i * d.E);
       }
-      for (int64_t j = 0; j < d.Lk; ++j) {
-        std::copy_n(dk_acc.data() + j * ldq, d.E, dk + (bh * d.Lk + j) * d.E);
-        std::copy_n(dv_acc.data() + j * ldv, d.Ev, dv + (bh * d.Lk + j) * d.Ev);
+      for (int64_t round = 0; round * splits < blocks; ++round) {
+        const int64_t jb = snake_block(round, split);
+        for (int64_t j = jb * BK; j < std::min(d.Lk, (jb + 1) * BK); ++j) {
+          std::copy_n(dk_acc.data() + j * ldq, d.E, dk + (bh * d.Lk + j) * d.E);
+          std::copy_n(dv_acc.data() + j * ldv, d.Ev, dv + (bh * d.Lk + j) * d.Ev);
+        }
       }
     }
   });
@@ -389,11 +426,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
   const Tensor doc = prepared(grad_out, ct), oc = prepared(out, ct);
   const Tensor lc = lse.contiguous();
   const Tensor glc = grad_lse.has_value() ? prepared(*grad_lse, ct) : Tensor();
-  Tensor dq = at::empty({d.B, d.Hq, d.Lq, d.E}, opts);
+  const int64_t splits = backward_key_splits(d);
+  Tensor dq = at::empty({splits, d.B, d.Hq, d.Lq, d.E}, opts);
   Tensor dk = at::empty({d.B, d.Hq, d.Lk, d.E}, opts);
   Tensor dv = at::empty({d.B, d.Hq, d.Lk, d.Ev}, opts);
   Tensor dmask = mask_grad ? at::zeros({d.B, d.Hq, d.Lq, d.Lk}, opts) : Tensor();
-  const BwdOut res{dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+  const BwdOut res{dq.data_ptr(), splits, dk.data_ptr(), dv.data_ptr(),
                    mask_grad ? dmask.data_ptr() : nullptr};
   const Band band = clamped_band(window_lo, window_hi, d);
   if (ct == at::kDouble) {
@@ -410,6 +448,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
            static_cast<float>(scale), band, drop,
            glc.defined() ? glc.data_ptr<float>() : nullptr, res, d);
   }
+  dq = splits > 1 ? dq.sum(0) : dq[0];
   if (d.group() > 1) {  // dK, dV of a kv head: the sum over the query heads that read it
     dk = dk.view({d.B, d.Hkv, d.group(), d.Lk, d.E}).sum(2);
     dv = dv.view({d.B, d.Hkv, d.group(), d.Lk, d.Ev}).sum(2);
