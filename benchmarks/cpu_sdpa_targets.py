@@ -1,13 +1,13 @@
 """attnx's fused CPU SDPA against torch's own fused CPU kernel, interleaved in one process.
 
-For each case (fp32, B=1, H=8, L, D, plain / causal / broadcast bool mask, forward or
+For each case (fp32, B=1, H=8 (or --heads), L, D, plain / causal / broadcast bool mask, forward or
 forward+backward) the two are timed alternately, so machine load hits both alike; a 2048^3
 sgemm is timed in the same run to show what fraction of the BLAS rate each reaches, and the
 FMA ceiling (benchmarks/fma_peak.py) to show what no fp32 kernel can pass.
 FLOPs as flash-attention counts them: forward 4*B*H*Lq*Lk*D, halved for causal; backward
 2.5x forward. Writes benchmarks/results/cpu-sdpa-<date>.json and prints a table.
 
-    python benchmarks/cpu_sdpa_targets.py [--quick] [--repeats N]
+    python benchmarks/cpu_sdpa_targets.py [--quick] [--repeats N] [--heads H]
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def sgemm_gflops(repeats: int) -> dict:
     return s
 
 
-def case(seq: int, dim: int, kind: str, backward: bool, repeats: int) -> dict:
-    b, h = 1, 8
+def case(seq: int, dim: int, kind: str, backward: bool, repeats: int, h: int = 8) -> dict:
+    b = 1
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, seq, dim, generator=g) for _ in range(3))
     kw = {"is_causal": kind == "causal"}
@@ -79,7 +79,7 @@ def case(seq: int, dim: int, kind: str, backward: bool, repeats: int) -> dict:
         for name, fn in impls.items():
             times[name].append(timed(lambda: run(fn)))
     flops = 4 * b * h * seq * seq * dim * (0.5 if kind == "causal" else 1.0) * (3.5 if backward else 1.0)
-    row = {"L": seq, "D": dim, "kind": kind, "pass": "fwd+bwd" if backward else "fwd",
+    row = {"H": h, "L": seq, "D": dim, "kind": kind, "pass": "fwd+bwd" if backward else "fwd",
            "flops": flops}
     for name in impls:
         s = summary(times[name])
@@ -94,6 +94,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="L=1024 and 2048, D=64 only")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--heads", type=int, default=8,
+                        help="heads (B=1); fewer heads than 2 per thread tests how a head is shared")
     parser.add_argument("--out", default=None, help="JSON path (default: results/cpu-sdpa-<date>.json)")
     args = parser.parse_args()
     repeats = args.repeats or (3 if args.quick else 5)
@@ -114,7 +116,7 @@ def main() -> None:
         for seq in seqs:
             for dim in dims:
                 for kind in ("none", "causal", "mask"):
-                    r = case(seq, dim, kind, backward, repeats)
+                    r = case(seq, dim, kind, backward, repeats, args.heads)
                     rows.append(r)
                     ok = "" if r["speedup"] >= r["target"] else "  MISS"
                     print(f"{seq:>5} {dim:>4} {kind:>7} {r['pass']:>8} | "
@@ -130,7 +132,7 @@ def main() -> None:
         "torch": torch.__version__, "attnx": attnx.__version__, "repeats": repeats,
         "sgemm_2048": gemm, "fma_peak": peak, "cases": rows,
     }
-    path = args.out or os.path.join(HERE, "results", f"cpu-sdpa-{now:%Y-%m-%d}{'-quick' if args.quick else ''}.json")
+    path = args.out or os.path.join(HERE, "results", f"cpu-sdpa-{now:%Y-%m-%d}{'-quick' if args.quick else ''}{'' if args.heads == 8 else f'-h{args.heads}'}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
