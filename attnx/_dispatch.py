@@ -5,7 +5,10 @@ This is the only place that decides which backend runs a call.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
+
+import torch
 
 from . import _validate
 from ._backends import cpu, cuda, reference, triton_backend
@@ -75,6 +78,24 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return out, lse.float().reshape(call.prefix + (lse.shape[-1],))
 
 
+def _weights_need_grad(call) -> bool:
+    if not (call.return_weights and torch.is_grad_enabled()):
+        return False
+    mask = call.mask if call.mask is not None and call.mask.is_floating_point() else None
+    return any(t is not None and t.requires_grad for t in (call.q, call.k, call.value, call.v, mask))
+
+
+def _with_one_hot_values(call):
+    """The call whose values are [value, one-hot of the key index]. The weights (after dropout)
+    are attention over one-hot values, weights_i = sum_j p_ij e_j, so this call's output is
+    [out, weights]: the fused backends' weights output carries no gradient, but their output
+    does, through the same fused backward. Costs Lk more value columns, forward and backward."""
+    b, h, lk, _ = call.value.shape
+    eye = torch.eye(lk, dtype=call.value.dtype, device=call.value.device).expand(b, h, lk, lk)
+    return dataclasses.replace(call, value=torch.cat([call.value, eye], dim=-1),
+                               return_weights=False)
+
+
 def additive_attention(query, key, value, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
                        window=None, backend=None, return_weights=False):
     """Bahdanau attention: softmax_j(sum_a v[a] tanh(query[i, a] + key[j, a])) @ value, fused.
@@ -84,7 +105,14 @@ def additive_attention(query, key, value, v, attn_mask=None, dropout_p=0.0, is_c
     """
     call = _validate.additive_call(query, key, value, v, attn_mask, dropout_p, is_causal,
                                    window, backend, return_weights)
-    out, _lse, weights = _module(select("additive", call)).additive(call)
+    one_hot = _with_one_hot_values(call) if _weights_need_grad(call) else None
+    name = select("additive", one_hot or call)
+    if one_hot is not None and name != "reference":  # the reference's weights carry a gradient
+        both, _lse, _ = _module(name).additive(one_hot)
+        ev = call.value.shape[-1]
+        out, weights = both[..., :ev].contiguous(), both[..., ev:].contiguous()
+    else:
+        out, _lse, weights = _module(name).additive(call)
     if call.three_d:
         out = out.squeeze(1)
         weights = weights.squeeze(1) if weights is not None else None

@@ -17,7 +17,7 @@ from _compare import assert_within
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 # float64's baseline is the golden itself (error 0), so its bound is this floor.
 FLOOR = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 1e-5}
-NAMES = ("out", "weights", "dq", "dk", "dvalue", "dv", "dmask")
+NAMES = ("out", "weights", "weights_for_plots", "dq", "dk", "dvalue", "dv", "dmask")
 
 
 def make_inputs(b, h, lq, lk, a, ev, v_heads=False, three_d=False, seed=0):
@@ -31,7 +31,9 @@ def make_inputs(b, h, lq, lk, a, ev, v_heads=False, three_d=False, seed=0):
 
 
 def run(backend, inputs, dtype, attn_mask=None, dropout_seed=None, **kw):
-    """Outputs and all gradients (of the tensors among inputs and a float mask) as a list."""
+    """Outputs and all gradients (of the tensors among inputs and a float mask) of a loss on
+    both out and the weights, as a list; also the weights under no_grad (the fused backends'
+    own weights output, which carries no gradient)."""
     xs = [t.detach().to(dtype).requires_grad_() for t in inputs]
     mask = attn_mask
     if type(mask) is torch.Tensor:  # not a CausalBias (a Tensor subclass), passed as it is
@@ -42,9 +44,15 @@ def run(backend, inputs, dtype, attn_mask=None, dropout_seed=None, **kw):
     out, weights = attnx.additive_attention(*xs, attn_mask=mask, backend=backend,
                                             return_weights=True, **kw)
     d_out = torch.sin(torch.arange(out.numel(), dtype=torch.float64)).view_as(out).to(dtype)
+    d_weights = torch.cos(torch.arange(weights.numel(), dtype=torch.float64)).view_as(weights)
     wrt = xs + ([mask] if type(mask) is torch.Tensor and mask.requires_grad else [])
-    grads = torch.autograd.grad(out, wrt, d_out)
-    return [out, weights, *grads]
+    grads = torch.autograd.grad((out, weights), wrt, (d_out, d_weights.to(dtype)))
+    if dropout_seed is not None:
+        torch.manual_seed(dropout_seed)
+    with torch.no_grad():
+        _, plain = attnx.additive_attention(*xs, attn_mask=mask, backend=backend,
+                                            return_weights=True, **kw)
+    return [out, weights, plain, *grads]
 
 
 def check_case(dtype, inputs, grad_factor=3.0, **kw):
@@ -52,7 +60,7 @@ def check_case(dtype, inputs, grad_factor=3.0, **kw):
     baseline = run("reference", inputs, dtype, **kw)
     actual = run("cpu", inputs, dtype, **kw)
     for name, a, g, base in zip(NAMES, actual, golden, baseline):
-        factor = 2.0 if name in ("out", "weights") else grad_factor
+        factor = 2.0 if name in ("out", "weights", "weights_for_plots") else grad_factor
         assert_within(a, g, base, factor=factor, floor=FLOOR[dtype], what=name)
     return actual
 
@@ -120,7 +128,7 @@ def test_float64_rows_whose_lse_overflows_float32():
     golden = run("reference", inputs, torch.float64, attn_mask=mask)
     for name, a, g in zip(NAMES, actual, golden):
         assert_within(a, g, g, floor=1e-12, what=name)
-    assert actual[2][:, :, 1].abs().max() > 1e-3  # the biased row passes a gradient to q
+    assert actual[NAMES.index("dq")][:, :, 1].abs().max() > 1e-3  # the biased row passes a gradient to q
 
 
 def test_strided_inputs():
@@ -155,7 +163,7 @@ def test_fully_masked_rows(dtype):
     mask[0, 1, 2] = False  # one row with no admissible key
     mask[1, :, 4:] = False
     outs = check_case(dtype, make_inputs(b, h, lq, lk, 10, 4), attn_mask=mask)
-    out, weights, dq = outs[0], outs[1], outs[2]
+    out, weights, dq = outs[0], outs[1], outs[NAMES.index("dq")]
     for t in (out[0, 1, 2], out[1, :, 4:], weights[0, 1, 2], dq[0, 1, 2], dq[1, :, 4:]):
         assert torch.equal(t, torch.zeros_like(t))
 

@@ -70,8 +70,10 @@ def test_scores_match_formulas(score, with_value):
     torch.testing.assert_close(ctx, want_ctx, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(w, want_w, rtol=1e-10, atol=1e-10)
     params = [q, k] + list(att.parameters())
-    g1 = torch.autograd.grad(ctx.pow(2).sum(), params, allow_unused=True)
-    g2 = torch.autograd.grad(want_ctx.pow(2).sum(), params, allow_unused=True)
+    wg = torch.randn(w.shape, generator=torch.Generator().manual_seed(1), dtype=D64)
+    # the weights are differentiable too (a coverage or alignment loss uses them)
+    g1 = torch.autograd.grad(ctx.pow(2).sum() + (w * wg).sum(), params, allow_unused=True)
+    g2 = torch.autograd.grad(want_ctx.pow(2).sum() + (want_w * wg).sum(), params, allow_unused=True)
     for a, b in zip(g1, g2):
         assert (a is None) == (b is None)
         if a is not None:

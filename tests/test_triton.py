@@ -66,9 +66,10 @@ def _naive_sdpa(q, k, v, mask, call):
     return torch.matmul(reference.apply_dropout(p, call.dropout_p, call.seed), v), lse
 
 
-def _run(inputs, mask, grad, forward):
+def _run(inputs, mask, grad, forward, extra_grad=None):
     """forward(*leaves, mask) under SEED on fresh leaves of the inputs (and of a float mask),
-    and the gradients of every leaf: (out, forward's second result, grads)."""
+    and the gradients of every leaf: (out, forward's second result, grads). The loss is
+    out . grad, plus extra . extra_grad when that is given."""
     leaves = [t.detach().requires_grad_() for t in inputs]
     m = mask
     if _is_float_mask(mask):
@@ -76,7 +77,9 @@ def _run(inputs, mask, grad, forward):
         leaves.append(m)
     torch.manual_seed(SEED)
     out, extra = forward(*leaves[:len(inputs)], m)
-    return out, extra, _grads(out, leaves, grad.to(out.dtype))
+    if extra_grad is None:
+        return out, extra, _grads(out, leaves, grad.to(out.dtype))
+    return out, extra, _grads((out, extra), leaves, (grad.to(out.dtype), extra_grad.to(extra.dtype)))
 
 
 def _run_sdpa(backend, q, k, v, mask, kwargs, grad):
@@ -246,7 +249,7 @@ def _naive_additive(q, k, value, w, mask, call):
     return torch.matmul(p, value), p
 
 
-def _run_additive(backend, q, k, value, w, mask, kwargs, grad):
+def _run_additive(backend, q, k, value, w, mask, kwargs, grad, weights_grad=None):
     def forward(q, k, value, w, m):
         if backend == "naive":
             call = _validate.additive_call(q, k, value, w, m, kwargs.get("dropout_p", 0.0),
@@ -255,7 +258,7 @@ def _run_additive(backend, q, k, value, w, mask, kwargs, grad):
             return _naive_additive(q, k, value, w, m, call)
         return attnx.additive_attention(q, k, value, w, attn_mask=m, backend=backend,
                                         return_weights=True, **kwargs)
-    return _run((q, k, value, w), mask, grad, forward)
+    return _run((q, k, value, w), mask, grad, forward, weights_grad)
 
 
 def check_additive(dtype, b, h, lq, lk, a, ev, w_shape=None, mask_shape=None, mask_kind=None,
@@ -271,11 +274,19 @@ def check_additive(dtype, b, h, lq, lk, a, ev, w_shape=None, mask_shape=None, ma
         mask = _randn(mask_shape, dtype, gen)
     for r in empty_rows:
         mask[..., r, :] = False if mask_kind == "bool" else float("-inf")
-    out, weights, grads = _run_additive("triton", q, k, value, w, mask, kwargs, grad)
-    gold = _run_additive("reference", _up(q), _up(k), _up(value), _up(w), _up(mask), kwargs, grad)
-    base = _run_additive("naive", q, k, value, w, mask, kwargs, grad)
+    # the loss also takes the weights: they are differentiable (attnx/_dispatch.py)
+    wgrad = _randn((b, h, lq, lk), torch.float64, gen)
+    out, weights, grads = _run_additive("triton", q, k, value, w, mask, kwargs, grad, wgrad)
+    gold = _run_additive("reference", _up(q), _up(k), _up(value), _up(w), _up(mask), kwargs, grad,
+                         wgrad)
+    base = _run_additive("naive", q, k, value, w, mask, kwargs, grad, wgrad)
     assert_within(out, gold[0], base[0])
     assert_within(weights, gold[1], base[1], what="weights")
+    with torch.no_grad():  # the weights kernel's own output, as plots get it
+        torch.manual_seed(SEED)
+        _, plain = attnx.additive_attention(q, k, value, w, attn_mask=mask, backend="triton",
+                                            return_weights=True, **kwargs)
+    assert_within(plain, gold[1], base[1], what="weights without grad")
     for name, g, gg, bg in zip(["dq", "dk", "dvalue", "dv", "dmask"], grads, gold[2], base[2]):
         assert_within(g, gg, bg, factor=3.0, what=name)
     return out, weights, grads
