@@ -106,7 +106,15 @@ def additive_attention(query, key, value, v, attn_mask=None, dropout_p=0.0, is_c
     call = _validate.additive_call(query, key, value, v, attn_mask, dropout_p, is_causal,
                                    window, backend, return_weights)
     one_hot = _with_one_hot_values(call) if _weights_need_grad(call) else None
-    name = select("additive", one_hot or call)
+    try:
+        name = select("additive", one_hot or call)
+    except BackendUnavailableError as e:
+        if one_hot is None:
+            raise
+        select("additive", call)  # value's own columns too many: that reason, as it is
+        raise BackendUnavailableError(
+            f"{e} (weights that require grad are computed with {call.k.shape[2]} one-hot value "
+            "columns beside value's; under torch.no_grad() they are not)") from None
     if one_hot is not None and name != "reference":  # the reference's weights carry a gradient
         both, _lse, _ = _module(name).additive(one_hot)
         ev = call.value.shape[-1]

@@ -278,3 +278,25 @@ def test_gradcheck_float64():
 def test_opcheck(return_weights, mask_kind, p):
     args = _op_args(p, return_weights, mask_kind)
     torch.library.opcheck(torch.ops.attnx.additive_fwd, args)
+
+
+def test_differentiable_weights_need_one_hot_value_columns(monkeypatch):
+    """Weights that require grad run with Lk one-hot value columns beside value's; a forced
+    backend that cannot take that many says so, and serves the same call under no_grad."""
+    from attnx import _dispatch
+    from attnx._backends import cpu
+
+    def at_most_8_value_columns(op, call):
+        return f"value dims up to 8, got {call.value.shape[-1]}" if call.value.shape[-1] > 8 else None
+
+    monkeypatch.setattr(cpu, "unsupported", at_most_8_value_columns)
+    q, k, value, v = (t.float() for t in make_inputs(1, 1, 3, 5, 4, 6))
+    q.requires_grad_()
+    with pytest.raises(_dispatch.BackendUnavailableError, match="5 one-hot value columns"):
+        attnx.additive_attention(q, k, value, v, backend="cpu", return_weights=True)
+    with torch.no_grad():
+        _, w = attnx.additive_attention(q, k, value, v, backend="cpu", return_weights=True)
+    assert w.shape == (1, 1, 3, 5) and not w.requires_grad
+    wide = torch.randn(1, 1, 5, 9)
+    with pytest.raises(_dispatch.BackendUnavailableError, match="value dims up to 8, got 9$"):
+        attnx.additive_attention(q, k, wide, v, backend="cpu", return_weights=True)
