@@ -71,11 +71,23 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     call = _validate.sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                enable_gqa, window, backend, return_lse)
+    everything_dropped = call.dropout_p == 1.0
+    if everything_dropped:
+        call = dataclasses.replace(call, dropout_p=0.0)
     out, lse = _module(select("sdpa", call)).sdpa(call)
+    if everything_dropped:
+        out = _dropped(out)
     out = out.reshape(call.prefix + tuple(out.shape[-2:]))
     if not return_lse:
         return out
     return out, lse.float().reshape(call.prefix + (lse.shape[-1],))
+
+
+def _dropped(t):
+    """What dropout_p=1 leaves, as torch's function gives it: zeros, and zero gradients for
+    whatever made them. (The kernels take p < 1: the call ran without dropout; the lse does not
+    depend on dropout.)"""
+    return t * 0
 
 
 def _weights_need_grad(call) -> bool:
@@ -105,6 +117,9 @@ def additive_attention(query, key, value, v, attn_mask=None, dropout_p=0.0, is_c
     """
     call = _validate.additive_call(query, key, value, v, attn_mask, dropout_p, is_causal,
                                    window, backend, return_weights)
+    everything_dropped = call.dropout_p == 1.0
+    if everything_dropped:
+        call = dataclasses.replace(call, dropout_p=0.0)
     one_hot = _with_one_hot_values(call) if _weights_need_grad(call) else None
     try:
         name = select("additive", one_hot or call)
@@ -121,6 +136,8 @@ def additive_attention(query, key, value, v, attn_mask=None, dropout_p=0.0, is_c
         out, weights = both[..., :ev].contiguous(), both[..., ev:].contiguous()
     else:
         out, _lse, weights = _module(name).additive(call)
+    if everything_dropped:
+        out, weights = _dropped(out), (None if weights is None else _dropped(weights))
     if call.three_d:
         out = out.squeeze(1)
         weights = weights.squeeze(1) if weights is not None else None

@@ -34,7 +34,7 @@ class SdpaCall:
     window_lo: int
     window_hi: int
     dropout_p: float
-    seed: Optional[torch.Tensor]  # int64 (2,) on CPU when dropout_p > 0
+    seed: Optional[torch.Tensor]  # int64 (2,) on CPU when 0 < dropout_p < 1
     backend: str
     prefix: tuple  # query.shape[:-2] as the caller gave it: outputs are reshaped back to it
     return_lse: bool
@@ -94,8 +94,8 @@ def _check_dropout(dropout_p) -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p: expected a float, got {_type_name(dropout_p)}")
     p = float(dropout_p)
-    if not (0.0 <= p < 1.0):
-        raise ValueError(f"dropout_p: expected 0 <= dropout_p < 1, got {dropout_p}")
+    if not (0.0 <= p <= 1.0):
+        raise ValueError(f"dropout_p: expected 0 <= dropout_p <= 1, got {dropout_p}")
     return p
 
 
@@ -234,7 +234,7 @@ def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     q, k, v = (_flatten_lead(t, lead) for t in (q, k, v))
     if mask is not None:
         mask = _flatten_lead(mask, lead)
-    seed = _rng.draw_seed() if p > 0 else None
+    seed = _rng.draw_seed() if 0 < p < 1 else None
     return SdpaCall(q, k, v, mask, scale, lo, hi, p, seed, backend, prefix, return_lse)
 
 
@@ -279,5 +279,5 @@ def additive_call(query, key, value, v, attn_mask, dropout_p, is_causal, window,
     if mask is not None and three_d:
         mask = mask.unsqueeze(1)
     lo, hi = _band(lq, lk, is_causal, causal_offset, window)
-    seed = _rng.draw_seed() if p > 0 else None
+    seed = _rng.draw_seed() if 0 < p < 1 else None
     return AdditiveCall(q, k, val, vv, mask, lo, hi, p, seed, backend, three_d, return_weights)

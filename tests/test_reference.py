@@ -252,3 +252,30 @@ def test_additive_dropout_reproducible_and_correct():
     _, p = golden.additive(q, k, val, v)
     check(w, p * keep / 0.7)  # the weights returned are the ones applied, after dropout
     check(a, (p * keep / 0.7) @ val.double())
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_dropout_of_one_drops_everything_as_torch(backend):
+    """dropout_p=1 is allowed by torch's function and gives zeros with zero gradients; the lse
+    (return_lse) does not depend on dropout. Same for additive attention and its weights."""
+    q, k, v = qkv(lq=5, lk=7, e=8, grad=True)
+    mask = torch.randn(5, 7, requires_grad=True)
+    out, lse = attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=1.0,
+                                                  backend=backend, return_lse=True)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=1.0)
+    assert torch.equal(out, want) and out.requires_grad
+    _, lse0 = attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend=backend,
+                                                 return_lse=True)
+    torch.testing.assert_close(lse, lse0)
+    out.sum().backward()
+    for t in (q, k, v, mask):
+        assert torch.equal(t.grad, torch.zeros_like(t))
+
+    qa, ka, va = (t.detach().requires_grad_() for t in qkv(lq=5, lk=7, e=8))
+    w = torch.randn(8, requires_grad=True)
+    out, weights = attnx.additive_attention(qa, ka, va, w, dropout_p=1.0, backend=backend,
+                                            return_weights=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(weights, torch.zeros_like(weights))
+    (out.sum() + weights.sum()).backward()
+    for t in (qa, ka, va, w):
+        assert torch.equal(t.grad, torch.zeros_like(t))

@@ -56,7 +56,7 @@ SDPA_CASES = [
     (dict(attn_mask=causal_lower_right(8, 10), is_causal=True), ValueError,
      ["attn_mask", "CausalBias(LOWER_RIGHT, seq_len_q=8, seq_len_kv=10)"]),
     (dict(enable_gqa="yes"), TypeError, ["enable_gqa", "bool", "str"]),
-    (dict(dropout_p=1.0), ValueError, ["dropout_p", "< 1", "1.0"]),
+    (dict(dropout_p=1.5), ValueError, ["dropout_p", "<= 1", "1.5"]),
     (dict(dropout_p=-0.1), ValueError, ["dropout_p", "-0.1"]),
     (dict(dropout_p="0.1"), TypeError, ["dropout_p", "float", "str"]),
     (dict(scale=math.nan), ValueError, ["scale", "finite", "nan"]),
