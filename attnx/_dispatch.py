@@ -6,6 +6,7 @@ This is the only place that decides which backend runs a call.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -130,6 +131,13 @@ def additive_attention(query, key, value, v, attn_mask=None, dropout_p=0.0, is_c
         raise BackendUnavailableError(
             f"{e} (weights that require grad are computed with {call.k.shape[2]} one-hot value "
             "columns beside value's; under torch.no_grad() they are not)") from None
+    if one_hot is not None and name == "reference" and select("additive", call) != "reference":
+        warnings.warn(
+            f"additive_attention: weights that require grad need {call.k.shape[2]} one-hot value "
+            "columns beside value's, more than any fused backend here takes: running the "
+            "reference backend, which stores the (B, H, Lq, Lk, A) tanh tensor. Under "
+            "torch.no_grad(), or with inputs that do not require grad, the call stays fused.",
+            stacklevel=2)
     if one_hot is not None and name != "reference":  # the reference's weights carry a gradient
         both, _lse, _ = _module(name).additive(one_hot)
         ev = call.value.shape[-1]

@@ -300,3 +300,23 @@ def test_differentiable_weights_need_one_hot_value_columns(monkeypatch):
     wide = torch.randn(1, 1, 5, 9)
     with pytest.raises(_dispatch.BackendUnavailableError, match="value dims up to 8, got 9$"):
         attnx.additive_attention(q, k, wide, v, backend="cpu", return_weights=True)
+
+
+def test_differentiable_weights_too_wide_for_fused_backends_warn(monkeypatch):
+    """When auto-selection finds no fused backend for the one-hot columns (cuda takes 2048
+    value columns, triton 256) the reference runs, with a warning saying why and how not to."""
+    from attnx._backends import cpu, reference
+
+    monkeypatch.setattr(cpu, "unsupported", lambda op, call: (
+        f"value dims up to 8, got {call.value.shape[-1]}" if call.value.shape[-1] > 8 else None))
+    ran = []
+    real = reference.additive
+    monkeypatch.setattr(reference, "additive", lambda call: (ran.append(call), real(call))[1])
+    q, k, value, v = (t.float() for t in make_inputs(1, 1, 3, 5, 4, 6))
+    q.requires_grad_()
+    with pytest.warns(UserWarning, match="5 one-hot value columns"):
+        _, w = attnx.additive_attention(q, k, value, v, return_weights=True)
+    assert len(ran) == 1 and w.requires_grad
+    with torch.no_grad():
+        attnx.additive_attention(q, k, value, v, return_weights=True)
+    assert len(ran) == 1  # the cpu kernels served it
