@@ -72,9 +72,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     call = _validate.sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                enable_gqa, window, backend, return_lse)
-    everything_dropped = call.dropout_p == 1.0
-    if everything_dropped:
-        call = dataclasses.replace(call, dropout_p=0.0)
+    call, everything_dropped = _without_total_dropout(call)
     out, lse = _module(select("sdpa", call)).sdpa(call)
     if everything_dropped:
         out = _dropped(out)
@@ -82,6 +80,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if not return_lse:
         return out
     return out, lse.float().reshape(call.prefix + (lse.shape[-1],))
+
+
+def _without_total_dropout(call):
+    """(call, False), or for dropout_p=1 (which the kernels do not take) the call without
+    dropout and True: its outputs then go through _dropped."""
+    if call.dropout_p != 1.0:
+        return call, False
+    return dataclasses.replace(call, dropout_p=0.0), True
 
 
 def _dropped(t):
@@ -118,31 +124,30 @@ def additive_attention(query, key, value, v, attn_mask=None, dropout_p=0.0, is_c
     """
     call = _validate.additive_call(query, key, value, v, attn_mask, dropout_p, is_causal,
                                    window, backend, return_weights)
-    everything_dropped = call.dropout_p == 1.0
-    if everything_dropped:
-        call = dataclasses.replace(call, dropout_p=0.0)
-    one_hot = _with_one_hot_values(call) if _weights_need_grad(call) else None
-    try:
-        name = select("additive", one_hot or call)
-    except BackendUnavailableError as e:
-        if one_hot is None:
-            raise
-        select("additive", call)  # value's own columns too many: that reason, as it is
-        raise BackendUnavailableError(
-            f"{e} (weights that require grad are computed with {call.k.shape[2]} one-hot value "
-            "columns beside value's; under torch.no_grad() they are not)") from None
-    if one_hot is not None and name == "reference" and select("additive", call) != "reference":
-        warnings.warn(
-            f"additive_attention: weights that require grad need {call.k.shape[2]} one-hot value "
-            "columns beside value's, more than any fused backend here takes: running the "
-            "reference backend, which stores the (B, H, Lq, Lk, A) tanh tensor. Under "
-            "torch.no_grad(), or with inputs that do not require grad, the call stays fused.",
-            stacklevel=2)
-    if one_hot is not None and name != "reference":  # the reference's weights carry a gradient
-        both, _lse, _ = _module(name).additive(one_hot)
-        ev = call.value.shape[-1]
-        out, weights = both[..., :ev].contiguous(), both[..., ev:].contiguous()
-    else:
+    call, everything_dropped = _without_total_dropout(call)
+    name = select("additive", call)
+    out = None
+    # The reference's weights carry a gradient; a fused backend's come from one-hot values.
+    if name != "reference" and _weights_need_grad(call):
+        one_hot = _with_one_hot_values(call)
+        try:
+            name = select("additive", one_hot)
+        except BackendUnavailableError as e:
+            raise BackendUnavailableError(
+                f"{e} (weights that require grad are computed with {call.k.shape[2]} one-hot "
+                "value columns beside value's; under torch.no_grad() they are not)") from None
+        if name == "reference":
+            warnings.warn(
+                f"additive_attention: weights that require grad need {call.k.shape[2]} one-hot "
+                "value columns beside value's, more than any fused backend here takes: running "
+                "the reference backend, which stores the (B, H, Lq, Lk, A) tanh tensor. Under "
+                "torch.no_grad(), or with inputs that do not require grad, the call stays fused.",
+                stacklevel=2)
+        else:
+            both, _lse, _ = _module(name).additive(one_hot)
+            ev = call.value.shape[-1]
+            out, weights = both[..., :ev].contiguous(), both[..., ev:].contiguous()
+    if out is None:
         out, _lse, weights = _module(name).additive(call)
     if everything_dropped:
         out, weights = _dropped(out), (None if weights is None else _dropped(weights))

@@ -210,8 +210,12 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
   const int64_t BQ = BWD_QUERY_BLOCK, BK = BWD_KEY_BLOCK;
   const T inv_keep = static_cast<T>(drop.inv_keep);
   const int64_t splits = res.splits, blocks = (d.Lk + BK - 1) / BK;
-  const auto snake_block = [splits](int64_t round, int64_t split) {
-    return round * splits + (round % 2 == 0 ? split : splits - 1 - split);
+  // f(jb) for each key block of the split, in snake order over rounds of `splits` blocks.
+  const auto for_split_blocks = [splits, blocks](int64_t split, auto&& f) {
+    for (int64_t round = 0; round * splits < blocks; ++round) {
+      const int64_t jb = round * splits + (round % 2 == 0 ? split : splits - 1 - split);
+      if (jb < blocks) f(jb);
+    }
   };
   at::parallel_for(0, d.B * d.Hq * splits, 1, [&](int64_t begin, int64_t end) {
     Grads g(d);
@@ -277,9 +281,7 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
         dsum[i] = grad_lse == nullptr ? acc : acc - grad_lse[bh * d.Lq + i];
       }
       const uint32_t key_bh = drop.on ? drop.key_bh(bh) : 0;
-      for (int64_t round = 0; round * splits < blocks; ++round) {
-        const int64_t jb = snake_block(round, split);
-        if (jb >= blocks) continue;
+      for_split_blocks(split, [&](int64_t jb) {
         const int64_t j0 = jb * BK, nk = std::min(BK, d.Lk - j0);
         for (int64_t i0 = 0; i0 < d.Lq; i0 += BQ) {
           const int64_t mq = std::min(BQ, d.Lq - i0);
@@ -316,18 +318,17 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
           g.add_dq(i0, mq, j0, nk, scale, ds, BK, dq_acc.data());
           g.add_dk(i0, mq, j0, nk, scale, ds, BK, dk_acc.data());
         }
-      }
+      });
       T* dq_part = dq + (split * d.B * d.Hq + bh) * d.Lq * d.E;
       for (int64_t i = 0; i < d.Lq; ++i) {
         std::copy_n(dq_acc.data() + i * ldq, d.E, dq_part + i * d.E);
       }
-      for (int64_t round = 0; round * splits < blocks; ++round) {
-        const int64_t jb = snake_block(round, split);
+      for_split_blocks(split, [&](int64_t jb) {
         for (int64_t j = jb * BK; j < std::min(d.Lk, (jb + 1) * BK); ++j) {
           std::copy_n(dk_acc.data() + j * ldq, d.E, dk + (bh * d.Lk + j) * d.E);
           std::copy_n(dv_acc.data() + j * ldv, d.Ev, dv + (bh * d.Lk + j) * d.Ev);
         }
-      }
+      });
     }
   });
 }
