@@ -43,6 +43,16 @@ def draw_seed() -> torch.Tensor:
     return torch.randint(0, 2**32, (2,), dtype=torch.int64)
 
 
+def peek_seed() -> torch.Tensor:
+    """The seed the next op with 0 < dropout_p < 1 will draw (its validation's first draw from
+    torch's CPU generator), without consuming it: what the nn modules use to give weights after
+    the very dropout the op applies."""
+    state = torch.get_rng_state()
+    seed = draw_seed()
+    torch.set_rng_state(state)
+    return seed
+
+
 def keep_threshold(p: float) -> int:
     return min(int(p * 2**32), _M32)
 

@@ -159,6 +159,16 @@ def test_fully_masked_row_and_dropout(score):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("score", SCORES)
+def test_weights_under_dropout_are_the_ones_the_context_used(score):
+    att = Attention(DQ, DK, score=score, dropout=0.5, max_len=LK).double().train()
+    q, k, _ = _data()
+    torch.manual_seed(5)
+    ctx, w = att(q, k, key_padding_mask=_kpm(), need_weights=True)
+    torch.testing.assert_close(ctx, w @ k)  # value defaults to key
+    assert (w == 0).any() and (w.sum(-1) - 1).abs().max() > 1e-3
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="score"):
         Attention(4, 4, score="bilinear")

@@ -192,6 +192,26 @@ def test_dropout_runs_and_is_reproducible():
     torch.testing.assert_close(d, e, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("p", [0.5, 1.0])
+def test_weights_under_dropout_are_the_ones_the_output_used(p):
+    """As torch's: weights after dropout, so out = out_proj(weights @ V per head)."""
+    ours, _ = _pair(batch_first=True, dropout=p)
+    ours.train()
+    q, k, v = _inputs(2, 5, 7, True)
+    torch.manual_seed(4)
+    out, w = ours(q, k, v, average_attn_weights=False)
+    torch.manual_seed(4)
+    out_again, w_mean = ours(q, k, v)
+    vh = torch.nn.functional.linear(v, *[t.chunk(3)[2] for t in (ours.in_proj_weight, ours.in_proj_bias)])
+    vh = vh.view(2, 7, H, E // H).transpose(1, 2)
+    ctx = (w @ vh).transpose(1, 2).reshape(2, 5, E)
+    torch.testing.assert_close(out, ours.out_proj(ctx))
+    assert torch.equal(out, out_again)
+    torch.testing.assert_close(w_mean, w.mean(dim=1))
+    if p < 1:
+        assert (w == 0).any() and (w.sum(-1) - 1).abs().max() > 1e-3  # some dropped, rescaled
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(attn_mask=torch.ones(5, 7, dtype=torch.int64)), TypeError, "attn_mask: expected a bool or floating"),
     (dict(key_padding_mask=torch.zeros(2, 7, dtype=torch.uint8)), TypeError, "key_padding_mask"),

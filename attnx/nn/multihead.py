@@ -6,9 +6,9 @@ names, `state_dict` and initialisation are torch's own (the same seed gives the 
 Differences from torch, all where torch itself is inconsistent or undefined:
 - A query row whose keys are all masked returns zeros (torch gives NaN on its slow path and
   zeros or NaN on its fast paths, depending on version and device).
-- With `need_weights=True` in training mode with dropout, the returned weights are the
-  probabilities before dropout (the output itself uses attnx's dropout, whose mask differs
-  from torch's random stream).
+- Under dropout, attnx's keep mask is its own hash of a seed drawn from torch's generator, not
+  torch's random stream: the same `torch.manual_seed` drops other elements than torch does.
+  `need_weights=True` returns the weights after that dropout, as torch returns them after its.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import attnx
 
 from ._masks import check_mask, combine
-from ._weights import softmax_weights
+from ._weights import after_dropout, dropout_seed, softmax_weights
 
 
 def merge_masks(attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
@@ -51,7 +51,7 @@ def _pad_key_column(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 class MultiheadAttention(torch.nn.MultiheadAttention):
     """Drop-in torch.nn.MultiheadAttention (same signature, parameters and outputs) whose
     attention runs on `attnx.scaled_dot_product_attention`; see this module's docstring for
-    the two documented differences (fully-masked rows, weights under dropout)."""
+    the two documented differences (fully-masked rows, dropout's random stream)."""
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = True,
@@ -100,6 +100,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         mask = merge_masks(attn_mask, key_padding_mask, n, h, q.dtype)
 
         dropout_p = self.dropout if self.training else 0.0
+        seed = dropout_seed(dropout_p) if need_weights else None
         out = attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                  is_causal=use_causal)
         out = F.linear(out.transpose(1, 2).reshape(n, lq, e), self.out_proj.weight, self.out_proj.bias)
@@ -107,7 +108,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         weights = None
         if need_weights:
             scores = torch.matmul(q * (d ** -0.5), k.transpose(-2, -1))
-            weights = softmax_weights(scores, mask)
+            weights = after_dropout(softmax_weights(scores, mask), dropout_p, seed)
             if average_attn_weights:
                 weights = weights.mean(dim=1)
             if not is_batched:

@@ -23,7 +23,9 @@ Masks follow torch.nn.MultiheadAttention: `key_padding_mask` (B, Lk) and `attn_m
 or (B, Lq, Lk), bool True = may NOT attend, or float added to the scores. Rows with no
 admissible key give a zero context. With `num_heads=H` the projected queries and keys (and the
 values) are split into H equal parts, each head attends on its own, and the contexts are
-concatenated; the weights then come back as (B, H, Lq, Lk) instead of (B, Lq, Lk).
+concatenated; the weights then come back as (B, H, Lq, Lk) instead of (B, Lq, Lk). In
+training with dropout, the weights are those after dropout (every score alike), so the context
+is always the weights times the values.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from torch import nn
 import attnx
 
 from ._masks import check_mask, combine
-from ._weights import softmax_weights
+from ._weights import after_dropout, dropout_seed, softmax_weights
 
 SCORES = ("additive", "concat", "dot", "general", "scaled_dot", "cosine", "location")
 
@@ -148,12 +150,13 @@ class Attention(nn.Module):
                 scale = None if self.score == "scaled_dot" else 1.0
                 if self.score == "cosine":
                     q = F.normalize(q, dim=-1) * self.sharpness
+            seed = dropout_seed(dropout_p) if need_weights else None
             out = attnx.scaled_dot_product_attention(q, k, vh, attn_mask=mask, dropout_p=dropout_p,
                                                      scale=scale, window=self.window)
             if need_weights:
                 s = q.new_zeros(b, self.num_heads, lq, lk) if self.score == "location" else \
                     torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-                weights = softmax_weights(s, mask, self.window)
+                weights = after_dropout(softmax_weights(s, mask, self.window), dropout_p, seed)
         out = out.transpose(1, 2).reshape(b, lq, value.shape[-1])
         if weights is not None and self.num_heads == 1:
             weights = weights.squeeze(1)
