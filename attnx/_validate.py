@@ -199,8 +199,6 @@ def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     prefix = (lead + (hq,))[max(rank, 3) - rank:]
     if ek != e:
         raise ValueError(f"key: expected head dim {e} (that of query), got shape {tuple(key.shape)}")
-    if e == 0:
-        raise ValueError(f"query: expected a head dim >= 1, got shape {tuple(query.shape)}")
     if lv != lk:
         raise ValueError(f"value: expected sequence length {lk} (that of key), got shape {tuple(value.shape)}")
     if hv != hk:
@@ -213,8 +211,8 @@ def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
             raise ValueError(f"key: with enable_gqa=True expected a head count dividing {hq} "
                              f"(that of query), got {hk}")
 
-    if scale is None:
-        scale = 1.0 / math.sqrt(e)
+    if scale is None:  # head dim 0: every score is 0 whatever the scale (torch: uniform weights)
+        scale = 1.0 / math.sqrt(e) if e > 0 else 1.0
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale: expected None or a float, got {_type_name(scale)}")
     elif not math.isfinite(float(scale)):

@@ -148,6 +148,22 @@ def test_zero_length_keys_and_queries():
     assert attnx.scaled_dot_product_attention(q, k, v).shape == (2, 3, 0, 16)
 
 
+@pytest.mark.parametrize("kw", [{}, {"is_causal": True}, {"scale": 3.0},
+                                {"attn_mask": torch.tensor([[True, False, True, True]] * 3)}])
+def test_head_dim_zero_is_uniform_attention_as_in_torch(kw):
+    """Every score is 0, so each row averages the values it admits (torch does the same)."""
+    q, k, v = (torch.randn(2, 1, n, e, dtype=torch.float64, requires_grad=True)
+               for n, e in ((3, 0), (4, 0), (4, 5)))
+    out, lse = attnx.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+    gold = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+    torch.testing.assert_close(out, gold)
+    admitted = (gold.new_ones(3, 4).tril() if kw.get("is_causal") else
+                kw.get("attn_mask", torch.ones(3, 4, dtype=torch.bool)).double()).sum(-1)
+    torch.testing.assert_close(lse, admitted.log().float().expand(2, 1, 3))
+    g = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, v, g), torch.autograd.grad(gold, v, g))
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_gradients_match_formula(dtype):
     q, k, v = qkv(hq=4, hk=2, lq=9, lk=11, e=8, dtype=dtype, grad=True)
