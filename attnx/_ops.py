@@ -43,6 +43,14 @@ def _sdpa_lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def same_device(q: torch.Tensor, *others: Optional[torch.Tensor]) -> None:
+    """The check a fake kernel makes where the real one would: a call mixing a meta tensor with
+    real ones dispatches to the fake kernel, which must not answer with uninitialised memory."""
+    for t in others:
+        if t is not None and t.device != q.device:
+            raise RuntimeError(f"attnx: expected every tensor on q's device {q.device}, got one on {t.device}")
+
+
 def _empty_grad(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,))
 
@@ -64,6 +72,7 @@ if _C is not None:
 
     @torch.library.register_fake("attnx::sdpa_fwd")
     def _sdpa_fwd_fake(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed):
+        same_device(q, k, v, mask)
         b, h, lq, _ = q.shape
         out = q.new_empty((b, h, lq, v.shape[-1]))
         return out, q.new_empty((b, h, lq), dtype=_sdpa_lse_dtype(q.dtype))
@@ -71,12 +80,14 @@ if _C is not None:
     @torch.library.register_fake("attnx::sdpa_bwd")
     def _sdpa_bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi,
                        dropout_p, seed, mask_grad, grad_lse=None):
+        same_device(q, grad_out, k, v, mask, out, lse, grad_lse)
         dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
     @torch.library.register_fake("attnx::additive_fwd")
     def _additive_fwd_fake(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed,
                            return_weights):
+        same_device(q, k, value, v, mask)
         b, h, lq, _ = q.shape
         out = q.new_empty((b, h, lq, value.shape[-1]))
         lse = q.new_empty((b, h, lq), dtype=torch.float32)
@@ -86,6 +97,7 @@ if _C is not None:
     @torch.library.register_fake("attnx::additive_bwd")
     def _additive_bwd_fake(grad_out, q, k, value, v, mask, out, lse, window_lo, window_hi,
                            dropout_p, seed, mask_grad, grad_lse=None):
+        same_device(q, grad_out, k, value, v, mask, out, lse, grad_lse)
         dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
         return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(value),
                 torch.empty_like(v), dmask)

@@ -74,6 +74,7 @@ def _check_bool(name: str, x) -> bool:
 def _check_tensor(name: str, x, min_dim: int, max_dim: Optional[int] = None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {_type_name(x)}")
+    _check_dense(name, x)
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name}: expected a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
     if x.dim() < min_dim or (max_dim is not None and x.dim() > max_dim):
@@ -81,6 +82,12 @@ def _check_tensor(name: str, x, min_dim: int, max_dim: Optional[int] = None) -> 
             f"{min_dim}" if max_dim else f"at least {min_dim}")
         raise ValueError(f"{name}: expected {want} dimensions, got shape {tuple(x.shape)}")
     return x
+
+
+def _check_dense(name: str, x: torch.Tensor) -> None:
+    if x.is_nested or x.layout != torch.strided:
+        kind = "nested" if x.is_nested else str(x.layout)
+        raise TypeError(f"{name}: expected a dense (torch.strided) tensor, got a {kind} tensor")
 
 
 def _check_same(name: str, x: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
@@ -147,10 +154,16 @@ def _check_mask(attn_mask, q: torch.Tensor, target: tuple, lq: int, lk: int):
         return None, offset
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask: expected None, a Tensor or a CausalBias, got {_type_name(attn_mask)}")
+    _check_dense("attn_mask", attn_mask)
     if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
         raise TypeError(f"attn_mask: expected dtype torch.bool or {q.dtype} (that of query), got {attn_mask.dtype}")
     if attn_mask.device != q.device:
         raise TypeError(f"attn_mask: expected device {q.device} (that of query), got {attn_mask.device}")
+    extra = attn_mask.dim() - len(target)
+    if extra > 0 and all(n == 1 for n in attn_mask.shape[:extra]):
+        # torch accepts leading size-1 dims beyond the inputs' rank (a (1, 1, Lq, Lk) mask
+        # with 3-D inputs): they broadcast away
+        attn_mask = attn_mask.reshape(attn_mask.shape[extra:])
     try:
         if torch.broadcast_shapes(attn_mask.shape, target) != torch.Size(target):
             raise RuntimeError

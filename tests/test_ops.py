@@ -71,3 +71,44 @@ def test_second_order_gradients_raise_or_are_right(backend):
         g, = torch.autograd.grad(fn(q).pow(2).sum(), q, create_graph=True)
         with pytest.raises(NotImplementedError, match="second-order"):
             torch.autograd.grad(g.sum(), q)
+
+
+def _additive_raw(window=(-7, 5)):
+    q, k = torch.randn(2, 3, 7, 8), torch.randn(2, 3, 5, 8)
+    value, v = torch.randn(2, 3, 5, 4), torch.randn(3, 8)
+    return (q, k, value, v, None, *window, 0.0, None)
+
+
+def test_raw_backwards_check_the_saved_shapes():
+    """out and lse from a direct caller are read whole: other shapes raise, never read past."""
+    fwd = _additive_raw()
+    out, lse, _ = torch.ops.attnx.additive_fwd(*fwd, False)
+    for bad_out, bad_lse in ((out, lse[:1, :1].clone()), (out[:1].clone(), lse)):
+        with pytest.raises(RuntimeError, match="additive_bwd"):
+            torch.ops.attnx.additive_bwd(torch.randn_like(bad_out), *fwd[:5], bad_out, bad_lse, *fwd[5:], False)
+    q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 6)
+    out, lse = torch.ops.attnx.sdpa_fwd(q, k, v, None, 0.3, -9, 11, 0.0, None)
+    with pytest.raises(RuntimeError, match="sdpa_bwd"):
+        torch.ops.attnx.sdpa_bwd(out, q, k, v, None, out, lse[:, :1].clone(), 0.3, -9, 11, 0.0, None, False)
+
+
+def test_raw_additive_band_bounds_of_any_size():
+    """A window wider than the sequences (up to the int64 limits) admits every pair."""
+    fwd = _additive_raw()
+    whole = torch.ops.attnx.additive_fwd(*fwd, False)[0]
+    huge = fwd[:5] + (-2**63, 2**63 - 1) + fwd[7:]
+    torch.testing.assert_close(torch.ops.attnx.additive_fwd(*huge, False)[0], whole)
+    out, lse, _ = torch.ops.attnx.additive_fwd(*huge, False)
+    grads = torch.ops.attnx.additive_bwd(out, *huge[:5], out, lse, *huge[5:], False)
+    gold = torch.ops.attnx.additive_bwd(out, *fwd[:5], out, lse, *fwd[5:], False)
+    for a, b in zip(grads[:4], gold[:4]):
+        torch.testing.assert_close(a, b)
+
+
+def test_meta_tensor_among_real_ones_raises():
+    q, k, value, v = _additive_raw()[:4]
+    meta = torch.zeros(2, 3, 7, 5, device="meta")
+    with pytest.raises(RuntimeError, match="device"):
+        torch.ops.attnx.additive_fwd(q, k, value, v, meta, -7, 5, 0.0, None, False)
+    with pytest.raises(RuntimeError, match="device"):
+        torch.ops.attnx.sdpa_fwd(q, k, value, meta, 1.0, -7, 5, 0.0, None)

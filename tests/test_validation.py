@@ -69,6 +69,9 @@ SDPA_CASES = [
     (dict(backend=3), TypeError, ["backend", "int"]),
     (dict(backend="cuda"), ValueError, ["backend", "'cuda'", "CUDA"]),
     (dict(return_lse=None), TypeError, ["return_lse", "bool", "NoneType"]),
+    (dict(query=Q.to_sparse()), TypeError, ["query", "dense", "sparse_coo"]),
+    (dict(attn_mask=torch.ones(8, 10).to_sparse()), TypeError, ["attn_mask", "dense", "sparse_coo"]),
+    (dict(attn_mask=torch.ones(2, 1, 1, 8, 10)), ValueError, ["attn_mask", "(2, 4, 8, 10)"]),
 ]
 
 
@@ -115,6 +118,25 @@ ADDITIVE_CASES = [
 @pytest.mark.parametrize("over,exc,words", ADDITIVE_CASES, ids=[str(i) for i in range(len(ADDITIVE_CASES))])
 def test_additive_bad_input(over, exc, words):
     assert_raises_naming(additive, over, exc, words)
+
+
+def test_nested_query_is_named():
+    nested = torch.nested.nested_tensor([torch.randn(4, 8, 16)], layout=torch.jagged)
+    assert_raises_naming(sdpa, dict(query=nested), TypeError, ["query", "dense", "nested"])
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 1, 5, 7), (1, 2, 5, 7), (1, 1, 1, 5, 7)])
+def test_masks_with_leading_ones_beyond_the_inputs_rank_as_in_torch(mask_shape):
+    """torch's function accepts a (1, 1, Lq, Lk) mask with 3-D inputs; so does attnx."""
+    q, k, v = torch.randn(2, 5, 8), torch.randn(2, 7, 8), torch.randn(2, 7, 4)
+    mask = torch.randn(mask_shape)
+    torch.testing.assert_close(attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                               attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask.view(-1, 5, 7)))
+    if len(mask_shape) == 4:
+        torch.testing.assert_close(attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                                   torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    out = attnx.additive_attention(q, k, v, A_V, attn_mask=mask)
+    torch.testing.assert_close(out, attnx.additive_attention(q, k, v, A_V, attn_mask=mask.view(-1, 5, 7)))
 
 
 def test_additive_three_d_mask_shape():

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._ops import no_double_backward
+from .._ops import no_double_backward, same_device
 from . import common
 from .common import (admit, dot, huge_rows, key_range, query_range, score_grad,
                      softmax_start, softmax_step, store_rows)
@@ -357,6 +357,7 @@ def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value
 # Shape-only versions (see attnx/triton/sdpa.py for why they are spelled out).
 @additive_fwd.register_fake
 def _additive_fwd_fake(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed):
+    same_device(q, k, value, v, mask)
     b, h, lq, _ = q.shape
     return (q.new_empty((b, h, lq, value.shape[-1])),
             q.new_empty((b, h, lq), dtype=torch.float32))
@@ -364,12 +365,14 @@ def _additive_fwd_fake(q, k, value, v, mask, window_lo, window_hi, dropout_p, se
 
 @additive_weights.register_fake
 def _additive_weights_fake(q, k, v, mask, lse, window_lo, window_hi, dropout_p, seed):
+    same_device(q, k, v, mask, lse)
     return q.new_empty((*q.shape[:3], k.shape[2]))
 
 
 @additive_bwd.register_fake
 def _additive_bwd_fake(grad_out, q, k, value, v, mask, out, lse, window_lo, window_hi,
                        dropout_p, seed, mask_grad):
+    same_device(q, grad_out, k, value, v, mask, out, lse)
     dmask = q.new_empty((*q.shape[:3], k.shape[2]) if mask_grad else (0,))
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(value),
             torch.empty_like(v), dmask)

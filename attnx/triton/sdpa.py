@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._ops import no_double_backward, or_zeros
+from .._ops import no_double_backward, or_zeros, same_device
 from . import common
 from .common import (admit_block, dot, huge_rows, key_range, query_range, score_grad,
                      softmax_start, softmax_step, store_rows)
@@ -302,6 +302,7 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 # registration) needs them.
 @sdpa_fwd.register_fake
 def _sdpa_fwd_fake(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed):
+    same_device(q, k, v, mask)
     b, h, lq, _ = q.shape
     return q.new_empty((b, h, lq, v.shape[-1])), q.new_empty((b, h, lq), dtype=torch.float32)
 
@@ -309,6 +310,7 @@ def _sdpa_fwd_fake(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed):
 @sdpa_bwd.register_fake
 def _sdpa_bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi, dropout_p,
                    seed, mask_grad, grad_lse=None):
+    same_device(q, grad_out, k, v, mask, out, lse, grad_lse)
     dmask = q.new_empty((*q.shape[:3], k.shape[2]) if mask_grad else (0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 

@@ -103,8 +103,9 @@ struct Problem {
     A = q.size(3);
     Lk = k.size(2);
     Ev = value.size(3);
-    lo = window_lo;
-    hi = window_hi;
+    // [-Lq, Lk] admits the same pairs and keeps i + lo, i + hi from overflowing
+    lo = std::clamp<int64_t>(window_lo, -Lq, Lk);
+    hi = std::clamp<int64_t>(window_hi, -Lq, Lk);
   }
 
   const acc_t* q_row(int64_t bh, int64_t i) const { return q.data_ptr<acc_t>() + (bh * Lq + i) * A; }
@@ -361,11 +362,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
               "attnx::additive_bwd: mask_grad needs a float mask");
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
   const int64_t A = q.size(3), Ev = value.size(3);
-  TORCH_CHECK(grad_out.sizes() == out.sizes() && out.size(3) == Ev && out.size(2) == Lq,
-              "attnx::additive_bwd: grad_out ", grad_out.sizes(), " and out ", out.sizes(),
-              " do not match value ", value.sizes());
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(2) == Lq,
-              "attnx::additive_bwd: expected a float32 (B, H, Lq) lse, got ", lse.sizes());
+  const std::vector<int64_t> out_shape{B, H, Lq, Ev};
+  TORCH_CHECK(grad_out.sizes() == out_shape && out.sizes() == out_shape,
+              "attnx::additive_bwd: expected grad_out and out of shape (B, H, Lq, Ev) = ",
+              out_shape, ", got ", grad_out.sizes(), " and ", out.sizes());
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.sizes() == std::vector<int64_t>({B, H, Lq}),
+              "attnx::additive_bwd: expected a float32 (B, H, Lq) lse, got ", lse.scalar_type(),
+              " ", lse.sizes());
   TORCH_CHECK(!grad_lse.has_value() || (grad_lse->sizes() == lse.sizes() && grad_lse->is_cpu()),
               "attnx::additive_bwd: expected a CPU grad_lse of lse's shape ", lse.sizes());
   at::Tensor dq, dk, dvalue, dv, dmask;

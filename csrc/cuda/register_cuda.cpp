@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -127,8 +128,9 @@ SdpaParams sdpa_params(const Tensor& q, const Tensor& k, const Tensor& v, const 
               ") must be a multiple of Hkv (", p.Hkv, ")");
   check_grid(p.Lq, p.Hq, p.B);
   p.scale = static_cast<float>(scale);
-  p.window_lo = lo;
-  p.window_hi = hi;
+  // [-Lq, Lk] admits the same pairs and keeps i + lo, i + hi from overflowing in the kernels
+  p.window_lo = std::clamp<int64_t>(lo, -p.Lq, p.Lk);
+  p.window_hi = std::clamp<int64_t>(hi, -p.Lq, p.Lk);
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
@@ -159,6 +161,19 @@ std::tuple<Tensor, Tensor> sdpa_fwd(const Tensor& q_in, const Tensor& k_in, cons
   return {out, lse};
 }
 
+// A backward reads grad_out, out (B, H, Lq, Ev) and lse (B, H, Lq) whole: a direct caller's
+// other shapes or devices would be read out of bounds.
+void check_saved(const Tensor& dout, const Tensor& out, const Tensor& lse, const Tensor& q,
+                 c10::IntArrayRef out_shape) {
+  TORCH_CHECK(dout.sizes() == out_shape && out.sizes() == out_shape, "grad_out, out: expected ",
+              "shape ", out_shape, ", got ", dout.sizes(), " and ", out.sizes());
+  TORCH_CHECK(lse.sizes() == out_shape.slice(0, 3), "lse: expected shape ",
+              out_shape.slice(0, 3), ", got ", lse.sizes());
+  TORCH_CHECK(out.device() == q.device() && lse.device() == q.device(),
+              "out, lse: expected q's device ", q.device(), ", got ", out.device(), " and ",
+              lse.device());
+}
+
 // D_i = rowsum(dO * O) of the softmax backward, less the lse gradient (csrc/ops.cpp).
 Tensor softmax_delta(const Tensor& dout, const Tensor& out, const Tensor& lse,
                      const OptTensor& grad_lse) {
@@ -183,8 +198,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
   const int D = family(p.E, p.Ev);
   Tensor dout = grad_out.to(q.scalar_type()).contiguous();
   if (reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 != 0) dout = dout.clone();  // vec16 loads
-  TORCH_CHECK(dout.sizes() == out.sizes() && out.size(3) == p.Ev, "grad_out: expected shape ",
-              out.sizes(), ", got ", grad_out.sizes());
+  check_saved(dout, out, lse, q, {p.B, p.Hq, p.Lq, p.Ev});
   const Tensor lse_c = lse.to(at::kFloat).contiguous();
   const Tensor delta = softmax_delta(dout, out, lse, grad_lse);
   Tensor dq_acc = at::zeros({p.B, p.Hq, p.Lq, p.E}, q.options().dtype(at::kFloat));
@@ -232,8 +246,9 @@ AdditiveParams additive_params(const Tensor& q, const Tensor& k, const Tensor& v
   TORCH_CHECK(smem <= size_t(limit), "attnx cuda additive: value dim ", p.Ev,
               " needs more shared memory than this device has");
   check_grid(p.Lq, p.H, p.B);
-  p.window_lo = lo;
-  p.window_hi = hi;
+  // [-Lq, Lk] admits the same pairs and keeps i + lo, i + hi from overflowing in the kernels
+  p.window_lo = std::clamp<int64_t>(lo, -p.Lq, p.Lk);
+  p.window_hi = std::clamp<int64_t>(hi, -p.Lq, p.Lk);
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.value = value.data_ptr();
@@ -278,8 +293,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
   const Tensor value = rows(value_in, q_in, "value");
   AdditiveParams p = additive_params(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed);
   const Tensor dout = grad_out.to(q.scalar_type()).contiguous();
-  TORCH_CHECK(dout.sizes() == out.sizes() && out.size(3) == p.Ev, "grad_out: expected shape ",
-              out.sizes(), ", got ", grad_out.sizes());
+  check_saved(dout, out, lse, q, {p.B, p.H, p.Lq, p.Ev});
   const Tensor lse_c = lse.to(at::kFloat).contiguous();
   const Tensor delta = softmax_delta(dout, out, lse, grad_lse);
   const auto f32 = q.options().dtype(at::kFloat);
