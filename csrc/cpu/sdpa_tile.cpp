@@ -53,8 +53,10 @@ ATTNX_BODY void store_tail(float* p, int64_t n, v8f v) {
 // largest. Exactly 0 below -86 (so exp(-inf) = 0).
 ATTNX_BODY v8f exp8(v8f x) {
   x *= splat(1.44269504088896341f);
+  // Below -125 the result is 0: the mask at the end discards whatever the rounding makes of
+  // such x (-inf included), so they need no clamp (7% of exp_sum's time); above 127 it would
+  // overflow.
   const v8i dead = x < splat(-125.0f);
-  x = x < splat(-125.0f) ? splat(-125.0f) : x;
   x = x > splat(127.0f) ? splat(127.0f) : x;
   const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const v8f t = x + splat(magic);
@@ -103,26 +105,25 @@ ATTNX_BODY float row_max_body(const float* x, int64_t n) {
 
 ATTNX_BODY float exp_sum_body(float* x, int64_t n, float sub) {
   const v8f s = splat(sub);
-  v8f acc0 = splat(0.0f), acc1 = acc0;
+  v8f acc = splat(0.0f);
   int64_t j = 0;
   for (; j + 2 * W <= n; j += 2 * W) {
     const v8f a = exp8(load(x + j) - s), b = exp8(load(x + j + W) - s);
     store(x + j, a);
     store(x + j + W, b);
-    acc0 += a;
-    acc1 += b;
+    acc += a + b;  // one accumulator: a second spilled to the stack (5% slower)
   }
   for (; j + W <= n; j += W) {
     const v8f a = exp8(load(x + j) - s);
     store(x + j, a);
-    acc0 += a;
+    acc += a;
   }
   if (j < n) {
     const v8f a = exp8(load_tail(x + j, n - j, NEG_INF) - s);
     store_tail(x + j, n - j, a);
-    acc0 += a;
+    acc += a;
   }
-  return hsum(acc0 + acc1);
+  return hsum(acc);
 }
 
 ATTNX_BODY v8u mix8(v8u x) {
