@@ -6,7 +6,6 @@ This is the only place that decides which backend runs a call.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -97,24 +96,6 @@ def _dropped(t):
     return t * 0
 
 
-def _weights_need_grad(call) -> bool:
-    if not (call.return_weights and torch.is_grad_enabled()):
-        return False
-    mask = call.mask if call.mask is not None and call.mask.is_floating_point() else None
-    return any(t is not None and t.requires_grad for t in (call.q, call.k, call.value, call.v, mask))
-
-
-def _with_one_hot_values(call):
-    """The call whose values are [value, one-hot of the key index]. The weights (after dropout)
-    are attention over one-hot values, weights_i = sum_j p_ij e_j, so this call's output is
-    [out, weights]: the fused backends' weights output carries no gradient, but their output
-    does, through the same fused backward. Costs Lk more value columns, forward and backward."""
-    b, h, lk, _ = call.value.shape
-    eye = torch.eye(lk, dtype=call.value.dtype, device=call.value.device).expand(b, h, lk, lk)
-    return dataclasses.replace(call, value=torch.cat([call.value, eye], dim=-1),
-                               return_weights=False)
-
-
 def additive_attention(query, key, value, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
                        window=None, backend=None, return_weights=False):
     """Bahdanau attention: softmax_j(sum_a v[a] tanh(query[i, a] + key[j, a])) @ value, fused.
@@ -125,30 +106,7 @@ def additive_attention(query, key, value, v, attn_mask=None, dropout_p=0.0, is_c
     call = _validate.additive_call(query, key, value, v, attn_mask, dropout_p, is_causal,
                                    window, backend, return_weights)
     call, everything_dropped = _without_total_dropout(call)
-    name = select("additive", call)
-    out = None
-    # The reference's weights carry a gradient; a fused backend's come from one-hot values.
-    if name != "reference" and _weights_need_grad(call):
-        one_hot = _with_one_hot_values(call)
-        try:
-            name = select("additive", one_hot)
-        except BackendUnavailableError as e:
-            raise BackendUnavailableError(
-                f"{e} (weights that require grad are computed with {call.k.shape[2]} one-hot "
-                "value columns beside value's; under torch.no_grad() they are not)") from None
-        if name == "reference":
-            warnings.warn(
-                f"additive_attention: weights that require grad need {call.k.shape[2]} one-hot "
-                "value columns beside value's, more than any fused backend here takes: running "
-                "the reference backend, which stores the (B, H, Lq, Lk, A) tanh tensor. Under "
-                "torch.no_grad(), or with inputs that do not require grad, the call stays fused.",
-                stacklevel=2)
-        else:
-            both, _lse, _ = _module(name).additive(one_hot)
-            ev = call.value.shape[-1]
-            out, weights = both[..., :ev].contiguous(), both[..., ev:].contiguous()
-    if out is None:
-        out, _lse, weights = _module(name).additive(call)
+    out, _lse, weights = _module(select("additive", call)).additive(call)
     if everything_dropped:
         out, weights = _dropped(out), (None if weights is None else _dropped(weights))
     if call.three_d:

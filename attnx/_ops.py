@@ -60,6 +60,18 @@ def or_zeros(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like) if grad is None else grad
 
 
+def with_weights_term(grad_lse: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                      grad_weights: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """grad_lse less rowsum(W * dW): the weights' part of the softmax backward's D_i, which the
+    additive backward kernels take folded into grad_lse (csrc/ops.cpp). In float64 for float64
+    weights (gradcheck), else float32."""
+    if grad_weights is None:
+        return grad_lse
+    acc = torch.float64 if weights.dtype == torch.float64 else torch.float32
+    term = (weights.to(acc) * grad_weights.to(acc)).sum(-1)
+    return -term if grad_lse is None else grad_lse.to(acc) - term
+
+
 def no_double_backward(ctx, *grads):
     """The autograd of every fused backward op: without it, a second-order gradient through one
     would be silently wrong (torch only warns that the op has no autograd kernel)."""
@@ -96,8 +108,8 @@ if _C is not None:
 
     @torch.library.register_fake("attnx::additive_bwd")
     def _additive_bwd_fake(grad_out, q, k, value, v, mask, out, lse, window_lo, window_hi,
-                           dropout_p, seed, mask_grad, grad_lse=None):
-        same_device(q, grad_out, k, value, v, mask, out, lse, grad_lse)
+                           dropout_p, seed, mask_grad, grad_lse=None, grad_weights=None):
+        same_device(q, grad_out, k, value, v, mask, out, lse, grad_lse, grad_weights)
         dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
         return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(value),
                 torch.empty_like(v), dmask)
@@ -122,20 +134,25 @@ if _C is not None:
         return dq, dk, dv, (dmask if want_mask else None), None, None, None, None, None
 
     def _additive_setup(ctx, inputs, output):
-        q, k, value, v, mask, lo, hi, p, seed, _ = inputs
+        q, k, value, v, mask, lo, hi, p, seed, return_weights = inputs
         out, lse, weights = output
         ctx.additive = True
         ctx.args = (lo, hi, p)
-        ctx.save_for_backward(q, k, value, v, mask, out, lse, seed)
-        ctx.mark_non_differentiable(weights)
+        ctx.save_for_backward(q, k, value, v, mask, out, lse, seed,
+                              weights if return_weights else None)
+        if not return_weights:
+            ctx.mark_non_differentiable(weights)  # the empty placeholder
 
-    def _additive_backward(ctx, grad_out, grad_lse, _grad_weights):
-        q, k, value, v, mask, out, lse, seed = ctx.saved_tensors
+    def _additive_backward(ctx, grad_out, grad_lse, grad_weights):
+        q, k, value, v, mask, out, lse, seed, weights = ctx.saved_tensors
         lo, hi, p = ctx.args
         want_mask = _wants_mask_grad(ctx, mask)
+        if weights is None:
+            grad_weights = None
+        grad_lse = with_weights_term(grad_lse, weights, grad_weights)
         dq, dk, dvalue, dv, dmask = torch.ops.attnx.additive_bwd(
             or_zeros(grad_out, out), q, k, value, v, mask, out, lse, lo, hi, p, seed, want_mask,
-            grad_lse)
+            grad_lse, grad_weights)
         return dq, dk, dvalue, dv, (dmask if want_mask else None), None, None, None, None, None
 
     torch.library.register_autograd("attnx::sdpa_fwd", _sdpa_backward, setup_context=_sdpa_setup)

@@ -13,6 +13,9 @@
 //   the dropout hash key of attnx/_rng.py. A gradient that is not asked for comes back empty.
 //   grad_lse (backward ops): the gradient of lse, or None. Since d lse_i / d s_ij = P_ij, it
 //   only turns the softmax backward's D_i = rowsum(dO * O) into D_i - grad_lse_i.
+//   grad_weights (additive_bwd): the gradient of the weights output W = P * z (z: the dropout
+//   factor), or None. It adds z_ij * grad_weights_ij to dP_ij; its part of D_i,
+//   rowsum(W * grad_weights), the caller folds into grad_lse (it has W, the kernel does not).
 #include <torch/library.h>
 
 TORCH_LIBRARY(attnx, m) {
@@ -33,6 +36,6 @@ TORCH_LIBRARY(attnx, m) {
   m.def(
       "additive_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor value, Tensor v, Tensor? mask, "
       "Tensor out, Tensor lse, int window_lo, int window_hi, float dropout_p, Tensor? seed, "
-      "bool mask_grad, Tensor? grad_lse=None) -> "
+      "bool mask_grad, Tensor? grad_lse=None, Tensor? grad_weights=None) -> "
       "(Tensor dq, Tensor dk, Tensor dvalue, Tensor dv, Tensor dmask)");
 }

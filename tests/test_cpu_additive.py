@@ -280,43 +280,29 @@ def test_opcheck(return_weights, mask_kind, p):
     torch.library.opcheck(torch.ops.attnx.additive_fwd, args)
 
 
-def test_differentiable_weights_need_one_hot_value_columns(monkeypatch):
-    """Weights that require grad run with Lk one-hot value columns beside value's; a forced
-    backend that cannot take that many says so, and serves the same call under no_grad."""
-    from attnx import _dispatch
-    from attnx._backends import cpu
+def test_gradcheck_float64_through_the_weights():
+    """The weights output is differentiable on the kernel itself (grad_weights of
+    attnx::additive_bwd), dropout and a float mask included."""
+    args = _op_args(0.3, True, "float")
+    mask_leaf = args[4]._base if args[4]._base is not None else args[4]
 
-    def at_most_8_value_columns(op, call):
-        return f"value dims up to 8, got {call.value.shape[-1]}" if call.value.shape[-1] > 8 else None
+    def f(q, k, value, v, m):
+        out, _, weights = torch.ops.attnx.additive_fwd(q, k, value, v, m.expand(args[4].shape),
+                                                       *args[5:])
+        return out, weights
 
-    monkeypatch.setattr(cpu, "unsupported", at_most_8_value_columns)
-    q, k, value, v = (t.float() for t in make_inputs(1, 1, 3, 5, 4, 6))
-    q.requires_grad_()
-    with pytest.raises(_dispatch.BackendUnavailableError, match="5 one-hot value columns"):
-        attnx.additive_attention(q, k, value, v, backend="cpu", return_weights=True)
-    with torch.no_grad():
-        _, w = attnx.additive_attention(q, k, value, v, backend="cpu", return_weights=True)
-    assert w.shape == (1, 1, 3, 5) and not w.requires_grad
-    wide = torch.randn(1, 1, 5, 9)
-    with pytest.raises(_dispatch.BackendUnavailableError, match="value dims up to 8, got 9$"):
-        attnx.additive_attention(q, k, wide, v, backend="cpu", return_weights=True)
+    assert torch.autograd.gradcheck(f, (*args[:4], mask_leaf))
 
 
-def test_differentiable_weights_too_wide_for_fused_backends_warn(monkeypatch):
-    """When auto-selection finds no fused backend for the one-hot columns (cuda takes 2048
-    value columns, triton 256) the reference runs, with a warning saying why and how not to."""
+def test_differentiable_weights_stay_on_the_fused_kernel(monkeypatch):
+    """Weights in the loss run on the cpu kernels with the caller's value as it is."""
     from attnx._backends import cpu, reference
 
-    monkeypatch.setattr(cpu, "unsupported", lambda op, call: (
-        f"value dims up to 8, got {call.value.shape[-1]}" if call.value.shape[-1] > 8 else None))
-    ran = []
-    real = reference.additive
-    monkeypatch.setattr(reference, "additive", lambda call: (ran.append(call), real(call))[1])
-    q, k, value, v = (t.float() for t in make_inputs(1, 1, 3, 5, 4, 6))
-    q.requires_grad_()
-    with pytest.warns(UserWarning, match="5 one-hot value columns"):
-        _, w = attnx.additive_attention(q, k, value, v, return_weights=True)
-    assert len(ran) == 1 and w.requires_grad
-    with torch.no_grad():
-        attnx.additive_attention(q, k, value, v, return_weights=True)
-    assert len(ran) == 1  # the cpu kernels served it
+    values = []
+    real = cpu.additive
+    monkeypatch.setattr(cpu, "additive", lambda call: (values.append(call.value.shape), real(call))[1])
+    monkeypatch.setattr(reference, "additive", None)  # would raise if chosen
+    q, k, value, v = (t.float().requires_grad_() for t in make_inputs(1, 2, 3, 5, 4, 6))
+    _, w = attnx.additive_attention(q, k, value, v, return_weights=True)
+    (w * torch.randn_like(w)).sum().backward()
+    assert values == [value.shape] and q.grad is not None and v.grad is not None

@@ -63,8 +63,8 @@ def lowp_additive(q, k, value, v, attn_mask=None, dropout_p=0.0, is_causal=False
     s = (t * call.v.view(1, call.v.shape[0], 1, 1, call.v.shape[1])).sum(-1)
     p, _ = reference.masked_softmax(s.float(), call.mask, call.window_lo, call.window_hi)
     p = reference.apply_dropout(p, call.dropout_p, call.seed)
-    out = p.to(q.dtype) @ call.value
-    return out.squeeze(1) if call.three_d else out
+    out, p = p.to(q.dtype) @ call.value, p.to(q.dtype)
+    return (out.squeeze(1), p.squeeze(1)) if call.three_d else (out, p)
 
 
 def is_mask_tensor(mask) -> bool:
@@ -120,13 +120,14 @@ def check_additive(q, k, value, v, mask=None, seed=0, **kw):
     ins64 = [leaf64(t) for t in (q, k, value, v)] + ([m64] if grad_mask(m64) else [])
     gold, gold_w = seeded(attnx.additive_attention, seed, *ins64[:4], m64, backend="reference",
                           return_weights=True, **kw)
-    base = seeded(lowp_additive, seed, q, k, value, v, mask, **kw)
+    base, base_w = seeded(lowp_additive, seed, q, k, value, v, mask, **kw)
     assert_within(out, gold, base, what="out")
     torch.testing.assert_close(w.double(), gold_w.detach(), atol=1e-2, rtol=1e-2)
-    dout = torch.randn_like(out)
-    got = torch.autograd.grad(out, inputs, dout)
-    want = torch.autograd.grad(gold, ins64, dout.double())
-    bl = torch.autograd.grad(base, inputs, dout)
+    # the loss takes the weights too: their gradient is grad_weights of the backward
+    dout, dw = torch.randn_like(out), torch.randn_like(w)
+    got = torch.autograd.grad((out, w), inputs, (dout, dw))
+    want = torch.autograd.grad((gold, gold_w), ins64, (dout.double(), dw.double()))
+    bl = torch.autograd.grad((base, base_w), inputs, (dout, dw))
     for name, g, wt, b in zip(("dq", "dk", "dvalue", "dv", "dmask"), got, want, bl):
         assert_within(g, wt, b, factor=3.0, what=name)
     return out

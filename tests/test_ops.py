@@ -53,6 +53,8 @@ def test_opcheck_additive(mask_kind, return_weights):
            None, mask_kind == "float")
     torch.library.opcheck(torch.ops.attnx.additive_bwd.default, bwd)
     torch.library.opcheck(torch.ops.attnx.additive_bwd.default, bwd + (torch.randn_like(lse),))
+    grad_weights = torch.randn(2, 3, 7, 5, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.attnx.additive_bwd.default, bwd + (None, grad_weights))
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])

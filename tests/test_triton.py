@@ -274,7 +274,7 @@ def check_additive(dtype, b, h, lq, lk, a, ev, w_shape=None, mask_shape=None, ma
         mask = _randn(mask_shape, dtype, gen)
     for r in empty_rows:
         mask[..., r, :] = False if mask_kind == "bool" else float("-inf")
-    # the loss also takes the weights: they are differentiable (attnx/_dispatch.py)
+    # the loss also takes the weights: they are differentiable (grad_weights of the backward)
     wgrad = _randn((b, h, lq, lk), torch.float64, gen)
     out, weights, grads = _run_additive("triton", q, k, value, w, mask, kwargs, grad, wgrad)
     gold = _run_additive("reference", _up(q), _up(k), _up(value), _up(w), _up(mask), kwargs, grad,
@@ -360,8 +360,9 @@ def test_ops_pass_opcheck_and_compile():
     torch.library.opcheck(torch.ops.attnx.triton_sdpa_fwd.default, args)
     aq, ak, avalue, aw = (_randn(s, f32, gen).requires_grad_() for s in ((1, 1, 5, 8), (1, 1, 7, 8),
                                                                          (1, 1, 7, 4), (1, 8)))
-    torch.library.opcheck(torch.ops.attnx.triton_additive_fwd.default,
-                          (aq, ak, avalue, aw, None, -5, 0, 0.0, None))
+    for return_weights in (False, True):
+        torch.library.opcheck(torch.ops.attnx.triton_additive_fwd.default,
+                              (aq, ak, avalue, aw, None, -5, 0, 0.0, None, return_weights))
 
     def f(q, k, v, mask):
         return torch.ops.attnx.triton_sdpa_fwd(q, k, v, mask.expand(1, 2, 17, 20), 0.25, -17, 3,

@@ -59,10 +59,7 @@ def sdpa(call: SdpaCall):
 
 def additive(call: AdditiveCall):
     from ..triton import additive as kernels
-    out, lse = kernels.additive_fwd(call.q, call.k, call.value, call.v, call.mask,
-                                    call.window_lo, call.window_hi, call.dropout_p, call.seed)
-    weights = None
-    if call.return_weights:
-        weights = kernels.additive_weights(call.q, call.k, call.v, call.mask, lse, call.window_lo,
-                                           call.window_hi, call.dropout_p, call.seed)
-    return out, lse, weights
+    out, lse, weights = kernels.additive_fwd(call.q, call.k, call.value, call.v, call.mask,
+                                             call.window_lo, call.window_hi, call.dropout_p,
+                                             call.seed, call.return_weights)
+    return out, lse, (weights if call.return_weights else None)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._ops import no_double_backward, same_device
+from .._ops import no_double_backward, or_zeros, same_device, with_weights_term
 from . import common
 from .common import (admit, dot, huge_rows, key_range, query_range, score_grad,
                      softmax_start, softmax_step, store_rows)
@@ -166,11 +166,21 @@ def _weights_kernel(Q, K, W, M, LSE, RNG, P,
 
 
 @triton.jit
-def _dk_kernel(Q, K, VAL, W, M, DO, LSE, DELTA, RNG, DK, DVAL, DW, DM,
+def _dweights(DWEIGHTS, bh, offs_m, offs_n, Lq, Lk, HAS_DWEIGHTS: tl.constexpr):
+    """The tile of the weights' gradient ((B, H, Lq, Lk) contiguous fp32), or 0.0 for none."""
+    if HAS_DWEIGHTS:
+        return tl.load(DWEIGHTS + (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :],
+                       mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk), other=0.0)
+    return 0.0
+
+
+@triton.jit
+def _dk_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DK, DVAL, DW, DM,
                sqb, sqh, sqm, sqa, skb, skh, skn, ska, svb, svh, svn, svd, swh, swa,
                smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                H, Lq, Lk, A, Ev, window_lo, window_hi, inv_keep,
                MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
+               HAS_DWEIGHTS: tl.constexpr,
                DOT_PREC: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_A: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -200,7 +210,8 @@ def _dk_kernel(Q, K, VAL, W, M, DO, LSE, DELTA, RNG, DK, DVAL, DW, DM,
         do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd,
                      mask=row_ok[:, None] & (offs_dv[None, :] < Ev), other=0.0)
         delta = tl.load(DELTA + bh * Lq + offs_m, mask=row_ok, other=0.0)
-        ds, p_used = score_grad(p, do, val_t, delta, RNG, bh, offs_m, offs_n, inv_keep,
+        dweights = _dweights(DWEIGHTS, bh, offs_m, offs_n, Lq, Lk, HAS_DWEIGHTS)
+        ds, p_used = score_grad(p, do, val_t, dweights, delta, RNG, bh, offs_m, offs_n, inv_keep,
                                 DROPOUT, DOT_PREC)
         dval += dot(tl.trans(p_used.to(do.dtype)), do, DOT_PREC)
         if MASK_GRAD:
@@ -223,11 +234,12 @@ def _dk_kernel(Q, K, VAL, W, M, DO, LSE, DELTA, RNG, DK, DVAL, DW, DM,
 
 
 @triton.jit
-def _dq_kernel(Q, K, VAL, W, M, DO, LSE, DELTA, RNG, DQ,
+def _dq_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DQ,
                sqb, sqh, sqm, sqa, skb, skh, skn, ska, svb, svh, svn, svd, swh, swa,
                smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                H, Lq, Lk, A, Ev, window_lo, window_hi, inv_keep,
-               MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+               MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HAS_DWEIGHTS: tl.constexpr,
+               DOT_PREC: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_A: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
@@ -254,7 +266,8 @@ def _dq_kernel(Q, K, VAL, W, M, DO, LSE, DELTA, RNG, DQ,
                    MASK_KIND, BLOCK_M, BLOCK_N, BLOCK_A)
         val_t = tl.load(v_base + offs_n[None, :] * svn + offs_dv[:, None] * svd,
                         mask=(offs_n[None, :] < Lk) & (offs_dv[:, None] < Ev), other=0.0)
-        ds, _ = score_grad(p, do, val_t, delta, RNG, bh, offs_m, offs_n, inv_keep,
+        dweights = _dweights(DWEIGHTS, bh, offs_m, offs_n, Lq, Lk, HAS_DWEIGHTS)
+        ds, _ = score_grad(p, do, val_t, dweights, delta, RNG, bh, offs_m, offs_n, inv_keep,
                            DROPOUT, DOT_PREC)
         for a0 in range(0, A, BLOCK_A):
             offs_a = a0 + tl.arange(0, BLOCK_A)
@@ -280,8 +293,10 @@ def _launch_args(q, k, value, w, mask, dropout_p, seed):
 @common.register_op("triton_additive_fwd")
 def additive_fwd(q: torch.Tensor, k: torch.Tensor, value: torch.Tensor, v: torch.Tensor,
                  mask: Optional[torch.Tensor], window_lo: int, window_hi: int,
-                 dropout_p: float, seed: Optional[torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 dropout_p: float, seed: Optional[torch.Tensor], return_weights: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, weights): weights (B, H, Lq, Lk) after dropout when return_weights, else an
+    empty placeholder (csrc/ops.cpp's convention)."""
     m, rng, strides, consts, inv_keep = _launch_args(q, k, value, v, mask, dropout_p, seed)
     b, h, lq, a = q.shape
     lk, ev = k.shape[2], value.shape[-1]
@@ -291,7 +306,9 @@ def additive_fwd(q: torch.Tensor, k: torch.Tensor, value: torch.Tensor, v: torch
     common.launcher(_fwd_kernel)[grid](
         q, k, value, v, m, out, lse, rng, *strides, *out.stride(),
         h, lq, lk, a, ev, window_lo, window_hi, inv_keep, **consts)
-    return out, lse
+    if not return_weights:
+        return out, lse, q.new_empty((0,))
+    return out, lse, _weights(q, k, v, mask, lse, window_lo, window_hi, dropout_p, seed)
 
 
 def _row_sums(q, k, v, mask, lse, window_lo, window_hi):
@@ -307,11 +324,7 @@ def _row_sums(q, k, v, mask, lse, window_lo, window_hi):
     return r
 
 
-@common.register_op("triton_additive_weights")
-def additive_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: Optional[torch.Tensor], lse: torch.Tensor, window_lo: int,
-                     window_hi: int, dropout_p: float, seed: Optional[torch.Tensor]
-                     ) -> torch.Tensor:
+def _weights(q, k, v, mask, lse, window_lo, window_hi, dropout_p, seed):
     """The attention probabilities after dropout, (B, H, Lq, Lk), from the forward's lse."""
     m, m_strides = common.mask_arg(mask, q)
     rng = rng_words(seed, dropout_p, q.device) if dropout_p > 0 else q
@@ -331,13 +344,23 @@ def additive_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value: torch.Tensor,
                  v: torch.Tensor, mask: Optional[torch.Tensor], out: torch.Tensor,
                  lse: torch.Tensor, window_lo: int, window_hi: int, dropout_p: float,
-                 seed: Optional[torch.Tensor], mask_grad: bool
+                 seed: Optional[torch.Tensor], mask_grad: bool,
+                 grad_lse: Optional[torch.Tensor], grad_weights: Optional[torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """grad_lse and grad_weights as in csrc/ops.cpp's additive_bwd (the weights' part of D
+    folded into grad_lse by the caller)."""
     m, rng, strides, consts, inv_keep = _launch_args(q, k, value, v, mask, dropout_p, seed)
     b, h, lq, a = q.shape
     lk, ev = k.shape[2], value.shape[-1]
-    grad_out = common.divide_rows(grad_out, _row_sums(q, k, v, mask, lse, window_lo, window_hi))
+    # Everything the backward reads from upstream goes through r, as dO does (common.HUGE_LSE)
+    r = _row_sums(q, k, v, mask, lse, window_lo, window_hi)
+    grad_out = common.divide_rows(grad_out, r)
     delta = (grad_out.float() * out.float()).sum(-1)  # rowsum(dO * O), as in the SDPA backward
+    if grad_lse is not None:
+        delta = delta - grad_lse.float() / r
+    dweights = q  # a placeholder pointer the kernels never read without HAS_DWEIGHTS
+    if grad_weights is not None:
+        dweights = common.divide_rows(grad_weights.float(), r).contiguous()
     n_blocks = triton.cdiv(lk, consts["BLOCK_N"])
     dq = q.new_zeros((b, h, lq, a), dtype=torch.float32)
     dk = q.new_zeros((b, h, lk, a), dtype=torch.float32)
@@ -345,54 +368,57 @@ def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value
     dvalue = value.new_empty((b, h, lk, ev))
     dmask = q.new_zeros((b, h, lq, lk)) if mask_grad else q.new_empty((0,))
     sizes = (h, lq, lk, a, ev, window_lo, window_hi, inv_keep)
+    has_dw = grad_weights is not None
     common.launcher(_dk_kernel)[(n_blocks, b * h)](
-        q, k, value, v, m, grad_out, lse, delta, rng, dk, dvalue, dw, dmask, *strides,
-        *grad_out.stride(), *sizes, MASK_GRAD=mask_grad, **consts)
+        q, k, value, v, m, grad_out, dweights, lse, delta, rng, dk, dvalue, dw, dmask, *strides,
+        *grad_out.stride(), *sizes, MASK_GRAD=mask_grad, HAS_DWEIGHTS=has_dw, **consts)
     common.launcher(_dq_kernel)[(triton.cdiv(lq, consts["BLOCK_M"]), b * h)](
-        q, k, value, v, m, grad_out, lse, delta, rng, dq, *strides, *grad_out.stride(),
-        *sizes, **consts)
+        q, k, value, v, m, grad_out, dweights, lse, delta, rng, dq, *strides, *grad_out.stride(),
+        *sizes, HAS_DWEIGHTS=has_dw, **consts)
     return dq.to(q.dtype), dk.to(k.dtype), dvalue, dw.sum((0, 2)).to(v.dtype), dmask
 
 
 # Shape-only versions (see attnx/triton/sdpa.py for why they are spelled out).
 @additive_fwd.register_fake
-def _additive_fwd_fake(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed):
+def _additive_fwd_fake(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed,
+                       return_weights):
     same_device(q, k, value, v, mask)
     b, h, lq, _ = q.shape
+    weights = q.new_empty((b, h, lq, k.shape[2]) if return_weights else (0,))
     return (q.new_empty((b, h, lq, value.shape[-1])),
-            q.new_empty((b, h, lq), dtype=torch.float32))
-
-
-@additive_weights.register_fake
-def _additive_weights_fake(q, k, v, mask, lse, window_lo, window_hi, dropout_p, seed):
-    same_device(q, k, v, mask, lse)
-    return q.new_empty((*q.shape[:3], k.shape[2]))
+            q.new_empty((b, h, lq), dtype=torch.float32), weights)
 
 
 @additive_bwd.register_fake
 def _additive_bwd_fake(grad_out, q, k, value, v, mask, out, lse, window_lo, window_hi,
-                       dropout_p, seed, mask_grad):
-    same_device(q, grad_out, k, value, v, mask, out, lse)
+                       dropout_p, seed, mask_grad, grad_lse, grad_weights):
+    same_device(q, grad_out, k, value, v, mask, out, lse, grad_lse, grad_weights)
     dmask = q.new_empty((*q.shape[:3], k.shape[2]) if mask_grad else (0,))
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(value),
             torch.empty_like(v), dmask)
 
 
 def _setup(ctx, inputs, output):
-    q, k, value, v, mask, lo, hi, p, seed = inputs
-    out, lse = output
+    q, k, value, v, mask, lo, hi, p, seed, return_weights = inputs
+    out, lse, weights = output
     ctx.args = (lo, hi, p)
-    ctx.save_for_backward(q, k, value, v, mask, out, lse, seed)
+    ctx.save_for_backward(q, k, value, v, mask, out, lse, seed,
+                          weights if return_weights else None)
     ctx.mark_non_differentiable(lse)
+    if not return_weights:
+        ctx.mark_non_differentiable(weights)  # the empty placeholder
 
 
-def _backward(ctx, grad_out, _grad_lse):
-    q, k, value, v, mask, out, lse, seed = ctx.saved_tensors
+def _backward(ctx, grad_out, _grad_lse, grad_weights):
+    q, k, value, v, mask, out, lse, seed, weights = ctx.saved_tensors
     lo, hi, p = ctx.args
     want_mask = mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[4]
-    dq, dk, dvalue, dv, dmask = additive_bwd(grad_out, q, k, value, v, mask, out, lse, lo, hi,
-                                             p, seed, want_mask)
-    return dq, dk, dvalue, dv, (dmask if want_mask else None), None, None, None, None
+    if weights is None:
+        grad_weights = None
+    dq, dk, dvalue, dv, dmask = additive_bwd(
+        or_zeros(grad_out, out), q, k, value, v, mask, out, lse, lo, hi, p, seed, want_mask,
+        with_weights_term(None, weights, grad_weights), grad_weights)
+    return dq, dk, dvalue, dv, (dmask if want_mask else None), None, None, None, None, None
 
 
 additive_fwd.register_autograd(_backward, setup_context=_setup)

@@ -195,11 +195,12 @@ def store_rows(o_base, lse_base, m_i, l_i, acc, offs_m, offs_dv, Lq, Ev, som, so
 
 
 @triton.jit
-def score_grad(p, do, val_t, delta, RNG, bh, offs_m, offs_n, inv_keep,
+def score_grad(p, do, val_t, dw, delta, RNG, bh, offs_m, offs_n, inv_keep,
                DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
     """(dscore, probabilities after dropout) of a tile, from its probabilities p, the output
-    gradient rows do, the values transposed and delta = rowsum(dO * O)."""
-    dp = dot(do, val_t, DOT_PREC)
+    gradient rows do, the values transposed, the gradient dw of the weights (after dropout;
+    0.0 for none) and delta = rowsum(dO * O) (less grad_lse)."""
+    dp = dot(do, val_t, DOT_PREC) + dw
     if DROPOUT:
         key_row, threshold = row_keys(RNG, bh, offs_m)
         kept = keep(key_row, offs_n, threshold)

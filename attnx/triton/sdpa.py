@@ -173,7 +173,7 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
             delta = tl.load(DELTA + bh * Lq + offs_m, mask=row_ok, other=0.0)
             p = _probs(q, kt, m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, scale,
                        window_lo, window_hi, MASK_KIND, DOT_PREC, BLOCK_M, BLOCK_N)
-            ds, p_used = score_grad(p, do, vt, delta, RNG, bh, offs_m, offs_n, inv_keep,
+            ds, p_used = score_grad(p, do, vt, 0.0, delta, RNG, bh, offs_m, offs_n, inv_keep,
                                     DROPOUT, DOT_PREC)
             dv += dot(tl.trans(p_used.to(do.dtype)), do, DOT_PREC)
             if MASK_GRAD:

@@ -227,11 +227,22 @@ struct Grads {
   scalar_t* dmask;               // (B, H, Lq, Lk) contiguous, or null
 };
 
+// What the backward reads besides the inputs (contiguous, acc_t unless said): dout and out
+// (B, H, Lq, Ev), the float32 lse and grad_lse (B, H, Lq), dweights (B, H, Lq, Lk); the last
+// two may be null.
+template <typename acc_t>
+struct Upstream {
+  const acc_t *dout, *out;
+  const float* lse;
+  const acc_t *grad_lse, *dweights;
+};
+
 template <typename scalar_t, typename acc_t>
-void backward_rows(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out,
-                   const float* lse, const acc_t* grad_lse, int64_t bh, int64_t i0, int64_t i1,
-                   acc_t* dk, acc_t* dvalue, acc_t* dv, const Grads<scalar_t, acc_t>& g,
-                   std::vector<acc_t>& bias, std::vector<acc_t>& t) {
+void backward_rows(const Problem<acc_t>& pb, const Upstream<acc_t>& up, int64_t bh, int64_t i0,
+                   int64_t i1, acc_t* dk, acc_t* dvalue, acc_t* dv,
+                   const Grads<scalar_t, acc_t>& g, std::vector<acc_t>& bias,
+                   std::vector<acc_t>& t) {
+  const float* lse = up.lse;
   const int64_t b = bh / pb.H, h = bh % pb.H;
   const acc_t* v = pb.v_row(bh);
   for (int64_t i = i0; i < i1; ++i) {
@@ -244,11 +255,12 @@ void backward_rows(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out
     const auto [j0, j1] = pb.band(i);
     pb.mask.fill(b, h, i, j0, j1, bias.data());
     const acc_t* qi = pb.q_row(bh, i);
-    const acc_t* doi = dout + r * pb.Ev;
+    const acc_t* doi = up.dout + r * pb.Ev;
+    const acc_t* dwi = up.dweights != nullptr ? up.dweights + r * pb.Lk : nullptr;
     const auto row_key = pb.drop.row_key(bh, i);
     acc_t D, c, f;  // P_ij = exp(s_ij - c) * f
     if (std::is_same_v<scalar_t, float> && !huge_lse(lse[r])) {
-      D = dot(doi, out + r * pb.Ev, pb.Ev);
+      D = dot(doi, up.out + r * pb.Ev, pb.Ev);
       c = static_cast<acc_t>(lse[r]);
       f = acc_t(1);
     } else {
@@ -274,7 +286,8 @@ void backward_rows(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out
       }
       pb.mask.fill(b, h, i, j0, j1, bias.data());
     }
-    if (grad_lse != nullptr) D -= grad_lse[r];  // csrc/ops.cpp
+    // grad_lse carries the weights' part of D too (csrc/ops.cpp)
+    if (up.grad_lse != nullptr) D -= up.grad_lse[r];
     acc_t* dqi = g.dq + r * pb.A;
     for (int64_t j = j0; j < j1; ++j) {
       if (bias[j] == -std::numeric_limits<acc_t>::infinity()) continue;
@@ -282,7 +295,9 @@ void backward_rows(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out
       const acc_t p = std::exp(bias[j] + tanh_dot_keep(qi, kj, v, t.data(), pb.A) - c) * f;
       const acc_t keep = static_cast<acc_t>(pb.drop.factor(row_key, j));
       const acc_t pd = p * keep;  // the probability after dropout, as out used it
-      const acc_t ds = p * (keep * dot(doi, pb.value_row(bh, j), pb.Ev) - D);
+      const acc_t dp =
+          dot(doi, pb.value_row(bh, j), pb.Ev) + (dwi != nullptr ? dwi[j] : acc_t(0));
+      const acc_t ds = p * (keep * dp - D);
       if (pd != acc_t(0)) axpy(pd, doi, dvalue + j * pb.Ev, pb.Ev);
       if (ds != acc_t(0)) grad_pair(t.data(), v, ds, dqi, dk + j * pb.A, dv, pb.A);
       if (g.dmask) g.dmask[r * pb.Lk + j] = static_cast<scalar_t>(ds);
@@ -291,8 +306,8 @@ void backward_rows(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out
 }
 
 template <typename scalar_t, typename acc_t>
-void backward(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out, const float* lse,
-              const acc_t* grad_lse, const Grads<scalar_t, acc_t>& g) {
+void backward(const Problem<acc_t>& pb, const Upstream<acc_t>& up,
+              const Grads<scalar_t, acc_t>& g) {
   const int64_t BH = pb.B * pb.H, rows = BH * pb.Lq;
   Slices<acc_t> slices(rows, at::get_num_threads());
   at::parallel_for(0, slices.count, 1, [&](int64_t s_begin, int64_t s_end) {
@@ -315,7 +330,7 @@ void backward(const Problem<acc_t>& pb, const acc_t* dout, const acc_t* out, con
           dvalue = sh.dvalue.data();
           dv = sh.dv.data();
         }
-        backward_rows(pb, dout, out, lse, grad_lse, bh, i0, i1, dk, dvalue, dv, g, bias, t);
+        backward_rows(pb, up, bh, i0, i1, dk, dvalue, dv, g, bias, t);
       }
     }
   });
@@ -356,7 +371,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
     const at::Tensor& value, const at::Tensor& v, const std::optional<at::Tensor>& mask,
     const at::Tensor& out, const at::Tensor& lse, int64_t window_lo, int64_t window_hi,
     double dropout_p, const std::optional<at::Tensor>& seed, bool mask_grad,
-    const std::optional<at::Tensor>& grad_lse) {
+    const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_weights) {
   check_inputs("attnx::additive_bwd", q, k, value, v, mask, dropout_p, seed);
   TORCH_CHECK(!mask_grad || (mask.has_value() && mask->scalar_type() != at::kBool),
               "attnx::additive_bwd: mask_grad needs a float mask");
@@ -371,6 +386,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
               " ", lse.sizes());
   TORCH_CHECK(!grad_lse.has_value() || (grad_lse->sizes() == lse.sizes() && grad_lse->is_cpu()),
               "attnx::additive_bwd: expected a CPU grad_lse of lse's shape ", lse.sizes());
+  TORCH_CHECK(!grad_weights.has_value() ||
+                  (grad_weights->sizes() == std::vector<int64_t>({B, H, Lq, Lk}) &&
+                   grad_weights->is_cpu()),
+              "attnx::additive_bwd: expected a CPU grad_weights of shape (B, H, Lq, Lk), got ",
+              grad_weights.has_value() ? grad_weights->sizes() : at::IntArrayRef{});
   at::Tensor dq, dk, dvalue, dv, dmask;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attnx_additive_bwd", [&] {
     using acc_t = acc_type<scalar_t>;
@@ -381,6 +401,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
     const at::Tensor lse_c = lse.contiguous();
     const at::Tensor glse =
         grad_lse.has_value() ? grad_lse->to(acc_opts.dtype()).contiguous() : at::Tensor();
+    const at::Tensor dw =
+        grad_weights.has_value() ? grad_weights->to(acc_opts.dtype()).contiguous() : at::Tensor();
     at::Tensor dq_acc = at::zeros({B, H, Lq, A}, acc_opts);
     at::Tensor dk_acc = at::zeros({B, H, Lk, A}, acc_opts);
     at::Tensor dvalue_acc = at::zeros({B, H, Lk, Ev}, acc_opts);
@@ -389,9 +411,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
     const Grads<scalar_t, acc_t> g{dq_acc.data_ptr<acc_t>(), dk_acc.data_ptr<acc_t>(),
                                    dvalue_acc.data_ptr<acc_t>(), dv_acc.data_ptr<acc_t>(),
                                    mask_grad ? dmask.data_ptr<scalar_t>() : nullptr};
-    backward<scalar_t, acc_t>(pb, dout_acc.data_ptr<acc_t>(), out_acc.data_ptr<acc_t>(),
-                              lse_c.data_ptr<float>(),
-                              glse.defined() ? glse.data_ptr<acc_t>() : nullptr, g);
+    const Upstream<acc_t> up{dout_acc.data_ptr<acc_t>(), out_acc.data_ptr<acc_t>(),
+                             lse_c.data_ptr<float>(),
+                             glse.defined() ? glse.data_ptr<acc_t>() : nullptr,
+                             dw.defined() ? dw.data_ptr<acc_t>() : nullptr};
+    backward<scalar_t, acc_t>(pb, up, g);
     dq = dq_acc.to(q.scalar_type());
     dk = dk_acc.to(q.scalar_type());
     dvalue = dvalue_acc.to(q.scalar_type());

@@ -17,6 +17,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
     const at::Tensor& value, const at::Tensor& v, const std::optional<at::Tensor>& mask,
     const at::Tensor& out, const at::Tensor& lse, int64_t window_lo, int64_t window_hi,
     double dropout_p, const std::optional<at::Tensor>& seed, bool mask_grad,
-    const std::optional<at::Tensor>& grad_lse);
+    const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_weights);
 
 }  // namespace attnx::cpu

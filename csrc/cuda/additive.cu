@@ -9,7 +9,7 @@
 // a second pass over the same key tiles recomputes the scores and writes P*z (exp(s - lse)).
 //
 // Backward: one CTA per (query tile, head, batch). Per key tile it recomputes s and P, forms
-//   dPd = dO value^T,  dS = P * (dPd * z - delta),  delta = rowsum(dO * out)  (host)
+//   dPd = dO value^T (+ dW),  dS = P * (dPd * z - delta),  delta = rowsum(dO * out)  (host)
 // and then, A chunk by A chunk, with t = tanh(q + k) and g = dS * (1 - t^2):
 //   dq[i, a] += v[a] sum_j g      (rows owned by this CTA: plain read-modify-write)
 //   dk[j, a] += v[a] sum_i g,  dv[a] += sum_ij dS t,  dvalue[j] += sum_i Pd[i, j] dO[i]
@@ -221,6 +221,8 @@ __global__ void __launch_bounds__(kThreads) additive_bwd_kernel(const AdditivePa
         const T* val = hd.value + int64_t(j) * p.svalue.l;
         float dp = 0.f;
         for (int e = 0; e < p.Ev; ++e) dp += sm[L.dO + r * p.Ev + e] * to_float(val[e]);
+        if (p.dweights != nullptr)  // pr != 0: i < Lq and j < Lk
+          dp += to_float(static_cast<const T*>(p.dweights)[(hd.bh * p.Lq + i) * p.Lk + j]);
         const float z = dropout_factor(p.drop, hd.key_bh, uint32_t(i), uint32_t(j));
         pd = pr * z;
         ds = pr * (dp * z - sm[L.delta + r]);

@@ -71,8 +71,9 @@ struct AdditiveParams {
   void* weights;  // (B, H, Lq, Lk) contiguous or null
   // backward (all contiguous): dout (B, H, Lq, Ev); fp32 accumulators, zeroed:
   // dq (B, H, Lq, A), dk (B, H, Lk, A), dvalue (B, H, Lk, Ev), dv (H, A); dmask as in SDPA;
-  // delta fp32 (B, H, Lq) = rowsum(dout * out).
+  // delta fp32 (B, H, Lq) = rowsum(dout * out) less grad_lse; dweights (B, H, Lq, Lk) or null.
   const void* dout;
+  const void* dweights;
   float *dq, *dk, *dvalue, *dv, *delta;
   void* dmask;
 };

@@ -287,7 +287,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
     const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in, const Tensor& value_in,
     const Tensor& v, const OptTensor& mask, const Tensor& out, const Tensor& lse,
     int64_t window_lo, int64_t window_hi, double dropout_p, const OptTensor& seed,
-    bool mask_grad, const OptTensor& grad_lse) {
+    bool mask_grad, const OptTensor& grad_lse, const OptTensor& grad_weights) {
   const c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = rows(q_in, q_in, "q"), k = rows(k_in, q_in, "k");
   const Tensor value = rows(value_in, q_in, "value");
@@ -311,6 +311,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
   p.dvalue = dvalue.data_ptr<float>();
   p.dv = dv.data_ptr<float>();
   p.dmask = want_dmask ? dmask.data_ptr() : nullptr;
+  Tensor dw;
+  if (grad_weights.has_value()) {
+    TORCH_CHECK(grad_weights->sizes() == at::IntArrayRef({p.B, p.H, p.Lq, p.Lk}) &&
+                    grad_weights->device() == q.device(),
+                "grad_weights: expected shape (B, H, Lq, Lk) on q's device, got ",
+                grad_weights->sizes());
+    dw = grad_weights->to(q.scalar_type()).contiguous();
+  }
+  p.dweights = dw.defined() ? dw.data_ptr() : nullptr;
   check_launch(launch_additive_bwd(p, c10::cuda::getCurrentCUDAStream()));
   // v may have been a broadcast (A,) vector: its gradient has v's own (H, A) shape here, the
   // autograd of the expand sums it back.
