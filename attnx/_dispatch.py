@@ -69,8 +69,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     `backend` forces "cuda", "triton", "cpu" or "reference"; `return_lse=True` also returns the
     float32 log-sum-exp of the scaled scores, shape (B, H, Lq). See API.md for the contract.
     """
+    return sdpa_seeded(None, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                       enable_gqa, window=window, backend=backend, return_lse=return_lse)
+
+
+def sdpa_seeded(seed, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                scale=None, enable_gqa=False, *, window=None, backend=None, return_lse=False):
+    """scaled_dot_product_attention with its dropout seed given (None: drawn from torch's
+    generator, as the public function does): the nn modules draw it themselves, so that the
+    weights they return went through the very dropout the output did."""
     call = _validate.sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                               enable_gqa, window, backend, return_lse)
+                               enable_gqa, window, backend, return_lse, seed)
     call, everything_dropped = _without_total_dropout(call)
     out, lse = _module(select("sdpa", call)).sdpa(call)
     if everything_dropped:

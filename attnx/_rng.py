@@ -43,16 +43,6 @@ def draw_seed() -> torch.Tensor:
     return torch.randint(0, 2**32, (2,), dtype=torch.int64)
 
 
-def peek_seed() -> torch.Tensor:
-    """The seed the next op with 0 < dropout_p < 1 will draw (its validation's first draw from
-    torch's CPU generator), without consuming it: what the nn modules use to give weights after
-    the very dropout the op applies."""
-    state = torch.get_rng_state()
-    seed = draw_seed()
-    torch.set_rng_state(state)
-    return seed
-
-
 def keep_threshold(p: float) -> int:
     return min(int(p * 2**32), _M32)
 
@@ -60,9 +50,9 @@ def keep_threshold(p: float) -> int:
 def keep_mask(seed: torch.Tensor, batch: int, heads: int, lq: int, lk: int,
               p: float, device: torch.device) -> torch.Tensor:
     """Bool tensor (batch, heads, lq, lk): True where the element survives dropout."""
-    s0, s1 = (int(w) for w in seed.tolist())
+    s = seed.to(device)  # tensor ops only (no .tolist()), so torch.compile traces it whole
     bh = torch.arange(batch * heads, dtype=torch.int64, device=device)
-    key_bh = mix32(s0 ^ mix32(bh ^ s1)).view(batch, heads, 1, 1)
+    key_bh = mix32(s[0] ^ mix32(bh ^ s[1])).view(batch, heads, 1, 1)
     i = torch.arange(lq, dtype=torch.int64, device=device).view(1, 1, lq, 1)
     j = torch.arange(lk, dtype=torch.int64, device=device).view(1, 1, 1, lk)
     r = mix32(mix32(key_bh ^ i) ^ j)

@@ -179,7 +179,8 @@ def _flatten_lead(x: torch.Tensor, lead: tuple) -> torch.Tensor:
 
 
 def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-              window, backend, return_lse) -> SdpaCall:
+              window, backend, return_lse, seed=None) -> SdpaCall:
+    """The validated call; `seed` (for 0 < dropout_p < 1) is drawn here unless given."""
     q = _check_tensor("query", query, 2)
     k = _check_tensor("key", key, 2)
     v = _check_tensor("value", value, 2)
@@ -245,7 +246,7 @@ def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     q, k, v = (_flatten_lead(t, lead) for t in (q, k, v))
     if mask is not None:
         mask = _flatten_lead(mask, lead)
-    seed = _rng.draw_seed() if 0 < p < 1 else None
+    seed = (_rng.draw_seed() if seed is None else seed) if 0 < p < 1 else None
     return SdpaCall(q, k, v, mask, scale, lo, hi, p, seed, backend, prefix, return_lse)
 
 

@@ -90,6 +90,16 @@ def case(seq: int, dim: int, kind: str, backward: bool, repeats: int, h: int = 8
     return row
 
 
+def _unused(path: str) -> str:
+    """path, or path-2, -3, ... before the extension: a second run the same day keeps the first's
+    results (the default name is by date)."""
+    stem, ext = os.path.splitext(path)
+    n = 2
+    while os.path.exists(path):
+        path, n = f"{stem}-{n}{ext}", n + 1
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="L=1024 and 2048, D=64 only")
@@ -132,7 +142,7 @@ def main() -> None:
         "torch": torch.__version__, "attnx": attnx.__version__, "repeats": repeats,
         "sgemm_2048": gemm, "fma_peak": peak, "cases": rows,
     }
-    path = args.out or os.path.join(HERE, "results", f"cpu-sdpa-{now:%Y-%m-%d}{'-quick' if args.quick else ''}{'' if args.heads == 8 else f'-h{args.heads}'}.json")
+    path = args.out or _unused(os.path.join(HERE, "results", f"cpu-sdpa-{now:%Y-%m-%d}{'-quick' if args.quick else ''}{'' if args.heads == 8 else f'-h{args.heads}'}.json"))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

@@ -153,9 +153,9 @@ def sanitize_cases():
         torch.autograd.grad(out.sum(), (q, k, v))
     q, k, value, v = t(3, 2, 17, 70), t(3, 2, 45, 70), t(3, 2, 45, 19), t(70)
     mask = t(3, 2, 17, 45)
-    out, _ = attnx.additive_attention(q, k, value, v, mask, dropout_p=0.1, window=(5, 9),
+    out, w = attnx.additive_attention(q, k, value, v, mask, dropout_p=0.1, window=(5, 9),
                                       backend="cuda", return_weights=True)
-    torch.autograd.grad(out.sum(), (q, k, value, v, mask))
+    torch.autograd.grad(out.sum() + (w * w).sum(), (q, k, value, v, mask))  # reads grad_weights
     torch.cuda.synchronize()
     print("sanitize cases ran")
 

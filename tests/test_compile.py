@@ -35,3 +35,28 @@ def test_additive_compiles_fullgraph():
     torch._dynamo.reset()
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, val, v)
     torch.testing.assert_close(got, f(q, k, val, v))
+
+
+@pytest.mark.parametrize("module", ["multihead", "attention"])
+def test_nn_weights_under_dropout_compile_fullgraph(module):
+    """Training with dropout and need_weights (MultiheadAttention's default): the module draws
+    the seed itself and hands it to the op, with no graph break."""
+    import attnx.nn as ann
+
+    torch.manual_seed(0)
+    m = (ann.MultiheadAttention(16, 2, dropout=0.3, batch_first=True) if module == "multihead"
+         else ann.Attention(16, 16, score="dot", dropout=0.3)).train()
+    x = torch.randn(2, 5, 16)
+
+    def f(x):
+        return m(x, x, x, need_weights=True) if module == "multihead" else m(x, x, need_weights=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(3)
+    got = compiled(x)
+    torch.manual_seed(3)
+    want = f(x)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert (got[1] == 0).any()  # weights after dropout

@@ -32,8 +32,8 @@ def make_inputs(b, h, lq, lk, a, ev, v_heads=False, three_d=False, seed=0):
 
 def run(backend, inputs, dtype, attn_mask=None, dropout_seed=None, **kw):
     """Outputs and all gradients (of the tensors among inputs and a float mask) of a loss on
-    both out and the weights, as a list; also the weights under no_grad (the fused backends'
-    own weights output, which carries no gradient)."""
+    both out and the weights, as a list; also the weights under no_grad (the same kernels'
+    output with nothing saved for a backward)."""
     xs = [t.detach().to(dtype).requires_grad_() for t in inputs]
     mask = attn_mask
     if type(mask) is torch.Tensor:  # not a CausalBias (a Tensor subclass), passed as it is

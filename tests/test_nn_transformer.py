@@ -143,15 +143,15 @@ def test_dropout_train_mode_reproducible():
 
 
 def test_attention_runs_on_attnx(monkeypatch):
-    import attnx
+    from attnx import _dispatch
     calls = []
-    real = attnx.scaled_dot_product_attention
+    real = _dispatch.sdpa_seeded  # what attnx.scaled_dot_product_attention runs on
 
     def counting(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append(args[1].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(attnx, "scaled_dot_product_attention", counting)
+    monkeypatch.setattr(_dispatch, "sdpa_seeded", counting)
     model = ann.Transformer(D, H, 2, 1, FF, dropout=0.0, batch_first=True).eval()
     with torch.no_grad():
         model(torch.randn(2, 5, D), torch.randn(2, 3, D))

@@ -398,3 +398,18 @@ def test_auto_never_picks_the_interpreter():
     q = torch.randn(1, 1, 4, 8)
     call = _validate.sdpa_call(q, q, q, None, 0.0, False, None, False, None, None, False)
     assert _dispatch.select("sdpa", call) != "triton"
+
+
+def test_raw_ops_take_bands_of_any_size():
+    """A window wider than the sequences (up to the int64 limits) admits every pair."""
+    from attnx.triton import additive as ta, sdpa as ts
+
+    gen = torch.Generator().manual_seed(1)
+    q, k, val, w = (_randn(s, f32, gen) for s in ((1, 1, 5, 16), (1, 1, 7, 16), (1, 1, 7, 16), (1, 16)))
+    huge = (-2**63, 2**63 - 1)
+    for a, b in zip(ta.additive_fwd(q, k, val, w, None, -5, 7, 0.0, None, True),
+                    ta.additive_fwd(q, k, val, w, None, *huge, 0.0, None, True)):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(ts.sdpa_fwd(q, k, val, None, 0.25, -5, 7, 0.0, None),
+                    ts.sdpa_fwd(q, k, val, None, 0.25, *huge, 0.0, None)):
+        torch.testing.assert_close(a, b)

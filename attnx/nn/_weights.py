@@ -1,10 +1,10 @@
 """Attention probabilities for `need_weights=True`, computed beside the fused op.
 
-The fused kernels return only the output (and the lse, which autograd treats as a constant), so
-the weights a caller asks for come from this separate, differentiable softmax over the same
-scores, mask and band. Rows that admit no key give zeros, as the fused op does. Under dropout
-they are the weights after it, as torch.nn returns them: the op's own keep mask (a hash of the
-seed it draws, see attnx/_rng.py), so that the output is the weights times the values.
+The SDPA kernels return only the output and the lse, so the weights a caller asks for come
+from this separate, differentiable softmax over the same scores, mask and band. Rows that
+admit no key give zeros, as the fused op does. Under dropout they are the weights after it, as
+torch.nn returns them: the op's own keep mask (a hash of a seed the module draws and hands to
+the op, see attnx/_rng.py), so that the output is the weights times the values.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from .. import _rng
+from .._backends import reference
 
 
 def band_mask(lq: int, lk: int, window, device) -> Optional[torch.Tensor]:
@@ -52,18 +53,14 @@ def softmax_weights(scores: torch.Tensor, mask: Optional[torch.Tensor], window=N
 
 
 def dropout_seed(p: float) -> Optional[torch.Tensor]:
-    """Called just before an op with dropout_p=p: the seed that op will draw, or None when it
-    draws none (p = 0 or 1)."""
-    return _rng.peek_seed() if 0 < p < 1 else None
+    """A seed for an op with dropout_p=p (attnx._dispatch.sdpa_seeded), drawn as the op would
+    draw it; None when the op draws none (p = 0 or 1)."""
+    return _rng.draw_seed() if 0 < p < 1 else None
 
 
 def after_dropout(weights: torch.Tensor, p: float, seed: Optional[torch.Tensor]) -> torch.Tensor:
     """(B, H, Lq, Lk) weights as the op with dropout_p=p and this seed applied them: kept
     elements scaled by 1 / (1 - p), the others zero."""
-    if p == 0:
-        return weights
     if p == 1:
         return weights * 0
-    b, h, lq, lk = weights.shape
-    keep = _rng.keep_mask(seed, b, h, lq, lk, p, weights.device)
-    return weights * keep.to(weights.dtype) * (1.0 / (1.0 - p))
+    return reference.apply_dropout(weights, p, seed)

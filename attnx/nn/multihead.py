@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-import attnx
+from attnx import _dispatch
 
 from ._masks import check_mask, combine
 from ._weights import after_dropout, dropout_seed, softmax_weights
@@ -101,8 +101,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
         dropout_p = self.dropout if self.training else 0.0
         seed = dropout_seed(dropout_p) if need_weights else None
-        out = attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                 is_causal=use_causal)
+        out = _dispatch.sdpa_seeded(seed, q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                    is_causal=use_causal)
         out = F.linear(out.transpose(1, 2).reshape(n, lq, e), self.out_proj.weight, self.out_proj.bias)
 
         weights = None

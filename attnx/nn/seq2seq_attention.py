@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnx
+from attnx import _dispatch
 
 from ._masks import check_mask, combine
 from ._weights import after_dropout, dropout_seed, softmax_weights
@@ -151,8 +152,8 @@ class Attention(nn.Module):
                 if self.score == "cosine":
                     q = F.normalize(q, dim=-1) * self.sharpness
             seed = dropout_seed(dropout_p) if need_weights else None
-            out = attnx.scaled_dot_product_attention(q, k, vh, attn_mask=mask, dropout_p=dropout_p,
-                                                     scale=scale, window=self.window)
+            out = _dispatch.sdpa_seeded(seed, q, k, vh, attn_mask=mask, dropout_p=dropout_p,
+                                        scale=scale, window=self.window)
             if need_weights:
                 s = q.new_zeros(b, self.num_heads, lq, lk) if self.score == "location" else \
                     torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)

@@ -297,6 +297,7 @@ def additive_fwd(q: torch.Tensor, k: torch.Tensor, value: torch.Tensor, v: torch
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, weights): weights (B, H, Lq, Lk) after dropout when return_weights, else an
     empty placeholder (csrc/ops.cpp's convention)."""
+    window_lo, window_hi = common.clamped_band(window_lo, window_hi, q.shape[2], k.shape[2])
     m, rng, strides, consts, inv_keep = _launch_args(q, k, value, v, mask, dropout_p, seed)
     b, h, lq, a = q.shape
     lk, ev = k.shape[2], value.shape[-1]
@@ -349,6 +350,7 @@ def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """grad_lse and grad_weights as in csrc/ops.cpp's additive_bwd (the weights' part of D
     folded into grad_lse by the caller)."""
+    window_lo, window_hi = common.clamped_band(window_lo, window_hi, q.shape[2], k.shape[2])
     m, rng, strides, consts, inv_keep = _launch_args(q, k, value, v, mask, dropout_p, seed)
     b, h, lq, a = q.shape
     lk, ev = k.shape[2], value.shape[-1]

@@ -49,6 +49,12 @@ def huge_rows(lse, huge_lse):
     return (tl.abs(lse) > huge_lse) & (tl.abs(lse) < float("inf"))
 
 
+def clamped_band(lo: int, hi: int, lq: int, lk: int) -> tuple[int, int]:
+    """The band (lo, hi) in [-Lq, Lk]: the same admissible pairs, and i + lo, i + hi cannot
+    overflow in the kernels whatever a direct caller of the ops passes."""
+    return min(max(lo, -lq), lk), min(max(hi, -lq), lk)
+
+
 def divide_rows(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """x (..., L, D) with row i divided by r (..., L), in x's dtype (rows with r = 1 unchanged)."""
     return (x.float() / r.unsqueeze(-1)).to(x.dtype)

@@ -251,6 +251,7 @@ def _common_args(q, k, v, mask, dropout_p, seed):
 def sdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
              scale: float, window_lo: int, window_hi: int, dropout_p: float,
              seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    window_lo, window_hi = common.clamped_band(window_lo, window_hi, q.shape[2], k.shape[2])
     m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep = _common_args(
         q, k, v, mask, dropout_p, seed)
     out = q.new_empty((b, h, lq, ev))
@@ -268,6 +269,7 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
              window_lo: int, window_hi: int, dropout_p: float, seed: Optional[torch.Tensor],
              mask_grad: bool, grad_lse: Optional[torch.Tensor] = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    window_lo, window_hi = common.clamped_band(window_lo, window_hi, q.shape[2], k.shape[2])
     m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep = _common_args(
         q, k, v, mask, dropout_p, seed)
     r = torch.empty_like(lse)
