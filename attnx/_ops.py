@@ -48,7 +48,8 @@ def same_device(q: torch.Tensor, *others: Optional[torch.Tensor]) -> None:
     real ones dispatches to the fake kernel, which must not answer with uninitialised memory."""
     for t in others:
         if t is not None and t.device != q.device:
-            raise RuntimeError(f"attnx: expected every tensor on q's device {q.device}, got one on {t.device}")
+            raise RuntimeError(
+                f"attnx: expected every tensor on q's device {q.device}, got one on {t.device}")
 
 
 def _empty_grad(like: torch.Tensor) -> torch.Tensor:
