@@ -61,16 +61,17 @@ def or_zeros(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like) if grad is None else grad
 
 
-def with_weights_term(grad_lse: Optional[torch.Tensor], weights: Optional[torch.Tensor],
-                      grad_weights: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """grad_lse less rowsum(W * dW): the weights' part of the softmax backward's D_i, which the
-    additive backward kernels take folded into grad_lse (csrc/ops.cpp). In float64 for float64
-    weights (gradcheck), else float32."""
-    if grad_weights is None:
-        return grad_lse
+def weights_grads(grad_lse: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                  grad_weights: Optional[torch.Tensor]):
+    """(grad_lse, grad_weights) as the additive backward kernels take them (csrc/ops.cpp):
+    grad_lse less rowsum(W * dW), the weights' part of the softmax backward's D_i (float64 for
+    float64 weights, gradcheck; else float32), and no grad_weights when the forward saved no
+    weights (return_weights=False: the output was an empty placeholder)."""
+    if weights is None or grad_weights is None:
+        return grad_lse, None
     acc = torch.float64 if weights.dtype == torch.float64 else torch.float32
     term = (weights.to(acc) * grad_weights.to(acc)).sum(-1)
-    return -term if grad_lse is None else grad_lse.to(acc) - term
+    return (-term if grad_lse is None else grad_lse.to(acc) - term), grad_weights
 
 
 def no_double_backward(ctx, *grads):
@@ -148,9 +149,7 @@ if _C is not None:
         q, k, value, v, mask, out, lse, seed, weights = ctx.saved_tensors
         lo, hi, p = ctx.args
         want_mask = _wants_mask_grad(ctx, mask)
-        if weights is None:
-            grad_weights = None
-        grad_lse = with_weights_term(grad_lse, weights, grad_weights)
+        grad_lse, grad_weights = weights_grads(grad_lse, weights, grad_weights)
         dq, dk, dvalue, dv, dmask = torch.ops.attnx.additive_bwd(
             or_zeros(grad_out, out), q, k, value, v, mask, out, lse, lo, hi, p, seed, want_mask,
             grad_lse, grad_weights)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._ops import no_double_backward, or_zeros, same_device, with_weights_term
+from .._ops import no_double_backward, or_zeros, same_device, weights_grads
 from . import common
 from .common import (admit, dot, huge_rows, key_range, query_range, score_grad,
                      softmax_start, softmax_step, store_rows)
@@ -415,11 +415,10 @@ def _backward(ctx, grad_out, _grad_lse, grad_weights):
     q, k, value, v, mask, out, lse, seed, weights = ctx.saved_tensors
     lo, hi, p = ctx.args
     want_mask = mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[4]
-    if weights is None:
-        grad_weights = None
+    grad_lse, grad_weights = weights_grads(None, weights, grad_weights)  # its lse: a constant
     dq, dk, dvalue, dv, dmask = additive_bwd(
         or_zeros(grad_out, out), q, k, value, v, mask, out, lse, lo, hi, p, seed, want_mask,
-        with_weights_term(None, weights, grad_weights), grad_weights)
+        grad_lse, grad_weights)
     return dq, dk, dvalue, dv, (dmask if want_mask else None), None, None, None, None, None
 
 
