@@ -12,7 +12,8 @@ namespace attnx::cpu {
 float row_max(const float* x, int64_t n);
 double row_max(const double* x, int64_t n);
 
-// x = exp(x - sub) in place (exp(-inf) = 0); returns the sum of the new values.
+// x = exp(x - sub) in place (exp(-inf) = 0); returns the sum of the new values. sub is at
+// least every x (a row's max or its lse): the float version assumes it.
 float exp_sum(float* x, int64_t n, float sub);
 double exp_sum(double* x, int64_t n, double sub);
 
