@@ -242,6 +242,9 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
           return T(0);
         }
         if (mask.present() && e > a) mask.apply(pr + a, b, h, i, j0 + a, e - a);
+        if (huge_row[i]) {  // BLAS may round a score above such an lse: exp_sum needs x <= lse
+          for (int64_t j = a; j < e; ++j) pr[j] = std::min(pr[j], lh[i]);
+        }
         return exp_sum(pr + a, e - a, lh[i]);
       };
       // The rows huge_lse() picks get renorm[i] = 1 / sum_j exp(s_ij - lse_i), from a pass

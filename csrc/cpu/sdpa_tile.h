@@ -12,8 +12,9 @@ namespace attnx::cpu {
 float row_max(const float* x, int64_t n);
 double row_max(const double* x, int64_t n);
 
-// x = exp(x - sub) in place (exp(-inf) = 0); returns the sum of the new values. sub is at
-// least every x (a row's max or its lse): the float version assumes it.
+// x = exp(x - sub) in place (exp(-inf) = 0); returns the sum of the new values. sub is a row's
+// max or its lse, so x - sub <= 0 (up to a rounding of the lse, far below overflow): the float
+// version has no overflow clamp, which costs 15% of its time (x - sub above 88 gives garbage).
 float exp_sum(float* x, int64_t n, float sub);
 double exp_sum(double* x, int64_t n, double sub);
 
