@@ -52,6 +52,12 @@ def same_device(q: torch.Tensor, *others: Optional[torch.Tensor]) -> None:
                 f"attnx: expected every tensor on q's device {q.device}, got one on {t.device}")
 
 
+def contiguous_grads(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What a backward op returns for these inputs (fake kernels): gradients of their shapes
+    and dtypes, contiguous whatever the inputs' strides, as every backend writes them."""
+    return tuple(t.new_empty(t.shape) for t in inputs)
+
+
 def _empty_grad(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,))
 
@@ -96,7 +102,7 @@ if _C is not None:
                        dropout_p, seed, mask_grad, grad_lse=None):
         same_device(q, grad_out, k, v, mask, out, lse, grad_lse)
         dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+        return (*contiguous_grads(q, k, v), dmask)
 
     @torch.library.register_fake("attnx::additive_fwd")
     def _additive_fwd_fake(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed,
@@ -113,8 +119,7 @@ if _C is not None:
                            dropout_p, seed, mask_grad, grad_lse=None, grad_weights=None):
         same_device(q, grad_out, k, value, v, mask, out, lse, grad_lse, grad_weights)
         dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
-        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(value),
-                torch.empty_like(v), dmask)
+        return (*contiguous_grads(q, k, value, v), dmask)
 
     def _wants_mask_grad(ctx, mask) -> bool:
         return mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[4 if ctx.additive else 3]

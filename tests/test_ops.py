@@ -57,6 +57,30 @@ def test_opcheck_additive(mask_kind, return_weights):
     torch.library.opcheck(torch.ops.attnx.additive_bwd.default, bwd + (None, grad_weights))
 
 
+def _strided(*shape):
+    """float64 (B, H, L, D) with H and L swapped in memory, as modules pass their heads."""
+    b, h, l, d = shape
+    return torch.randn(b, l, h, d, dtype=torch.float64).transpose(1, 2)
+
+
+def test_opcheck_on_non_contiguous_inputs():
+    """The fake kernels promise the layout the real ones return (contiguous gradients, whatever
+    the inputs' strides): torch.compile's inductor checks it on backward."""
+    q, k, v = _strided(2, 4, 9, 8), _strided(2, 2, 11, 8), _strided(2, 2, 11, 6)
+    fwd = (q, k, v, None, 0.3, -5, 3, 0.0, None)
+    torch.library.opcheck(torch.ops.attnx.sdpa_fwd.default, fwd)
+    out, lse = torch.ops.attnx.sdpa_fwd(*fwd)
+    torch.library.opcheck(torch.ops.attnx.sdpa_bwd.default,
+                          (torch.randn_like(out), q, k, v, None, out, lse, 0.3, -5, 3, 0.0, None, False))
+    q, k, value = _strided(2, 3, 7, 8), _strided(2, 3, 5, 8), _strided(2, 3, 5, 4)
+    v = torch.randn(8, dtype=torch.float64).expand(3, 8)
+    fwd = (q, k, value, v, None, -7, 5, 0.0, None, True)
+    torch.library.opcheck(torch.ops.attnx.additive_fwd.default, fwd)
+    out, lse, _ = torch.ops.attnx.additive_fwd(*fwd)
+    torch.library.opcheck(torch.ops.attnx.additive_bwd.default,
+                          (torch.randn_like(out), q, k, value, v, None, out, lse, -7, 5, 0.0, None, False))
+
+
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_second_order_gradients_raise_or_are_right(backend):
     """The fused backward ops have no derivative of their own: a second-order gradient through

@@ -376,6 +376,27 @@ def test_ops_pass_opcheck_and_compile():
     assert all(torch.equal(a, b) for a, b in zip(eager, torch.autograd.grad(compiled_out.sum(), leaves)))
 
 
+def test_backward_ops_return_what_their_fake_kernels_promise():
+    """Contiguous gradients whatever the inputs' strides (modules pass heads transposed), as the
+    fake kernels say: torch.compile's inductor checks it on backward."""
+    gen = torch.Generator().manual_seed(0)
+
+    def strided(b, h, l, d):
+        return _randn((b, l, h, d), f32, gen).transpose(1, 2)
+
+    q, k, v = strided(1, 2, 17, 16), strided(1, 2, 20, 16), strided(1, 2, 20, 8)
+    args = (q, k, v, None, 0.25, -17, 3, 0.0, None)
+    out, lse = torch.ops.attnx.triton_sdpa_fwd(*args)
+    torch.library.opcheck(torch.ops.attnx.triton_sdpa_bwd.default,
+                          (torch.randn_like(out), *args[:4], out, lse, *args[4:], False))
+    q, k, value = strided(1, 2, 5, 8), strided(1, 2, 7, 8), strided(1, 2, 7, 4)
+    w = _randn((8,), f32, gen).expand(2, 8)
+    args = (q, k, value, w, None, -5, 0, 0.0, None)
+    out, lse, _ = torch.ops.attnx.triton_additive_fwd(*args, False)
+    torch.library.opcheck(torch.ops.attnx.triton_additive_bwd.default,
+                          (torch.randn_like(out), *args[:5], out, lse, *args[5:], False, None, None))
+
+
 # ---------------------------------------------------------------- availability
 
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._ops import no_double_backward, or_zeros, same_device, weights_grads
+from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device, weights_grads
 from . import common
 from .common import (admit, dot, huge_rows, key_range, query_range, score_grad,
                      softmax_start, softmax_step, store_rows)
@@ -396,8 +396,7 @@ def _additive_bwd_fake(grad_out, q, k, value, v, mask, out, lse, window_lo, wind
                        dropout_p, seed, mask_grad, grad_lse, grad_weights):
     same_device(q, grad_out, k, value, v, mask, out, lse, grad_lse, grad_weights)
     dmask = q.new_empty((*q.shape[:3], k.shape[2]) if mask_grad else (0,))
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(value),
-            torch.empty_like(v), dmask)
+    return (*contiguous_grads(q, k, value, v), dmask)
 
 
 def _setup(ctx, inputs, output):

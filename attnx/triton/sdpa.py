@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._ops import no_double_backward, or_zeros, same_device
+from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device
 from . import common
 from .common import (admit_block, dot, huge_rows, key_range, query_range, score_grad,
                      softmax_start, softmax_step, store_rows)
@@ -314,7 +314,7 @@ def _sdpa_bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_h
                    seed, mask_grad, grad_lse=None):
     same_device(q, grad_out, k, v, mask, out, lse, grad_lse)
     dmask = q.new_empty((*q.shape[:3], k.shape[2]) if mask_grad else (0,))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+    return (*contiguous_grads(q, k, v), dmask)
 
 
 def _setup(ctx, inputs, output):

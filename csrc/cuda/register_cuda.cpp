@@ -95,14 +95,9 @@ cudaError_t by_family(int D, F64 f64, F128 f128, F256 f256) {
   return D == 64 ? f64() : D == 128 ? f128() : f256();
 }
 
-// A gradient in the layout of the input it belongs to (what the fake kernels, empty_like,
-// promise); the kernels write contiguous rows.
-Tensor like_input(const Tensor& grad, const Tensor& input) {
-  if (input.is_contiguous()) return grad.to(input.scalar_type());
-  Tensor t = at::empty_like(input);
-  t.copy_(grad);
-  return t;
-}
+// A gradient in its input's dtype, contiguous whatever the input's strides: what the fake
+// kernels (attnx._ops.contiguous_grads) promise and the CPU and Triton kernels return.
+Tensor grad_for(const Tensor& grad, const Tensor& input) { return grad.to(input.scalar_type()); }
 
 void check_launch(cudaError_t err) {
   C10_CUDA_CHECK(err);
@@ -218,7 +213,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
       D, [&] { return sdpa_bwd_family<64>(p, stream); },
       [&] { return sdpa_bwd_family<128>(p, stream); },
       [&] { return sdpa_bwd_family<256>(p, stream); }));
-  return {like_input(dq_acc, q_in), like_input(dk, k_in), like_input(dv, v_in), dmask};
+  return {grad_for(dq_acc, q_in), grad_for(dk, k_in), grad_for(dv, v_in), dmask};
 }
 
 AdditiveParams additive_params(const Tensor& q, const Tensor& k, const Tensor& value,
@@ -323,8 +318,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
   check_launch(launch_additive_bwd(p, c10::cuda::getCurrentCUDAStream()));
   // v may have been a broadcast (A,) vector: its gradient has v's own (H, A) shape here, the
   // autograd of the expand sums it back.
-  return {like_input(dq, q_in), like_input(dk, k_in), like_input(dvalue, value_in),
-          like_input(dv, v), dmask};
+  return {grad_for(dq, q_in), grad_for(dk, k_in), grad_for(dvalue, value_in),
+          grad_for(dv, v), dmask};
 }
 
 }  // namespace
