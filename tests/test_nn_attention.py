@@ -186,3 +186,27 @@ def test_bad_arguments():
         att(q, k, attn_mask=torch.zeros(1, 5))
     with pytest.raises(ValueError, match="query: expected a"):
         att(q[0], k)
+    with pytest.raises(ValueError, match="attn_dim: expected >= 1"):
+        Attention(4, 4, attn_dim=0)
+    with pytest.raises(TypeError, match="query: expected a Tensor"):
+        att([[0.0] * 4], k)
+    with pytest.raises(TypeError, match="key: expected a Tensor"):
+        att(q, None)
+    with pytest.raises(ValueError, match="query: expected a last dim of query_dim=4"):
+        att(torch.randn(2, 3, 5), k)
+    with pytest.raises(ValueError, match="key: expected a last dim of key_dim=4"):
+        Attention(4, 4)(q, torch.randn(2, 5, 3))
+    with pytest.raises(ValueError, match="key: expected batch size 2"):
+        att(q, k[:1])
+    with pytest.raises(ValueError, match="value: expected"):
+        att(q, k, torch.randn(2, 4, 4))
+
+
+@pytest.mark.parametrize("score", SCORES)
+def test_no_keys_gives_zero_context_and_empty_weights(score):
+    """Lk = 0: every row admits nothing, so zeros, as for a fully-masked row."""
+    att = Attention(DQ, DQ, score=score)
+    q, k = torch.randn(2, 3, DQ), torch.randn(2, 0, DQ)
+    context, weights = att(q, k, need_weights=True)
+    assert context.shape == (2, 3, DQ) and (context == 0).all()
+    assert weights.shape == (2, 3, 0)

@@ -228,3 +228,27 @@ def test_bad_masks_are_rejected(kwargs, error, match):
         ours(*_inputs(2, 5, 7, True), **kwargs)
     with pytest.raises(Exception):
         ref(*_inputs(2, 5, 7, True), **kwargs)
+
+
+def test_no_keys_with_weights_matches_torch():
+    """A zero-length key sequence with need_weights (the default): torch gives the output
+    projection's bias and (N, L, 0) weights."""
+    ours, ref = _pair(batch_first=True)
+    q, k, v = _inputs(2, 5, 0, True)
+    (out, w), (want, want_w) = ours(q, k, v), ref(q, k, v)
+    assert w.shape == want_w.shape == (2, 5, 0)
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda m, q: m(q, q, q, attn_mask=[[0.0] * 5] * 5), TypeError, "attn_mask: expected a Tensor"),
+    (lambda m, q: m(q, [1.0], q), TypeError, "key: expected a Tensor"),
+    (lambda m, q: m(q[..., :5], q, q), ValueError, f"query: expected a last dim of embed_dim={E}"),
+    (lambda m, q: m(q, q, q[..., :5]), ValueError, f"value: expected a last dim of vdim={E}"),
+    (lambda m, q: m(*[torch.nested.nested_tensor([t for t in q])] * 3, need_weights=False),
+     TypeError, "query: expected a dense"),
+])
+def test_bad_inputs_raise_naming_the_argument(call, error, match):
+    ours, _ = _pair(batch_first=True)
+    with pytest.raises(error, match=match):
+        call(ours, _inputs(2, 5, 5, True)[0])

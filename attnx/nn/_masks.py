@@ -13,16 +13,26 @@ from typing import Optional, Sequence
 
 import torch
 
+from .._validate import _check_dense
+
+
+def check_mask_type(name: str, mask) -> None:
+    """None, or a dense bool or floating tensor."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name}: expected a Tensor or None, got {type(mask).__name__}")
+    _check_dense(name, mask)
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"{name}: expected a bool or floating-point mask, got {mask.dtype}")
+
 
 def check_mask(name: str, mask: Optional[torch.Tensor], shapes: Sequence[tuple]) -> None:
     """torch.nn's rules for a mask argument: None, or a bool or floating tensor of one of
     `shapes` (an integer 0/1 mask would otherwise be added to the scores as a bias)."""
     if mask is None:
         return
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name}: expected a Tensor or None, got {type(mask).__name__}")
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(f"{name}: expected a bool or floating-point mask, got {mask.dtype}")
+    check_mask_type(name, mask)
     if tuple(mask.shape) not in {tuple(s) for s in shapes}:
         expected = " or ".join(str(tuple(s)) for s in shapes)
         raise ValueError(f"{name}: expected shape {expected}, got {tuple(mask.shape)}")

@@ -36,6 +36,8 @@ def softmax_weights(scores: torch.Tensor, mask: Optional[torch.Tensor], window=N
     """softmax over the last dim of `scores` after an attnx-style mask (bool True = may attend,
     float = added), a window and a causal band; empty rows give zeros."""
     lq, lk = scores.shape[-2:]
+    if lk == 0:  # no key at all: every row is empty (and amax would raise)
+        return scores.new_zeros(scores.shape)
     s = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
     if mask is not None:
         if mask.dtype == torch.bool:

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from attnx import _dispatch
 
-from ._masks import check_mask, combine
+from ._inputs import check_features, check_tensor
+from ._masks import check_mask, check_mask_type, combine
 from ._weights import after_dropout, dropout_seed, softmax_weights
 
 
@@ -57,6 +58,10 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
                 is_causal: bool = False):
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            check_tensor(name, x)
+        check_mask_type("key_padding_mask", key_padding_mask)
+        check_mask_type("attn_mask", attn_mask)
         is_batched = F._mha_shape_check(query, key, value, key_padding_mask, attn_mask,
                                         self.num_heads)
         if is_causal and attn_mask is None:
@@ -69,6 +74,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         elif not self.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        check_features("query", query, self.embed_dim, "embed_dim")
+        check_features("key", key, self.kdim, "kdim")
+        check_features("value", value, self.vdim, "vdim")
         n, lq, e = query.shape
         h, d = self.num_heads, self.head_dim
         ls = key.shape[1]

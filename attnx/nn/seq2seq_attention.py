@@ -40,6 +40,7 @@ from torch import nn
 import attnx
 from attnx import _dispatch
 
+from ._inputs import check_features, check_tensor
 from ._masks import check_mask, combine
 from ._weights import after_dropout, dropout_seed, softmax_weights
 
@@ -63,6 +64,14 @@ class Attention(nn.Module):
                  attn_dim: Optional[int] = None, num_heads: int = 1, dropout: float = 0.0,
                  window=None, *, max_len: int = 256, sharpness: float = 1.0):
         super().__init__()
+        for name, n in (("query_dim", query_dim), ("key_dim", key_dim), ("attn_dim", attn_dim),
+                        ("max_len", max_len)):
+            if n is None and name == "attn_dim":
+                continue
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise TypeError(f"{name}: expected an int, got {type(n).__name__}")
+            if n < 1:
+                raise ValueError(f"{name}: expected >= 1, got {n}")
         if score not in SCORES:
             raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
         if num_heads < 1:
@@ -112,11 +121,20 @@ class Attention(nn.Module):
                 key_padding_mask: Optional[torch.Tensor] = None,
                 attn_mask: Optional[torch.Tensor] = None, need_weights: bool = False, *,
                 projected_key: Optional[torch.Tensor] = None):
-        for name, x in (("query", query), ("key", key)):
-            if x.dim() != 3:
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            check_tensor(name, x, optional=name == "value")
+            if x is not None and x.dim() != 3:
                 raise ValueError(f"{name}: expected a (B, L, dim) tensor, got shape {tuple(x.shape)}")
+        check_features("query", query, self.query_dim, "query_dim")
+        check_features("key", key, self.key_dim, "key_dim")
         b, lq, _ = query.shape
         lk = key.shape[1]
+        if key.shape[0] != b:
+            raise ValueError(f"key: expected batch size {b} (that of query), got shape {tuple(key.shape)}")
+        if value is not None and value.shape[:2] != key.shape[:2]:
+            raise ValueError(f"value: expected (B, Lk) = {tuple(key.shape[:2])} leading dims (those of "
+                             f"key), got shape {tuple(value.shape)}")
+        check_tensor("projected_key", projected_key, optional=True)
         check_mask("attn_mask", attn_mask, [(lq, lk), (b, lq, lk)])
         check_mask("key_padding_mask", key_padding_mask, [(b, lk)])
         value = key if value is None else value
