@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -188,6 +189,11 @@ def test_bad_arguments():
         att(q[0], k)
     with pytest.raises(ValueError, match="attn_dim: expected >= 1"):
         Attention(4, 4, attn_dim=0)
+    with pytest.raises(TypeError, match="key_dim: expected an int"):
+        Attention(4, 4.0)
+    with pytest.raises(ValueError, match="max_len: expected >= 1"):
+        Attention(4, 4, score="location", max_len=0)
+    Attention(np.int64(4), 4, max_len=0)  # numpy sizes, as nn.Linear takes; max_len unused
     with pytest.raises(TypeError, match="query: expected a Tensor"):
         att([[0.0] * 4], k)
     with pytest.raises(TypeError, match="key: expected a Tensor"):

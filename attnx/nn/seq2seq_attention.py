@@ -31,6 +31,7 @@ is always the weights times the values.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -64,13 +65,15 @@ class Attention(nn.Module):
                  attn_dim: Optional[int] = None, num_heads: int = 1, dropout: float = 0.0,
                  window=None, *, max_len: int = 256, sharpness: float = 1.0):
         super().__init__()
-        for name, n in (("query_dim", query_dim), ("key_dim", key_dim), ("attn_dim", attn_dim),
-                        ("max_len", max_len)):
-            if n is None and name == "attn_dim":
+        sizes = [("query_dim", query_dim), ("key_dim", key_dim), ("attn_dim", attn_dim),
+                 ("max_len", max_len if score == "location" else None)]
+        for name, n in sizes:
+            if n is None:
                 continue
-            if isinstance(n, bool) or not isinstance(n, int):
+            # any integer nn.Linear takes (numpy's included), not a bool
+            if isinstance(n, bool) or not hasattr(n, "__index__"):
                 raise TypeError(f"{name}: expected an int, got {type(n).__name__}")
-            if n < 1:
+            if operator.index(n) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {n}")
         if score not in SCORES:
             raise ValueError(f"score: expected one of {SCORES}, got {score!r}")

@@ -242,7 +242,10 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
           return T(0);
         }
         if (mask.present() && e > a) mask.apply(pr + a, b, h, i, j0 + a, e - a);
-        if (huge_row[i]) {  // BLAS may round a score above such an lse: exp_sum needs x <= lse
+        // exp_sum needs x <= lse: true of the forward's own scores, but a score BLAS sums in
+        // another order may land above (by a rounding, or far more under cancellation), and
+        // so may the rounded lse of a huge row.
+        if (!Grads::forward_scores || huge_row[i]) {
           for (int64_t j = a; j < e; ++j) pr[j] = std::min(pr[j], lh[i]);
         }
         return exp_sum(pr + a, e - a, lh[i]);

@@ -71,6 +71,9 @@ struct BlasGrads {
   Dims d;
   const T *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr;
 
+  // BLAS may sum a score in another order than the forward's call did (other tile shapes).
+  static constexpr bool forward_scores = false;
+
   explicit BlasGrads(const Dims& dims) : d(dims) {}
   void load(const T* q_, const T* k_, const T* v_, const T* dout_) {
     q = q_, k = k_, v = v_, dout = dout_;
@@ -109,6 +112,9 @@ struct PanelGrads {
   // dO by columns (dK, dV). Linear in the sequence lengths (about 3 Lk + 2 Lq rows of the head
   // dims per thread), reused by every tile pair; K and V repacked only when the kv head changes.
   std::vector<float> kt, vt, kc, qc, dc;
+
+  // scores() is bitwise PanelProducts::scores(): the forward's very values.
+  static constexpr bool forward_scores = true;
 
   explicit PanelGrads(const Dims& dims);
   void load(const float* q, const float* k, const float* v, const float* dout);

@@ -12,9 +12,10 @@ namespace attnx::cpu {
 float row_max(const float* x, int64_t n);
 double row_max(const double* x, int64_t n);
 
-// x = exp(x - sub) in place (exp(-inf) = 0); returns the sum of the new values. sub is a row's
-// max or its lse, so x - sub <= 0 (up to a rounding of the lse, far below overflow): the float
-// version has no overflow clamp, which costs 15% of its time (x - sub above 88 gives garbage).
+// x = exp(x - sub) in place (exp(-inf) = 0); returns the sum of the new values. Callers keep
+// x <= sub (a row's max, or its lse with the scores clamped to it where they may not be the
+// forward's own): the float version has no overflow clamp, which would cost 15% of its time,
+// and gives garbage for x - sub above 88.
 float exp_sum(float* x, int64_t n, float sub);
 double exp_sum(double* x, int64_t n, double sub);
 
