@@ -194,9 +194,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="max_len: expected >= 1"):
         Attention(4, 4, score="location", max_len=0)
     Attention(np.int64(4), 4, max_len=0)  # numpy sizes, as nn.Linear takes; max_len unused
-    with pytest.raises(TypeError, match="query: expected a Tensor"):
+    with pytest.raises(TypeError, match="query: expected a torch.Tensor"):
         att([[0.0] * 4], k)
-    with pytest.raises(TypeError, match="key: expected a Tensor"):
+    with pytest.raises(TypeError, match="key: expected a torch.Tensor"):
         att(q, None)
     with pytest.raises(ValueError, match="query: expected a last dim of query_dim=4"):
         att(torch.randn(2, 3, 5), k)

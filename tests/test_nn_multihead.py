@@ -242,7 +242,7 @@ def test_no_keys_with_weights_matches_torch():
 
 @pytest.mark.parametrize("call, error, match", [
     (lambda m, q: m(q, q, q, attn_mask=[[0.0] * 5] * 5), TypeError, "attn_mask: expected a Tensor"),
-    (lambda m, q: m(q, [1.0], q), TypeError, "key: expected a Tensor"),
+    (lambda m, q: m(q, [1.0], q), TypeError, "key: expected a torch.Tensor"),
     (lambda m, q: m(q[..., :5], q, q), ValueError, f"query: expected a last dim of embed_dim={E}"),
     (lambda m, q: m(q, q, q[..., :5]), ValueError, f"value: expected a last dim of vdim={E}"),
     (lambda m, q: m(*[torch.nested.nested_tensor([t for t in q])] * 3, need_weights=False),

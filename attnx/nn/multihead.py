@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from attnx import _dispatch
 
-from ._inputs import check_features, check_tensor
+from .._validate import _check_tensor
+from ._inputs import check_features
 from ._masks import check_mask, check_mask_type, combine
 from ._weights import after_dropout, dropout_seed, softmax_weights
 
@@ -59,7 +60,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
                 is_causal: bool = False):
         for name, x in (("query", query), ("key", key), ("value", value)):
-            check_tensor(name, x)
+            _check_tensor(name, x, 0)  # the ranks: torch's _mha_shape_check below
         check_mask_type("key_padding_mask", key_padding_mask)
         check_mask_type("attn_mask", attn_mask)
         is_batched = F._mha_shape_check(query, key, value, key_padding_mask, attn_mask,

@@ -41,7 +41,8 @@ from torch import nn
 import attnx
 from attnx import _dispatch
 
-from ._inputs import check_features, check_tensor
+from .._validate import _check_tensor
+from ._inputs import check_features
 from ._masks import check_mask, combine
 from ._weights import after_dropout, dropout_seed, softmax_weights
 
@@ -125,8 +126,9 @@ class Attention(nn.Module):
                 attn_mask: Optional[torch.Tensor] = None, need_weights: bool = False, *,
                 projected_key: Optional[torch.Tensor] = None):
         for name, x in (("query", query), ("key", key), ("value", value)):
-            check_tensor(name, x, optional=name == "value")
-            if x is not None and x.dim() != 3:
+            if x is None and name == "value":
+                continue
+            if _check_tensor(name, x, 0).dim() != 3:
                 raise ValueError(f"{name}: expected a (B, L, dim) tensor, got shape {tuple(x.shape)}")
         check_features("query", query, self.query_dim, "query_dim")
         check_features("key", key, self.key_dim, "key_dim")
@@ -137,7 +139,8 @@ class Attention(nn.Module):
         if value is not None and value.shape[:2] != key.shape[:2]:
             raise ValueError(f"value: expected (B, Lk) = {tuple(key.shape[:2])} leading dims (those of "
                              f"key), got shape {tuple(value.shape)}")
-        check_tensor("projected_key", projected_key, optional=True)
+        if projected_key is not None:
+            _check_tensor("projected_key", projected_key, 0)
         check_mask("attn_mask", attn_mask, [(lq, lk), (b, lq, lk)])
         check_mask("key_padding_mask", key_padding_mask, [(b, lk)])
         value = key if value is None else value
