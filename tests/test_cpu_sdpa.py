@@ -183,6 +183,94 @@ def test_rows_under_a_huge_finite_bias():
             assert_within(a, g, g, floor=1e-12, what=name)
 
 
+def _overflowing_inputs():
+    """Finite inputs whose float32 scores overflow: in head 0, query 1's scores against keys 0-4
+    pass +3.4e38; in head 1, each score of query 2 falls below -3.4e38."""
+    q, k, v, dout = _inputs(1, 2, 2, 9, 11, 8, 8, seed=5)
+    q[0, 0, 1] *= 1e20
+    k[0, 0, :5] *= 1e20
+    q[0, 1, 2] = -q[0, 1, 2].abs() * 1e20
+    k[0, 1] = k[0, 1].abs() * 1e20 + 1e19
+    return q, k, v, dout
+
+
+def _masks_and_kw(mode, lq, lk):
+    g = torch.Generator().manual_seed(1)
+    mask = {"none": None, "causal": None,
+            "bool": torch.rand(lq, lk, generator=g) > 0.3,
+            "float": torch.randn(lq, lk, generator=g, dtype=torch.float64)}[mode]
+    if mode == "bool":
+        mask[:3] = True  # the rows that overflow keep their keys
+    return mask, ({"is_causal": True} if mode == "causal" else {})
+
+
+def _close(name, a, gd, rtol, atol=0.0):
+    """a against the float64 golden value rounded to a's dtype (+-inf past its range)."""
+    assert not torch.isnan(a).any(), name
+    assert torch.allclose(a.double(), gd.to(a.dtype).double(), rtol=rtol, atol=atol), name
+
+
+@pytest.mark.parametrize("mode", ["none", "causal", "bool", "float"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_score_overflow_reruns_in_float64(mode, dtype):
+    """Finite inputs never give NaN: where a float32 score overflows, both passes rerun in
+    float64 (csrc/cpu/sdpa_cpu.cpp), which holds every product and sum of float32 values, so
+    the whole result is the float64 one rounded. torch's own kernel gives NaN here, and a row
+    whose scores all fell to -inf used to come out as an empty row (zeros)."""
+    q, k, v, dout = (t.to(dtype).double() for t in _overflowing_inputs())
+    mask, kw = _masks_and_kw(mode, 9, 11)
+    out, lse, dq, dk, dv, dmask = _run("cpu", dtype, q, k, v, dout, mask=mask, **kw)
+    gold = _run("reference", torch.float64, q, k, v, dout, mask=mask, **kw)
+    rtol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert (out[0, 1, 2] != 0).any()  # not an empty row
+    for name, a, gd in zip(("out", "lse", "dv"), (out, lse, dv), (gold[0], gold[1], gold[4])):
+        _close(name, a, gd, rtol, atol=1e-30)
+    # The gradient of a saturated row's scores, dS = P (dP - D), is 0 exactly, but float64
+    # rounds dP - D (~1e-16 |dO| |v| Ev) as any backward does; dq and dk multiply that by
+    # |k| or |q| ~ 1e20
+    ds_noise = 1e-16 * 8 * 10 * 10
+    if dmask is not None:
+        _close("dmask", dmask, gold[5], rtol, atol=ds_noise)
+    for name, a, gd in (("dq", dq, gold[2]), ("dk", dk, gold[3])):
+        _close(name, a, gd, rtol, atol=ds_noise * 11 * 1e21)
+
+
+@pytest.mark.parametrize("mode", ["none", "causal", "bool", "float"])
+def test_value_sum_overflow_reruns_in_float64(mode):
+    """Values of +-3e38 whose unnormalized sum P V passes float32's range (in that order:
+    +, +, -, -): the output is their convex combination, in range, not inf or NaN."""
+    q, k, v, dout = _inputs(1, 1, 1, 9, 11, 8, 8, seed=6)
+    v[0, 0, 0:4] = torch.tensor([3e38, 3e38, -3e38, -3e38], dtype=torch.float64)[:, None]
+    q = q / 10  # flat rows, so that several keys carry weight
+    mask, kw = _masks_and_kw(mode, 9, 11)
+    out, lse, dq, dk, dv, dmask = _run("cpu", torch.float32, q, k, v, dout, mask=mask, **kw)
+    gold = _run("reference", torch.float64, q, k, v, dout, mask=mask, **kw)
+    for name, a, gd in zip(NAMES, (out, lse, dq, dk, dv, dmask), gold):
+        if a is not None:  # float32 sums of terms up to ~1e39: errors relative to those
+            _close(name, a, gd, 1e-5, atol=1e-6 * gd.abs().max().item())
+    assert torch.isfinite(out).all()
+
+
+def test_empty_rows_stay_on_float32():
+    """Rows the mask or band leave empty are not overflow: the kernel does not rerun for them,
+    so every other row comes out bitwise as it does without them."""
+    q, k, v, dout = _inputs(1, 2, 2, 40, 30, 16, 16)
+    mask = torch.rand(1, 2, 40, 30, generator=torch.Generator().manual_seed(2)) > 0.4
+    base = _run("cpu", torch.float32, q, k, v, dout, mask=mask)
+    emptied = mask.clone()
+    emptied[0, 1, 7] = False
+    fmask = torch.where(emptied, 0.0, float("-inf")).double()
+    for m in (emptied, fmask):
+        got = _run("cpu", torch.float32, q, k, v, dout, mask=m)
+        keep = torch.ones(40, dtype=torch.bool)
+        keep[7] = False
+        for name in ("out", "dq"):
+            i = NAMES.index(name)
+            assert torch.equal(got[i][0, 1, keep], base[i][0, 1, keep]), name
+            assert torch.equal(got[i][0, 0], base[i][0, 0]), name
+        assert (got[0][0, 1, 7] == 0).all() and torch.isneginf(got[1][0, 1, 7])
+
+
 def test_lse_is_differentiable():
     """A loss on the returned lse (a z-loss, say) gets its gradient: d lse_i / d s_ij = P_ij only
     shifts D_i. GQA, a float mask (its gradient too), a row under a huge bias, dropout."""
@@ -301,7 +389,7 @@ def test_blas_engine_matches_reference():
     assert engine == "blas"
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                           "-k", "(matches_reference or masks or long_sequence or causal_edge or dropout"
-                          " or huge_finite_bias)"
+                          " or huge_finite_bias or overflow or empty_rows_stay)"
                           " and not blas_engine"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-4000:]

@@ -14,6 +14,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -43,6 +44,10 @@ struct Band {
   }
   int64_t last(int64_t i, int64_t j0, int64_t n) const {
     return std::clamp<int64_t>(i + hi + 1 - j0, 0, n);
+  }
+  // Whether row i of a (b, h) head may attend some key at all, under the band and the mask.
+  bool admits_any(const MaskRows& mask, int64_t b, int64_t h, int64_t i, int64_t lk) const {
+    return mask.admits_any(b, h, i, first(i, 0, lk), last(i, 0, lk));
   }
   // Does some row of [i0, i0 + m) admit some key of [j0, j0 + n)?
   bool touches(int64_t i0, int64_t m, int64_t j0, int64_t n) const {
@@ -100,12 +105,24 @@ constexpr int64_t BWD_KEY_BLOCK = 128;
 static_assert(FWD_KEY_BLOCK % PANEL == 0 && BWD_KEY_BLOCK % PANEL == 0,
               "key blocks start on panel boundaries: the panel engine indexes K by j0 / PANEL");
 
+// Whether x is NaN or +-inf, as an int so that loops OR it up vectorized.
+template <typename T>
+int non_finite(T x) {
+  return !(std::abs(x) <= std::numeric_limits<T>::max());
+}
+
+// Returns whether T overflowed on some row, which finite inputs cannot make it do in exact
+// arithmetic: a score past T's range (its max +inf, or NaN from inf - inf in the row's sum),
+// every admitted score fallen to -inf (l = 0 though the mask and band admit keys), or an output
+// past the range (the unnormalized sum P V). The caller then reruns in float64, which holds
+// every product and sum of float32 values.
 template <typename T, typename Products>
-void forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T scale,
+bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T scale,
                     Band band, const Dropout& drop, T* out, T* lse, const Dims& d) {
   const int64_t BQ = fwd_query_block(d.Lq), BK = FWD_KEY_BLOCK;
   const int64_t nqt = (d.Lq + BQ - 1) / BQ;
   const T inv_keep = static_cast<T>(drop.inv_keep);
+  std::atomic<bool> overflow{false};
   at::parallel_for(0, d.B * d.Hq * nqt, 1, [&](int64_t begin, int64_t end) {
     // Tasks run query tiles fastest, so a thread loads each kv head's operands about once.
     Products kv(d);
@@ -162,13 +179,22 @@ void forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
           kv.values(g.r1 - g.r0, s + g.r0 * BK, BK, j0, g.c0, g.c1, o + g.r0 * ldo);
         });
       }
+      bool over = false;
       for (int64_t r = 0; r < mq; ++r) {
         const T inv = l[r] > T(0) ? T(1) / l[r] : T(0);  // no admitted key: zeros
-        for (int64_t c = 0; c < d.Ev; ++c) op[r * d.Ev + c] = o[r * ldo + c] * inv;
+        int bad = 0;
+        for (int64_t c = 0; c < d.Ev; ++c) {
+          op[r * d.Ev + c] = o[r * ldo + c] * inv;
+          bad |= non_finite(op[r * d.Ev + c]);
+        }
         lp[r] = l[r] > T(0) ? m[r] + std::log(l[r]) : neg_inf<T>();
+        over = over || bad || std::isnan(l[r]) || m[r] == std::numeric_limits<T>::infinity() ||
+               (l[r] == T(0) && band.admits_any(mask, b, h, i0 + r, d.Lk));
       }
+      if (over) overflow.store(true, std::memory_order_relaxed);
     }
   });
+  return overflow.load();
 }
 
 // The backward's tasks are (batch x head, key split): split s of a head takes one key block of
@@ -198,8 +224,22 @@ struct BwdOut {
   void* dmask;  // (B, Hq, Lq, Lk) or null
 };
 
+// n values from src to dst; returns whether one was not finite.
+template <typename T>
+bool copy_checked(const T* src, int64_t n, T* dst) {
+  int bad = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    dst[c] = src[c];
+    bad |= non_finite(src[c]);
+  }
+  return bad != 0;
+}
+
+// Returns whether T overflowed: a saved lse the forward could not have given from T's own
+// range (NaN, +inf, or -inf on a row that admits keys: the forward's float64 rerun), or a
+// gradient past the range.
 template <typename T, typename Grads>
-void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T* out,
+bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T* out,
                      const T* lse, const MaskRows& mask, T scale, Band band,
                      const Dropout& drop, const T* grad_lse, const BwdOut& res,
                      const Dims& d) {
@@ -217,6 +257,7 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
       if (jb < blocks) f(jb);
     }
   };
+  std::atomic<bool> overflow{false};
   at::parallel_for(0, d.B * d.Hq * splits, 1, [&](int64_t begin, int64_t end) {
     Grads g(d);
     const int64_t ldq = g.q_stride(), ldv = g.v_stride();
@@ -252,11 +293,13 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
       };
       // The rows huge_lse() picks get renorm[i] = 1 / sum_j exp(s_ij - lse_i), from a pass
       // over their tiles before any gradient uses them.
-      bool huge = false;
+      bool huge = false, over = false;
       for (int64_t i = 0; i < d.Lq; ++i) {
         huge_row[i] = huge_lse(lh[i]);
         renorm[i] = T(0);
         huge = huge || huge_row[i];
+        over = over || !(lh[i] < std::numeric_limits<T>::infinity()) ||
+               (lh[i] == neg_inf<T>() && band.admits_any(mask, b, h, i, d.Lk));
       }
       for (int64_t i0 = 0; huge && i0 < d.Lq; i0 += BQ) {
         const int64_t mq = std::min(BQ, d.Lq - i0);
@@ -327,16 +370,18 @@ void backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
       });
       T* dq_part = dq + (split * d.B * d.Hq + bh) * d.Lq * d.E;
       for (int64_t i = 0; i < d.Lq; ++i) {
-        std::copy_n(dq_acc.data() + i * ldq, d.E, dq_part + i * d.E);
+        over |= copy_checked(dq_acc.data() + i * ldq, d.E, dq_part + i * d.E);
       }
       for_split_blocks(split, [&](int64_t jb) {
         for (int64_t j = jb * BK; j < std::min(d.Lk, (jb + 1) * BK); ++j) {
-          std::copy_n(dk_acc.data() + j * ldq, d.E, dk + (bh * d.Lk + j) * d.E);
-          std::copy_n(dv_acc.data() + j * ldv, d.Ev, dv + (bh * d.Lk + j) * d.Ev);
+          over |= copy_checked(dk_acc.data() + j * ldq, d.E, dk + (bh * d.Lk + j) * d.E);
+          over |= copy_checked(dv_acc.data() + j * ldv, d.Ev, dv + (bh * d.Lk + j) * d.Ev);
         }
       });
+      if (over) overflow.store(true, std::memory_order_relaxed);
     }
   });
+  return overflow.load();
 }
 
 at::ScalarType compute_type(at::ScalarType t) {
@@ -375,6 +420,61 @@ Dims check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor
   return d;
 }
 
+// Whether the inputs are finite, so that an overflow the kernel reports is its own (a float
+// mask may hold -inf: refusals). Runs only after one is reported.
+bool finite_inputs(at::TensorList ts, const std::optional<Tensor>& mask) {
+  for (const Tensor& t : ts) {
+    if (t.defined() && !at::isfinite(t).all().item<bool>()) return false;
+  }
+  return !mask.has_value() || mask->scalar_type() == at::kBool ||
+         !(at::isnan(*mask) | at::isposinf(*mask)).any().item<bool>();
+}
+
+// The forward's out and lse in float64, on float64 copies of q, k, v.
+std::tuple<Tensor, Tensor> forward_double(const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const MaskRows& rows, double scale, Band band,
+                                          const Dropout& drop, const Dims& d) {
+  const auto opts = q.options().dtype(at::kDouble);
+  const Tensor qc = prepared(q, at::kDouble), kc = prepared(k, at::kDouble),
+               vc = prepared(v, at::kDouble);
+  Tensor out = at::empty({d.B, d.Hq, d.Lq, d.Ev}, opts), lse = at::empty({d.B, d.Hq, d.Lq}, opts);
+  forward_kernel<double, BlasProducts<double>>(
+      qc.data_ptr<double>(), kc.data_ptr<double>(), vc.data_ptr<double>(), rows, scale, band,
+      drop, out.data_ptr<double>(), lse.data_ptr<double>(), d);
+  return {out, lse};
+}
+
+struct GradResult {
+  Tensor dq, dk, dv, dmask;
+  bool overflow = false;
+};
+
+// The backward in T on operands already in T and contiguous (glc undefined: no lse gradient).
+template <typename T, typename Engine>
+GradResult backward_in(const Tensor& doc, const Tensor& qc, const Tensor& kc, const Tensor& vc,
+                  const Tensor& oc, const Tensor& lc, const MaskRows& rows, double scale,
+                  Band band, const Dropout& drop, const Tensor& glc, bool mask_grad,
+                  const Dims& d) {
+  const auto opts = qc.options();
+  const int64_t splits = backward_key_splits(d);
+  Tensor dq = at::empty({splits, d.B, d.Hq, d.Lq, d.E}, opts);
+  Tensor dk = at::empty({d.B, d.Hq, d.Lk, d.E}, opts);
+  Tensor dv = at::empty({d.B, d.Hq, d.Lk, d.Ev}, opts);
+  Tensor dmask = mask_grad ? at::zeros({d.B, d.Hq, d.Lq, d.Lk}, opts) : Tensor();
+  const BwdOut res{dq.data_ptr(), splits, dk.data_ptr(), dv.data_ptr(),
+                   mask_grad ? dmask.data_ptr() : nullptr};
+  const bool overflow = backward_kernel<T, Engine>(
+      doc.data_ptr<T>(), qc.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), oc.data_ptr<T>(),
+      lc.data_ptr<T>(), rows, static_cast<T>(scale), band, drop,
+      glc.defined() ? glc.data_ptr<T>() : nullptr, res, d);
+  dq = splits > 1 ? dq.sum(0) : dq[0];
+  if (d.group() > 1) {  // dK, dV of a kv head: the sum over the query heads that read it
+    dk = dk.view({d.B, d.Hkv, d.group(), d.Lk, d.E}).sum(2);
+    dv = dv.view({d.B, d.Hkv, d.group(), d.Lk, d.Ev}).sum(2);
+  }
+  return {dq, dk, dv, dmask, overflow};
+}
+
 }  // namespace
 
 std::tuple<Tensor, Tensor> sdpa_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -384,23 +484,25 @@ std::tuple<Tensor, Tensor> sdpa_fwd(const Tensor& q, const Tensor& k, const Tens
   const Dims d = check_inputs("attnx::sdpa_fwd", q, k, v, mask, dropout_p);
   const Dropout drop(dropout_p, seed);
   const MaskRows rows(mask);
-  const auto ct = compute_type(q.scalar_type());
-  const Tensor qc = prepared(q, ct), kc = prepared(k, ct), vc = prepared(v, ct);
-  Tensor out = at::empty({d.B, d.Hq, d.Lq, d.Ev}, q.options().dtype(ct));
+  const Band band = clamped_band(window_lo, window_hi, d);
   // lse in the accumulation dtype: float64 inputs keep a float64 lse so that their backward
   // recomputes probabilities to float64 accuracy.
-  Tensor lse = at::empty({d.B, d.Hq, d.Lq}, q.options().dtype(ct));
-  const Band band = clamped_band(window_lo, window_hi, d);
-  if (ct == at::kDouble) {
-    forward_kernel<double, BlasProducts<double>>(
-        qc.data_ptr<double>(), kc.data_ptr<double>(), vc.data_ptr<double>(), rows, scale, band,
-        drop, out.data_ptr<double>(), lse.data_ptr<double>(), d);
-  } else {
-    const auto kernel = panels_available() ? forward_kernel<float, PanelProducts>
-                                           : forward_kernel<float, BlasProducts<float>>;
-    kernel(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), rows,
-           static_cast<float>(scale), band, drop, out.data_ptr<float>(), lse.data_ptr<float>(),
-           d);
+  if (compute_type(q.scalar_type()) == at::kDouble) {
+    return forward_double(q, k, v, rows, scale, band, drop, d);
+  }
+  const Tensor qc = prepared(q, at::kFloat), kc = prepared(k, at::kFloat),
+               vc = prepared(v, at::kFloat);
+  const auto opts = q.options().dtype(at::kFloat);
+  Tensor out = at::empty({d.B, d.Hq, d.Lq, d.Ev}, opts), lse = at::empty({d.B, d.Hq, d.Lq}, opts);
+  const auto kernel = panels_available() ? forward_kernel<float, PanelProducts>
+                                         : forward_kernel<float, BlasProducts<float>>;
+  const bool overflow =
+      kernel(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), rows,
+             static_cast<float>(scale), band, drop, out.data_ptr<float>(), lse.data_ptr<float>(),
+             d);
+  if (overflow && finite_inputs({q, k, v}, mask)) {
+    std::tie(out, lse) = forward_double(q, k, v, rows, scale, band, drop, d);
+    lse = lse.to(at::kFloat);  // past float32's range: +-inf, as rounding gives
   }
   return {out.to(q.scalar_type()), lse};
 }
@@ -427,42 +529,36 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
               "attnx::sdpa_bwd: expected a CPU grad_lse of lse's shape ", lse.sizes());
   const Dropout drop(dropout_p, seed);
   const MaskRows rows(mask);
-  const auto ct = compute_type(q.scalar_type());
-  const auto opts = q.options().dtype(ct);
-  const Tensor qc = prepared(q, ct), kc = prepared(k, ct), vc = prepared(v, ct);
-  const Tensor doc = prepared(grad_out, ct), oc = prepared(out, ct);
-  const Tensor lc = lse.contiguous();
-  const Tensor glc = grad_lse.has_value() ? prepared(*grad_lse, ct) : Tensor();
-  const int64_t splits = backward_key_splits(d);
-  Tensor dq = at::empty({splits, d.B, d.Hq, d.Lq, d.E}, opts);
-  Tensor dk = at::empty({d.B, d.Hq, d.Lk, d.E}, opts);
-  Tensor dv = at::empty({d.B, d.Hq, d.Lk, d.Ev}, opts);
-  Tensor dmask = mask_grad ? at::zeros({d.B, d.Hq, d.Lq, d.Lk}, opts) : Tensor();
-  const BwdOut res{dq.data_ptr(), splits, dk.data_ptr(), dv.data_ptr(),
-                   mask_grad ? dmask.data_ptr() : nullptr};
   const Band band = clamped_band(window_lo, window_hi, d);
-  if (ct == at::kDouble) {
-    backward_kernel<double, BlasGrads<double>>(
-        doc.data_ptr<double>(), qc.data_ptr<double>(), kc.data_ptr<double>(),
-        vc.data_ptr<double>(), oc.data_ptr<double>(), lc.data_ptr<double>(), rows, scale, band,
-        drop, glc.defined() ? glc.data_ptr<double>() : nullptr, res, d);
+  const Tensor gl = grad_lse.has_value() ? *grad_lse : Tensor();
+  const auto in = [](const Tensor& t, at::ScalarType ct) {
+    return t.defined() ? prepared(t, ct) : Tensor();
+  };
+  const auto double_grads = [&](const Tensor& o64, const Tensor& l64) {
+    return backward_in<double, BlasGrads<double>>(
+        in(grad_out, at::kDouble), in(q, at::kDouble), in(k, at::kDouble), in(v, at::kDouble),
+        o64, l64, rows, scale, band, drop, in(gl, at::kDouble), mask_grad, d);
+  };
+  GradResult g;
+  if (compute_type(q.scalar_type()) == at::kDouble) {
+    g = double_grads(in(out, at::kDouble), lse.contiguous());
   } else {
     // The engine the forward used (panels_available() does not change), so the scores match.
-    const auto kernel = panels_available() ? backward_kernel<float, PanelGrads>
-                                           : backward_kernel<float, BlasGrads<float>>;
-    kernel(doc.data_ptr<float>(), qc.data_ptr<float>(), kc.data_ptr<float>(),
-           vc.data_ptr<float>(), oc.data_ptr<float>(), lc.data_ptr<float>(), rows,
-           static_cast<float>(scale), band, drop,
-           glc.defined() ? glc.data_ptr<float>() : nullptr, res, d);
-  }
-  dq = splits > 1 ? dq.sum(0) : dq[0];
-  if (d.group() > 1) {  // dK, dV of a kv head: the sum over the query heads that read it
-    dk = dk.view({d.B, d.Hkv, d.group(), d.Lk, d.E}).sum(2);
-    dv = dv.view({d.B, d.Hkv, d.group(), d.Lk, d.Ev}).sum(2);
+    const auto backward = panels_available() ? backward_in<float, PanelGrads>
+                                             : backward_in<float, BlasGrads<float>>;
+    g = backward(in(grad_out, at::kFloat), in(q, at::kFloat), in(k, at::kFloat),
+                 in(v, at::kFloat), in(out, at::kFloat), lse.contiguous(), rows, scale, band,
+                 drop, in(gl, at::kFloat), mask_grad, d);
+    // The float32 forward's overflow rows come back with an lse rounded out of range, or the
+    // gradients overflow: float64 from the forward on, as the forward itself fell back.
+    if (g.overflow && finite_inputs({grad_out, q, k, v, gl}, mask)) {
+      const auto [o64, l64] = forward_double(q, k, v, rows, scale, band, drop, d);
+      g = double_grads(o64, l64);
+    }
   }
   const auto dt = q.scalar_type();
-  return {dq.to(dt), dk.to(dt), dv.to(dt),
-          mask_grad ? dmask.to(dt) : at::empty({0}, q.options())};
+  return {g.dq.to(dt), g.dk.to(dt), g.dv.to(dt),
+          mask_grad ? g.dmask.to(dt) : at::empty({0}, q.options())};
 }
 
 }  // namespace attnx::cpu

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstring>
+#include <limits>
 
 #include "sdpa_tile.h"
 
@@ -26,6 +27,14 @@ void pack_bits(const bool* m, int64_t sj, int64_t n, uint8_t* dst) {
     for (int64_t t = 0; t < 8 && j + t < n; ++t) byte |= uint8_t(m[(j + t) * sj] ? 1 : 0) << t;
     dst[j / 8] = byte;
   }
+}
+
+template <typename M>
+bool any_above_neg_inf(const M* m, int64_t sj, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (!(static_cast<double>(m[j * sj]) == -std::numeric_limits<double>::infinity())) return true;
+  }
+  return false;
 }
 
 template <typename T, typename M>
@@ -68,8 +77,7 @@ MaskRows::MaskRows(const std::optional<at::Tensor>& mask) {
 template <typename T>
 T MaskRows::apply(T* s, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n) const {
   if (dtype_ == at::kBool) {
-    const int64_t row = ((b % nb_) * nh_ + h % nh_) * nq_ + i % nq_;
-    return mask_bits(s, bits_data_ + row * row_bytes_, j0, n);
+    return mask_bits(s, bit_row(b, h, i), j0, n);
   }
   const char* row = data_ + (b * sb_ + h * sh_ + i * si_ + j0 * sj_) * esize_;
   switch (dtype_) {
@@ -79,6 +87,26 @@ T MaskRows::apply(T* s, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n) 
     default: TORCH_CHECK(false, "attnx::sdpa: unexpected mask dtype ", dtype_);
   }
   return row_max(s, n);
+}
+
+bool MaskRows::admits_any(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j1) const {
+  if (j1 <= j0) return false;
+  if (!present_) return true;
+  if (dtype_ == at::kBool) {
+    const uint8_t* bits = bit_row(b, h, i);
+    for (int64_t j = j0; j < j1; ++j) {
+      if (mask_bit(bits, j)) return true;
+    }
+    return false;
+  }
+  const char* row = data_ + (b * sb_ + h * sh_ + i * si_ + j0 * sj_) * esize_;
+  switch (dtype_) {
+    case at::kFloat: return any_above_neg_inf(reinterpret_cast<const float*>(row), sj_, j1 - j0);
+    case at::kDouble: return any_above_neg_inf(reinterpret_cast<const double*>(row), sj_, j1 - j0);
+    case at::kBFloat16:
+      return any_above_neg_inf(reinterpret_cast<const at::BFloat16*>(row), sj_, j1 - j0);
+    default: TORCH_CHECK(false, "attnx::sdpa: unexpected mask dtype ", dtype_);
+  }
 }
 
 template float MaskRows::apply(float*, int64_t, int64_t, int64_t, int64_t, int64_t) const;

@@ -22,7 +22,15 @@ class MaskRows {
   template <typename T>
   T apply(T* s, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n) const;
 
+  // Whether row (b, h, i) may attend some key of [j0, j1): a true bit, or a float value other
+  // than -inf. Without a mask, whether the range is non-empty.
+  bool admits_any(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j1) const;
+
  private:
+  const uint8_t* bit_row(int64_t b, int64_t h, int64_t i) const {
+    return bits_data_ + (((b % nb_) * nh_ + h % nh_) * nq_ + i % nq_) * row_bytes_;
+  }
+
   bool present_ = false;
   at::ScalarType dtype_ = at::kBool;
   // float masks: the view itself
