@@ -251,6 +251,61 @@ def test_value_sum_overflow_reruns_in_float64(mode):
     assert torch.isfinite(out).all()
 
 
+def _t(rows):
+    return torch.tensor(rows, dtype=torch.float64)[None, None]
+
+
+def _corner(name):
+    """(q, k, v, dout, mask, kw) of float32 overflows that a review found the first version of
+    the check missing (a review helper's fuzzing, 2026-11-23)."""
+    if name == "fma_chain_sign":  # q.k0 = +1e40, but the FMA chain overflows to -inf first
+        q, k, v = _t([[1e20, 1e20]]), _t([[-1e20, 2e20], [1.0, 0.0]]), _t([[1.0], [2.0]])
+        return q, k, v, torch.ones(1, 1, 1, 1, dtype=torch.float64), None, {}
+    if name == "mask_pulls_back":  # the score overflows, the mask brings the sum in range
+        q, k, v = _t([[2e20]]), _t([[-2e19], [-5e18]]), _t([[1.0], [2.0]])
+        return q, k, v, torch.ones(1, 1, 1, 1, dtype=torch.float64), _t([[3.4e38, 0.0]]), {}
+    if name == "scaled_in_range":  # q.k overflows, q.k / sqrt(E) would not
+        q = torch.full((1, 1, 1, 4), 1e19, dtype=torch.float64)
+        k = _t([[1.25e19] * 4, [1.2e19] * 4, [1.0] * 4])
+        return q, k, _t([[1.0], [2.0], [3.0]]), torch.ones(1, 1, 1, 1, dtype=torch.float64), None, {}
+    if name == "cancelling_keys":  # exact scores 0, float32 ones -inf
+        q, k = _t([[1e19] * 3]), _t([[-3e19, -3e19, 6e19]] * 2)
+        return q, k, _t([[1.0], [2.0]]), torch.ones(1, 1, 1, 1, dtype=torch.float64), None, {}
+    if name == "gqa_head_sum":  # dV of the kv head: 3e38 + 3e38 - 3e38 over its query heads
+        q, k, v, _ = _inputs(1, 3, 1, 1, 1, 4, 4, seed=4)
+        dout = torch.tensor([3e38, 3e38, -3e38], dtype=torch.float64).view(1, 3, 1, 1).repeat(1, 1, 1, 4)
+        return q, k, v * 1e-3, dout, None, {}
+    if name.startswith("long_row"):  # one score ~3e40 among 97 x 97 (float64 reruns at 97+)
+        q, k, v, dout = _inputs(1, 1, 1, 97, 97, 32, 32, seed=int(name[-1]))
+        q[0, 0, 0] = q[0, 0, 0].abs() * 1e20
+        k[0, 0, 0] = k[0, 0, 0].abs() * 1e20
+        return q, k, v, dout, None, {"is_causal": name.startswith("long_row_causal")}
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", ["fma_chain_sign", "mask_pulls_back", "scaled_in_range",
+                                  "cancelling_keys", "gqa_head_sum", "long_row_1", "long_row_2",
+                                  "long_row_causal_3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_overflow_corner_cases(name, dtype):
+    """Scores whose float32 (or, for float64 inputs, float64-recomputed) values go wrong without
+    any row looking empty or NaN: both passes must still give the float64 result. The float64
+    case also covers the backward of rows whose scores are ~1e20: a score recomputed in another
+    order sits ulps of |s| ~ 1e4 from the saved lse, so a huge row takes its own max."""
+    q, k, v, dout, mask, kw = _corner(name)
+    # the golden value of the inputs as the kernel sees them (1e20 rounds by ~1e13 in float32)
+    q, k, v, dout = (t.to(dtype).double() for t in (q, k, v, dout))
+    got = _run("cpu", dtype, q, k, v, dout, mask=mask, **kw)
+    gold = _run("reference", torch.float64, q, k, v, dout, mask=mask, **kw)
+    noise = 1e-15 * dout.abs().max() * v.abs().max() * v.shape[-1] * k.shape[2] * max(
+        q.abs().max(), k.abs().max())  # dS rounding times |q| or |k| (see above)
+    for n, a, gd in zip(NAMES, got, gold):
+        if a is None:
+            continue
+        atol = noise if n in ("dq", "dk") else 1e-6
+        _close(n, a, gd, 1e-6 if dtype == torch.float32 else 1e-9, atol=atol)
+
+
 def test_empty_rows_stay_on_float32():
     """Rows the mask or band leave empty are not overflow: the kernel does not rerun for them,
     so every other row comes out bitwise as it does without them."""

@@ -105,6 +105,16 @@ constexpr int64_t BWD_KEY_BLOCK = 128;
 static_assert(FWD_KEY_BLOCK % PANEL == 0 && BWD_KEY_BLOCK % PANEL == 0,
               "key blocks start on panel boundaries: the panel engine indexes K by j0 / PANEL");
 
+// Whether the scores of queries and keys up to these magnitudes may pass T's range: their
+// partial sums are bounded by E max|q| max|k|, and `scale` multiplies them at the end (panels)
+// or on the way (BLAS). Inputs that close to it are no model's; they rerun in float64.
+template <typename T>
+bool scores_may_overflow(T query_max, T key_max, T scale, int64_t e) {
+  const double bound = static_cast<double>(query_max) * key_max * static_cast<double>(e) *
+                       std::max(1.0, std::abs(static_cast<double>(scale)));
+  return !(bound <= static_cast<double>(std::numeric_limits<T>::max()) / 2);
+}
+
 // Whether x is NaN or +-inf, as an int so that loops OR it up vectorized.
 template <typename T>
 int non_finite(T x) {
@@ -112,10 +122,10 @@ int non_finite(T x) {
 }
 
 // Returns whether T overflowed on some row, which finite inputs cannot make it do in exact
-// arithmetic: a score past T's range (its max +inf, or NaN from inf - inf in the row's sum),
-// every admitted score fallen to -inf (l = 0 though the mask and band admit keys), or an output
-// past the range (the unnormalized sum P V). The caller then reruns in float64, which holds
-// every product and sum of float32 values.
+// arithmetic: scores that may pass T's range (scores_may_overflow), a score with a float mask
+// past it (the row's max +inf, or its sum NaN), every admitted score fallen to -inf (l = 0
+// though the mask and band admit keys), or an output past the range (the unnormalized sum
+// P V). The caller then reruns in float64, which holds every product and sum of float32 values.
 template <typename T, typename Products>
 bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T scale,
                     Band band, const Dropout& drop, T* out, T* lse, const Dims& d) {
@@ -139,6 +149,7 @@ bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
       const T* qp = q + (bh * d.Lq + i0) * d.E;
       T* op = out + (bh * d.Lq + i0) * d.Ev;
       T* lp = lse + bh * d.Lq + i0;
+      bool over = scores_may_overflow(abs_max(qp, mq * d.E), kv.key_max, scale, d.E);
       std::fill(m.begin(), m.end(), neg_inf<T>());
       std::fill(l.begin(), l.end(), T(0));
       std::fill(o, o + mq * ldo, T(0));
@@ -179,7 +190,6 @@ bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
           kv.values(g.r1 - g.r0, s + g.r0 * BK, BK, j0, g.c0, g.c1, o + g.r0 * ldo);
         });
       }
-      bool over = false;
       for (int64_t r = 0; r < mq; ++r) {
         const T inv = l[r] > T(0) ? T(1) / l[r] : T(0);  // no admitted key: zeros
         int bad = 0;
@@ -235,9 +245,9 @@ bool copy_checked(const T* src, int64_t n, T* dst) {
   return bad != 0;
 }
 
-// Returns whether T overflowed: a saved lse the forward could not have given from T's own
-// range (NaN, +inf, or -inf on a row that admits keys: the forward's float64 rerun), or a
-// gradient past the range.
+// Returns whether T overflowed: scores that may pass its range (scores_may_overflow), a saved
+// lse the forward could not have given from T's own range (NaN, +inf, or -inf on a row that
+// admits keys: the forward's float64 rerun), or a gradient past the range.
 template <typename T, typename Grads>
 bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T* out,
                      const T* lse, const MaskRows& mask, T scale, Band band,
@@ -263,6 +273,7 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
     const int64_t ldq = g.q_stride(), ldv = g.v_stride();
     std::vector<T> pbuf(BQ * BK), dsbuf(BQ * BK), pdbuf(drop.on ? BQ * BK : 0), dsum(d.Lq);
     std::vector<T> dq_acc(d.Lq * ldq), dk_acc(d.Lk * ldq), dv_acc(d.Lk * ldv), renorm(d.Lq);
+    std::vector<T> base(d.Lq);
     std::vector<uint8_t> huge_row(d.Lq);
     T* p = pbuf.data();
     T* ds = dsbuf.data();
@@ -272,35 +283,37 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
       const T* doh = dout + bh * d.Lq * d.Ev;
       const T* lh = lse + bh * d.Lq;
       g.load(q + bh * d.Lq * d.E, k + bhk * d.Lk * d.E, v + bhk * d.Lk * d.Ev, doh);
-      // Row i of the tile in p (scores of the key block at j0) becomes exp(s - lse) inside the
-      // band and 0 outside; returns its sum.
-      const auto probs_row = [&](int64_t i, T* pr, int64_t j0, int64_t nk) -> T {
+      // Row i of the tile in p (scores of the key block at j0) becomes exp(s - base_i) inside
+      // the band and 0 outside, base_i its lse, or for a huge row its own max (below).
+      const auto probs_row = [&](int64_t i, T* pr, int64_t j0, int64_t nk) {
         const int64_t a = band.first(i, j0, nk), e = std::max(a, band.last(i, j0, nk));
         std::fill(pr, pr + a, T(0));
         std::fill(pr + e, pr + nk, T(0));
         if (lh[i] == neg_inf<T>()) {
           std::fill(pr + a, pr + e, T(0));
-          return T(0);
+          return;
         }
         if (mask.present() && e > a) mask.apply(pr + a, b, h, i, j0 + a, e - a);
-        // exp_sum needs x <= lse: true of the forward's own scores, but a score BLAS sums in
-        // another order may land above (by a rounding, or far more under cancellation), and
-        // so may the rounded lse of a huge row.
-        if (!Grads::forward_scores || huge_row[i]) {
-          for (int64_t j = a; j < e; ++j) pr[j] = std::min(pr[j], lh[i]);
+        // exp_sum needs x <= base: true of the forward's own scores, but a score BLAS sums in
+        // another order may land above (by a rounding, or far more under cancellation).
+        if (!Grads::forward_scores) {
+          for (int64_t j = a; j < e; ++j) pr[j] = std::min(pr[j], base[i]);
         }
-        return exp_sum(pr + a, e - a, lh[i]);
+        exp_sum(pr + a, e - a, base[i]);
       };
-      // The rows huge_lse() picks get renorm[i] = 1 / sum_j exp(s_ij - lse_i), from a pass
-      // over their tiles before any gradient uses them.
-      bool huge = false, over = false;
+      bool huge = false, over = scores_may_overflow(g.query_max, g.key_max, scale, d.E);
       for (int64_t i = 0; i < d.Lq; ++i) {
         huge_row[i] = huge_lse(lh[i]);
+        base[i] = huge_row[i] ? neg_inf<T>() : lh[i];
         renorm[i] = T(0);
         huge = huge || huge_row[i];
         over = over || !(lh[i] < std::numeric_limits<T>::infinity()) ||
                (lh[i] == neg_inf<T>() && band.admits_any(mask, b, h, i, d.Lk));
       }
+      // A huge row takes the max m and the sum l of its own recomputed scores, from a pass over
+      // its tiles before any gradient uses them: P = exp(s - m) / l. Its saved lse has lost
+      // log(l) to rounding, and a score recomputed in another order (BLAS) may sit ulps of |s|
+      // from the forward's, which at |s| ~ 1e18 is past exp's range.
       for (int64_t i0 = 0; huge && i0 < d.Lq; i0 += BQ) {
         const int64_t mq = std::min(BQ, d.Lq - i0);
         if (std::count(huge_row.begin() + i0, huge_row.begin() + i0 + mq, 1) == 0) continue;
@@ -309,13 +322,25 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
           if (!band.touches(i0, mq, j0, nk)) continue;
           g.scores(i0, mq, j0, nk, scale, p, BK);
           for (int64_t r = 0; r < mq; ++r) {
-            if (huge_row[i0 + r]) renorm[i0 + r] += probs_row(i0 + r, p + r * BK, j0, nk);
+            const int64_t i = i0 + r, a = band.first(i, j0, nk), e = band.last(i, j0, nk);
+            if (!huge_row[i] || e <= a) continue;
+            T* pr = p + r * BK + a;
+            const T mt = mask.present() ? mask.apply(pr, b, h, i, j0 + a, e - a) : row_max(pr, e - a);
+            if (!(mt > base[i])) continue;  // also -inf: nothing admitted in this block
+            renorm[i] *= base[i] == neg_inf<T>() ? T(0) : std::exp(base[i] - mt);
+            base[i] = mt;
+          }
+          for (int64_t r = 0; r < mq; ++r) {
+            const int64_t i = i0 + r, a = band.first(i, j0, nk), e = band.last(i, j0, nk);
+            if (huge_row[i] && e > a && base[i] > neg_inf<T>()) {
+              renorm[i] += exp_sum(p + r * BK + a, e - a, base[i]);
+            }
           }
         }
       }
       for (int64_t i = 0; huge && i < d.Lq; ++i) {
-        // the sum holds exp(m - lse) >= 1 / l > 0 for the row's largest score m
-        if (huge_row[i]) renorm[i] = T(1) / renorm[i];
+        // the sum holds exp(m - m) = 1 for the row's largest score m, unless the scores overflowed
+        if (huge_row[i]) renorm[i] = renorm[i] > T(0) ? T(1) / renorm[i] : T(0);
       }
       std::fill(dq_acc.begin(), dq_acc.end(), T(0));
       std::fill(dk_acc.begin(), dk_acc.end(), T(0));
@@ -467,10 +492,15 @@ GradResult backward_in(const Tensor& doc, const Tensor& qc, const Tensor& kc, co
       doc.data_ptr<T>(), qc.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), oc.data_ptr<T>(),
       lc.data_ptr<T>(), rows, static_cast<T>(scale), band, drop,
       glc.defined() ? glc.data_ptr<T>() : nullptr, res, d);
-  dq = splits > 1 ? dq.sum(0) : dq[0];
+  // Partial sums in float64: parts checked finite may still sum past float32's range, and in
+  // opposite directions (inf - inf) unless the sum is exact enough.
+  const auto sum = [](const Tensor& t, int64_t dim) {
+    return t.sum(dim, /*keepdim=*/false, at::kDouble).to(t.scalar_type());
+  };
+  dq = splits > 1 ? sum(dq, 0) : dq[0];
   if (d.group() > 1) {  // dK, dV of a kv head: the sum over the query heads that read it
-    dk = dk.view({d.B, d.Hkv, d.group(), d.Lk, d.E}).sum(2);
-    dv = dv.view({d.B, d.Hkv, d.group(), d.Lk, d.Ev}).sum(2);
+    dk = sum(dk.view({d.B, d.Hkv, d.group(), d.Lk, d.E}), 2);
+    dv = sum(dv.view({d.B, d.Hkv, d.group(), d.Lk, d.Ev}), 2);
   }
   return {dq, dk, dv, dmask, overflow};
 }

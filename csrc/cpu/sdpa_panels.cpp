@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 
@@ -14,17 +15,22 @@
 #endif
 
 namespace attnx::cpu {
-void pack_panels(const float* b, int64_t k, int64_t n, int64_t bks, int64_t bns, float* dst) {
+float pack_panels(const float* b, int64_t k, int64_t n, int64_t bks, int64_t bns, float* dst) {
+  float top = 0.0f;
   for (int64_t p = 0; p < panel_count(n); ++p) {
     const int64_t j0 = p * PANEL, w = std::min(PANEL, n - j0);
     float* panel = dst + p * k * PANEL;
     for (int64_t kk = 0; kk < k; ++kk) {
       float* row = panel + kk * PANEL;
       const float* src = b + kk * bks + j0 * bns;
-      for (int64_t t = 0; t < w; ++t) row[t] = src[t * bns];
+      for (int64_t t = 0; t < w; ++t) {
+        row[t] = src[t * bns];
+        top = std::max(top, std::abs(row[t]));
+      }
       std::fill(row + w, row + PANEL, 0.0f);
     }
   }
+  return top;
 }
 
 #ifdef ATTNX_PANELS_X86

@@ -15,8 +15,9 @@ inline int64_t panel_count(int64_t n) { return (n + PANEL - 1) / PANEL; }
 bool panels_available();
 
 // Packs B (k x n, element (kk, j) at b[kk * bks + j * bns]) into panel_count(n) panels of
-// k x PANEL values, panel p at dst + p * k * PANEL, columns past n zero.
-void pack_panels(const float* b, int64_t k, int64_t n, int64_t bks, int64_t bns, float* dst);
+// k x PANEL values, panel p at dst + p * k * PANEL, columns past n zero. Returns the largest
+// |value| packed (callers bound their products' range with it; NaN is skipped).
+float pack_panels(const float* b, int64_t k, int64_t n, int64_t bks, int64_t bns, float* dst);
 
 // C (m x np * PANEL, row stride ldc) = alpha * A * B (+ C when accumulate), where A (m x k) has
 // element (r, kk) at a[r * ars + kk * aks] and B is np panels of k rows, panel p at

@@ -7,7 +7,7 @@ PanelProducts::PanelProducts(const Dims& dims)
 
 void PanelProducts::load(const float* k, const float* v) {
   if (k == packed_k && v == packed_v) return;
-  pack_panels(k, d.E, d.Lk, 1, d.E, kt.data());
+  key_max = pack_panels(k, d.E, d.Lk, 1, d.E, kt.data());
   pack_panels(v, d.Lk, d.Ev, d.Ev, 1, vp.data());
   packed_k = k, packed_v = v;
 }
@@ -36,12 +36,12 @@ PanelGrads::PanelGrads(const Dims& dims)
 void PanelGrads::load(const float* q_, const float* k, const float* v, const float* dout_) {
   q = q_, dout = dout_;
   if (k != packed_k || v != packed_v) {  // GQA: the query heads of a group share K and V
-    pack_panels(k, d.E, d.Lk, 1, d.E, kt.data());
+    key_max = pack_panels(k, d.E, d.Lk, 1, d.E, kt.data());
     pack_panels(v, d.Ev, d.Lk, 1, d.Ev, vt.data());
     pack_panels(k, d.Lk, d.E, d.E, 1, kc.data());
     packed_k = k, packed_v = v;
   }
-  pack_panels(q, d.Lq, d.E, d.E, 1, qc.data());
+  query_max = pack_panels(q, d.Lq, d.E, d.E, 1, qc.data());
   pack_panels(dout, d.Lq, d.Ev, d.Ev, 1, dc.data());
 }
 

@@ -10,6 +10,7 @@
 
 #include "sdpa_blas.h"
 #include "sdpa_panels.h"
+#include "sdpa_tile.h"
 
 namespace attnx::cpu {
 
@@ -20,15 +21,19 @@ struct Dims {
 
 // Forward products on one kv head, loaded with load() (per thread: repeated loads of the same
 // head cost nothing): scores S = alpha Q K^T and O += P V on the keys [c0, c1) of the block at
-// j0 (a multiple of PANEL). O rows have out_stride() elements.
+// j0 (a multiple of PANEL). O rows have out_stride() elements. key_max: max |K| of the head.
 template <typename T>
 struct BlasProducts {
   Dims d;
   const T* k = nullptr;
   const T* v = nullptr;
+  T key_max = 0;
 
   explicit BlasProducts(const Dims& dims) : d(dims) {}
-  void load(const T* k_, const T* v_) { k = k_, v = v_; }
+  void load(const T* k_, const T* v_) {
+    if (k_ != k) key_max = abs_max(k_, d.Lk * d.E);
+    k = k_, v = v_;
+  }
   int64_t out_stride() const { return d.Ev; }
   // S[r][c0, c1) of m rows (row stride lds), q the first query row.
   void scores(int64_t m, const T* q, int64_t j0, int64_t c0, int64_t c1, T alpha, T* s,
@@ -48,6 +53,7 @@ struct PanelProducts {
   Dims d;
   std::vector<float> kt;  // K^T as panels of 16 keys
   std::vector<float> vp;  // V as panels of 16 value columns
+  float key_max = 0;
 
   explicit PanelProducts(const Dims& dims);
   void load(const float* k, const float* v);
@@ -65,17 +71,21 @@ struct PanelProducts {
 
 // Backward products on one query head, loaded with load(): the query tile at i0 (mq rows)
 // against the key block at j0 (nk keys, j0 a multiple of PANEL). Gradient accumulators have
-// rows of q_stride() (dQ, dK) and v_stride() (dV) elements.
+// rows of q_stride() (dQ, dK) and v_stride() (dV) elements. query_max, key_max: max |Q|, |K|
+// of the head.
 template <typename T>
 struct BlasGrads {
   Dims d;
   const T *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr;
+  T query_max = 0, key_max = 0;
 
   // BLAS may sum a score in another order than the forward's call did (other tile shapes).
   static constexpr bool forward_scores = false;
 
   explicit BlasGrads(const Dims& dims) : d(dims) {}
   void load(const T* q_, const T* k_, const T* v_, const T* dout_) {
+    if (q_ != q) query_max = abs_max(q_, d.Lq * d.E);
+    if (k_ != k) key_max = abs_max(k_, d.Lk * d.E);
     q = q_, k = k_, v = v_, dout = dout_;
   }
   int64_t q_stride() const { return d.E; }
@@ -112,6 +122,7 @@ struct PanelGrads {
   // dO by columns (dK, dV). Linear in the sequence lengths (about 3 Lk + 2 Lq rows of the head
   // dims per thread), reused by every tile pair; K and V repacked only when the kv head changes.
   std::vector<float> kt, vt, kc, qc, dc;
+  float query_max = 0, key_max = 0;
 
   // scores() is bitwise PanelProducts::scores(): the forward's very values.
   static constexpr bool forward_scores = true;

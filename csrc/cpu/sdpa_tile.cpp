@@ -102,6 +102,19 @@ ATTNX_BODY float row_max_body(const float* x, int64_t n) {
   return hmax(m0);
 }
 
+ATTNX_BODY float abs_max_body(const float* x, int64_t n) {
+  const v8i magnitude = (v8i){} + 0x7FFFFFFF;  // all bits but the sign
+  v8f m = splat(0.0f);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const v8f a = (v8f)((v8i)load(x + j) & magnitude);
+    m = a > m ? a : m;
+  }
+  float top = hmax(m);
+  for (; j < n; ++j) top = std::max(top, std::abs(x[j]));
+  return top;
+}
+
 ATTNX_BODY float exp_sum_body(float* x, int64_t n, float sub) {
   const v8f s = splat(sub);
   v8f acc = splat(0.0f);
@@ -189,6 +202,7 @@ bool use_avx2() {
   return yes;
 }
 ATTNX_AVX2 float row_max_avx2(const float* x, int64_t n) { return row_max_body(x, n); }
+ATTNX_AVX2 float abs_max_avx2(const float* x, int64_t n) { return abs_max_body(x, n); }
 ATTNX_AVX2 float exp_sum_avx2(float* x, int64_t n, float sub) {
   return exp_sum_body(x, n, sub);
 }
@@ -213,6 +227,17 @@ ATTNX_AVX2 float mask_avx2(float* s, const uint8_t* bits, int64_t pos, int64_t n
 float row_max(const float* x, int64_t n) {
   ATTNX_PICK(row_max_avx2, x, n);
   return row_max_body(x, n);
+}
+
+float abs_max(const float* x, int64_t n) {
+  ATTNX_PICK(abs_max_avx2, x, n);
+  return abs_max_body(x, n);
+}
+
+double abs_max(const double* x, int64_t n) {
+  double top = 0.0;
+  for (int64_t j = 0; j < n; ++j) top = std::max(top, std::abs(x[j]));
+  return top;
 }
 
 float exp_sum(float* x, int64_t n, float sub) {

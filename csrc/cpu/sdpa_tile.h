@@ -12,6 +12,10 @@ namespace attnx::cpu {
 float row_max(const float* x, int64_t n);
 double row_max(const double* x, int64_t n);
 
+// Max of |x[t]| over x[0, n) (0 for n == 0; NaN skipped).
+float abs_max(const float* x, int64_t n);
+double abs_max(const double* x, int64_t n);
+
 // x = exp(x - sub) in place (exp(-inf) = 0); returns the sum of the new values. Callers keep
 // x <= sub (a row's max, or its lse with the scores clamped to it where they may not be the
 // forward's own): the float version has no overflow clamp, which would cost 15% of its time,
