@@ -267,13 +267,15 @@ def _corner(name):
     if name == "scaled_in_range":  # q.k overflows, q.k / sqrt(E) would not
         q = torch.full((1, 1, 1, 4), 1e19, dtype=torch.float64)
         k = _t([[1.25e19] * 4, [1.2e19] * 4, [1.0] * 4])
-        return q, k, _t([[1.0], [2.0], [3.0]]), torch.ones(1, 1, 1, 1, dtype=torch.float64), None, {}
+        v = _t([[1.0], [2.0], [3.0]])
+        return q, k, v, torch.ones(1, 1, 1, 1, dtype=torch.float64), None, {}
     if name == "cancelling_keys":  # exact scores 0, float32 ones -inf
         q, k = _t([[1e19] * 3]), _t([[-3e19, -3e19, 6e19]] * 2)
         return q, k, _t([[1.0], [2.0]]), torch.ones(1, 1, 1, 1, dtype=torch.float64), None, {}
     if name == "gqa_head_sum":  # dV of the kv head: 3e38 + 3e38 - 3e38 over its query heads
         q, k, v, _ = _inputs(1, 3, 1, 1, 1, 4, 4, seed=4)
-        dout = torch.tensor([3e38, 3e38, -3e38], dtype=torch.float64).view(1, 3, 1, 1).repeat(1, 1, 1, 4)
+        dout = torch.tensor([3e38, 3e38, -3e38], dtype=torch.float64).view(1, 3, 1, 1)
+        dout = dout.repeat(1, 1, 1, 4)
         return q, k, v * 1e-3, dout, None, {}
     if name.startswith("long_row"):  # one score ~3e40 among 97 x 97 (float64 reruns at 97+)
         q, k, v, dout = _inputs(1, 1, 1, 97, 97, 32, 32, seed=int(name[-1]))

@@ -7,6 +7,8 @@
 // K and V packed. Backward recomputes P from the saved lse, tile by tile, with dK / dV of a
 // block kept hot across the query tiles.
 // bfloat16 runs the float32 kernel on float32 copies (linear memory) and rounds once.
+// Finite inputs never give NaN: where float32 may overflow (scores or sums past its range,
+// which takes |q| |k| E near 1.7e38) the kernels say so and the call reruns in float64.
 #include "sdpa_cpu.h"
 
 #include <ATen/ATen.h>
@@ -325,7 +327,8 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
             const int64_t i = i0 + r, a = band.first(i, j0, nk), e = band.last(i, j0, nk);
             if (!huge_row[i] || e <= a) continue;
             T* pr = p + r * BK + a;
-            const T mt = mask.present() ? mask.apply(pr, b, h, i, j0 + a, e - a) : row_max(pr, e - a);
+            const T mt =
+                mask.present() ? mask.apply(pr, b, h, i, j0 + a, e - a) : row_max(pr, e - a);
             if (!(mt > base[i])) continue;  // also -inf: nothing admitted in this block
             renorm[i] *= base[i] == neg_inf<T>() ? T(0) : std::exp(base[i] - mt);
             base[i] = mt;
@@ -477,9 +480,9 @@ struct GradResult {
 // The backward in T on operands already in T and contiguous (glc undefined: no lse gradient).
 template <typename T, typename Engine>
 GradResult backward_in(const Tensor& doc, const Tensor& qc, const Tensor& kc, const Tensor& vc,
-                  const Tensor& oc, const Tensor& lc, const MaskRows& rows, double scale,
-                  Band band, const Dropout& drop, const Tensor& glc, bool mask_grad,
-                  const Dims& d) {
+                       const Tensor& oc, const Tensor& lc, const MaskRows& rows, double scale,
+                       Band band, const Dropout& drop, const Tensor& glc, bool mask_grad,
+                       const Dims& d) {
   const auto opts = qc.options();
   const int64_t splits = backward_key_splits(d);
   Tensor dq = at::empty({splits, d.B, d.Hq, d.Lq, d.E}, opts);
