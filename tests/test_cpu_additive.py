@@ -131,6 +131,33 @@ def test_float64_rows_whose_lse_overflows_float32():
     assert actual[NAMES.index("dq")][:, :, 1].abs().max() > 1e-3  # the biased row passes a gradient to q
 
 
+@pytest.mark.parametrize("kind", ["scores", "value_sums"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_float32_overflow_reruns_in_float64(kind, dtype):
+    """Finite inputs never give NaN: scores past float32's range (|score| <= sum_a |v_a|, here
+    ~2e39) or gradient sums past it (values of +-3e38: dP = dO . value) make the call rerun in
+    float64 (csrc/cpu/float64_rerun.h); each used to give NaN. Saturated rows' gradients carry
+    float64's rounding of dP - D times |v| (~1e22), as any backward does."""
+    q, k, value, v = make_inputs(b=1, h=2, lq=7, lk=9, a=8, ev=4, v_heads=True, seed=3)
+    if kind == "scores":
+        v = (v * 1e39).clamp(-3e38, 3e38)
+    else:
+        value[..., :4, :] = torch.tensor([3e38, 3e38, -3e38, -3e38], dtype=torch.float64)[:, None]
+    inputs = [t.to(dtype).double() for t in (q, k, value, v)]
+    mask = torch.randn(7, 9, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    for kw in ({}, {"attn_mask": mask}, {"is_causal": True}):
+        actual = run("cpu", inputs, dtype, **kw)
+        golden = run("reference", inputs, torch.float64, **kw)
+        for name, a, g in zip(NAMES, actual, golden):
+            assert not torch.isnan(a).any(), name
+            noise = 1e-13 * (inputs[3].abs().max() * inputs[2].abs().max()).item() * 9
+            # sums of +-3e38 terms keep their precision relative to the largest result, not
+            # to each (bfloat16: ~1e-3)
+            rtol, frac = (1e-4, 1e-6) if dtype == torch.float32 else (2e-2, 1e-3)
+            atol = frac * g.abs().max().item() + (noise if name.startswith("d") else 0)
+            assert torch.allclose(a.double(), g.to(dtype).double(), rtol=rtol, atol=atol), name
+
+
 def test_strided_inputs():
     """Inputs that are views with arbitrary strides, and v as a stride-0 expansion of (A,)."""
     leaves = [t.float().requires_grad_() for t in make_inputs(2, 3, 9, 11, 20, 6)]

@@ -15,6 +15,8 @@
 // Inputs of any supported dtype are copied once into contiguous tensors of the accumulation
 // type (float for float and bfloat16, double for double): O(L * (A + Ev)), the size of the
 // inputs themselves.
+// A float32 call that overflows (scores past the range: sum_a |v_a| huge; or sums of values
+// or gradients past it) reruns in float64 (float64_rerun.h).
 #include "additive_cpu.h"
 
 #include <ATen/Dispatch.h>
@@ -31,6 +33,7 @@
 
 #include "additive_rows.h"
 #include "dropout.h"
+#include "float64_rerun.h"
 #include "huge_lse.h"
 
 namespace attnx::cpu {
@@ -345,6 +348,23 @@ void backward(const Problem<acc_t>& pb, const Upstream<acc_t>& up,
 template <typename scalar_t>
 using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
+// Whether a float32 call overflowed (float64_rerun.h). |score| <= sum_a |v_a|, tanh being
+// bounded, so up to 1e30 neither a score nor a score plus a finite mask leaves float32's range
+// (half its ulp at the top is 1e31); past that the call reruns whatever came out. Otherwise a
+// value or gradient sum past the range shows as a non-finite result, or as an lse of NaN or
+// +inf. (The forward's value sums are normalized as they go, so they overflow only there.)
+bool overflowed(const at::Tensor& v, at::TensorList results, const at::Tensor& lse) {
+  return (v.numel() > 0 && !(v.abs().sum(-1).max().item<double>() <= 1e30)) ||
+         any_non_finite(results) || (at::isnan(lse) | at::isposinf(lse)).any().item<bool>();
+}
+
+at::Tensor f64(const at::Tensor& t) { return t.to(at::kDouble); }
+
+std::optional<at::Tensor> f64(const std::optional<at::Tensor>& t) {
+  if (!t.has_value() || t->scalar_type() == at::kBool) return t;
+  return t->to(at::kDouble);
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> additive_fwd(
@@ -363,6 +383,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> additive_fwd(
     forward<scalar_t, acc_t>(pb, out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
                              return_weights ? weights.data_ptr<scalar_t>() : nullptr);
   });
+  if (q.scalar_type() != at::kDouble && overflowed(v, {out}, lse) &&
+      finite_inputs({q, k, value, v}, mask)) {
+    const auto [o, l, w] = additive_fwd(f64(q), f64(k), f64(value), f64(v), f64(mask), window_lo,
+                                        window_hi, dropout_p, seed, return_weights);
+    return {o.to(q.scalar_type()), l, return_weights ? w.to(q.scalar_type()) : weights};
+  }
   return {out, lse, weights};
 }
 
@@ -421,6 +447,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
     dvalue = dvalue_acc.to(q.scalar_type());
     dv = dv_acc.sum(0).to(q.scalar_type());
   });
+  const auto gl = grad_lse.value_or(at::Tensor()), gw = grad_weights.value_or(at::Tensor());
+  if (q.scalar_type() != at::kDouble && overflowed(v, {dq, dk, dvalue, dv, dmask}, lse) &&
+      finite_inputs({grad_out, q, k, value, v, gl, gw}, mask)) {
+    const auto opt64 = [](const at::Tensor& t) {
+      return t.defined() ? std::optional<at::Tensor>(f64(t)) : std::nullopt;
+    };
+    auto grads = additive_bwd(f64(grad_out), f64(q), f64(k), f64(value), f64(v), f64(mask),
+                              f64(out), lse, window_lo, window_hi, dropout_p, seed, mask_grad,
+                              opt64(gl), opt64(gw));
+    const auto dt = q.scalar_type();
+    return {std::get<0>(grads).to(dt), std::get<1>(grads).to(dt), std::get<2>(grads).to(dt),
+            std::get<3>(grads).to(dt), std::get<4>(grads).to(dt)};
+  }
   return {dq, dk, dvalue, dv, dmask};
 }
 

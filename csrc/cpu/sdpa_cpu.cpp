@@ -8,7 +8,8 @@
 // block kept hot across the query tiles.
 // bfloat16 runs the float32 kernel on float32 copies (linear memory) and rounds once.
 // Finite inputs never give NaN: where float32 may overflow (scores or sums past its range,
-// which takes |q| |k| E near 1.7e38) the kernels say so and the call reruns in float64.
+// which takes |q| |k| E near 1.7e38) the kernels say so and the call reruns in float64
+// (float64_rerun.h).
 #include "sdpa_cpu.h"
 
 #include <ATen/ATen.h>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "dropout.h"
+#include "float64_rerun.h"
 #include "huge_lse.h"
 #include "sdpa_mask.h"
 #include "sdpa_products.h"
@@ -446,16 +448,6 @@ Dims check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor
   }
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": expected 0 <= dropout_p < 1");
   return d;
-}
-
-// Whether the inputs are finite, so that an overflow the kernel reports is its own (a float
-// mask may hold -inf: refusals). Runs only after one is reported.
-bool finite_inputs(at::TensorList ts, const std::optional<Tensor>& mask) {
-  for (const Tensor& t : ts) {
-    if (t.defined() && !at::isfinite(t).all().item<bool>()) return false;
-  }
-  return !mask.has_value() || mask->scalar_type() == at::kBool ||
-         !(at::isnan(*mask) | at::isposinf(*mask)).any().item<bool>();
 }
 
 // The forward's out and lse in float64, on float64 copies of q, k, v.

@@ -1,0 +1,20 @@
+// When the float32 kernels hand a call to float64: finite inputs never give NaN, but float32
+// overflows on scores or sums past its range (|q| |k| ~ 1e19, values ~ 3e38, huge additive v).
+// The kernels detect it (each its own way) and rerun the call in float64, which holds every
+// product and sum of float32 values; these are the checks they share.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace attnx::cpu {
+
+// Whether every value of the tensors is finite (undefined tensors pass), and a float mask has
+// no NaN or +inf (-inf is a refusal). When they are not, an overflow is the input's, and the
+// call keeps its float32 result.
+bool finite_inputs(at::TensorList ts, const std::optional<at::Tensor>& mask);
+
+// Whether some value of the tensors is NaN or +-inf.
+bool any_non_finite(at::TensorList ts);
+
+}  // namespace attnx::cpu
