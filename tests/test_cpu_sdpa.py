@@ -428,6 +428,28 @@ def test_backward_key_splits_across_thread_counts(threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_tasks_taken_by_any_thread_give_the_same_results(threads):
+    """Threads take tasks from a shared queue as they free up (csrc/cpu/task_queue.h), so which
+    thread runs a task changes from run to run: the forward's tasks (query tiles) are
+    independent, so the output and lse equal one thread's bitwise; fwd+bwd reruns are exact."""
+    q, k, v, dout = _inputs(2, 5, 5, 300, 290, 32, 32)
+    kw = dict(is_causal=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = _run("cpu", torch.float32, q, k, v, dout, **kw)
+        torch.set_num_threads(threads)
+        first = _check(torch.float32, q, k, v, dout, **kw)
+        assert torch.equal(first[0], single[0]) and torch.equal(first[1], single[1])
+        for _ in range(10):
+            again = _run("cpu", torch.float32, q, k, v, dout, **kw)
+            for name, a, b in zip(NAMES, first, again):
+                assert (a is None and b is None) or torch.equal(a, b), name
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_causal_edge_blocks_split_into_row_groups():
     """Key blocks the band cuts run their GEMMs per 30-row group: causal both alignments."""
     q, k, v, dout = _inputs(1, 1, 1, 777, 1100, 32, 32)

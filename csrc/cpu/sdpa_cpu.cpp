@@ -28,6 +28,7 @@
 #include "sdpa_mask.h"
 #include "sdpa_products.h"
 #include "sdpa_tile.h"
+#include "task_queue.h"
 
 namespace attnx::cpu {
 namespace {
@@ -137,15 +138,16 @@ bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
   const int64_t nqt = (d.Lq + BQ - 1) / BQ;
   const T inv_keep = static_cast<T>(drop.inv_keep);
   std::atomic<bool> overflow{false};
-  at::parallel_for(0, d.B * d.Hq * nqt, 1, [&](int64_t begin, int64_t end) {
-    // Tasks run query tiles fastest, so a thread loads each kv head's operands about once.
+  parallel_tasks(d.B * d.Hq * nqt, [&](Tasks& tasks) {
+    // Tasks run query tiles fastest, so a thread loads each kv head's operands about once per
+    // run of tasks it takes.
     Products kv(d);
     const int64_t ldo = kv.out_stride();
     // o accumulates P V unnormalized; it goes to `out` once divided by the row sums.
     std::vector<T> sbuf(BQ * BK), obuf(BQ * ldo), m(BQ), l(BQ);
     T* s = sbuf.data();
     T* o = obuf.data();
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; tasks.next(task);) {
       const int64_t qt = zigzag(task % nqt, nqt), bh = task / nqt, h = bh % d.Hq, b = bh / d.Hq;
       const int64_t bhk = b * d.Hkv + h / d.group();
       const int64_t i0 = qt * BQ, mq = std::min(BQ, d.Lq - i0);
@@ -272,7 +274,7 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
     }
   };
   std::atomic<bool> overflow{false};
-  at::parallel_for(0, d.B * d.Hq * splits, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(d.B * d.Hq * splits, [&](Tasks& tasks) {
     Grads g(d);
     const int64_t ldq = g.q_stride(), ldv = g.v_stride();
     std::vector<T> pbuf(BQ * BK), dsbuf(BQ * BK), pdbuf(drop.on ? BQ * BK : 0), dsum(d.Lq);
@@ -281,7 +283,7 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
     std::vector<uint8_t> huge_row(d.Lq);
     T* p = pbuf.data();
     T* ds = dsbuf.data();
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; tasks.next(task);) {
       const int64_t split = task % splits, bh = task / splits;
       const int64_t h = bh % d.Hq, b = bh / d.Hq, bhk = b * d.Hkv + h / d.group();
       const T* doh = dout + bh * d.Lq * d.Ev;
