@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "cpu/sdpa_panels.h"
+#include "cpu/sdpa_tile.h"
 
 namespace {
 
@@ -24,6 +25,8 @@ pybind11::dict build_info() {
 #endif
   // Which engine runs the float32 CPU SDPA products (csrc/cpu/sdpa_products.h).
   info["cpu_gemm"] = attnx::cpu::panels_available() ? "panels" : "blas";
+  // Which instruction set runs the CPU kernels' row operations (csrc/cpu/sdpa_tile.h).
+  info["cpu_vector"] = attnx::cpu::vector_isa();
   return info;
 }
 

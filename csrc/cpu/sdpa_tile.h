@@ -1,12 +1,16 @@
 // Row operations on a tile of attention scores, and the dropout hash of attnx/_rng.py.
-// The float versions are vectorized (AVX2 when the CPU has it, chosen at run time); the double
-// versions are plain loops (float64 is for gradcheck, not speed).
+// The float versions are vectorized (AVX-512 or AVX2 when the CPU has it, chosen at run time);
+// the double versions are plain loops (float64 is for gradcheck, not speed).
 #pragma once
 #include <cstdint>
 
 #include "../dropout_hash.h"
 
 namespace attnx::cpu {
+
+// The instruction set the float versions run on: "avx512", "avx2" or "baseline" (AVX-512 unless
+// the environment had ATTNX_CPU_AVX512=0 at the first call).
+const char* vector_isa();
 
 // Max over x[0, n); -inf for n == 0.
 float row_max(const float* x, int64_t n);
