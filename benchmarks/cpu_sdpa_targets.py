@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import attnx
-from attnx.bench.machine import device_name
+from attnx.bench.machine import cpu_kernels, device_name
 from fma_peak import fma_peak
 
 # attnx speed / torch speed, per issue 3: the forward by kind; forward+backward 1.0x for all
@@ -138,7 +138,8 @@ def main() -> None:
     result = {
         "benchmark": "cpu_sdpa_targets", "quick": args.quick, "date": now.isoformat(),
         "machine": {"cpu": device_name("cpu"), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-                    "platform": platform.platform(), "load_avg": os.getloadavg()},
+                    "platform": platform.platform(), "load_avg": os.getloadavg(),
+                    "attnx_cpu_kernels": cpu_kernels()},
         "torch": torch.__version__, "attnx": attnx.__version__, "repeats": repeats,
         "sgemm_2048": gemm, "fma_peak": peak, "cases": rows,
     }

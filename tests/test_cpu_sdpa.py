@@ -400,7 +400,7 @@ def test_dropout_with_float_mask_grad():
 
 
 def test_long_sequence_tiles():
-    """Several 132-row query tiles and 256-key blocks (128 x 128 in the backward), causal and not."""
+    """Several 132-row query tiles and 256-key blocks (192 x 192 in the backward), causal and not."""
     q, k, v, dout = _inputs(1, 1, 1, 800, 1100, 64, 64)
     _check(torch.float32, q, k, v, dout, is_causal=True)
     _check(torch.float32, q, k, v, dout)
@@ -410,7 +410,7 @@ def test_long_sequence_tiles():
 def test_backward_key_splits_across_thread_counts(threads):
     """When heads do not deal evenly among the threads the backward cuts each head's key blocks
     into splits (partial dQ summed afterwards): 1 thread keeps one split; 2 and 3 threads cut
-    one head's 9 key blocks into 2 and 3, and 3 heads into 2 on 2 threads. Causal (uneven
+    one head's 6 key blocks into 2 and 3, and 3 heads into 2 on 2 threads. Causal (uneven
     blocks), float mask gradient with dropout, and float64; the same results on every run."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

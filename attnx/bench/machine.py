@@ -30,6 +30,14 @@ def device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_kernels() -> dict:
+    """What attnx's CPU kernels run on here: the float32 GEMM engine and the instruction set of
+    the row operations (both chosen at run time: the same build runs differently on Zen 3 and
+    Zen 4)."""
+    built = attnx._ops.build_info() or {}
+    return {"gemm": built.get("cpu_gemm"), "vector": built.get("cpu_vector")}
+
+
 def git_commit() -> str | None:
     """The commit of the attnx source tree, when it is a git checkout."""
     here = os.path.dirname(os.path.abspath(attnx.__file__))
@@ -57,7 +65,8 @@ def describe(device: str) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": {"type": device, "name": device_name(device),
-                   "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+                   "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                   "attnx_cpu_kernels": cpu_kernels()},
         "software": {"python": sys.version.split()[0], "torch": torch.__version__,
                      "cuda": torch.version.cuda, "triton": _triton_version(),
                      "attnx": attnx.__version__, "attnx_git_commit": git_commit(),

@@ -105,8 +105,15 @@ constexpr int64_t FWD_KEY_BLOCK = 256;
 // Rows per GEMM on a block the band cuts (a causal diagonal): the keys past the band of such
 // a group are never multiplied, so a 132-row tile does ~1/8 of a square's waste, not 1/2.
 constexpr int64_t FWD_EDGE_ROWS = 30;
-constexpr int64_t BWD_QUERY_BLOCK = 128;
-constexpr int64_t BWD_KEY_BLOCK = 128;
+// The backward's tiles: 192 x 192, multiples of 6 rows and of PANEL keys. Its five GEMMs per
+// tile pair, timed in place against the forward's in the same run (one thread, D = 128, L =
+// 1k-4k), took 1.11-1.32x the forward's time per flop at 128 x 128 and 1.07-1.14x at 192 x 192,
+// likely because each key block streams the whole query side (Q, dO, their packs, dQ) from
+// L3 again, and larger blocks do that fewer times (prefetching it did not help); 64 x 64 was
+// worse still. At D = 64, and under a causal band, where diagonal tiles waste more, the two
+// sizes measured alike.
+constexpr int64_t BWD_QUERY_BLOCK = 192;
+constexpr int64_t BWD_KEY_BLOCK = 192;
 static_assert(FWD_KEY_BLOCK % PANEL == 0 && BWD_KEY_BLOCK % PANEL == 0,
               "key blocks start on panel boundaries: the panel engine indexes K by j0 / PANEL");
 
