@@ -26,7 +26,8 @@ def report() -> str:
             built["torch"],
             f"CUDA {built['cuda_version']} (archs {built['cuda_archs']})" if built["cuda"] else "without CUDA",
             "on" if built["openmp"] else "off")
-        ext += f", CPU float32 GEMM: {built['cpu_gemm']}, row operations: {built['cpu_vector']}"
+        ext += (f", CPU float32 GEMM: {built.get('cpu_gemm')},"
+                f" row operations: {built.get('cpu_vector')}")
         if built["torch"] != torch.__version__:
             ext += f"  WARNING: running under torch {torch.__version__}; rebuild attnx"
     else:

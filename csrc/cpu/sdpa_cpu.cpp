@@ -66,10 +66,10 @@ Band clamped_band(int64_t lo, int64_t hi, const Dims& d) {
   return Band{std::clamp(lo, -d.Lq, d.Lk), std::clamp(hi, -d.Lq, d.Lk)};
 }
 
-// at::parallel_for gives each thread a contiguous run of tasks. Under a causal band a query
-// tile's work grows with its index, so the forward deals a head's tiles in the order 0, n - 1,
-// 1, n - 2, ...: neighbours pair light with heavy, and a single head's halves weigh alike (in
-// index order the second thread got 3/4 of the work).
+// Threads take runs of consecutive tasks (task_queue.h). Under a causal band a query tile's work
+// grows with its index, so the forward orders a head's tiles 0, n - 1, 1, n - 2, ...: neighbours
+// pair light with heavy, and a run of tasks weighs about its length (with static halves in
+// index order, the second thread got 3/4 of a single head's work).
 int64_t zigzag(int64_t t, int64_t n) { return t % 2 == 0 ? t / 2 : n - 1 - t / 2; }
 
 // Rows [r0, r1) of a query tile and the keys [c0, c1) of a key block that some of them admit.

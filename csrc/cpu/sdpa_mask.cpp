@@ -60,7 +60,8 @@ MaskRows::MaskRows(const std::optional<at::Tensor>& mask) {
   nh_ = m.stride(1) == 0 ? 1 : m.size(1);
   nq_ = m.stride(2) == 0 ? 1 : m.size(2);
   const int64_t lk = m.size(3), sj = m.stride(3);
-  row_bytes_ = (lk + 7) / 8 + 1;  // one spare byte: mask_bits reads bytes in pairs
+  // One spare byte: mask_bits reads up to byte lk / 8 (2 or 3 bytes from a group's first key).
+  row_bytes_ = (lk + 7) / 8 + 1;
   bits_ = at::zeros({nb_ * nh_ * nq_, row_bytes_}, m.options().dtype(at::kByte));
   const bool* src = m.data_ptr<bool>();
   uint8_t* dst = bits_.data_ptr<uint8_t>();

@@ -216,7 +216,7 @@ ATTNX_BODY void softmax_grad_body(float* ds, const float* p, int64_t n, float d)
 }
 
 // The W mask bits of keys pos .. pos + W - 1, from the W / 8 + 1 bytes that hold them (loaded
-// as a uint16_t and a byte: a 3-byte memcpy went through the stack, 15% of the masked forward).
+// as a uint16_t and a byte: a 3-byte memcpy went through the stack, 13% of the masked forward).
 template <int W>
 ATTNX_BODY uint32_t mask_word(const uint8_t* bits, int64_t pos) {
   static_assert(W == 8 || W == 16, "W / 8 + 1 bytes: 2 or 3");
