@@ -87,8 +87,8 @@ ATTNX_BODY void store_tail(float* p, int64_t n, vf<W> v) {
 // operations than a Cody-Waite reduction). Relative error ~3e-7 for |x| <= 10, growing as
 // |x| * 3e-8 from the rounding of x log2(e): harmless in a softmax, where such terms are below
 // e^-10 of the row's largest. Exactly 0 below -86 (so exp(-inf) = 0). Softmax arguments are
-// never positive, so there is no overflow clamp (one op of ~17). Every lane count gives the
-// same value bitwise.
+// never positive, so there is no overflow clamp (one op of ~17). The AVX2 and AVX-512 bodies
+// give the same values bitwise (both contract the polynomial to FMAs).
 template <int W>
 ATTNX_BODY vf<W> expv(vf<W> x) {
   x *= splat<W>(1.44269504088896341f);
