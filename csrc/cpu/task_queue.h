@@ -56,8 +56,9 @@ class Tasks {
 template <typename Worker>
 void parallel_tasks(int64_t n, Worker&& worker) {
   if (n <= 0) return;
-  TaskQueue queue(n, std::min<int64_t>(at::get_num_threads(), n));
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  TaskQueue queue(n, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Tasks tasks(queue);
     worker(tasks);
   });
