@@ -1,7 +1,8 @@
-// A small GEMM for the attention tiles: B packed once into 16-column panels, A read in place,
-// an AVX2 6 x 16 FMA micro-kernel. Packing K, V once per head (not once per GEMM call, as BLAS
-// does) and writing C without a separate beta pass is what makes the CPU kernels faster than
-// the same loops on MKL's sgemm.
+// A small GEMM for the attention tiles: B packed once into 16-column panels
+// (sdpa_panel_pack.cpp), A read in place, a 6 x 16 AVX2 FMA micro-kernel, or 6 x 32 over two
+// panels in 512-bit registers where the CPU has AVX-512 (sdpa_panels.cpp). Packing K, V once
+// per head (not once per GEMM call, as BLAS does) and writing C without a separate beta pass
+// is what makes the CPU kernels faster than the same loops on MKL's sgemm.
 #pragma once
 #include <cstdint>
 
