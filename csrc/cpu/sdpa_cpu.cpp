@@ -151,7 +151,8 @@ bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
     Products kv(d);
     const int64_t ldo = kv.out_stride();
     // o accumulates P V unnormalized; it goes to `out` once divided by the row sums.
-    std::vector<T> sbuf(BQ * BK), obuf(BQ * ldo), m(BQ), l(BQ);
+    line_vector<T> sbuf(BQ * BK), obuf(BQ * ldo);
+    std::vector<T> m(BQ), l(BQ);
     T* s = sbuf.data();
     T* o = obuf.data();
     for (int64_t task; tasks.next(task);) {
@@ -284,8 +285,9 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
   parallel_tasks(d.B * d.Hq * splits, [&](Tasks& tasks) {
     Grads g(d);
     const int64_t ldq = g.q_stride(), ldv = g.v_stride();
-    std::vector<T> pbuf(BQ * BK), dsbuf(BQ * BK), pdbuf(drop.on ? BQ * BK : 0), dsum(d.Lq);
-    std::vector<T> dq_acc(d.Lq * ldq), dk_acc(d.Lk * ldq), dv_acc(d.Lk * ldv), renorm(d.Lq);
+    line_vector<T> pbuf(BQ * BK), dsbuf(BQ * BK), pdbuf(drop.on ? BQ * BK : 0);
+    line_vector<T> dq_acc(d.Lq * ldq), dk_acc(d.Lk * ldq), dv_acc(d.Lk * ldv);
+    std::vector<T> dsum(d.Lq), renorm(d.Lq);
     std::vector<T> base(d.Lq);
     std::vector<uint8_t> huge_row(d.Lq);
     T* p = pbuf.data();

@@ -5,9 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#ifdef ATTNX_PANELS_X86
 #include <immintrin.h>
-#define ATTNX_PACK_X86 1
 #endif
 
 namespace attnx::cpu {
@@ -29,9 +28,9 @@ float pack_scalar(const float* b, int64_t k, int64_t j0, int64_t w, int64_t bks,
   return top;
 }
 
-#ifdef ATTNX_PACK_X86
-// Packing runs only where the micro-kernel does (AVX2). Against the scalar strided copies
-// below, timed interleaved in one process (2 threads, D = 128): +4-5% on the causal forward at
+#ifdef ATTNX_PANELS_X86
+// Packing runs only where the micro-kernel does (AVX2). Against pack_scalar's strided copies,
+// timed interleaved in one process (2 threads, D = 128): +4-5% on the causal forward at
 // L = 1k-4k, where packing K and V per head weighs most (the products do half a square).
 __attribute__((target("avx2"))) __m256 abs_max8(__m256 top, __m256 x) {
   // vmaxps returns its second operand when either is NaN: NaN is skipped.
@@ -90,8 +89,9 @@ __attribute__((target("avx2"))) float horizontal_max(__m256 v) {
 }
 
 // Full panels on the vector paths; returns the number of panels done and raises top.
-__attribute__((target("avx2"))) int64_t pack_vectorized(const float* b, int64_t k, int64_t n, int64_t bks, int64_t bns,
-                        float* dst, float& top) {
+__attribute__((target("avx2"))) int64_t pack_vectorized(const float* b, int64_t k, int64_t n,
+                                                        int64_t bks, int64_t bns, float* dst,
+                                                        float& top) {
   if (bns != 1 && bks != 1) return 0;
   const int64_t full = n / PANEL;
   __m256 t = _mm256_setzero_ps();
@@ -100,19 +100,15 @@ __attribute__((target("avx2"))) int64_t pack_vectorized(const float* b, int64_t 
     float* panel = dst + p * k * PANEL;
     if (bns == 1) {
       t = pack_rows(src, k, bks, panel, t);
-    } else {
+    } else {  // bks == 1
       t = pack_columns(src, k, bns, panel, t);
       const int64_t done = k / 8 * 8;
-      top = std::max(top, pack_scalar(src + done, k - done, 0, PANEL, 1, bns,
+      top = std::max(top, pack_scalar(src + done * bks, k - done, 0, PANEL, bks, bns,
                                       panel + done * PANEL));
     }
   }
   top = std::max(top, horizontal_max(t));
   return full;
-}
-#else
-int64_t pack_vectorized(const float*, int64_t, int64_t, int64_t, int64_t, float*, float&) {
-  return 0;
 }
 #endif
 
@@ -120,7 +116,10 @@ int64_t pack_vectorized(const float*, int64_t, int64_t, int64_t, int64_t, float*
 
 float pack_panels(const float* b, int64_t k, int64_t n, int64_t bks, int64_t bns, float* dst) {
   float top = 0.0f;
-  const int64_t done = panels_available() ? pack_vectorized(b, k, n, bks, bns, dst, top) : 0;
+  int64_t done = 0;
+#ifdef ATTNX_PANELS_X86
+  if (panels_available()) done = pack_vectorized(b, k, n, bks, bns, dst, top);
+#endif
   for (int64_t p = done; p < panel_count(n); ++p) {
     const int64_t j0 = p * PANEL;
     top = std::max(top, pack_scalar(b, k, j0, std::min(PANEL, n - j0), bks, bns,

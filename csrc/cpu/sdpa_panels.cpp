@@ -1,18 +1,16 @@
-// Let a * b + c become one FMA (ISO -std modes turn contraction off).
-#pragma GCC optimize("fp-contract=fast")
+// The micro-kernels and the GEMM over packed panels (sdpa_panels.h).
 #include "sdpa_panels.h"
-#include "sdpa_tile.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include "sdpa_tile.h"
+
+#ifdef ATTNX_PANELS_X86
 #include <immintrin.h>
-#define ATTNX_PANELS_X86 1
 #endif
 
 namespace attnx::cpu {
@@ -27,23 +25,23 @@ bool forced_off() {
   return v != nullptr && std::string(v) == "0";
 }
 
-// MR rows of C by one panel: 2 * MR accumulators in registers, B rows from the panel, A values
-// broadcast straight from memory (the memory form of vbroadcastss costs no shuffle port, which
-// GCC only emits through the intrinsic).
-template <int MR>
+// ROWS rows of C by one panel: 2 * ROWS accumulators in registers, B rows from the panel, A
+// values broadcast straight from memory (the memory form of vbroadcastss costs no shuffle port,
+// which GCC only emits through the intrinsic).
+template <int ROWS>
 __attribute__((target("avx2,fma"))) void micro_kernel(int64_t k, float alpha, const float* a,
                                                       int64_t ars, int64_t aks,
                                                       const float* panel, bool accumulate,
                                                       float* c, int64_t ldc) {
-  __m256 lo[MR], hi[MR];
+  __m256 lo[ROWS], hi[ROWS];
 #pragma GCC unroll 6
-  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t kk = 0; kk < k; ++kk) {
     const __m256 b0 = _mm256_loadu_ps(panel + kk * PANEL);
     const __m256 b1 = _mm256_loadu_ps(panel + kk * PANEL + 8);
     const float* ak = a + kk * aks;
 #pragma GCC unroll 6
-    for (int r = 0; r < MR; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
       const __m256 x = _mm256_broadcast_ss(ak + r * ars);
       lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
       hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
@@ -51,7 +49,7 @@ __attribute__((target("avx2,fma"))) void micro_kernel(int64_t k, float alpha, co
   }
   const __m256 s = _mm256_set1_ps(alpha);
 #pragma GCC unroll 6
-  for (int r = 0; r < MR; ++r) {
+  for (int r = 0; r < ROWS; ++r) {
     float* cr = c + r * ldc;
     if (accumulate) {
       _mm256_storeu_ps(cr, _mm256_fmadd_ps(s, lo[r], _mm256_loadu_ps(cr)));
@@ -66,22 +64,23 @@ __attribute__((target("avx2,fma"))) void micro_kernel(int64_t k, float alpha, co
 // The same over two adjacent panels (32 columns) in 512-bit registers. Each score is the same
 // FMA chain as in micro_kernel, so both give bitwise the same C. Against micro_kernel on Zen 4
 // (whose 512-bit units are two 256-bit ones), interleaved in one process, 2 threads: +2-4% on
-// the forward and fwd+bwd at L = 1k-4k, D = 64 and 128; half the instructions to issue.
-template <int MR>
+// the forward and fwd+bwd at L = 1k-4k, D = 64 and 128; half the instructions to issue. Not
+// measured on Intel parts, whose clocks drop under sustained 512-bit FMAs.
+template <int ROWS>
 __attribute__((target("avx512f"))) void micro_kernel_x2(int64_t k, float alpha, const float* a,
                                                         int64_t ars, int64_t aks,
                                                         const float* panel, int64_t pstride,
                                                         bool accumulate, float* c,
                                                         int64_t ldc) {
-  __m512 lo[MR], hi[MR];
+  __m512 lo[ROWS], hi[ROWS];
 #pragma GCC unroll 6
-  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < k; ++kk) {
     const __m512 b0 = _mm512_loadu_ps(panel + kk * PANEL);
     const __m512 b1 = _mm512_loadu_ps(panel + pstride + kk * PANEL);
     const float* ak = a + kk * aks;
 #pragma GCC unroll 6
-    for (int r = 0; r < MR; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
       const __m512 x = _mm512_set1_ps(ak[r * ars]);
       lo[r] = _mm512_fmadd_ps(x, b0, lo[r]);
       hi[r] = _mm512_fmadd_ps(x, b1, hi[r]);
@@ -89,7 +88,7 @@ __attribute__((target("avx512f"))) void micro_kernel_x2(int64_t k, float alpha, 
   }
   const __m512 s = _mm512_set1_ps(alpha);
 #pragma GCC unroll 6
-  for (int r = 0; r < MR; ++r) {
+  for (int r = 0; r < ROWS; ++r) {
     float* cr = c + r * ldc;
     if (accumulate) {
       _mm512_storeu_ps(cr, _mm512_fmadd_ps(s, lo[r], _mm512_loadu_ps(cr)));
@@ -101,16 +100,16 @@ __attribute__((target("avx512f"))) void micro_kernel_x2(int64_t k, float alpha, 
   }
 }
 
-constexpr int64_t MR = 6;
+constexpr int64_t MR = 6;  // rows per strip
 
-// MR rows of C by PANELS (1 or 2) adjacent panels.
-template <int PANELS, int MR>
+// ROWS rows of C by PANELS (1 or 2) adjacent panels.
+template <int PANELS, int ROWS>
 void kernel(int64_t k, float alpha, const float* a, int64_t ars, int64_t aks, const float* panel,
             int64_t pstride, bool accumulate, float* c, int64_t ldc) {
   if constexpr (PANELS == 2) {
-    micro_kernel_x2<MR>(k, alpha, a, ars, aks, panel, pstride, accumulate, c, ldc);
+    micro_kernel_x2<ROWS>(k, alpha, a, ars, aks, panel, pstride, accumulate, c, ldc);
   } else {
-    micro_kernel<MR>(k, alpha, a, ars, aks, panel, accumulate, c, ldc);
+    micro_kernel<ROWS>(k, alpha, a, ars, aks, panel, accumulate, c, ldc);
   }
 }
 
@@ -118,7 +117,8 @@ void kernel(int64_t k, float alpha, const float* a, int64_t ars, int64_t aks, co
 // the strips prefetch, a few lines each, the `ahead` panels the next call takes (at `next`):
 // packed K and V of a long sequence sit in L3 or memory, and the first strip over a panel
 // would otherwise wait on every line (+4-7% on the forward at L = 4096, D = 128, nothing lost
-// at L <= 2048; interleaved in one process, 2 threads).
+// at L <= 2048; interleaved in one process, 2 threads; prefetching to L2 instead measured 1%
+// slower).
 template <int PANELS>
 void strips(int64_t m, int64_t k, float alpha, const float* a, int64_t ars, int64_t aks,
             const float* panel, int64_t pstride, bool accumulate, float* c, int64_t ldc,
@@ -149,13 +149,6 @@ void strips(int64_t m, int64_t k, float alpha, const float* a, int64_t ars, int6
   }
 }
 
-// Whether the micro-kernel takes panels two at a time in 512-bit registers: where the row
-// operations run on AVX-512 (vector_isa(), so ATTNX_CPU_AVX512=0 turns both off).
-bool wide() {
-  static const bool yes = std::strcmp(vector_isa(), "avx512") == 0;
-  return yes;
-}
-
 }  // namespace
 
 bool panels_available() {
@@ -168,21 +161,17 @@ void panel_gemm(int64_t m, int64_t np, int64_t k, float alpha, const float* a, i
                 int64_t aks, const float* bp, int64_t pstride, bool accumulate, float* c,
                 int64_t ldc) {
   // Panel-outer: one or two panels (k x 16 each) stay in L1 while every row strip of A streams
-  // past them.
-  const int64_t step = wide() ? 2 : 1;
+  // past them (two panels of 256 keys fill a 32 KiB L1 alone; still faster than one at a time).
+  static const bool wide = vector_isa_is_avx512();
+  const int64_t step = wide ? 2 : 1;
+  const auto run = wide ? strips<2> : strips<1>;
   int64_t p = 0;
   for (; p + step <= np; p += step) {
-    const float* next = bp + (p + step) * pstride;
     const int64_t ahead = std::min(step, np - p - step);
-    if (step == 2) {
-      strips<2>(m, k, alpha, a, ars, aks, bp + p * pstride, pstride, accumulate, c + p * PANEL,
-                ldc, next, ahead);
-    } else {
-      strips<1>(m, k, alpha, a, ars, aks, bp + p * pstride, pstride, accumulate, c + p * PANEL,
-                ldc, next, ahead);
-    }
+    run(m, k, alpha, a, ars, aks, bp + p * pstride, pstride, accumulate, c + p * PANEL, ldc,
+        ahead > 0 ? bp + (p + step) * pstride : nullptr, ahead);
   }
-  if (p < np) {  // the odd panel of the wide kernel
+  if (p < np) {  // the wide kernel's odd last panel
     strips<1>(m, k, alpha, a, ars, aks, bp + p * pstride, pstride, accumulate, c + p * PANEL,
               ldc, nullptr, 0);
   }

@@ -6,6 +6,10 @@
 #pragma once
 #include <cstdint>
 
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define ATTNX_PANELS_X86 1  // where the micro-kernels and vectorized packing are compiled
+#endif
+
 namespace attnx::cpu {
 
 constexpr int64_t PANEL = 16;
@@ -16,7 +20,8 @@ inline int64_t panel_count(int64_t n) { return (n + PANEL - 1) / PANEL; }
 bool panels_available();
 
 // Packs B (k x n, element (kk, j) at b[kk * bks + j * bns]) into panel_count(n) panels of
-// k x PANEL values, panel p at dst + p * k * PANEL, columns past n zero. Returns the largest
+// k x PANEL values, panel p at dst + p * k * PANEL, columns past n zero (dst 64-byte aligned,
+// line_vector.h, puts each panel row on one cache line). Returns the largest
 // |value| packed (callers bound their products' range with it; NaN is skipped).
 float pack_panels(const float* b, int64_t k, int64_t n, int64_t bks, int64_t bns, float* dst);
 

@@ -8,6 +8,7 @@
 
 #include <vector>
 
+#include "line_vector.h"
 #include "sdpa_blas.h"
 #include "sdpa_panels.h"
 #include "sdpa_tile.h"
@@ -51,8 +52,8 @@ struct BlasProducts {
 
 struct PanelProducts {
   Dims d;
-  std::vector<float> kt;  // K^T as panels of 16 keys
-  std::vector<float> vp;  // V as panels of 16 value columns
+  line_vector<float> kt;  // K^T as panels of 16 keys
+  line_vector<float> vp;  // V as panels of 16 value columns
   float key_max = 0;
 
   explicit PanelProducts(const Dims& dims);
@@ -121,7 +122,7 @@ struct PanelGrads {
   // The head's operands as panels: K^T and V^T by keys (for S, dP), K by columns (dQ), Q and
   // dO by columns (dK, dV). Linear in the sequence lengths (about 3 Lk + 2 Lq rows of the head
   // dims per thread), reused by every tile pair; K and V repacked only when the kv head changes.
-  std::vector<float> kt, vt, kc, qc, dc;
+  line_vector<float> kt, vt, kc, qc, dc;
   float query_max = 0, key_max = 0;
 
   // scores() is bitwise PanelProducts::scores(): the forward's very values.

@@ -294,6 +294,8 @@ Isa isa() { return Isa::baseline; }
 
 }  // namespace
 
+bool vector_isa_is_avx512() { return isa() == Isa::avx512; }
+
 const char* vector_isa() {
   switch (isa()) {
     case Isa::avx512: return "avx512";

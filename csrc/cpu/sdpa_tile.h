@@ -11,6 +11,8 @@ namespace attnx::cpu {
 // The instruction set the float versions run on: "avx512", "avx2" or "baseline" (AVX-512 unless
 // the environment had ATTNX_CPU_AVX512=0 at the first call).
 const char* vector_isa();
+// Whether vector_isa() is "avx512" (the panel micro-kernel then takes 512-bit steps too).
+bool vector_isa_is_avx512();
 
 // Max over x[0, n); -inf for n == 0.
 float row_max(const float* x, int64_t n);
