@@ -190,7 +190,10 @@ bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
             std::fill(sr + a, sr + e, T(0));
             continue;
           }
-          const T alpha = m[r] == neg_inf<T>() ? T(0) : std::exp(m[r] - mnew);
+          // Past the first blocks a row's max rarely moves: skip the libm call for exp(0).
+          const T alpha = m[r] == neg_inf<T>() ? T(0)
+                          : m[r] == mnew       ? T(1)
+                                               : std::exp(m[r] - mnew);
           l[r] = l[r] * alpha + exp_sum(sr + a, e - a, mnew);
           m[r] = mnew;
           if (alpha != T(1)) scale_row(o + r * ldo, d.Ev, alpha);
