@@ -27,7 +27,7 @@ def report() -> str:
             f"CUDA {built['cuda_version']} (archs {built['cuda_archs']})" if built["cuda"] else "without CUDA",
             "on" if built["openmp"] else "off")
         ext += (f", CPU float32 GEMM: {built.get('cpu_gemm')},"
-                f" row operations: {built.get('cpu_vector')}")
+                f" vector ISA (row operations, micro-kernel): {built.get('cpu_vector')}")
         if built["torch"] != torch.__version__:
             ext += f"  WARNING: running under torch {torch.__version__}; rebuild attnx"
     else:

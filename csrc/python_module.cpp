@@ -25,7 +25,8 @@ pybind11::dict build_info() {
 #endif
   // Which engine runs the float32 CPU SDPA products (csrc/cpu/sdpa_products.h).
   info["cpu_gemm"] = attnx::cpu::panels_available() ? "panels" : "blas";
-  // Which instruction set runs the CPU kernels' row operations (csrc/cpu/sdpa_tile.h).
+  // Which instruction set runs the CPU kernels' row operations (csrc/cpu/sdpa_tile.h), and with
+  // it the panel micro-kernel's width (csrc/cpu/sdpa_panels.h).
   info["cpu_vector"] = attnx::cpu::vector_isa();
   return info;
 }

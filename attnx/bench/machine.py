@@ -32,8 +32,8 @@ def device_name(device: str) -> str:
 
 def cpu_kernels() -> dict:
     """What attnx's CPU kernels run on here: the float32 GEMM engine and the instruction set of
-    the row operations (both chosen at run time: the same build runs differently on Zen 3 and
-    Zen 4)."""
+    the row operations and the micro-kernel (both chosen at run time: the same build runs
+    differently on Zen 3 and Zen 4)."""
     built = attnx._ops.build_info() or {}
     return {"gemm": built.get("cpu_gemm"), "vector": built.get("cpu_vector")}
 
