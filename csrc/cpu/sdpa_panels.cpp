@@ -114,11 +114,11 @@ void kernel(int64_t k, float alpha, const float* a, int64_t ars, int64_t aks, co
 }
 
 // Every row of C by PANELS adjacent panels: strips of MR rows, then the last m % MR. Meanwhile
-// the strips prefetch, a few lines each, the `ahead` panels the next call takes (at `next`):
-// packed K and V of a long sequence sit in L3 or memory, and the first strip over a panel
-// would otherwise wait on every line (+4-7% on the forward at L = 4096, D = 128, nothing lost
-// at L <= 2048; interleaved in one process, 2 threads; prefetching to L2 instead measured 1%
-// slower).
+// the strips prefetch, a few lines each, the `ahead` panels of panel_gemm's next step (at
+// `next`): packed K and V of a long sequence sit in L3 or memory, and the first strip over a
+// panel would otherwise wait on every line (+4-7% on the forward at L = 4096, D = 128, nothing
+// lost at L <= 2048; interleaved in one process, 2 threads; prefetching to L2 instead measured
+// 1% slower).
 template <int PANELS>
 void strips(int64_t m, int64_t k, float alpha, const float* a, int64_t ars, int64_t aks,
             const float* panel, int64_t pstride, bool accumulate, float* c, int64_t ldc,
