@@ -408,6 +408,15 @@ def test_long_sequence_tiles():
     _check(torch.float32, q, k, v, dout)
 
 
+def test_forward_packs_kv_heads_in_rounds():
+    """The forward packs K and V for rounds of kv heads of at most 16M floats (64 MiB) together:
+    at Lk = 65600, E = Ev = 128 one head passes that, so each of the 2 kv heads (of 4 query
+    heads, GQA) is a round of its own."""
+    q, k, v, dout = _inputs(1, 4, 2, 5, 65600, 128, 128)
+    _check(torch.float32, q, k, v, dout)
+    _check(torch.float32, q, k, v, dout, is_causal=True)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_backward_key_splits_across_thread_counts(threads):
     """When heads do not deal evenly among the threads the backward cuts each head's key blocks

@@ -3,8 +3,8 @@
 // Forward: for each (batch, query head, tile of BQ queries), walk the keys the band admits in
 // blocks of BK: S = scale * Q K^T on the tile, mask and band, online softmax, O += P V. The
 // products come from sdpa_products.h (the panel micro-kernel for float32 on AVX2, else BLAS).
-// Extra memory per thread: one BQ x BK score tile, one BQ x Ev accumulator and one kv head's
-// K and V packed. Backward recomputes P from the saved lse, tile by tile, with dK / dV of a
+// Extra memory: per thread one BQ x BK score tile and one BQ x Ev accumulator; K and V
+// packed for a round of kv heads, shared by the threads (PACKED_FLOATS, or one head's). Backward recomputes P from the saved lse, tile by tile, with dK / dV of a
 // block kept hot across the query tiles.
 // bfloat16 runs the float32 kernel on float32 copies (linear memory) and rounds once.
 // Finite inputs never give NaN: where float32 may overflow (scores or sums past its range,
@@ -114,6 +114,8 @@ constexpr int64_t FWD_EDGE_ROWS = 30;
 // sizes measured alike.
 constexpr int64_t BWD_QUERY_BLOCK = 192;
 constexpr int64_t BWD_KEY_BLOCK = 192;
+// The forward's packed K and V (sdpa_products.h): 64 MiB of floats at most per round of heads.
+constexpr int64_t PACKED_FLOATS = int64_t{16} << 20;
 static_assert(FWD_KEY_BLOCK % PANEL == 0 && BWD_KEY_BLOCK % PANEL == 0,
               "key blocks start on panel boundaries: the panel engine indexes K by j0 / PANEL");
 
@@ -145,82 +147,91 @@ bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
   const int64_t nqt = (d.Lq + BQ - 1) / BQ;
   const T inv_keep = static_cast<T>(drop.inv_keep);
   std::atomic<bool> overflow{false};
-  parallel_tasks(d.B * d.Hq * nqt, [&](Tasks& tasks) {
-    // Tasks run query tiles fastest, so a thread loads each kv head's operands about once per
-    // run of tasks it takes.
-    Products kv(d);
-    const int64_t ldo = kv.out_stride();
-    // o accumulates P V unnormalized; it goes to `out` once divided by the row sums.
-    line_vector<T> sbuf(BQ * BK), obuf(BQ * ldo);
-    std::vector<T> m(BQ), l(BQ);
-    T* s = sbuf.data();
-    T* o = obuf.data();
-    for (int64_t task; tasks.next(task);) {
-      const int64_t qt = zigzag(task % nqt, nqt), bh = task / nqt, h = bh % d.Hq, b = bh / d.Hq;
-      const int64_t bhk = b * d.Hkv + h / d.group();
-      const int64_t i0 = qt * BQ, mq = std::min(BQ, d.Lq - i0);
-      kv.load(k + bhk * d.Lk * d.E, v + bhk * d.Lk * d.Ev);
-      const T* qp = q + (bh * d.Lq + i0) * d.E;
-      T* op = out + (bh * d.Lq + i0) * d.Ev;
-      T* lp = lse + bh * d.Lq + i0;
-      bool over = scores_may_overflow(abs_max(qp, mq * d.E), kv.key_max, scale, d.E);
-      std::fill(m.begin(), m.end(), neg_inf<T>());
-      std::fill(l.begin(), l.end(), T(0));
-      std::fill(o, o + mq * ldo, T(0));
-      const uint32_t key_bh = drop.on ? drop.key_bh(bh) : 0;
-      // Only key blocks the band reaches are visited at all; they start on a panel boundary.
-      const int64_t jlo = std::max<int64_t>(0, i0 + band.lo) / PANEL * PANEL;
-      const int64_t jhi = std::min<int64_t>(d.Lk, i0 + mq + band.hi);
-      for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
-        const int64_t nk = std::min(BK, jhi - j0);
-        // Entries of S outside a row's [first, last) are never read, so they need not exist.
-        for_row_groups(band, i0, mq, j0, nk, FWD_EDGE_ROWS, [&](const RowGroup& g) {
-          kv.scores(g.r1 - g.r0, qp + g.r0 * d.E, j0, g.c0, g.c1, scale, s + g.r0 * BK, BK);
-        });
+  // Rounds of kv heads whose packed operands fit in PACKED_FLOATS, so that the extra memory
+  // stays bounded whatever the batch (one round for up to 16 heads at L = 4096, D = 128).
+  const int64_t kv_heads = d.B * d.Hkv, per_head = Products::Heads::floats_per_head(d);
+  const int64_t round =
+      per_head > 0 ? std::max<int64_t>(1, std::min(kv_heads, PACKED_FLOATS / per_head)) : kv_heads;
+  typename Products::Heads heads(d, round);
+  for (int64_t c0 = 0; c0 < kv_heads; c0 += round) {
+    const int64_t c1 = std::min(kv_heads, c0 + round);
+    heads.prepare(k, v, c0, c1);
+    parallel_tasks((c1 - c0) * d.group() * nqt, [&](Tasks& tasks) {
+      Products kv(d, heads);
+      const int64_t ldo = kv.out_stride();
+      // o accumulates P V unnormalized; it goes to `out` once divided by the row sums.
+      line_vector<T> sbuf(BQ * BK), obuf(BQ * ldo);
+      std::vector<T> m(BQ), l(BQ);
+      T* s = sbuf.data();
+      T* o = obuf.data();
+      for (int64_t task; tasks.next(task);) {
+        // Query tiles fastest: the query heads of kv heads [c0, c1) are [c0 group, c1 group).
+        const int64_t qt = zigzag(task % nqt, nqt), bh = c0 * d.group() + task / nqt;
+        const int64_t h = bh % d.Hq, b = bh / d.Hq, bhk = bh / d.group();
+        const int64_t i0 = qt * BQ, mq = std::min(BQ, d.Lq - i0);
+        kv.load(bhk);
+        const T* qp = q + (bh * d.Lq + i0) * d.E;
+        T* op = out + (bh * d.Lq + i0) * d.Ev;
+        T* lp = lse + bh * d.Lq + i0;
+        bool over = scores_may_overflow(abs_max(qp, mq * d.E), kv.key_max, scale, d.E);
+        std::fill(m.begin(), m.end(), neg_inf<T>());
+        std::fill(l.begin(), l.end(), T(0));
+        std::fill(o, o + mq * ldo, T(0));
+        const uint32_t key_bh = drop.on ? drop.key_bh(bh) : 0;
+        // Only key blocks the band reaches are visited at all; they start on a panel boundary.
+        const int64_t jlo = std::max<int64_t>(0, i0 + band.lo) / PANEL * PANEL;
+        const int64_t jhi = std::min<int64_t>(d.Lk, i0 + mq + band.hi);
+        for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
+          const int64_t nk = std::min(BK, jhi - j0);
+          // Entries of S outside a row's [first, last) are never read, so they need not exist.
+          for_row_groups(band, i0, mq, j0, nk, FWD_EDGE_ROWS, [&](const RowGroup& g) {
+            kv.scores(g.r1 - g.r0, qp + g.r0 * d.E, j0, g.c0, g.c1, scale, s + g.r0 * BK, BK);
+          });
+          for (int64_t r = 0; r < mq; ++r) {
+            const int64_t i = i0 + r;
+            T* sr = s + r * BK;
+            const int64_t a = band.first(i, j0, nk), e = std::max(a, band.last(i, j0, nk));
+            const T mnew = std::max(m[r], mask.present() && e > a
+                                              ? mask.apply(sr + a, b, h, i, j0 + a, e - a)
+                                              : row_max(sr + a, e - a));
+            std::fill(sr, sr + a, T(0));
+            std::fill(sr + e, sr + nk, T(0));
+            if (mnew == neg_inf<T>()) {  // nothing admitted yet: this block adds nothing
+              std::fill(sr + a, sr + e, T(0));
+              continue;
+            }
+            // Past the first blocks a row's max rarely moves: skip the libm call for exp(0).
+            const T alpha = m[r] == neg_inf<T>() ? T(0)
+                            : m[r] == mnew       ? T(1)
+                                                 : std::exp(m[r] - mnew);
+            l[r] = l[r] * alpha + exp_sum(sr + a, e - a, mnew);
+            m[r] = mnew;
+            if (alpha != T(1)) scale_row(o + r * ldo, d.Ev, alpha);
+            if (drop.on) {
+              dropout_row(sr + a, e - a, Dropout::key_row(key_bh, i),
+                          static_cast<uint32_t>(j0 + a), drop.threshold, inv_keep);
+            }
+          }
+          // P is 0 outside each row's band, so a group's product needs only its keys.
+          for_row_groups(band, i0, mq, j0, nk, FWD_EDGE_ROWS, [&](const RowGroup& g) {
+            kv.values(g.r1 - g.r0, s + g.r0 * BK, BK, j0, g.c0, g.c1, o + g.r0 * ldo);
+          });
+        }
         for (int64_t r = 0; r < mq; ++r) {
-          const int64_t i = i0 + r;
-          T* sr = s + r * BK;
-          const int64_t a = band.first(i, j0, nk), e = std::max(a, band.last(i, j0, nk));
-          const T mnew = std::max(m[r], mask.present() && e > a
-                                            ? mask.apply(sr + a, b, h, i, j0 + a, e - a)
-                                            : row_max(sr + a, e - a));
-          std::fill(sr, sr + a, T(0));
-          std::fill(sr + e, sr + nk, T(0));
-          if (mnew == neg_inf<T>()) {  // nothing admitted yet: this block adds nothing
-            std::fill(sr + a, sr + e, T(0));
-            continue;
+          const T inv = l[r] > T(0) ? T(1) / l[r] : T(0);  // no admitted key: zeros
+          int bad = 0;
+          for (int64_t c = 0; c < d.Ev; ++c) {
+            op[r * d.Ev + c] = o[r * ldo + c] * inv;
+            bad |= non_finite(op[r * d.Ev + c]);
           }
-          // Past the first blocks a row's max rarely moves: skip the libm call for exp(0).
-          const T alpha = m[r] == neg_inf<T>() ? T(0)
-                          : m[r] == mnew       ? T(1)
-                                               : std::exp(m[r] - mnew);
-          l[r] = l[r] * alpha + exp_sum(sr + a, e - a, mnew);
-          m[r] = mnew;
-          if (alpha != T(1)) scale_row(o + r * ldo, d.Ev, alpha);
-          if (drop.on) {
-            dropout_row(sr + a, e - a, Dropout::key_row(key_bh, i),
-                        static_cast<uint32_t>(j0 + a), drop.threshold, inv_keep);
-          }
+          lp[r] = l[r] > T(0) ? m[r] + std::log(l[r]) : neg_inf<T>();
+          over = over || bad || std::isnan(l[r]) || m[r] == std::numeric_limits<T>::infinity() ||
+                 (l[r] == T(0) && band.admits_any(mask, b, h, i0 + r, d.Lk));
         }
-        // P is 0 outside each row's band, so a group's product needs only its keys.
-        for_row_groups(band, i0, mq, j0, nk, FWD_EDGE_ROWS, [&](const RowGroup& g) {
-          kv.values(g.r1 - g.r0, s + g.r0 * BK, BK, j0, g.c0, g.c1, o + g.r0 * ldo);
-        });
+        if (over) overflow.store(true, std::memory_order_relaxed);
       }
-      for (int64_t r = 0; r < mq; ++r) {
-        const T inv = l[r] > T(0) ? T(1) / l[r] : T(0);  // no admitted key: zeros
-        int bad = 0;
-        for (int64_t c = 0; c < d.Ev; ++c) {
-          op[r * d.Ev + c] = o[r * ldo + c] * inv;
-          bad |= non_finite(op[r * d.Ev + c]);
-        }
-        lp[r] = l[r] > T(0) ? m[r] + std::log(l[r]) : neg_inf<T>();
-        over = over || bad || std::isnan(l[r]) || m[r] == std::numeric_limits<T>::infinity() ||
-               (l[r] == T(0) && band.admits_any(mask, b, h, i0 + r, d.Lk));
-      }
-      if (over) overflow.store(true, std::memory_order_relaxed);
-    }
-  });
+    });
+  }
   return overflow.load();
 }
 

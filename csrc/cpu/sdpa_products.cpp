@@ -1,27 +1,57 @@
 #include "sdpa_products.h"
 
+#include <algorithm>
+
 namespace attnx::cpu {
 
-PanelProducts::PanelProducts(const Dims& dims)
-    : d(dims), kt(panel_count(d.Lk) * d.E * PANEL), vp(panel_count(d.Ev) * d.Lk * PANEL) {}
+PanelProducts::Heads::Heads(const Dims& dims, int64_t count)
+    : d(dims), kt(count * kt_size()), vp(count * vp_size()), key_max(count) {}
 
-void PanelProducts::load(const float* k, const float* v) {
-  if (k == packed_k && v == packed_v) return;
-  key_max = pack_panels(k, d.E, d.Lk, 1, d.E, kt.data());
-  pack_panels(v, d.Lk, d.Ev, d.Ev, 1, vp.data());
-  packed_k = k, packed_v = v;
+int64_t PanelProducts::Heads::floats_per_head(const Dims& d) {
+  return panel_count(d.Lk) * d.E * PANEL + panel_count(d.Ev) * d.Lk * PANEL;
+}
+
+void PanelProducts::Heads::prepare(const float* k, const float* v, int64_t h0_, int64_t h1) {
+  h0 = h0_;
+  // Jobs of a head: K^T by blocks of KEYS keys, then V by panels; a job's max |K| in k_max.
+  constexpr int64_t KEYS = 256;
+  const int64_t k_jobs = (d.Lk + KEYS - 1) / KEYS, jobs = k_jobs + panel_count(d.Ev);
+  std::vector<float> k_max((h1 - h0) * k_jobs);
+  parallel_tasks((h1 - h0) * jobs, [&](Tasks& tasks) {
+    for (int64_t t; tasks.next(t);) {
+      const int64_t h = t / jobs, job = t % jobs;
+      const float* kh = k + (h0 + h) * d.Lk * d.E;
+      const float* vh = v + (h0 + h) * d.Lk * d.Ev;
+      if (job < k_jobs) {
+        const int64_t j0 = job * KEYS;
+        k_max[h * k_jobs + job] =
+            pack_panels(kh + j0 * d.E, d.E, std::min(KEYS, d.Lk - j0), 1, d.E,
+                        kt.data() + h * kt_size() + j0 * d.E);
+      } else {
+        const int64_t c0 = (job - k_jobs) * PANEL;
+        pack_panels(vh + c0, d.Lk, std::min(PANEL, d.Ev - c0), d.Ev, 1,
+                    vp.data() + h * vp_size() + c0 * d.Lk);
+      }
+    }
+  });
+  for (int64_t h = 0; h < h1 - h0; ++h) {
+    key_max[h] = 0.0f;
+    for (int64_t job = 0; job < k_jobs; ++job) {
+      key_max[h] = std::max(key_max[h], k_max[h * k_jobs + job]);
+    }
+  }
 }
 
 void PanelProducts::scores(int64_t m, const float* q, int64_t j0, int64_t c0, int64_t c1,
                            float alpha, float* s, int64_t lds) const {
   const int64_t p0 = (j0 + c0) / PANEL, p1 = panel_count(j0 + c1);
-  panel_gemm(m, p1 - p0, d.E, alpha, q, d.E, 1, kt.data() + p0 * d.E * PANEL, d.E * PANEL,
+  panel_gemm(m, p1 - p0, d.E, alpha, q, d.E, 1, kt + p0 * d.E * PANEL, d.E * PANEL,
              false, s + p0 * PANEL - j0, lds);
 }
 
 void PanelProducts::values(int64_t m, const float* p, int64_t ldp, int64_t j0, int64_t c0,
                            int64_t c1, float* o) const {
-  panel_gemm(m, panel_count(d.Ev), c1 - c0, 1.0f, p + c0, ldp, 1, vp.data() + (j0 + c0) * PANEL,
+  panel_gemm(m, panel_count(d.Ev), c1 - c0, 1.0f, p + c0, ldp, 1, vp + (j0 + c0) * PANEL,
              d.Lk * PANEL, true, o, out_stride());
 }
 
