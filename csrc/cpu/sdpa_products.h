@@ -81,7 +81,7 @@ struct PanelProducts {
   struct Heads {
     Dims d;
     int64_t h0 = 0;
-    line_vector<float> kt, vp;
+    line_buffer<float> kt, vp;
     std::vector<float> key_max;
 
     Heads(const Dims& dims, int64_t count);  // room for `count` heads

@@ -154,20 +154,24 @@ ATTNX_BODY float abs_max_body(const float* x, int64_t n) {
   return top;
 }
 
-// exp(x - sub) as 2^y. With FMA, y = x log2(e) - sub log2(e) in one rounding: against
-// exp(x - sub) with a degree-6 polynomial, +1-3% on the causal forward at L = 4096
-// (interleaved in one process, 2 threads). sub log2(e) is rounded once per row, which scales
-// every term of the row alike: the softmax's division cancels it, and the lse moves by
-// |sub| 2^-24 at most, as storing it in float does. Without FMA, x log2(e) would be rounded on
-// its own (an error growing with |x|, not |x - sub|), so y = (x - sub) log2(e) there.
-template <int W, bool FUSED = true>
+// exp(x - sub) as 2^y. With FMA and |sub| <= FUSED_SUB_MAX, y = x log2(e) - sub log2(e) in one
+// rounding: against exp(x - sub) with a degree-6 polynomial, +1-3% on the causal forward at
+// L = 4096 (interleaved in one process, 2 threads). The rounding of sub log2(e) scales the
+// call's terms alike, by at most |sub| 2^-24 relative (3.8e-6 at 64): the size of the rounding
+// of a float lse near sub, which the backward's exp(s - lse) already carries. Past the bound
+// that error grows, and past ~1e9 the row's max term itself would leave exp2v's range (y > 0
+// by the rounding), so there, and without FMA (where x log2(e) would round on its own, an error
+// growing with |x|, not |x - sub|), y = (x - sub) log2(e): exact for x near sub.
+constexpr float FUSED_SUB_MAX = 64.0f;
+
+template <int W, bool FUSED>
 ATTNX_BODY vf<W> exp_arg(vf<W> x, float sub) {
   const vf<W> c = splat<W>(1.44269504088896341f);
   return FUSED ? x * c - splat<W>(sub * 1.44269504088896341f) : (x - splat<W>(sub)) * c;
 }
 
-template <int W, bool FUSED = true>
-ATTNX_BODY float exp_sum_body(float* x, int64_t n, float sub) {
+template <int W, bool FUSED>
+ATTNX_BODY float exp_sum_loop(float* x, int64_t n, float sub) {
   vf<W> acc = splat<W>(0.0f);
   int64_t j = 0;
   for (; j + 2 * W <= n; j += 2 * W) {
@@ -188,6 +192,12 @@ ATTNX_BODY float exp_sum_body(float* x, int64_t n, float sub) {
     acc += a;
   }
   return hsum<W>(acc);
+}
+
+template <int W, bool FMA = true>
+ATTNX_BODY float exp_sum_body(float* x, int64_t n, float sub) {
+  if (FMA && std::abs(sub) <= FUSED_SUB_MAX) return exp_sum_loop<W, true>(x, n, sub);
+  return exp_sum_loop<W, false>(x, n, sub);
 }
 
 template <int W>

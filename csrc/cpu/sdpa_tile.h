@@ -25,7 +25,8 @@ double abs_max(const double* x, int64_t n);
 // x = exp(x - sub) in place (exp(-inf) = 0); returns the sum of the new values. Callers keep
 // x <= sub (a row's max, or its lse with the scores clamped to it where they may not be the
 // forward's own): the float version has no overflow clamp, which would cost 15% of its time,
-// and gives garbage for x - sub above 88.
+// and gives garbage for x - sub above 88. Its terms carry a relative error of up to
+// |sub| 2^-24 common to the call where |sub| <= 64 (sdpa_tile.cpp), as a float lse does.
 float exp_sum(float* x, int64_t n, float sub);
 double exp_sum(double* x, int64_t n, double sub);
 

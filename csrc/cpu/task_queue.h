@@ -12,7 +12,8 @@ namespace attnx::cpu {
 
 // Runs of consecutive tasks of [0, n), taken by any thread. Guided sizes (what is left over
 // twice the thread count): early runs are long, so a thread keeps its per-head operands packed
-// across many tasks, and the last ones are single tasks, so threads finish together.
+// across many tasks (the backward's; the forward packs K and V for all threads beforehand),
+// and the last ones are single tasks, so threads finish together.
 class TaskQueue {
  public:
   TaskQueue(int64_t n, int64_t threads) : n_(n), threads_(std::max<int64_t>(1, threads)) {}
