@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -481,6 +482,35 @@ def test_tasks_taken_by_any_thread_give_the_same_results(threads):
                 assert (a is None and b is None) or torch.equal(a, b), name
     finally:
         torch.set_num_threads(before)
+
+
+def test_concurrent_calls_share_the_kept_buffer_safely():
+    """The forward packs K and V into a buffer kept across calls, which one call borrows at a
+    time; calls from several threads at once take it or storage of their own
+    (csrc/cpu/kept_buffer.h): each gets the result a lone call gives, bitwise."""
+    shapes = [(1, 2, 2, 97, 300, 64, 64), (1, 3, 1, 40, 1025, 32, 16), (2, 2, 2, 17, 33, 16, 8)]
+    inputs = [[t.float() for t in _inputs(*s, seed=i)[:3]] for i, s in enumerate(shapes)]
+    lone = [attnx.scaled_dot_product_attention(*qkv, backend="cpu", is_causal=True,
+                                               enable_gqa=True) for qkv in inputs]
+    results, errors = {}, []
+
+    def work(t):
+        try:
+            for r in range(5):
+                i = (t + r) % len(inputs)
+                out = attnx.scaled_dot_product_attention(*inputs[i], backend="cpu", is_causal=True,
+                                                         enable_gqa=True)
+                results[(t, r)] = torch.equal(out, lone[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert len(results) == 20 and all(results.values())
 
 
 def test_causal_edge_blocks_split_into_row_groups():

@@ -26,6 +26,7 @@
 #include "dropout.h"
 #include "float64_rerun.h"
 #include "huge_lse.h"
+#include "kept_buffer.h"
 #include "sdpa_mask.h"
 #include "sdpa_products.h"
 #include "sdpa_tile.h"
@@ -115,8 +116,9 @@ constexpr int64_t FWD_EDGE_ROWS = 30;
 // sizes measured alike.
 constexpr int64_t BWD_QUERY_BLOCK = 192;
 constexpr int64_t BWD_KEY_BLOCK = 192;
-// The forward's packed K and V (sdpa_products.h): 64 MiB of floats at most per round of heads.
-constexpr int64_t PACKED_FLOATS = int64_t{16} << 20;
+// The forward's packed K and V (sdpa_products.h): 64 MiB of floats at most per round of heads,
+// what the kept buffer holds (kept_buffer.h).
+constexpr int64_t PACKED_FLOATS = static_cast<int64_t>(KEPT_FLOATS);
 static_assert(FWD_KEY_BLOCK % PANEL == 0 && BWD_KEY_BLOCK % PANEL == 0,
               "key blocks start on panel boundaries: the panel engine indexes K by j0 / PANEL");
 

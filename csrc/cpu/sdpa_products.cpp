@@ -5,7 +5,11 @@
 namespace attnx::cpu {
 
 PanelProducts::Heads::Heads(const Dims& dims, int64_t count)
-    : d(dims), kt(count * kt_size()), vp(count * vp_size()), key_max(count) {}
+    : d(dims),
+      store(count * (kt_size() + vp_size())),
+      kt(store.data()),
+      vp(kt + count * kt_size()),
+      key_max(count) {}
 
 int64_t PanelProducts::Heads::floats_per_head(const Dims& d) {
   return panel_count(d.Lk) * d.E * PANEL + panel_count(d.Ev) * d.Lk * PANEL;
@@ -26,11 +30,11 @@ void PanelProducts::Heads::prepare(const float* k, const float* v, int64_t h0_, 
         const int64_t j0 = job * KEYS;
         k_max[h * k_jobs + job] =
             pack_panels(kh + j0 * d.E, d.E, std::min(KEYS, d.Lk - j0), 1, d.E,
-                        kt.data() + h * kt_size() + j0 * d.E);
+                        kt + h * kt_size() + j0 * d.E);
       } else {
         const int64_t c0 = (job - k_jobs) * PANEL;
         pack_panels(vh + c0, d.Lk, std::min(PANEL, d.Ev - c0), d.Ev, 1,
-                    vp.data() + h * vp_size() + c0 * d.Lk);
+                    vp + h * vp_size() + c0 * d.Lk);
       }
     }
   });

@@ -8,6 +8,7 @@
 
 #include <vector>
 
+#include "kept_buffer.h"
 #include "line_vector.h"
 #include "sdpa_blas.h"
 #include "sdpa_panels.h"
@@ -81,7 +82,9 @@ struct PanelProducts {
   struct Heads {
     Dims d;
     int64_t h0 = 0;
-    line_buffer<float> kt, vp;
+    KeptBuffer store;  // kt, then vp: written in full by prepare()
+    float* kt;
+    float* vp;
     std::vector<float> key_max;
 
     Heads(const Dims& dims, int64_t count);  // room for `count` heads
@@ -99,8 +102,8 @@ struct PanelProducts {
 
   PanelProducts(const Dims& dims, const Heads& h) : d(dims), heads(h) {}
   void load(int64_t h) {
-    kt = heads.kt.data() + (h - heads.h0) * heads.kt_size();
-    vp = heads.vp.data() + (h - heads.h0) * heads.vp_size();
+    kt = heads.kt + (h - heads.h0) * heads.kt_size();
+    vp = heads.vp + (h - heads.h0) * heads.vp_size();
     key_max = heads.key_max[h - heads.h0];
   }
   int64_t out_stride() const { return panel_count(d.Ev) * PANEL; }
