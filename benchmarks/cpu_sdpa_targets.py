@@ -116,7 +116,8 @@ def main() -> None:
     print(f"sgemm 2048^3: {gemm['gflops']:.1f} GFLOP/s (threads: {torch.get_num_threads()})")
     peak = fma_peak(repeats)
     if peak is not None:
-        print(f"FMA ceiling: {peak['gflops']:.1f} GFLOP/s (min {peak['min']:.1f}, max {peak['max']:.1f})")
+        print(f"FMA ceiling ({peak['lanes']}-lane): {peak['gflops']:.1f} GFLOP/s (min {peak['min']:.1f}, "
+              f"max {peak['max']:.1f})")
     header = f"{'L':>5} {'D':>4} {'kind':>7} {'pass':>8} | {'attnx ms':>9} {'torch ms':>9} | " \
              f"{'attnx GF/s':>10} {'torch GF/s':>10} | {'speedup':>7} {'target':>6}"
     print(header)
