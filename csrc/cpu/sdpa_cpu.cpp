@@ -4,9 +4,9 @@
 // blocks of BK: S = scale * Q K^T on the tile, mask and band, online softmax, O += P V. The
 // products come from sdpa_products.h (the panel micro-kernel for float32 on AVX2, else BLAS).
 // Extra memory: per thread one BQ x BK score tile and one BQ x Ev accumulator; on the panel
-// engine, K and V packed for a round of kv heads, shared by the threads (PACKED_FLOATS at
-// most, or what gives every thread a task). Backward recomputes P from the saved lse, tile by
-// tile, with dK / dV of a block kept hot across the query tiles.
+// engine, K and V packed for a round of kv heads, shared by the threads (at most KEPT_FLOATS,
+// the kept buffer of kept_buffer.h, or what gives every thread a task). Backward recomputes P
+// from the saved lse, tile by tile, with dK / dV of a block kept hot across the query tiles.
 // bfloat16 runs the float32 kernel on float32 copies (linear memory) and rounds once.
 // Finite inputs never give NaN: where float32 may overflow (scores or sums past its range,
 // which takes |q| |k| E near 1.7e38) the kernels say so and the call reruns in float64
@@ -116,9 +116,6 @@ constexpr int64_t FWD_EDGE_ROWS = 30;
 // sizes measured alike.
 constexpr int64_t BWD_QUERY_BLOCK = 192;
 constexpr int64_t BWD_KEY_BLOCK = 192;
-// The forward's packed K and V (sdpa_products.h): 64 MiB of floats at most per round of heads,
-// what the kept buffer holds (kept_buffer.h).
-constexpr int64_t PACKED_FLOATS = static_cast<int64_t>(KEPT_FLOATS);
 static_assert(FWD_KEY_BLOCK % PANEL == 0 && BWD_KEY_BLOCK % PANEL == 0,
               "key blocks start on panel boundaries: the panel engine indexes K by j0 / PANEL");
 
@@ -152,11 +149,11 @@ bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
   std::atomic<bool> overflow{false};
   const int64_t kv_heads = d.B * d.Hkv, per_head = Products::Heads::floats_per_head(d);
   if (kv_heads == 0 || nqt == 0) return false;
-  // Rounds of kv heads whose packed operands fit in PACKED_FLOATS, so that the extra memory
+  // Rounds of kv heads whose packed operands fit in the kept buffer (KEPT_FLOATS), so that the extra memory
   // stays bounded whatever the batch (one round for up to 16 heads at L = 4096, D = 128), but
   // with a task for every thread: the rounds run one after the other.
   const int64_t fill = (at::get_num_threads() + d.group() * nqt - 1) / (d.group() * nqt);
-  const int64_t fits = per_head > 0 ? PACKED_FLOATS / per_head : kv_heads;
+  const int64_t fits = per_head > 0 ? static_cast<int64_t>(KEPT_FLOATS) / per_head : kv_heads;
   const int64_t round = std::min(kv_heads, std::max({int64_t{1}, fits, fill}));
   typename Products::Heads heads(d, round);
   for (int64_t c0 = 0; c0 < kv_heads; c0 += round) {

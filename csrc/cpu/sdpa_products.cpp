@@ -12,7 +12,7 @@ PanelProducts::Heads::Heads(const Dims& dims, int64_t count)
       key_max(count) {}
 
 int64_t PanelProducts::Heads::floats_per_head(const Dims& d) {
-  return panel_count(d.Lk) * d.E * PANEL + panel_count(d.Ev) * d.Lk * PANEL;
+  return kt_size(d) + vp_size(d);
 }
 
 void PanelProducts::Heads::prepare(const float* k, const float* v, int64_t h0_, int64_t h1) {

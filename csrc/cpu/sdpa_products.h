@@ -90,8 +90,10 @@ struct PanelProducts {
     Heads(const Dims& dims, int64_t count);  // room for `count` heads
     static int64_t floats_per_head(const Dims& d);
     void prepare(const float* k, const float* v, int64_t h0_, int64_t h1);  // whole tensors
-    int64_t kt_size() const { return panel_count(d.Lk) * d.E * PANEL; }
-    int64_t vp_size() const { return panel_count(d.Ev) * d.Lk * PANEL; }
+    static int64_t kt_size(const Dims& d) { return panel_count(d.Lk) * d.E * PANEL; }
+    static int64_t vp_size(const Dims& d) { return panel_count(d.Ev) * d.Lk * PANEL; }
+    int64_t kt_size() const { return kt_size(d); }
+    int64_t vp_size() const { return vp_size(d); }
   };
 
   Dims d;
