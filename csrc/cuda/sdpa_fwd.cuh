@@ -64,8 +64,10 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stri
   }
 }
 
+// At least 2 CTAs per SM: shared memory allows 1-3 anyway, and without the bound ptxas (CUDA 13)
+// aims for fewer registers and spills (tests/test_cuda_resources.py).
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) sdpa_fwd_kernel(const SdpaParams p) {
+__global__ void __launch_bounds__(kThreads, 2) sdpa_fwd_kernel(const SdpaParams p) {
   using C = Config<D>;
   constexpr int BN = C::BN;
   extern __shared__ __align__(128) unsigned char smem_raw[];
