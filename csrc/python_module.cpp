@@ -4,6 +4,9 @@
 
 #include "cpu/sdpa_panels.h"
 #include "cpu/sdpa_tile.h"
+#ifdef ATTNX_WITH_CUDA
+#include "cuda/launch.h"
+#endif
 
 namespace {
 
@@ -31,9 +34,27 @@ pybind11::dict build_info() {
   return info;
 }
 
+#ifdef ATTNX_WITH_CUDA
+// Bytes of dynamic shared memory per block a CUDA kernel's launch requests: "sdpa_fwd" and
+// "sdpa_bwd" for head dims up to `dim`, "additive" (forward and backward) for value dim `dim`.
+// The cuda backend checks them against the device per call; the resource test against each
+// architecture's limit.
+int64_t cuda_smem_bytes(const std::string& kernel, int64_t dim) {
+  if (dim < 1 || dim > (int64_t(1) << 20)) throw pybind11::value_error("dim: out of range");
+  if (kernel == "sdpa_fwd" || kernel == "sdpa_bwd")
+    return static_cast<int64_t>(attnx::cuda::sdpa_smem_bytes(kernel == "sdpa_bwd", int(dim)));
+  if (kernel == "additive") return static_cast<int64_t>(attnx::cuda::additive_smem_bytes(int(dim)));
+  throw pybind11::value_error("kernel: expected 'sdpa_fwd', 'sdpa_bwd' or 'additive'");
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "attnx native ops (registered under torch.ops.attnx)";
   m.def("build_info", &build_info, "what this extension was compiled with");
+#ifdef ATTNX_WITH_CUDA
+  m.def("cuda_smem_bytes", &cuda_smem_bytes, pybind11::arg("kernel"), pybind11::arg("dim"),
+        "dynamic shared memory per block a CUDA kernel's launch requests, in bytes");
+#endif
 }

@@ -3,17 +3,37 @@
 What the kernels serve (keep in step with csrc/cuda/): float16 and bfloat16; SDPA head dims
 E, Ev up to 256 (kernels are built for the families 64, 128 and 256 and zero-pad below them);
 additive value dims up to 2048 (the output tile lives in shared memory); at most 65535 batches
-and heads (the CUDA grid's y and z dims); a GPU of compute capability 8.0 or more with at least
-MIN_SHARED_MEMORY bytes of shared memory per block (A100, H100, H200, B200; not the 99 KB of
-sm86/sm89/sm120 parts), which the largest SDPA tiles (backward, head dims 65-128) need.
+and heads (the CUDA grid's y and z dims); a GPU of compute capability 8.0 or more whose opt-in
+shared memory per block holds what the call's kernels request, decided per call.
+
+The shared memory a launch requests is read from the extension (`attnx._C.cuda_smem_bytes`,
+the kernels' own Config::smem_bytes), never restated in code here; the figures below are as of
+this writing (benchmarks/results/cuda-compile.json has them as built). Bytes per block:
+
+  SDPA family (head dims)   forward   backward        additive: 19136 + 64 * Ev
+  64                          71680     108032
+  65-128                     112640     157184
+  129-256                    148480     115456
+
+A100/H100/H200/B200 (163-227 KB) take every call. The 99 KB parts (sm86, sm89, sm120: RTX
+30xx/40xx/50xx, A10, L4; 101376 bytes) take the SDPA forward for head dims up to 64 without
+autograd, and additive for Ev up to 1285; `unsupported` names the kernel and bytes of the rest,
+which go to the triton backend. Smaller tiles for them are not built: tile sizes are
+compile-time constants of one instantiation per family, so fitting 99 KB takes a second
+instantiation of each kernel (forward 65-128 at BN = 32 keys: 82944 bytes; backward at
+BM = BN = 32: 41728 up to 64, 66304 for 65-128; at 16: 54656 for 129-256), doubling the
+compiled kernels and the build; and the forward for 129-256 does not fit at all (its 64 query
+rows and fp32 output tile alone take 100352 bytes; 125440 at BN = 16).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
+from .. import _ops
 from . import native
 from .native import additive, sdpa  # noqa: F401
 
@@ -21,18 +41,51 @@ DTYPES = (torch.float16, torch.bfloat16)
 MAX_SDPA_HEAD_DIM = 256
 MAX_ADDITIVE_VALUE_DIM = 2048
 MAX_GRID_YZ = 65535
-MIN_SHARED_MEMORY = 157184  # bytes, csrc/cuda/sdpa_bwd.cuh Config<128>::smem_bytes
 
 
 def _device_reason(device: torch.device) -> Optional[str]:
+    """Why no call at all can run on `device`; shared memory is decided per call."""
     props = torch.cuda.get_device_properties(device)
     if props.major < 8:
         return f"the cuda backend needs compute capability 8.0+, got {props.major}.{props.minor}"
-    smem = getattr(props, "shared_memory_per_block_optin", MIN_SHARED_MEMORY)
-    if smem < MIN_SHARED_MEMORY:
-        return (f"the cuda backend needs {MIN_SHARED_MEMORY} bytes of shared memory per block, "
-                f"{props.name} has {smem}")
     return None
+
+
+def _shared_memory_limit(device: torch.device) -> tuple:
+    """(name, opt-in shared memory per block in bytes) of the device."""
+    return _device_limit(torch.cuda._get_device_index(device, optional=True))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_limit(index: int) -> tuple:
+    props = torch.cuda.get_device_properties(index)
+    return props.name, props.shared_memory_per_block_optin
+
+
+def _needs_backward(op: str, call) -> bool:
+    """Whether autograd will run the backward kernels of this call."""
+    tensors = (call.q, call.k, call.v, call.mask) if op == "sdpa" else (
+        call.q, call.k, call.value, call.v, call.mask)
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _shared_memory_needed(op: str, dim: int, backward: bool) -> tuple:
+    """(bytes of shared memory per block, kernel) of the largest launch a call makes: `dim` is
+    max(E, Ev) for "sdpa", Ev for "additive" (whose backward requests what its forward does)."""
+    kernels = ("additive",) if op == "additive" else (
+        ("sdpa_fwd", "sdpa_bwd") if backward else ("sdpa_fwd",))
+    return max((_ops._C.cuda_smem_bytes(k, dim), k) for k in kernels)
+
+
+def _shared_memory_reason(op: str, call) -> Optional[str]:
+    dim = max(call.q.shape[-1], call.v.shape[-1]) if op == "sdpa" else call.value.shape[-1]
+    need, kernel = _shared_memory_needed(op, dim, _needs_backward(op, call))
+    name, limit = _shared_memory_limit(call.q.device)
+    if need <= limit:
+        return None
+    return (f"the cuda backend's {kernel} kernel needs {need} bytes of shared memory per block "
+            f"for this call (dim {dim}), {name} has {limit}: its tiles are sized for A100/H100 "
+            "parts (attnx/_backends/cuda.py says which calls fit less)")
 
 
 def availability() -> Optional[str]:
@@ -59,4 +112,4 @@ def unsupported(op: str, call) -> Optional[str]:
     elif call.value.shape[-1] > MAX_ADDITIVE_VALUE_DIM:
         return (f"the cuda backend takes additive value dims up to {MAX_ADDITIVE_VALUE_DIM}, "
                 f"got {call.value.shape[-1]}")
-    return native.missing_kernel(op, "CUDA")
+    return native.missing_kernel(op, "CUDA") or _shared_memory_reason(op, call)

@@ -26,6 +26,9 @@ namespace cuda {
 namespace {
 
 constexpr int kBQ = 16, kBK = 32, kAC = 64, kThreads = 128;
+// CTAs per SM the kernels are compiled for (__launch_bounds__): with 5, ptxas (CUDA 13) fits
+// them in 80 registers without spilling; without it, it spilled on sm_90 (test_cuda_resources.py).
+constexpr int kMinBlocks = 5;
 
 struct Smem {  // offsets into the dynamic shared memory, in floats
   int qs, ks, vs, S, dS, Pd, O, dO, lse, delta, m, l, alpha, total;
@@ -111,7 +114,8 @@ __device__ void score_tile(const AdditiveParams& p, const Head<T>& hd, const Sme
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) additive_fwd_kernel(const AdditiveParams p) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    additive_fwd_kernel(const AdditiveParams p) {
   extern __shared__ __align__(16) float sm[];
   const Smem L(p.Ev);
   const int i0 = blockIdx.x * kBQ, h = blockIdx.y, b = blockIdx.z;
@@ -186,7 +190,8 @@ __global__ void __launch_bounds__(kThreads) additive_fwd_kernel(const AdditivePa
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) additive_bwd_kernel(const AdditiveParams p) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    additive_bwd_kernel(const AdditiveParams p) {
   extern __shared__ __align__(16) float sm[];
   const Smem L(p.Ev);
   const int i0 = blockIdx.x * kBQ, h = blockIdx.y, b = blockIdx.z;

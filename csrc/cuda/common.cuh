@@ -46,7 +46,8 @@ __device__ __forceinline__ float admit(float s, const MaskView& m, int64_t lo, i
   if (i >= Lq || j >= Lk || d < lo || d > hi) return -INFINITY;
   if (m.kind == MaskKind::None) return s;
   const int64_t off = b * m.b + h * m.h + i * m.i + j * m.j;
-  if (m.kind == MaskKind::Bool) return static_cast<const bool*>(m.ptr)[off] ? s : -INFINITY;
+  // bool masks are read as bytes: a byte other than 0 or 1 read through bool* is undefined
+  if (m.kind == MaskKind::Bool) return static_cast<const uint8_t*>(m.ptr)[off] != 0 ? s : -INFINITY;
   return s + to_float(static_cast<const T*>(m.ptr)[off]);
 }
 

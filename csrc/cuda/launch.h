@@ -87,6 +87,10 @@ cudaError_t sdpa_fwd_family(const SdpaParams& p, cudaStream_t stream);
 template <int D>
 cudaError_t sdpa_bwd_family(const SdpaParams& p, cudaStream_t stream);
 
+// Shared memory the forward (backward) SDPA launch requests for head dims E, Ev up to `dim`
+// (the serving family's Config::smem_bytes; 0 past the largest family).
+size_t sdpa_smem_bytes(bool backward, int dim);
+
 // Each returns the cudaError_t of its launches (cudaSuccess when nothing had to run).
 // Shared memory the additive kernels need for value dim Ev (the host checks it fits).
 size_t additive_smem_bytes(int Ev);

@@ -146,6 +146,8 @@ __global__ void __launch_bounds__(kThreads) sdpa_bwd_kernel(const SdpaParams p) 
       for (int f = 0; f < C::KV_FRAGS; ++f) {
         const int t = warp * C::KV_FRAGS + f;
         const int jt = t / (D / 16), dt = t % (D / 16);
+        // Not unrolled: with the dK, dV accumulators live, unrolling spills (bf16, 255 registers).
+#pragma unroll 1
         for (int kt = 0; kt < BM / 16; ++kt) {
           wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> a;
           wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> bf;

@@ -64,8 +64,10 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stri
   }
 }
 
+// At least 2 CTAs per SM: shared memory allows 1-3 anyway, and without the bound ptxas (CUDA 13)
+// aims for fewer registers and spills (tests/test_cuda_resources.py).
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) sdpa_fwd_kernel(const SdpaParams p) {
+__global__ void __launch_bounds__(kThreads, 2) sdpa_fwd_kernel(const SdpaParams p) {
   using C = Config<D>;
   constexpr int BN = C::BN;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -85,7 +87,7 @@ __global__ void __launch_bounds__(kThreads) sdpa_fwd_kernel(const SdpaParams p) 
   const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
   const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h;
-  const uint32_t key_bh = dropout_key_bh(p.drop, uint32_t(b * p.Hq + h));
+  const uint32_t key_bh = dropout_key_bh(p.drop, uint32_t(int64_t(b) * p.Hq + h));
 
   load_tile<T, D, C::LDH>(Qs, q, p.sq.l, i0, kBM, p.Lq, p.E, p.sq.vec16);
   for (int idx = threadIdx.x; idx < kBM * C::LDO; idx += kThreads) Os[idx] = 0.f;

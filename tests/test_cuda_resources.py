@@ -1,0 +1,237 @@
+"""Compiled resources of the CUDA kernels (csrc/cuda/), read from the built extension's cubins.
+
+No GPU needed: for every kernel of every architecture the extension was built for (default
+ATTNX_CUDA_ARCHS "8.0;9.0+PTX": sm_80 and sm_90 cubins), `cuobjdump --dump-resource-usage`
+gives its registers, stack frame and static shared memory. Asserted:
+  - no spills: no stack frame and no local memory, hence no local stores or loads (a kernel
+    with a stack frame gets its STL/LDL bytes counted from its SASS for the report; they are
+    what `ptxas -v` calls spill stores and loads);
+  - static shared memory plus the dynamic shared memory its launch requests
+    (attnx._C.cuda_smem_bytes: the kernels' own Config::smem_bytes, the number the cuda
+    backend checks per call) within the architecture's opt-in limit per block. sm_90 cubins
+    count the 1 KB the system reserves per block as static shared memory; counting it too is
+    conservative by 1 KB.
+The table goes to benchmarks/results/cuda-compile.json (rewritten each run, same content for
+the same build).
+
+cuobjdump is the one Triton's nvidia backend ships (triton/backends/nvidia/bin): the pinned
+requirements install it wherever the tests run (CI, both torch versions), while the CUDA
+toolkit of the build machines has only the compiler (/usr/local/cuda/bin has no cuobjdump).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnx import _ops, _validate
+from attnx._backends import cuda as cuda_backend
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cuda-compile.json"
+# cudaDevAttrMaxSharedMemoryPerBlockOptin of each architecture the build targets.
+OPT_IN_SHARED = {"sm_80": 166912, "sm_90": 232448}
+DTYPES = {"6__half": "fp16", "13__nv_bfloat16": "bf16"}
+SDPA_FAMILIES = (64, 128, 256)
+# Every kernel csrc/cuda/ compiles, each with the dynamic shared memory its launch requests.
+KERNELS = {f"{op}<{dt}, {d}>": (op, d) for op in ("sdpa_fwd", "sdpa_bwd")
+           for dt in DTYPES.values() for d in SDPA_FAMILIES}
+KERNELS.update({f"additive_{op}<{dt}>": ("additive", cuda_backend.MAX_ADDITIVE_VALUE_DIM)
+                for op in ("fwd", "bwd") for dt in DTYPES.values()})
+
+_SDPA = re.compile(r"(sdpa_fwd|sdpa_bwd)_kernelI(6__half|13__nv_bfloat16)Li(\d+)E")
+_ADDITIVE = re.compile(r"additive_(fwd|bwd)_kernelI(6__half|13__nv_bfloat16)E")
+_USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+_LOCAL_ACCESS = re.compile(r"\b(STL|LDL)((?:\.\w+)*)")
+_ACCESS_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+
+
+# An extension that is not built or does not load fails these tests (LOAD_ERROR says why).
+pytestmark = pytest.mark.skipif(
+    _ops.LOAD_ERROR is None and not _ops.build_info()["cuda"],
+    reason="attnx._C was built without CUDA (ATTNX_CUDA=0): it holds no cubins to read")
+
+
+@pytest.fixture(autouse=True)
+def _loaded():
+    assert _ops.LOAD_ERROR is None, _ops.LOAD_ERROR
+
+
+def cuobjdump() -> str:
+    spec = importlib.util.find_spec("triton")
+    assert spec is not None and spec.origin, "triton (which ships the cuobjdump read here) is missing"
+    tool = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    assert os.access(tool, os.X_OK), f"no executable cuobjdump at {tool}"
+    return str(tool)
+
+
+def kernel_name(symbol: str) -> str:
+    """`sdpa_bwd<bf16, 128>` for the mangled symbol of that instantiation."""
+    if m := _SDPA.search(symbol):
+        return f"{m[1]}<{DTYPES[m[2]]}, {m[3]}>"
+    if m := _ADDITIVE.search(symbol):
+        return f"additive_{m[1]}<{DTYPES[m[2]]}>"
+    raise AssertionError(f"{symbol}: a kernel this test does not know; add it to KERNELS with "
+                         "the dynamic shared memory its launch requests")
+
+
+def resource_usage(tool: str, lib: str) -> dict:
+    """{(symbol, arch): (registers, stack, static shared, local)} of every cubin in `lib`."""
+    text = subprocess.run([tool, "--dump-resource-usage", lib], check=True, capture_output=True,
+                          text=True).stdout
+    usage, arch, symbol, in_elf = {}, None, None, False
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("Fatbin "):
+            in_elf = line.startswith("Fatbin elf")
+        elif line.startswith("arch = "):
+            arch = line.split("=")[1].strip()
+        elif in_elf and line.startswith("Function "):
+            symbol = line[len("Function "):].rstrip(":")
+        elif in_elf and (m := _USAGE.match(line)):
+            assert (symbol, arch) not in usage, f"{symbol} appears twice for {arch}"
+            usage[symbol, arch] = tuple(int(x) for x in m.groups())
+    return usage
+
+
+def local_traffic(tool: str, lib: str, symbols: list) -> dict:
+    """{(symbol, arch): (bytes stored, bytes loaded)} by the STL/LDL in each kernel's SASS."""
+    if not symbols:
+        return {}
+    text = subprocess.run([tool, "--dump-sass", "--function", ",".join(symbols), lib],
+                          check=True, capture_output=True, text=True).stdout
+    traffic, arch, symbol = {}, None, None
+    for line in text.splitlines():
+        if line.strip().startswith("arch = "):
+            arch = line.split("=")[1].strip()
+        elif (m := re.search(r"Function : (\S+)", line)):
+            symbol = m[1]
+            traffic.setdefault((symbol, arch), [0, 0])
+        elif (m := _LOCAL_ACCESS.search(line)):
+            width = next((_ACCESS_BYTES[x] for x in m[2].split(".") if x in _ACCESS_BYTES), 4)
+            traffic[symbol, arch][m[1] == "LDL"] += width
+    return {key: tuple(v) for key, v in traffic.items()}
+
+
+def built_archs() -> set:
+    """sm_XY of each compute capability in the build's ATTNX_CUDA_ARCHS."""
+    archs = _ops.build_info()["cuda_archs"]
+    return {f"sm_{a}{b}" for a, b in re.findall(r"(\d+)\.(\d+)", archs)}
+
+
+@pytest.fixture(scope="module")
+def table():
+    """One row per (kernel, arch), written to RESULTS before any assertion."""
+    tool, lib = cuobjdump(), _ops._C.__file__
+    usage = resource_usage(tool, lib)
+    # Without a stack frame or local memory a kernel has nowhere to spill to: only the others'
+    # SASS is read (reading all of it takes ~10 s).
+    spilling = sorted({s for (s, _), u in usage.items() if u[1] or u[3]})
+    traffic = local_traffic(tool, lib, spilling)
+    rows = []
+    for (symbol, arch), (regs, stack, static, local) in usage.items():
+        name = kernel_name(symbol)
+        op, dim = KERNELS[name]
+        stores, loads = traffic.get((symbol, arch), (0, 0))
+        rows.append(dict(kernel=name, arch=arch, registers=regs, stack_frame_bytes=stack,
+                         local_bytes=local, spill_store_bytes=stores, spill_load_bytes=loads,
+                         static_shared_bytes=static,
+                         dynamic_shared_bytes=_ops._C.cuda_smem_bytes(op, dim)))
+    rows.sort(key=lambda r: (r["kernel"], r["arch"]))
+    version = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
+    RESULTS.write_text(json.dumps(dict(
+        about="Resources of the CUDA kernels as compiled into attnx._C, read with cuobjdump "
+              "(tests/test_cuda_resources.py); dynamic shared memory: what each launch requests, "
+              f"additive at its largest value dim ({cuda_backend.MAX_ADDITIVE_VALUE_DIM})",
+        cuobjdump=re.findall(r"release [\d.]+, V[\d.]+", version),
+        build={k: _ops.build_info()[k] for k in ("cuda_version", "cuda_archs")},
+        opt_in_shared_bytes=OPT_IN_SHARED,
+        kernels=rows), indent=1) + "\n")
+    return rows
+
+
+def test_every_kernel_is_compiled_for_every_arch(table):
+    archs = built_archs()
+    assert archs <= OPT_IN_SHARED.keys(), f"no opt-in shared memory limit known for {archs}"
+    found = {(r["kernel"], r["arch"]) for r in table}
+    assert found == {(k, a) for k in KERNELS for a in archs}
+
+
+def test_no_spills(table):
+    spills = [r for r in table if r["stack_frame_bytes"] or r["local_bytes"]
+              or r["spill_store_bytes"] or r["spill_load_bytes"]]
+    assert not spills, "kernels that spill to local memory:\n" + "\n".join(
+        f"  {r['kernel']} {r['arch']}: {r['registers']} registers, stack frame "
+        f"{r['stack_frame_bytes']} B, local {r['local_bytes']} B, stores "
+        f"{r['spill_store_bytes']} B, loads {r['spill_load_bytes']} B" for r in spills)
+
+
+def test_shared_memory_fits_each_arch(table):
+    over = [r for r in table
+            if r["static_shared_bytes"] + r["dynamic_shared_bytes"] > OPT_IN_SHARED[r["arch"]]]
+    assert not over, "\n".join(
+        f"{r['kernel']} {r['arch']}: {r['static_shared_bytes']} + {r['dynamic_shared_bytes']} B "
+        f"of shared memory > {OPT_IN_SHARED[r['arch']]}" for r in over)
+
+
+# The cuda backend's per-call shared memory check (attnx/_backends/cuda.py), on CPU tensors with
+# the device's limit given: what its docstring promises for 99 KB parts (sm86/sm89/sm120) and for
+# A100, from the numbers the extension reports.
+SM86_OPT_IN = 101376
+
+
+def sdpa_call(e, ev=None, grad=False):
+    q, k = (torch.randn(1, 2, 5, e, dtype=torch.float16, requires_grad=grad) for _ in range(2))
+    v = torch.randn(1, 2, 5, ev or e, dtype=torch.float16)
+    return _validate.sdpa_call(q, k, v, None, 0.0, False, None, False, None, "cuda", False)
+
+
+def additive_call(ev, grad=False):
+    q, k = (torch.randn(1, 2, 5, 8, dtype=torch.float16, requires_grad=grad) for _ in range(2))
+    value = torch.randn(1, 2, 5, ev, dtype=torch.float16)
+    v = torch.randn(8, dtype=torch.float16)
+    return _validate.additive_call(q, k, value, v, None, 0.0, False, None, "cuda", False)
+
+
+def reason(monkeypatch, limit, op, call):
+    monkeypatch.setattr(cuda_backend, "_shared_memory_limit", lambda device: ("GPU", limit))
+    return cuda_backend._shared_memory_reason(op, call)
+
+
+@pytest.mark.parametrize("e, ev", [(64, 64), (8, 64), (64, 1), (17, 33)])
+def test_99kb_parts_take_the_sdpa_forward_up_to_64(monkeypatch, e, ev):
+    assert reason(monkeypatch, SM86_OPT_IN, "sdpa", sdpa_call(e, ev)) is None
+
+
+@pytest.mark.parametrize("e, ev, grad, kernel", [
+    (64, 64, True, "sdpa_bwd"), (65, 64, False, "sdpa_fwd"), (64, 128, False, "sdpa_fwd"),
+    (128, 128, True, "sdpa_bwd"), (256, 256, False, "sdpa_fwd")])
+def test_99kb_parts_refuse_what_does_not_fit(monkeypatch, e, ev, grad, kernel):
+    why = reason(monkeypatch, SM86_OPT_IN, "sdpa", sdpa_call(e, ev, grad))
+    assert why is not None and f"{kernel} kernel needs" in why and str(SM86_OPT_IN) in why
+
+
+def test_no_backward_is_planned_without_autograd(monkeypatch):
+    call = sdpa_call(64, grad=True)
+    with torch.no_grad():
+        assert reason(monkeypatch, SM86_OPT_IN, "sdpa", call) is None
+    assert reason(monkeypatch, SM86_OPT_IN, "sdpa", call) is not None
+
+
+def test_99kb_parts_take_additive_up_to_ev_1285(monkeypatch):
+    assert reason(monkeypatch, SM86_OPT_IN, "additive", additive_call(1285, grad=True)) is None
+    why = reason(monkeypatch, SM86_OPT_IN, "additive", additive_call(1286))
+    assert why is not None and "additive kernel needs" in why
+
+
+@pytest.mark.parametrize("e, ev", [(64, 64), (128, 128), (256, 256), (200, 64)])
+def test_a100_takes_every_sdpa_call(monkeypatch, e, ev):
+    assert reason(monkeypatch, OPT_IN_SHARED["sm_80"], "sdpa", sdpa_call(e, ev, grad=True)) is None
+    big = additive_call(cuda_backend.MAX_ADDITIVE_VALUE_DIM, grad=True)
+    assert reason(monkeypatch, OPT_IN_SHARED["sm_80"], "additive", big) is None
