@@ -41,3 +41,10 @@ def test_build_info_matches_torch():
 def test_unknown_command_fails():
     r = subprocess.run([sys.executable, "-m", "attnx", "frobnicate"], capture_output=True, text=True)
     assert r.returncode != 0 and "invalid choice" in r.stderr
+
+
+def test_help_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "attnx", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for name in ("info", "check", "bench", "demo"):
+        assert name in out.split("{", 1)[1].split("}", 1)[0], name
