@@ -70,16 +70,21 @@ say() { echo "$*" | tee -a "$log"; }
 # the command of each step (run from the repository root)
 command_of() {
   case "$1" in
-    build) echo "env ATTNX_CUDA=1 ATTNX_CUDA_ARCHS=$arch MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace && $PY -c 'import attnx, sys; i = attnx._ops.build_info(); print(i); sys.exit(0 if i and i[\"cuda\"] else \"attnx._C was built without CUDA\")'" ;;
+    build) echo "env ATTNX_CUDA=1 ATTNX_CUDA_ARCHS='$arch' MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace && $PY -c 'import attnx, sys; i = attnx._ops.build_info(); print(i); sys.exit(0 if i and i[\"cuda\"] else \"attnx._C was built without CUDA\")'" ;;
     test_cuda) echo "$PY -m pytest tests/test_cuda.py -v -rs -p no:cacheprovider" ;;
-    test_triton) echo "$PY -m pytest tests/test_triton.py -v -rs -p no:cacheprovider" ;;
-    check) echo "$PY -m attnx check --json $scratch/check.json" ;;
+    test_triton) echo "$PY -m pytest tests/test_triton.py -v -rs -p no:cacheprovider$xdist" ;;
+    check) echo "$PY -m attnx check --jobs $jobs --json $scratch/check.json" ;;
     memcheck) echo "$PY scripts/gpu_sanitize_cases.py cuda triton && PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 $PY scripts/gpu_sanitize_cases.py cuda triton" ;;
     racecheck) echo "compute-sanitizer --tool racecheck --error-exitcode 1 $PY scripts/gpu_sanitize_cases.py cuda triton" ;;
     bench) echo "$PY benchmarks/gpu.py --out $scratch/bench.jsonl --deadline-s \$DEADLINE" ;;
   esac
 }
 
+# Triton compiles every new kernel variant on one core: the Triton tests and the check spread
+# over processes (pytest-xdist where installed; the device image has it).
+jobs=$(( $(nproc) / 2 > 1 ? $(nproc) / 2 : 1 ))
+xdist=""
+if "$PY" -c 'import xdist' >/dev/null 2>&1; then xdist=" -n $jobs"; fi
 gpu_reason="" arch="8.0;9.0"  # without a GPU (--force, --dry-run): setup.py's architectures
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   gpu_reason="no NVIDIA GPU here (no nvidia-smi)"

@@ -27,7 +27,11 @@ import sys
 
 SCHEMA = "attnx-gpu-check/1"
 STATUSES = ("passed", "failed", "timed_out", "skipped")
+# "nodeid STATUS" (pytest -v), "[gw0] [ 5%] STATUS nodeid" (-v with xdist), "STATUS nodeid - why"
+# (the short summary): the last one seen for a test counts.
 PYTEST_RESULT = re.compile(r"^(\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+PYTEST_RESULT_FIRST = re.compile(
+    r"^(?:\[gw\d+\]\s+\[\s*\d+%\]\s+)?(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+::\S+)")
 PYTEST_SUMMARY = re.compile(r"^=+ (.*\d+ (?:passed|failed|skipped|error|errors|deselected).*) =+$")
 SANITIZER = re.compile(r"^=+ ((?:ERROR|RACECHECK|LEAK) SUMMARY: .*)$")
 TAIL_LINES = 30
@@ -36,13 +40,17 @@ TAIL_LINES = 30
 def summarize(name: str, text: str, rc: int) -> dict:
     """What the output says: pytest's per-test results, compute-sanitizer's summary lines."""
     out = {}
-    counts, failed = {}, []
+    results = {}
     for line in text.splitlines():
         m = PYTEST_RESULT.match(line.strip())
         if m:
-            counts[m.group(2).lower()] = counts.get(m.group(2).lower(), 0) + 1
-            if m.group(2) in ("FAILED", "ERROR"):
-                failed.append(m.group(1))
+            results[m.group(1)] = m.group(2)
+        m = PYTEST_RESULT_FIRST.match(line.strip())
+        if m:
+            results[m.group(2)] = m.group(1)
+    counts, failed = {}, [t for t, r in results.items() if r in ("FAILED", "ERROR")]
+    for r in results.values():
+        counts[r.lower()] = counts.get(r.lower(), 0) + 1
     if counts:
         out["tests"] = counts
         out["failed_tests"] = failed

@@ -10,6 +10,9 @@ seconds. Run it once without the sanitizer first with TRITON_CACHE_AUTOTUNING=1 
 scripts/gpu_check.sh does): the Triton autotuner then reads its choice from the disk cache
 instead of timing every config under the sanitizer (so the sanitizer sees the configs the
 autotuner picked, not every config).
+
+Without a GPU, `TRITON_INTERPRET=1` runs the triton cases on CPU tensors in Triton's
+interpreter: a check of this script itself (tests/test_gpu_check.py), not of memory safety.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import attnx  # noqa: E402
 
 BACKENDS = ("cuda", "triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def cases(backend: str) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
 
     def t(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.float16, generator=gen).requires_grad_()
+        return torch.randn(*shape, device=DEVICE, dtype=torch.float16, generator=gen).requires_grad_()
 
     torch.manual_seed(0)  # the dropout seeds
     for e in (59, 128):
@@ -38,7 +42,7 @@ def cases(backend: str) -> None:
         out = attnx.scaled_dot_product_attention(q, k, v, mask, dropout_p=0.2, enable_gqa=True,
                                                  window=(40, 3), backend=backend)
         torch.autograd.grad(out.sum(), (q, k, v, mask))
-        bmask = torch.rand(97, 33, device="cuda", generator=gen) > 0.5
+        bmask = torch.rand(97, 33, device=DEVICE, generator=gen) > 0.5
         out = attnx.scaled_dot_product_attention(q, k, v, bmask, enable_gqa=True, backend=backend)
         torch.autograd.grad(out.sum(), (q, k, v))
         out = attnx.scaled_dot_product_attention(q[:, :2, :33], k, v, is_causal=True, backend=backend)
@@ -48,7 +52,8 @@ def cases(backend: str) -> None:
     out, weights = attnx.additive_attention(q, k, value, w, mask, dropout_p=0.1, window=(5, 9),
                                             backend=backend, return_weights=True)
     torch.autograd.grad(out.sum() + (weights * weights).sum(), (q, k, value, w, mask))
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def main(argv=None) -> int:

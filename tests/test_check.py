@@ -134,3 +134,13 @@ def test_triton_backend_under_the_interpreter(tmp_path):
     assert devices == ({"cuda"} if torch.cuda.is_available() else {"cpu"})
     assert rc == 0, [r["error"] for r in doc["results"] if not r["passed"]]
     assert len(doc["results"]) == len(cases.CASES)
+
+
+@needs_cpu
+def test_jobs_give_the_same_results(tmp_path):
+    """--jobs runs the checks in spawned worker processes: the same rows, in the same order."""
+    rc1, one = _check(tmp_path, "--backends", "cpu", "--dtypes", "float32")
+    rc2, two = _check(tmp_path, "--backends", "cpu", "--dtypes", "float32", "--jobs", "2")
+    assert rc1 == rc2 == 0
+    strip = lambda doc: [{k: v for k, v in r.items() if k != "seconds"} for r in doc["results"]]  # noqa: E731
+    assert strip(one) == strip(two)

@@ -12,7 +12,9 @@ ATTNX_CUDA_ON_CPU=1 the cuda backend's host harness, when they make those backen
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
+import multiprocessing
 import sys
 
 import torch
@@ -36,6 +38,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", type=_csv, help="only these, e.g. cpu,triton (default: all usable)")
     p.add_argument("--devices", type=_csv, help="only these, e.g. cuda (default: every device here)")
     p.add_argument("--dtypes", type=_csv, help=f"only these, of {','.join(DTYPES)}")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="worker processes (on a GPU, Triton compiles each new kernel variant "
+                        "on one CPU core: more jobs compile in parallel)")
     return p
 
 
@@ -87,18 +92,29 @@ def _choose(given, known, what: str, p: argparse.ArgumentParser) -> list:
     return [k for k in known if k in given]
 
 
+def _check_one(item) -> dict:
+    name, device, dtype, index = item
+    row = cases.run(cases.CASES[index], name, device, DTYPES[dtype])
+    return {"backend": name, "device": device, "dtype": dtype, **row}
+
+
 def run(args, p: argparse.ArgumentParser) -> dict:
     status = backends()
     here = devices()
     status = {n: s for n, s in status.items() if n in _choose(args.backends, status, "backends", p)}
     device_types = _choose(args.devices, [d["type"] for d in here], "devices", p)
     dtypes = _choose(args.dtypes, DTYPES, "dtypes", p)
+    if args.jobs < 1:
+        p.error(f"--jobs: expected a positive number, got {args.jobs}")
     targets, skipped = plan(status, device_types, dtypes)
-    results = []
-    for name, device, dtype, op in targets:
-        for case in (c for c in cases.CASES if c.op == op):
-            row = cases.run(case, name, device, DTYPES[dtype])
-            results.append({"backend": name, "device": device, "dtype": dtype, **row})
+    work = [(name, device, dtype, i) for name, device, dtype, op in targets
+            for i, c in enumerate(cases.CASES) if c.op == op]
+    if args.jobs == 1:
+        results = [_check_one(item) for item in work]
+    else:  # spawned, not forked: a forked child cannot use the parent's CUDA context
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+            results = list(pool.map(_check_one, work))
     return {"schema": report.SCHEMA,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "passed": bool(results) and all(r["passed"] for r in results),
