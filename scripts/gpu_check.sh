@@ -17,6 +17,9 @@
 # order). Caps in seconds, overridable as GPU_CHECK_CAP_<step>=N: build 300, test_cuda 120,
 # test_triton 180, check 90, memcheck 120, racecheck 120, bench 600 (what is left).
 #
+# memcheck first runs the cases once without the sanitizer (compiles and Triton's autotuning,
+# cached on disk, stay out of the sanitized run); its result is the sanitized run's.
+#
 # Through the device tool (python3 there is the one with torch 2.11, Triton, pytest):
 #   run(command="bash scripts/gpu_check.sh $OUT", timeout_s=600)
 # If the benchmark got too little time, a second call on the still-warm machine (the build is
@@ -74,7 +77,7 @@ command_of() {
     test_cuda) echo "$PY -m pytest tests/test_cuda.py -v -rs -p no:cacheprovider" ;;
     test_triton) echo "$PY -m pytest tests/test_triton.py -v -rs -p no:cacheprovider$xdist" ;;
     check) echo "$PY -m attnx check --jobs $jobs --json $scratch/check.json" ;;
-    memcheck) echo "$PY scripts/gpu_sanitize_cases.py cuda triton && PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 $PY scripts/gpu_sanitize_cases.py cuda triton" ;;
+    memcheck) echo "$PY scripts/gpu_sanitize_cases.py cuda triton; PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 $PY scripts/gpu_sanitize_cases.py cuda triton" ;;
     racecheck) echo "compute-sanitizer --tool racecheck --error-exitcode 1 $PY scripts/gpu_sanitize_cases.py cuda triton" ;;
     bench) echo "$PY benchmarks/gpu.py --out $scratch/bench.jsonl --deadline-s \$DEADLINE" ;;
   esac

@@ -29,12 +29,16 @@ BACKENDS = ("cuda", "triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def cases(backend: str) -> None:
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
+def _tensors(seed: int):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
 
     def t(*shape):
         return torch.randn(*shape, device=DEVICE, dtype=torch.float16, generator=gen).requires_grad_()
+    return t, gen
 
+
+def sdpa_cases(backend: str) -> None:
+    t, gen = _tensors(0)
     torch.manual_seed(0)  # the dropout seeds
     for e in (59, 128):
         q, k, v = t(2, 4, 97, e), t(2, 2, 33, e), t(2, 2, 33, e)
@@ -47,16 +51,21 @@ def cases(backend: str) -> None:
         torch.autograd.grad(out.sum(), (q, k, v))
         out = attnx.scaled_dot_product_attention(q[:, :2, :33], k, v, is_causal=True, backend=backend)
         torch.autograd.grad(out.sum(), (q, k, v))
+
+
+def additive_cases(backend: str) -> None:
+    t, _ = _tensors(1)
+    torch.manual_seed(1)
     q, k, value, w = t(3, 2, 17, 70), t(3, 2, 45, 70), t(3, 2, 45, 19), t(70)
     mask = t(3, 2, 17, 45)
     out, weights = attnx.additive_attention(q, k, value, w, mask, dropout_p=0.1, window=(5, 9),
                                             backend=backend, return_weights=True)
     torch.autograd.grad(out.sum() + (weights * weights).sum(), (q, k, value, w, mask))
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
 
 
 def main(argv=None) -> int:
+    """Runs every group of cases of each backend named; one that raises is reported and the
+    others still run (so that a compile error in one kernel leaves the rest sanitized)."""
     names = list(sys.argv[1:] if argv is None else argv) or list(BACKENDS)
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:
@@ -64,15 +73,22 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     status = attnx.backends()
-    ran = 0
+    ran = failed = 0
     for name in names:
         if not status[name].usable:
             print(f"{name}: not run: {status[name].reason}")
             continue
-        cases(name)
-        ran += 1
-        print(f"{name}: sanitize cases ran")
-    return 0 if ran else 1
+        for group in (sdpa_cases, additive_cases):
+            try:
+                group(name)
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+                print(f"{name} {group.__name__}: ran")
+                ran += 1
+            except Exception as exc:
+                print(f"{name} {group.__name__}: FAILED: {type(exc).__name__}: {str(exc)[:500]}")
+                failed += 1
+    return 0 if ran and not failed else 1
 
 
 if __name__ == "__main__":
