@@ -37,7 +37,7 @@ SANITIZER = re.compile(r"^=+ ((?:ERROR|RACECHECK|LEAK) SUMMARY: .*)$")
 TAIL_LINES = 30
 
 
-def summarize(name: str, text: str, rc: int) -> dict:
+def summarize(text: str, rc: int) -> dict:
     """What the output says: pytest's per-test results, compute-sanitizer's summary lines."""
     out = {}
     results = {}
@@ -84,7 +84,7 @@ def record(path, name, rc, seconds, timeout_s, output_file, command) -> dict:
     except OSError:
         text = ""
     timed_out = rc in (124, 137)
-    summary = summarize(name, text, rc)
+    summary = summarize(text, rc)
     if timed_out:
         summary["note"] = f"stopped by its {timeout_s} s timeout"
     status = step_status(rc, summary, timed_out)

@@ -121,17 +121,17 @@ FAILED tests/test_triton.py::test_sdpa_gqa[dtype1] - AssertionError: dq: max err
 
 
 def test_summaries_of_pytest_and_sanitizer_output():
-    s = report.summarize("test_cuda", PYTEST_OUT, 1)
+    s = report.summarize(PYTEST_OUT, 1)
     assert s["tests"] == {"passed": 1, "failed": 1, "skipped": 1, "error": 1}
     assert s["failed_tests"] == ["tests/test_cuda.py::test_a[bfloat16]", "tests/test_cuda.py::test_c"]
     assert s["pytest"] == "1 failed, 1 passed, 1 skipped, 1 error in 3.21s"
     assert s["tail"][-1].startswith("===")
-    s = report.summarize("test_triton", XDIST_OUT, 1)
+    s = report.summarize(XDIST_OUT, 1)
     assert s["tests"] == {"passed": 1, "failed": 1}  # the summary line repeats, not adds
     assert s["failed_tests"] == ["tests/test_triton.py::test_sdpa_gqa[dtype1]"]
-    s = report.summarize("racecheck", SANITIZER_OUT, 1)
+    s = report.summarize(SANITIZER_OUT, 1)
     assert s["sanitizer_errors"] == 1 and len(s["sanitizer"]) == 2
-    assert "tail" not in report.summarize("racecheck", SANITIZER_OUT, 0)
+    assert "tail" not in report.summarize(SANITIZER_OUT, 0)
 
 
 def test_step_status():
