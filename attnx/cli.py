@@ -1,4 +1,4 @@
-"""The `attnx` command: `attnx info | bench | demo` (also `python -m attnx ...`)."""
+"""The `attnx` command: `attnx info | check | bench | demo` (also `python -m attnx ...`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import sys
 
 _COMMANDS = {
     "info": ("attnx.info", "what is built and usable here"),
+    "check": ("attnx.check", "every usable backend on every device here against the float64 "
+                             "reference; exit status 1 on any failure"),
     "bench": ("attnx.bench", "the benchmark suite: a table, plots and a JSON file of results"),
     "demo": ("attnx.demo", "train a small attention model on generated data and plot its alignments"),
 }

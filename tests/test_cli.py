@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import attnx
@@ -41,3 +42,13 @@ def test_build_info_matches_torch():
 def test_unknown_command_fails():
     r = subprocess.run([sys.executable, "-m", "attnx", "frobnicate"], capture_output=True, text=True)
     assert r.returncode != 0 and "invalid choice" in r.stderr
+
+
+def test_help_lists_every_command(capsys):
+    from attnx import cli
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    for name in ("info", "check", "bench", "demo"):
+        assert name in out.split("{", 1)[1].split("}", 1)[0], name

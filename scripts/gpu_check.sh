@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# scripts/gpu_check.sh OUTDIR [--steps LIST] [--budget SECONDS] [--dry-run] [--force]
+#
+# Everything a session lent an NVIDIA GPU runs first, in one command of at most 10 minutes, on a
+# machine with no network: builds attnx (its CUDA half for this GPU's architecture only), runs
+# tests/test_cuda.py and tests/test_triton.py on CUDA tensors, `attnx check`, compute-sanitizer
+# (memcheck, racecheck) on small cases of both GPU backends (scripts/gpu_sanitize_cases.py) and
+# the GPU benchmark (benchmarks/gpu.py). Writes OUTDIR/gpu_check.json and OUTDIR/gpu_check.log.
+#
+# Each step runs under `timeout`: its cap below, or less when the whole --budget (default 570 s)
+# runs short; a step stopped by its timeout is recorded as timed_out, one that got no time as
+# skipped, and the benchmark is told its deadline so that it stops in time and keeps what it
+# measured. Exit status 0 when every step passed (or there is no GPU: nothing is run, the JSON
+# says why), 1 otherwise, 2 for bad arguments.
+#
+# Steps: build test_cuda test_triton check memcheck racecheck bench (default: all, in this
+# order). Caps in seconds, overridable as GPU_CHECK_CAP_<step>=N: build 300, test_cuda 120,
+# test_triton 180, check 90, memcheck 120, racecheck 120, bench 600 (what is left).
+#
+# memcheck first runs the cases once without the sanitizer (compiles and Triton's autotuning,
+# cached on disk, stay out of the sanitized run); its result is the sanitized run's.
+#
+# Through the device tool (python3 there is the one with torch 2.11, Triton, pytest):
+#   run(command="bash scripts/gpu_check.sh $OUT", timeout_s=600)
+# If the benchmark got too little time, a second call on the still-warm machine (the build is
+# kept; a fresh machine rebuilds):
+#   run(command="bash scripts/gpu_check.sh $OUT --steps build,bench", timeout_s=600)
+# and join the two JSON files here with
+#   python scripts/gpu_check_report.py merge -o all.json run1/gpu_check.json run2/gpu_check.json
+# Python packages missing there travel as wheels (/work/.library/device/README.md): put them in
+# .whl/ at the repository root (ignored through .git/info/exclude), name .whl in the call's
+# carry, and this script installs them into a scratch folder on PYTHONPATH before the steps.
+set -uo pipefail
+
+usage() { sed -n '2p' "$0" | sed 's/^# //' >&2; exit 2; }
+ALL_STEPS="build,test_cuda,test_triton,check,memcheck,racecheck,bench"
+declare -A CAP=([build]=300 [test_cuda]=120 [test_triton]=180 [check]=90 [memcheck]=120
+                [racecheck]=120 [bench]=600)
+
+outdir="" steps="$ALL_STEPS" budget=570 dry_run=0 force=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --steps) [ $# -ge 2 ] || usage; steps="$2"; shift 2 ;;
+    --budget) [ $# -ge 2 ] || usage; budget="$2"; shift 2 ;;
+    --dry-run) dry_run=1; shift ;;
+    --force) force=1; shift ;;  # run the steps even without a GPU (they then fail or skip)
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "gpu_check.sh: unknown option $1" >&2; usage ;;
+    *) [ -z "$outdir" ] || { echo "gpu_check.sh: one OUTDIR, got '$outdir' and '$1'" >&2; usage; }
+       outdir="$1"; shift ;;
+  esac
+done
+[ -n "$outdir" ] || { echo "gpu_check.sh: OUTDIR is required" >&2; usage; }
+[[ "$budget" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: --budget: expected whole seconds, got '$budget'" >&2; exit 2; }
+for s in ${steps//,/ }; do
+  [[ ",$ALL_STEPS," == *",$s,"* ]] || { echo "gpu_check.sh: --steps: unknown step '$s' (steps: $ALL_STEPS)" >&2; exit 2; }
+done
+for s in "${!CAP[@]}"; do  # GPU_CHECK_CAP_<step> overrides
+  v="GPU_CHECK_CAP_$s"; [ -z "${!v:-}" ] || CAP[$s]="${!v}"
+done
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+PY="${PYTHON:-python3}"
+REPORT="$PY $root/scripts/gpu_check_report.py"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# The Triton autotuner's choices go to disk, so the sanitizer runs reuse them (gpu_sanitize_cases.py).
+export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$root/build/triton-cache}"
+unset TRITON_INTERPRET ATTNX_CUDA_ON_CPU  # the GPU backends on CUDA tensors, not the test switches
+t0=$(date +%s)
+say() { echo "$*" | tee -a "$log"; }
+
+# the command of each step (run from the repository root)
+command_of() {
+  case "$1" in
+    build) echo "env ATTNX_CUDA=1 ATTNX_CUDA_ARCHS='$arch' MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace && $PY -c 'import attnx, sys; i = attnx._ops.build_info(); print(i); sys.exit(0 if i and i[\"cuda\"] else \"attnx._C was built without CUDA\")'" ;;
+    test_cuda) echo "$PY -m pytest tests/test_cuda.py -v -rs -p no:cacheprovider" ;;
+    test_triton) echo "$PY -m pytest tests/test_triton.py -v -rs -p no:cacheprovider$xdist" ;;
+    check) echo "$PY -m attnx check --jobs $jobs --json $scratch/check.json" ;;
+    memcheck) echo "$PY scripts/gpu_sanitize_cases.py cuda triton; PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 $PY scripts/gpu_sanitize_cases.py cuda triton" ;;
+    racecheck) echo "compute-sanitizer --tool racecheck --error-exitcode 1 $PY scripts/gpu_sanitize_cases.py cuda triton" ;;
+    bench) echo "$PY benchmarks/gpu.py --out $scratch/bench.jsonl --deadline-s \$DEADLINE" ;;
+  esac
+}
+
+# Triton compiles every new kernel variant on one core: the Triton tests and the check spread
+# over processes (pytest-xdist where installed; the device image has it).
+jobs=$(( $(nproc) / 2 > 1 ? $(nproc) / 2 : 1 ))
+xdist=""
+if "$PY" -c 'import xdist' >/dev/null 2>&1; then xdist=" -n $jobs"; fi
+gpu_reason="" arch="8.0;9.0"  # without a GPU (--force, --dry-run): setup.py's architectures
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  gpu_reason="no NVIDIA GPU here (no nvidia-smi)"
+elif ! arch="$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null)"; then
+  gpu_reason="torch ($PY) sees no CUDA device" arch="8.0;9.0"
+fi
+
+if [ "$dry_run" = 1 ]; then
+  echo "gpu_check.sh: dry run, nothing is run; budget ${budget} s; GPU: ${gpu_reason:-present (arch $arch)}"
+  scratch='$SCRATCH'  # a temporary folder in a real run
+  for s in ${steps//,/ }; do
+    printf '  %-11s cap %4s s: %s\n' "$s" "${CAP[$s]}" "$(command_of "$s")"
+  done
+  exit 0
+fi
+
+mkdir -p "$outdir" && outdir="$(cd "$outdir" && pwd)"
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+log="$outdir/gpu_check.log"
+: > "$log"
+if [ -n "$gpu_reason" ] && [ "$force" = 0 ]; then
+  say "gpu_check.sh: $gpu_reason: nothing run (the steps need an NVIDIA GPU; --dry-run shows them)"
+  for s in ${steps//,/ }; do $REPORT skip "$scratch/steps.jsonl" "$s" "$gpu_reason" -- "$(command_of "$s")" >> "$log"; done
+  $REPORT finish "$outdir" "$scratch" "$budget" "$steps" --no-gpu "$gpu_reason" | tee -a "$log"
+  exit "${PIPESTATUS[0]}"
+fi
+
+# Wheels carried in .whl/ (see the header): installed into a scratch folder on PYTHONPATH.
+if compgen -G "$root/.whl/*.whl" >/dev/null; then
+  say "installing the carried wheels: $(ls "$root"/.whl/*.whl | xargs -n1 basename | tr '\n' ' ')"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$scratch/site" "$root"/.whl/*.whl >> "$log" 2>&1 || say "wheel install failed (see above)"
+  export PYTHONPATH="$PYTHONPATH:$scratch/site"
+fi
+
+reserve=20  # seconds kept for writing the JSON at the end
+for s in ${steps//,/ }; do
+  left=$(( t0 + budget - reserve - $(date +%s) ))
+  cmd="$(command_of "$s")"
+  if [ "$left" -lt 10 ]; then
+    $REPORT skip "$scratch/steps.jsonl" "$s" "out of time: the ${budget} s budget was spent" -- "$cmd" | tee -a "$log"
+    continue
+  fi
+  limit=$(( CAP[$s] < left ? CAP[$s] : left ))
+  cmd="${cmd//\$DEADLINE/$(( limit - 30 > 10 ? limit - 30 : 10 ))}"
+  say "=== [$(( $(date +%s) - t0 )) s] $s (timeout $limit s): $cmd"
+  start=$(date +%s)
+  timeout --kill-after=10 "$limit" bash -c "$cmd" > "$scratch/$s.out" 2>&1
+  rc=$?
+  cat "$scratch/$s.out" >> "$log"
+  tail -n 5 "$scratch/$s.out"
+  $REPORT record "$scratch/steps.jsonl" "$s" "$rc" "$(( $(date +%s) - start ))" "$limit" \
+    "$scratch/$s.out" -- "$cmd" | tee -a "$log"
+done
+
+say "=== [$(( $(date +%s) - t0 )) s] writing $outdir/gpu_check.json"
+$REPORT finish "$outdir" "$scratch" "$budget" "$steps" | tee -a "$log"
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,280 @@
+"""The parts of scripts/gpu_check.sh and benchmarks/gpu.py that need no GPU: argument handling,
+the dry run, the no-GPU run, step records, timeouts, the JSON document and its merging, the
+benchmark's FLOP count, order, deadline and tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attnx.bench.shapes import Case
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
+HAS_GPU = shutil.which("nvidia-smi") is not None and torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                                reason="needs bash and coreutils' timeout")
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _load("gpu_check_report", "scripts/gpu_check_report.py")
+bench = _load("gpu_bench", "benchmarks/gpu.py")
+
+
+def _script(*args, env=None):
+    full = dict(os.environ, PYTHON=sys.executable, **(env or {}))
+    return subprocess.run(["bash", SCRIPT, *args], cwd=ROOT, env=full, capture_output=True,
+                          text=True, timeout=300)
+
+
+# ---------------------------------------------------------------- scripts/gpu_check.sh
+
+
+def test_dry_run_lists_every_step_and_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    res = _script(str(out), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    for step, cap in (("build", 300), ("test_cuda", 120), ("test_triton", 180), ("check", 90),
+                      ("memcheck", 120), ("racecheck", 120), ("bench", 600)):
+        assert any(line.split()[:3] == [step, "cap", str(cap)] for line in res.stdout.splitlines()), step
+    assert "tests/test_cuda.py" in res.stdout and "compute-sanitizer --tool racecheck" in res.stdout
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    ((), "OUTDIR is required"), (("a", "b"), "one OUTDIR"), (("o", "--steps", "build,nope"), "unknown step 'nope'"),
+    (("o", "--frob"), "unknown option --frob"), (("o", "--budget", "ten"), "--budget: expected whole seconds")])
+def test_bad_arguments_exit_2(tmp_path, args, message):
+    res = subprocess.run(["bash", SCRIPT, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+
+
+@pytest.mark.skipif(HAS_GPU, reason="this machine has a GPU")
+def test_without_a_gpu_nothing_runs_and_the_json_says_why(tmp_path):
+    res = _script(str(tmp_path), "--steps", "build,bench")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "nothing run" in res.stdout
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert doc["schema"] == "attnx-gpu-check/1" and doc["status"] == "skipped"
+    assert doc["reason"] and doc["steps_requested"] == ["build", "bench"]
+    assert [(s["name"], s["status"], s["summary"]["note"]) for s in doc["steps"]] == [
+        ("build", "skipped", doc["reason"]), ("bench", "skipped", doc["reason"])]
+    assert doc["machine"]["torch"] == torch.__version__
+    assert "nothing run" in (tmp_path / "gpu_check.log").read_text()
+    assert sorted(os.listdir(tmp_path)) == ["gpu_check.json", "gpu_check.log"]
+
+
+def test_a_step_past_its_cap_is_recorded_as_timed_out(tmp_path):
+    res = _script(str(tmp_path), "--force", "--steps", "check", env={"GPU_CHECK_CAP_check": "1"})
+    assert res.returncode == 1, res.stdout + res.stderr
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    (step,) = doc["steps"]
+    assert step["name"] == "check" and step["status"] == "timed_out" and step["timeout_s"] == 1
+    assert doc["status"] == "failed" and doc["check"] is None
+    assert "check (timeout 1 s)" in (tmp_path / "gpu_check.log").read_text()
+
+
+def test_steps_past_the_budget_are_skipped(tmp_path):
+    res = _script(str(tmp_path), "--force", "--steps", "check,bench", "--budget", "0")
+    assert res.returncode == 1
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [(s["name"], s["status"]) for s in doc["steps"]] == [("check", "skipped"), ("bench", "skipped")]
+    assert all("out of time" in s["summary"]["note"] for s in doc["steps"])
+
+
+# ---------------------------------------------------------------- scripts/gpu_check_report.py
+
+PYTEST_OUT = """\
+tests/test_cuda.py::test_a[float16] PASSED                                [ 25%]
+tests/test_cuda.py::test_a[bfloat16] FAILED                               [ 50%]
+tests/test_cuda.py::test_b SKIPPED (no reason)                            [ 75%]
+tests/test_cuda.py::test_c ERROR                                          [100%]
+=========== 1 failed, 1 passed, 1 skipped, 1 error in 3.21s ===========
+"""
+SANITIZER_OUT = """\
+cuda: sanitize cases ran
+========= ERROR SUMMARY: 0 errors
+========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)
+"""
+
+
+XDIST_OUT = """\
+[gw1] [ 50%] PASSED tests/test_triton.py::test_sdpa_plain[dtype0]
+[gw0] [100%] FAILED tests/test_triton.py::test_sdpa_gqa[dtype1]
+=========================== short test summary info ============================
+FAILED tests/test_triton.py::test_sdpa_gqa[dtype1] - AssertionError: dq: max error
+========================= 1 failed, 1 passed in 9.00s ==========================
+"""
+
+
+def test_summaries_of_pytest_and_sanitizer_output():
+    s = report.summarize(PYTEST_OUT, 1)
+    assert s["tests"] == {"passed": 1, "failed": 1, "skipped": 1, "error": 1}
+    assert s["failed_tests"] == ["tests/test_cuda.py::test_a[bfloat16]", "tests/test_cuda.py::test_c"]
+    assert s["pytest"] == "1 failed, 1 passed, 1 skipped, 1 error in 3.21s"
+    assert s["tail"][-1].startswith("===")
+    s = report.summarize(XDIST_OUT, 1)
+    assert s["tests"] == {"passed": 1, "failed": 1}  # the summary line repeats, not adds
+    assert s["failed_tests"] == ["tests/test_triton.py::test_sdpa_gqa[dtype1]"]
+    s = report.summarize(SANITIZER_OUT, 1)
+    assert s["sanitizer_errors"] == 1 and len(s["sanitizer"]) == 2
+    assert "tail" not in report.summarize(SANITIZER_OUT, 0)
+
+
+def test_step_status():
+    assert report.step_status(0, {"tests": {"passed": 3}}, False) == "passed"
+    assert report.step_status(0, {"tests": {"skipped": 3}}, False) == "failed"  # all skipped
+    assert report.step_status(1, {}, False) == "failed"
+    assert report.step_status(124, {}, True) == "timed_out"
+
+
+@pytest.fixture
+def no_machine(monkeypatch):
+    """finish() without reading the machine (a child process importing torch: seconds)."""
+    monkeypatch.setattr(report, "machine", lambda: {"stub": True})
+
+
+def _fake_run(tmp_path, name, check_passed=True, bench_rows=()):
+    scratch, out = tmp_path / f"{name}-scratch", tmp_path / name
+    scratch.mkdir()
+    out.mkdir()
+    (scratch / "test_cuda.out").write_text(PYTEST_OUT)
+    report.record(scratch / "steps.jsonl", "test_cuda", 1, 12, 120, scratch / "test_cuda.out", "pytest")
+    (scratch / "check.json").write_text(json.dumps({"schema": "attnx-check/1", "results": [
+        {"passed": check_passed}]}))
+    with open(scratch / "bench.jsonl", "w") as f:
+        for row in bench_rows:
+            f.write(json.dumps(row) + "\n")
+        f.write('{"kind": "result", "cut off by a ki')  # a line a kill left unfinished
+    return report.finish(str(out), str(scratch), 570, ["test_cuda", "check", "bench"]), out
+
+
+def test_finish_writes_one_document(tmp_path, no_machine):
+    rows = [{"kind": "meta", "gemm": {}}, {"kind": "result", "tflops": 1.0}]
+    doc, out = _fake_run(tmp_path, "run", bench_rows=rows)
+    assert json.loads((out / "gpu_check.json").read_text()) == doc
+    assert doc["status"] == "failed" and doc["steps"][0]["status"] == "failed"
+    assert doc["steps"][0]["summary"]["tests"]["failed"] == 1
+    assert doc["check"]["results"] == [{"passed": True}]
+    assert doc["bench"]["meta"] == rows[0] and doc["bench"]["results"] == rows[1:]
+    assert doc["bench"]["end"] is None  # the benchmark was stopped before its last line
+    text = report.report(doc)
+    assert "test_cuda" in text and "1 checks, 0 failed" in text
+
+
+def test_merge_of_two_runs(tmp_path, no_machine, capsys):
+    a, _ = _fake_run(tmp_path, "a", bench_rows=[{"kind": "result", "tflops": 1.0}])
+    b, _ = _fake_run(tmp_path, "b", bench_rows=[{"kind": "meta"}, {"kind": "result", "tflops": 2.0},
+                                               {"kind": "end", "measured": 1}])
+    for i, d in enumerate((a, b)):
+        path = tmp_path / f"{i}.json"
+        path.write_text(json.dumps(d))
+    rc = report.main(["merge", "-o", str(tmp_path / "all.json"), str(tmp_path / "0.json"),
+                      str(tmp_path / "1.json")])
+    assert rc == 1  # the fake runs' test step failed
+    doc = json.loads((tmp_path / "all.json").read_text())
+    assert [s["run"] for s in doc["steps"]] == [0, 1] and doc["runs"] == [a["date"], b["date"]]
+    assert [r["tflops"] for r in doc["bench"]["results"]] == [1.0, 2.0]
+    assert doc["bench"]["end"] == [None, {"kind": "end", "measured": 1}]
+    assert doc["status"] == "failed" and doc["budget_s"] == 1140
+    (tmp_path / "junk.json").write_text("{}")
+    assert report.main(["merge", "-o", str(tmp_path / "x.json"), str(tmp_path / "junk.json")]) == 2
+    assert "not gpu_check results" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- benchmarks/gpu.py
+
+
+def _args(*argv):
+    p = bench.parser()
+    args = p.parse_args(list(argv))
+    bench.validate(args, p)
+    return args
+
+
+def test_flops_are_counted_as_flash_attention_counts_them():
+    case = Case("sdpa", 2, 16, 1024, 1024, 128, 128, True, "bfloat16", "cuda")
+    fwd = bench.result_row(case, "forward", "x", {"median_ms": 2.0, "min_ms": 1.0, "max_ms": 4.0})
+    assert fwd["flops"] == 4 * 2 * 16 * 1024 * 1024 * 128 / 2
+    assert fwd["tflops"] == pytest.approx(fwd["flops"] / 2e-3 / 1e12)
+    assert fwd["tflops_min_max"] == pytest.approx([fwd["flops"] / 4e-3 / 1e12, fwd["flops"] / 1e-3 / 1e12])
+    bwd = bench.result_row(case, "backward", "x", {"median_ms": 2.0, "min_ms": 1.0, "max_ms": 4.0})
+    assert bwd["flops"] == 2.5 * fwd["flops"]
+    full = Case("sdpa", 2, 16, 1024, 1024, 128, 128, False, "bfloat16", "cuda")
+    assert bench.result_row(full, "forward", "x", {"error": "e"})["flops"] == 2 * fwd["flops"]
+    assert "tflops" not in bench.result_row(full, "forward", "x", {"error": "e"})
+
+
+def test_default_work_covers_the_sweep_most_important_first():
+    items = bench.work(_args())
+    assert len(items) == 2 * 2 * 6 * 2 * 2  # dtypes x head dims x lengths x causal x passes
+    first = items[0][0]
+    assert (first.dtype, first.head_dim, first.seqlen_q) == ("bfloat16", 128, 512)
+    assert {c.seqlen_q for c, _ in items} == {512, 1024, 2048, 4096, 8192, 16384}
+    assert all(c.batch * c.seqlen_q == 16384 and c.heads * c.head_dim == 2048 for c, _ in items)
+    assert {p for _, p in items} == {"forward", "backward"} and {c.causal for c, _ in items} == {False, True}
+    assert items[-1][0].dtype == "float16" and items[-1][0].head_dim == 64
+
+
+@pytest.mark.parametrize("argv", [("--dtypes", "fp8"), ("--passes", "sideways"),
+                                  ("--providers", "nope"), ("--seqlens", "0")])
+def test_benchmark_rejects_bad_arguments(argv):
+    with pytest.raises(SystemExit) as exc:
+        _args(*argv)
+    assert exc.value.code == 2
+
+
+def test_benchmark_stops_at_its_deadline_and_keeps_what_it_measured():
+    items = bench.work(_args("--dtypes", "bf16", "--head-dims", "64", "--seqlens", "512,1024"))
+    now = [0.0]
+
+    def measure(case, pass_):
+        now[0] += 10.0
+        return [bench.result_row(case, pass_, "p", {"median_ms": 1.0, "min_ms": 1.0, "max_ms": 1.0})]
+
+    written = []
+    end = bench.run(items, measure, written.append, deadline_s=25.0, clock=lambda: now[0])
+    assert end["measured"] == 3 and len(end["not_measured"]) == len(items) - 3
+    assert [r["kind"] for r in written] == ["result"] * 3 + ["end"]
+    assert "L=1024" in end["not_measured"][-1]
+
+
+def test_benchmark_table_and_ratios(tmp_path, capsys):
+    rows = []
+    for provider, tf in (("attnx-triton", 300.0), ("torch-flash", 400.0), ("torch-cudnn", 500.0)):
+        for length in (512, 4096):
+            case = Case("sdpa", 1, 16, length, length, 128, 128, False, "bfloat16", "cuda")
+            row = bench.result_row(case, "forward", provider,
+                                   {"median_ms": 1.0, "min_ms": 1.0, "max_ms": 1.0})
+            row["tflops"] = tf
+            rows.append(row)
+    rows.append(bench.result_row(case, "backward", "attnx-cuda", {"error": "no kernel"}))
+    path = tmp_path / "b.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "res')
+    text = bench.table(bench.read_jsonl(str(path)))
+    assert "| bfloat16 | 128 | no | forward | torch-cudnn | 500.0 | 500.0 |" in text
+    assert "| bfloat16 | 128 | no | forward | attnx-triton | 0.60 | 0.60 |" in text  # over cuDNN
+    assert "| bfloat16 | 128 | no | backward | attnx-cuda | - | err |" in text
+    assert "| bfloat16 | 128 | no | backward | attnx-cuda | - | - |" in text  # only in the ratios
+    assert bench.main(["--table", str(path)]) == 0 and text in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_benchmark_without_a_gpu_says_so(tmp_path, capsys):
+    assert bench.main(["--out", str(tmp_path / "x.jsonl")]) == 2
+    assert "no CUDA device" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
+    assert bench.main(["--plan"]) == 0
+    assert capsys.readouterr().out.strip().endswith("96 measurements x 5 providers")
