@@ -112,7 +112,7 @@ __device__ void score_tile(const AdditiveParams& p, const Head<T>& hd, const Sme
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) additive_fwd_kernel(const AdditiveParams p) {
-  extern __shared__ __align__(16) float sm[];
+  ATTNX_DYNAMIC_SMEM(float, sm, 16);
   const Smem L(p.Ev);
   const int i0 = blockIdx.x * kBQ, h = blockIdx.y, b = blockIdx.z;
   const Head<T> hd(p, b, h);
@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(kThreads) additive_fwd_kernel(const AdditivePa
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) additive_bwd_kernel(const AdditiveParams p) {
-  extern __shared__ __align__(16) float sm[];
+  ATTNX_DYNAMIC_SMEM(float, sm, 16);
   const Smem L(p.Ev);
   const int i0 = blockIdx.x * kBQ, h = blockIdx.y, b = blockIdx.z;
   const Head<T> hd(p, b, h);
@@ -278,12 +278,8 @@ __global__ void __launch_bounds__(kThreads) additive_bwd_kernel(const AdditivePa
 template <typename K>
 cudaError_t launch(K kernel, const AdditiveParams& p, cudaStream_t stream) {
   if (p.B == 0 || p.H == 0 || p.Lq == 0) return cudaSuccess;
-  const size_t smem = size_t(Smem(p.Ev).total) * sizeof(float);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         int(smem));
-  if (err != cudaSuccess) return err;
-  kernel<<<dim3(ceil_div(p.Lq, kBQ), p.H, p.B), kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(kernel, dim3(ceil_div(p.Lq, kBQ), p.H, p.B), dim3(kThreads),
+                       additive_smem_bytes(p.Ev), stream, p);
 }
 
 }  // namespace

@@ -2,12 +2,10 @@
 // (band + mask), and the dropout hash of attnx/_rng.py in uint32 arithmetic.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstdint>
 
 #include "../dropout_hash.h"
+#include "device.cuh"
 #include "launch.h"
 
 namespace attnx {

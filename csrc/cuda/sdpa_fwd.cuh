@@ -15,8 +15,6 @@
 // l = 0 and is written as zeros with lse = -inf.
 #pragma once
 
-#include <mma.h>
-
 #include "common.cuh"
 
 namespace attnx {
@@ -68,7 +66,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) sdpa_fwd_kernel(const SdpaParams p) {
   using C = Config<D>;
   constexpr int BN = C::BN;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  ATTNX_DYNAMIC_SMEM(unsigned char, smem_raw, 128);
   T* Qs = reinterpret_cast<T*>(smem_raw);
   T* Ks = Qs + kBM * C::LDH;
   T* Vs = Ks + BN * C::LDH;
@@ -172,13 +170,9 @@ __global__ void __launch_bounds__(kThreads) sdpa_fwd_kernel(const SdpaParams p) 
 
 template <typename T, int D>
 cudaError_t launch(const SdpaParams& p, cudaStream_t stream) {
-  const size_t smem = Config<D>::smem_bytes;
-  cudaError_t err = cudaFuncSetAttribute(sdpa_fwd_kernel<T, D>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (err != cudaSuccess) return err;
   const dim3 grid(ceil_div(p.Lq, kBM), p.Hq, p.B);
-  sdpa_fwd_kernel<T, D><<<grid, kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(sdpa_fwd_kernel<T, D>, grid, dim3(kThreads), Config<D>::smem_bytes, stream,
+                       p);
 }
 
 }  // namespace sdpa_fwd_impl
