@@ -85,7 +85,7 @@ def host_harness_extension():
     sources = (_sources("csrc/cuda/host/*.cpp") + ["csrc/cuda/kernel_ops.cpp"])
     # -fno-strict-aliasing: the kernels read 16-bit tiles as uint4, as the device allows.
     # Hidden symbols: the kernels' host twins must never stand in for attnx._C's.
-    cxx = ["-O2", "-fno-strict-aliasing", "-fvisibility=hidden"]
+    cxx = ["-O2", "-fno-strict-aliasing", "-fvisibility=hidden", "-Wno-unknown-pragmas"]
     return [CppExtension("attnx._cuda_host", sources, include_dirs=[include],
                          define_macros=[("ATTNX_CUDA_HOST", None)],
                          extra_compile_args={"cxx": cxx})]

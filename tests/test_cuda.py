@@ -238,6 +238,29 @@ def test_sdpa_float_mask_gradient(dtype):
                rand(2, 4, lk, 64, dtype=dtype), mask)
 
 
+def huge_bias_mask(b, lq, lk, dtype):
+    """Whole rows padded with the dtype's most negative finite value, as Hugging Face models
+    pad: in bfloat16 (finfo.min ~ -3.4e38) a row's lse rounds to its max, and probabilities
+    rebuilt as exp(s - lse) come out 1 instead of 1 / l unless the kernels renormalize those
+    rows (csrc/cpu/huge_lse.h). One padded row has a single key less biased."""
+    big = torch.finfo(dtype).min
+    m = torch.zeros(b, 1, lq, lk, dtype=dtype, device=DEV)
+    m[:, :, 2] = big
+    m[0, :, 5, 9:] = big
+    m[-1, :, lq - 1] = big
+    m[-1, :, lq - 1, 3] = big / 2
+    return m
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sdpa_rows_under_a_huge_finite_bias(dtype):
+    torch.manual_seed(13)
+    lq, lk = 70, 90  # two query tiles, the second partial
+    mask = huge_bias_mask(2, lq, lk, dtype).requires_grad_()
+    check_sdpa(rand(2, 2, lq, 64, dtype=dtype), rand(2, 2, lk, 64, dtype=dtype),
+               rand(2, 2, lk, 64, dtype=dtype), mask)
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_sdpa_dropout_matches_reference(p):
     torch.manual_seed(9)
@@ -312,6 +335,15 @@ def test_additive_band_and_dropout(kw, with_mask):
                    mask, seed=99, **kw)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_additive_rows_under_a_huge_finite_bias(dtype):
+    torch.manual_seed(25)
+    lq, lk, a = 20, 37, 16
+    mask = huge_bias_mask(2, lq, lk, dtype).requires_grad_()
+    check_additive(rand(2, 1, lq, a, dtype=dtype), rand(2, 1, lk, a, dtype=dtype),
+                   rand(2, 1, lk, 8, dtype=dtype), rand(1, a, dtype=dtype), mask)
+
+
 def test_additive_opcheck():
     torch.manual_seed(23)
     q, k = rand(1, 2, 9, 16, dtype=torch.float16), rand(1, 2, 21, 16, dtype=torch.float16)
@@ -319,6 +351,20 @@ def test_additive_opcheck():
     torch.library.opcheck(OPS.additive_fwd, (q, k, value, v, None, -9, 21, 0.0, None, False))
     torch.library.opcheck(OPS.additive_fwd,
                           (q, k, value, v, None, -2, 0, 0.25, torch.tensor([1, 2]), True))
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_sizes_past_the_grid_raise_before_they_are_narrowed(dim):
+    """A batch, head or length count of 2**32 + 3 (a stride-0 view: no memory) raises; narrowed
+    to an int first, it would pass the grid check as 3 and run on a slice of the input."""
+    shape = [1, 1, 1, 8]
+    shape[dim] = 2**32 + 3
+    q = torch.randn(1, 1, 1, 8, device=DEV, dtype=torch.float16).expand(*shape)
+    with pytest.raises(RuntimeError, match="attnx cuda kernels: sequence lengths below 2\\^31"):
+        OPS.sdpa_fwd(q, q, q, None, 0.125, -4, 4, 0.0, None)
+    v = torch.randn(1, 8, device=DEV, dtype=torch.float16).expand(shape[1], 8)
+    with pytest.raises(RuntimeError, match="attnx cuda kernels: sequence lengths below 2\\^31"):
+        OPS.additive_fwd(q, q, q, v, None, -4, 4, 0.0, None, False)
 
 
 def test_sdpa_many_heads_and_batches():

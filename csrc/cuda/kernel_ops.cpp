@@ -175,13 +175,38 @@ struct Saved {
   Tensor dout, lse, delta;
 };
 
-Saved saved(const Target& target, const Tensor& grad_out, const Tensor& q, const Tensor& out,
-            const Tensor& lse, const OptTensor& grad_lse, c10::IntArrayRef out_shape) {
+Saved saved(const Tensor& grad_out, const Tensor& q, const Tensor& out, const Tensor& lse,
+            const OptTensor& grad_lse, c10::IntArrayRef out_shape) {
   Tensor dout = grad_out.to(q.scalar_type()).contiguous();
-  if (reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 != 0) dout = dout.clone();  // vec16 loads
   check_saved(dout, out, lse, q, out_shape);
-  return {target.input(dout), target.input(lse.to(at::kFloat).contiguous()),
-          target.input(softmax_delta(dout, out, lse, grad_lse))};
+  return {dout, lse.to(at::kFloat).contiguous(), softmax_delta(dout, out, lse, grad_lse)};
+}
+
+// The buffers the kernels read, dout 16-byte aligned for the vector loads.
+Saved read_by_kernels(const Target& target, const Saved& s) {
+  const bool aligned = reinterpret_cast<uintptr_t>(s.dout.data_ptr()) % 16 == 0;
+  return {target.input(aligned ? s.dout : s.dout.clone()), target.input(s.lse),
+          target.input(s.delta)};
+}
+
+cudaError_t run_sdpa_fwd(const SdpaParams& p, cudaStream_t stream) {
+  return by_family(
+      family(p.E, p.Ev), [&] { return sdpa_fwd_family<64>(p, stream); },
+      [&] { return sdpa_fwd_family<128>(p, stream); },
+      [&] { return sdpa_fwd_family<256>(p, stream); });
+}
+
+// Rows of huge lse (common.cuh): the backward kernel's exp(s - lse) is R_i P_ij there.
+// Dividing dO and D by R cancels it: dV = P'^T dO' and dS = P' (dP' - D') with P' = R P,
+// dO' = dO / R, D' = D / R. R comes from the forward kernel's row-sums mode (1 on other rows).
+void divide_out_huge_rows(const Target& target, SdpaParams p, Saved& s) {
+  const Tensor lse = target.input(s.lse);
+  const Tensor r = target.empty(lse.sizes(), lse.options());
+  p.lse = lse.data_ptr<float>();
+  p.row_sums = r.data_ptr<float>();
+  target.check(run_sdpa_fwd(p, target.stream()));
+  s.dout = (s.dout.to(at::kFloat) / r.unsqueeze(-1)).to(s.dout.scalar_type());
+  s.delta = s.delta / r;
 }
 
 struct AdditiveInputs {
@@ -250,11 +275,7 @@ std::tuple<Tensor, Tensor> sdpa_fwd(const Target& target, const Tensor& q_in, co
   Tensor lse = target.empty({p.B, p.Hq, p.Lq}, opts.dtype(at::kFloat));
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
-  const cudaStream_t stream = target.stream();
-  target.check(by_family(
-      family(p.E, p.Ev), [&] { return sdpa_fwd_family<64>(p, stream); },
-      [&] { return sdpa_fwd_family<128>(p, stream); },
-      [&] { return sdpa_fwd_family<256>(p, stream); }));
+  target.check(run_sdpa_fwd(p, target.stream()));
   return {out, lse};
 }
 
@@ -266,7 +287,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
   SdpaInputs in;
   SdpaParams p =
       sdpa_params(target, in, q_in, k_in, v_in, mask, scale, window_lo, window_hi, dropout_p, seed);
-  const Saved s = saved(target, grad_out, in.q, out, lse, grad_lse, {p.B, p.Hq, p.Lq, p.Ev});
+  Saved s = saved(grad_out, in.q, out, lse, grad_lse, {p.B, p.Hq, p.Lq, p.Ev});
+  divide_out_huge_rows(target, p, s);
+  s = read_by_kernels(target, s);
   const auto opts = in.q.options();
   Tensor dq_acc = target.zeros({p.B, p.Hq, p.Lq, p.E}, opts.dtype(at::kFloat));
   Tensor dk = target.empty({p.B, p.Hkv, p.Lk, p.E}, opts);
@@ -318,7 +341,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
   AdditiveInputs in;
   AdditiveParams p = additive_params(target, in, q_in, k_in, value_in, v, mask, window_lo,
                                      window_hi, dropout_p, seed);
-  const Saved s = saved(target, grad_out, in.q, out, lse, grad_lse, {p.B, p.H, p.Lq, p.Ev});
+  const Saved s =
+      read_by_kernels(target, saved(grad_out, in.q, out, lse, grad_lse, {p.B, p.H, p.Lq, p.Ev}));
   const auto f32 = in.q.options().dtype(at::kFloat);
   Tensor dq = target.zeros({p.B, p.H, p.Lq, p.A}, f32);
   Tensor dk = target.zeros({p.B, p.H, p.Lk, p.A}, f32);

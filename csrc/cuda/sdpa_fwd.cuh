@@ -13,6 +13,10 @@
 // E, Ev <= D; loads are bounds-checked and zero-filled past Lq, Lk, E, Ev, so any sizes work.
 // Tiles outside the band [i + lo, i + hi] are skipped. A row with no admissible key ends with
 // l = 0 and is written as zeros with lse = -inf.
+//
+// Row-sums mode (p.row_sums set; the backward's first pass): the same scores and running m, l
+// without P V, ending with R_i = sum_j exp(s_ij - lse_i) = l exp(m - lse_i) against the saved
+// lse for rows of huge lse; query tiles with no such row write R = 1 and stop at once.
 #pragma once
 
 #include "common.cuh"
@@ -84,6 +88,16 @@ __global__ void __launch_bounds__(kThreads) sdpa_fwd_kernel(const SdpaParams p) 
   const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h;
   const uint32_t key_bh = dropout_key_bh(p.drop, uint32_t(b * p.Hq + h));
+  const int64_t bh = int64_t(b) * p.Hq + h;
+  const bool sums = p.row_sums != nullptr;
+  if (sums) {  // every thread reads the tile's lse, so all take the same branch
+    bool any_huge = false;
+    for (int r = i0; r < min(i0 + kBM, p.Lq); ++r) any_huge = any_huge || huge_lse(p.lse[bh * p.Lq + r]);
+    if (!any_huge) {
+      if (i < p.Lq && half == 0) p.row_sums[bh * p.Lq + i] = 1.f;
+      return;
+    }
+  }
 
   load_tile<T, D, C::LDH>(Qs, q, p.sq.l, i0, kBM, p.Lq, p.E, p.sq.vec16);
   for (int idx = threadIdx.x; idx < kBM * C::LDO; idx += kThreads) Os[idx] = 0.f;
@@ -138,6 +152,7 @@ __global__ void __launch_bounds__(kThreads) sdpa_fwd_kernel(const SdpaParams p) 
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     l = l * alpha + sum;
     m = m_new;
+    if (sums) continue;
     float* orow = Os + row * C::LDO;
     for (int c = half * (D / 2); c < (half + 1) * (D / 2); ++c) orow[c] *= alpha;
     __syncwarp();
@@ -160,7 +175,11 @@ __global__ void __launch_bounds__(kThreads) sdpa_fwd_kernel(const SdpaParams p) 
   }
 
   if (i >= p.Lq) return;
-  const int64_t bh = int64_t(b) * p.Hq + h;
+  if (sums) {
+    const float lse = p.lse[bh * p.Lq + i];
+    if (half == 0) p.row_sums[bh * p.Lq + i] = huge_lse(lse) ? l * expf(m - lse) : 1.f;
+    return;
+  }
   const float inv_l = l > 0.f ? 1.f / l : 0.f;
   T* out = static_cast<T*>(p.out) + (bh * p.Lq + i) * p.Ev;
   const float* orow = Os + row * C::LDO;
