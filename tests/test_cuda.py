@@ -199,7 +199,7 @@ def test_sdpa_causal_bias(variant):
 
 
 @pytest.mark.parametrize("window,causal", [((16, 16), False), ((0, 0), False), ((40, None), True),
-                                           ((None, 3), False), ((100, 0), False)])
+                                           ((None, 3), False), ((100, 0), False), ((1, 0), False)])
 def test_sdpa_window(window, causal):
     torch.manual_seed(5)
     lq, lk = gpu_or_cpu((300, 260), (150, 130))
