@@ -88,20 +88,21 @@ __global__ void __launch_bounds__(kThreads) sdpa_fwd_kernel(const SdpaParams p) 
   const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h;
   const uint32_t key_bh = dropout_key_bh(p.drop, uint32_t(b * p.Hq + h));
-  const int64_t bh = int64_t(b) * p.Hq + h;
-  const bool sums = p.row_sums != nullptr;
-  if (sums) {  // every thread reads the tile's lse, so all take the same branch
-    bool any_huge = false;
-    for (int r = i0; r < min(i0 + kBM, p.Lq); ++r) any_huge = any_huge || huge_lse(p.lse[bh * p.Lq + r]);
-    if (!any_huge) {
-      if (i < p.Lq && half == 0) p.row_sums[bh * p.Lq + i] = 1.f;
-      return;
-    }
-  }
 
   load_tile<T, D, C::LDH>(Qs, q, p.sq.l, i0, kBM, p.Lq, p.E, p.sq.vec16);
   for (int idx = threadIdx.x; idx < kBM * C::LDO; idx += kThreads) Os[idx] = 0.f;
   __syncthreads();  // Os is read below even when no key tile is visited
+
+  const bool sums = p.row_sums != nullptr;
+  if (sums) {  // every thread reads the tile's lse, so all take the same branch
+    const int64_t rows = (int64_t(b) * p.Hq + h) * p.Lq;
+    bool any_huge = false;
+    for (int r = i0; r < min(i0 + kBM, p.Lq); ++r) any_huge = any_huge || huge_lse(p.lse[rows + r]);
+    if (!any_huge) {
+      if (i < p.Lq && half == 0) p.row_sums[rows + i] = 1.f;
+      return;
+    }
+  }
 
   float m = -INFINITY, l = 0.f;
   int t0, t1;
@@ -175,6 +176,7 @@ __global__ void __launch_bounds__(kThreads) sdpa_fwd_kernel(const SdpaParams p) 
   }
 
   if (i >= p.Lq) return;
+  const int64_t bh = int64_t(b) * p.Hq + h;
   if (sums) {
     const float lse = p.lse[bh * p.Lq + i];
     if (half == 0) p.row_sums[bh * p.Lq + i] = huge_lse(lse) ? l * expf(m - lse) : 1.f;
