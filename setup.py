@@ -1,8 +1,12 @@
-"""Builds attnx._C: the C++ CPU kernels always, the CUDA kernels when a toolkit is present.
+"""Builds attnx._C: the C++ CPU kernels always, the CUDA kernels when a toolkit is present;
+and attnx._cuda_host: the CUDA kernels' source compiled by the host compiler against the host
+harness (csrc/cuda/host/), which runs them on CPU tensors for the tests (ATTNX_CUDA_ON_CPU=1).
 
 Switches (environment):
   ATTNX_CUDA=0/1       force the CUDA half off/on (default: on when torch is a CUDA build and
                        a CUDA toolkit is found, whether or not a GPU is present)
+  ATTNX_CUDA_HOST=0/1  force attnx._cuda_host off/on (default: on when the toolkit's headers
+                       are found; it needs neither nvcc nor a GPU)
   ATTNX_CUDA_ARCHS     compute capabilities, default "8.0;9.0+PTX"
   MAX_JOBS             parallel compile jobs (ninja)
 """
@@ -65,11 +69,33 @@ def extension():
                          extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
 
 
+def _cuda_headers():
+    """The CUDA toolkit's include folder (the harness needs cuda_fp16.h and friends), or None."""
+    include = os.path.join(CUDA_HOME or "/usr/local/cuda", "include")
+    return include if os.path.exists(os.path.join(include, "cuda_fp16.h")) else None
+
+
+def host_harness_extension():
+    flag = os.environ.get("ATTNX_CUDA_HOST")
+    include = _cuda_headers()
+    if flag == "0" or (flag is None and include is None):
+        return []
+    if include is None:
+        raise RuntimeError("ATTNX_CUDA_HOST=1 needs a CUDA toolkit's headers (set CUDA_HOME)")
+    sources = (_sources("csrc/cuda/host/*.cpp") + ["csrc/cuda/kernel_ops.cpp"])
+    # -fno-strict-aliasing: the kernels read 16-bit tiles as uint4, as the device allows.
+    # Hidden symbols: the kernels' host twins must never stand in for attnx._C's.
+    cxx = ["-O2", "-fno-strict-aliasing", "-fvisibility=hidden", "-Wno-unknown-pragmas"]
+    return [CppExtension("attnx._cuda_host", sources, include_dirs=[include],
+                         define_macros=[("ATTNX_CUDA_HOST", None)],
+                         extra_compile_args={"cxx": cxx})]
+
+
 setup(
     name="attnx",
     version=_version(),
     packages=find_packages(include=["attnx", "attnx.*"]),
-    ext_modules=[extension()],
+    ext_modules=[extension()] + host_harness_extension(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     include_package_data=False,
 )

@@ -8,6 +8,7 @@ trace the ops) and the autograd formula tying each forward op to its backward op
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -88,23 +89,26 @@ def no_double_backward(ctx, *grads):
         "triton); pass backend='reference' for them")
 
 
-if _C is not None:
+def _register(ns: str) -> None:
+    """The fake kernels and autograd of the ops of library `ns`: attnx, or attnx_cuda_host (the
+    same schemas, the CUDA kernels through the host harness), which so takes the same path."""
+    ops = getattr(torch.ops, ns)
 
-    @torch.library.register_fake("attnx::sdpa_fwd")
+    @torch.library.register_fake(f"{ns}::sdpa_fwd")
     def _sdpa_fwd_fake(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed):
         same_device(q, k, v, mask)
         b, h, lq, _ = q.shape
         out = q.new_empty((b, h, lq, v.shape[-1]))
         return out, q.new_empty((b, h, lq), dtype=_sdpa_lse_dtype(q.dtype))
 
-    @torch.library.register_fake("attnx::sdpa_bwd")
+    @torch.library.register_fake(f"{ns}::sdpa_bwd")
     def _sdpa_bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi,
                        dropout_p, seed, mask_grad, grad_lse=None):
         same_device(q, grad_out, k, v, mask, out, lse, grad_lse)
         dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
         return (*contiguous_grads(q, k, v), dmask)
 
-    @torch.library.register_fake("attnx::additive_fwd")
+    @torch.library.register_fake(f"{ns}::additive_fwd")
     def _additive_fwd_fake(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed,
                            return_weights):
         same_device(q, k, value, v, mask)
@@ -114,7 +118,7 @@ if _C is not None:
         weights = q.new_empty((b, h, lq, k.shape[2])) if return_weights else _empty_grad(q)
         return out, lse, weights
 
-    @torch.library.register_fake("attnx::additive_bwd")
+    @torch.library.register_fake(f"{ns}::additive_bwd")
     def _additive_bwd_fake(grad_out, q, k, value, v, mask, out, lse, window_lo, window_hi,
                            dropout_p, seed, mask_grad, grad_lse=None, grad_weights=None):
         same_device(q, grad_out, k, value, v, mask, out, lse, grad_lse, grad_weights)
@@ -135,7 +139,7 @@ if _C is not None:
         q, k, v, mask, out, lse, seed = ctx.saved_tensors
         scale, lo, hi, p = ctx.args
         want_mask = _wants_mask_grad(ctx, mask)
-        dq, dk, dv, dmask = torch.ops.attnx.sdpa_bwd(
+        dq, dk, dv, dmask = ops.sdpa_bwd(
             or_zeros(grad_out, out), q, k, v, mask, out, lse, scale, lo, hi, p, seed, want_mask,
             grad_lse)
         return dq, dk, dv, (dmask if want_mask else None), None, None, None, None, None
@@ -155,13 +159,32 @@ if _C is not None:
         lo, hi, p = ctx.args
         want_mask = _wants_mask_grad(ctx, mask)
         grad_lse, grad_weights = weights_grads(grad_lse, weights, grad_weights)
-        dq, dk, dvalue, dv, dmask = torch.ops.attnx.additive_bwd(
+        dq, dk, dvalue, dv, dmask = ops.additive_bwd(
             or_zeros(grad_out, out), q, k, value, v, mask, out, lse, lo, hi, p, seed, want_mask,
             grad_lse, grad_weights)
         return dq, dk, dvalue, dv, (dmask if want_mask else None), None, None, None, None, None
 
-    torch.library.register_autograd("attnx::sdpa_fwd", _sdpa_backward, setup_context=_sdpa_setup)
-    torch.library.register_autograd("attnx::additive_fwd", _additive_backward,
+    torch.library.register_autograd(f"{ns}::sdpa_fwd", _sdpa_backward, setup_context=_sdpa_setup)
+    torch.library.register_autograd(f"{ns}::additive_fwd", _additive_backward,
                                     setup_context=_additive_setup)
-    torch.library.register_autograd("attnx::sdpa_bwd", no_double_backward)
-    torch.library.register_autograd("attnx::additive_bwd", no_double_backward)
+    torch.library.register_autograd(f"{ns}::sdpa_bwd", no_double_backward)
+    torch.library.register_autograd(f"{ns}::additive_bwd", no_double_backward)
+
+
+if _C is not None:
+    _register("attnx")
+
+
+@functools.cache
+def cuda_host() -> Optional[str]:
+    """Loads attnx._cuda_host (the CUDA kernels on CPU tensors through the host harness; tests
+    only) and registers its ops' fake kernels and autograd, once; returns why it cannot, or
+    None."""
+    if _C is None:
+        return LOAD_ERROR
+    try:
+        from . import _cuda_host  # noqa: F401  (loading it registers torch.ops.attnx_cuda_host)
+    except ImportError as exc:
+        return f"attnx._cuda_host (the CUDA host harness) is not built or failed to load ({exc})"
+    _register("attnx_cuda_host")
+    return None

@@ -1,4 +1,4 @@
-// The attnx operator schemas, declared once. Each device registers its kernels in its own
+// The attnx operator library, its schemas (op_schemas.h) declared once. Each device registers its kernels in its own
 // TORCH_LIBRARY_IMPL (csrc/cpu/register_cpu.cpp, csrc/cuda/register_cuda.cpp); fake kernels and
 // autograd are registered from Python (attnx/_ops.py).
 //
@@ -18,24 +18,8 @@
 //   rowsum(W * grad_weights), the caller folds into grad_lse (it has W, the kernel does not).
 #include <torch/library.h>
 
+#include "op_schemas.h"
+
 TORCH_LIBRARY(attnx, m) {
-  m.def(
-      "sdpa_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int window_lo, "
-      "int window_hi, float dropout_p, Tensor? seed) -> (Tensor out, Tensor lse)");
-  m.def(
-      "sdpa_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, "
-      "Tensor lse, float scale, int window_lo, int window_hi, float dropout_p, Tensor? seed, "
-      "bool mask_grad, Tensor? grad_lse=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
-  // Additive (Bahdanau): score[i, j] = sum_a v[h, a] * tanh(q[i, a] + k[j, a]); no scale, no
-  // GQA (k and value have q's heads); v is (H, A). weights (B, H, Lq, Lk) are the
-  // probabilities after dropout, returned only when return_weights, else empty.
-  m.def(
-      "additive_fwd(Tensor q, Tensor k, Tensor value, Tensor v, Tensor? mask, int window_lo, "
-      "int window_hi, float dropout_p, Tensor? seed, bool return_weights) -> "
-      "(Tensor out, Tensor lse, Tensor weights)");
-  m.def(
-      "additive_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor value, Tensor v, Tensor? mask, "
-      "Tensor out, Tensor lse, int window_lo, int window_hi, float dropout_p, Tensor? seed, "
-      "bool mask_grad, Tensor? grad_lse=None, Tensor? grad_weights=None) -> "
-      "(Tensor dq, Tensor dk, Tensor dvalue, Tensor dv, Tensor dmask)");
+  for (const char* schema : attnx::kOpSchemas) m.def(schema);
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a development environment from a fresh checkout: a virtualenv (.venv, or $ATTNX_VENV)
 # with the pinned dependencies (requirements.txt, or $ATTNX_REQUIREMENTS) and attnx built in
-# place (editable), CUDA half included whenever a CUDA toolkit is found (ATTNX_CUDA=0 skips it).
+# place (editable), CUDA half included whenever a CUDA toolkit is found (ATTNX_CUDA=0 skips it),
+# and with it the CUDA host harness (attnx._cuda_host: the kernels on the CPU, for the tests).
 # Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,11 +1,16 @@
-"""The `cuda` backend (csrc/cuda/) against the float64 reference, on CUDA tensors.
+"""The `cuda` backend (csrc/cuda/) against the float64 reference.
+
+Two modes: on a GPU, on CUDA tensors; without one, on CPU tensors through the host harness
+(ATTNX_CUDA_ON_CPU=1, csrc/cuda/host/), which runs the same kernel source with every block's
+threads as fibers in a shuffled order, bounds-checked buffers and NaN-filled outputs, at sizes
+that keep the module to a few minutes on two cores (`gpu_or_cpu`).
 
 Each result is compared with the reference backend run in float64 (the golden value); the error
 is bounded by a small multiple of the error of the same PyTorch math done in the low dtype (the
 baseline: scores, probabilities and products rounded to the dtype as a plain PyTorch model
 would), flash-attention style (factor 2 for outputs, 3 for gradients). Dropout is compared
 exactly in its pattern: every backend draws the same hash, so the reference with the same seed
-is the golden value. Without a GPU the whole module is skipped.
+is the golden value.
 """
 
 from __future__ import annotations
@@ -15,22 +20,37 @@ import torch
 from torch.nn.attention.bias import CausalBias
 
 import attnx
+from attnx import _ops
 from attnx._backends import reference
 from tests._compare import assert_within
 
 from attnx._backends import cuda as cuda_backend
 
+ON_CPU = not torch.cuda.is_available()  # the kernels then run through the host harness
 
-def _no_gpu_reason():
-    if not torch.cuda.is_available():
-        return "no CUDA device"
+
+def _skip_reason():
+    if ON_CPU:
+        return _ops.cuda_host()  # None once attnx._cuda_host is built and loaded
     return cuda_backend._device_reason(torch.device("cuda"))  # e.g. too little shared memory
 
 
-pytestmark = pytest.mark.skipif(_no_gpu_reason() is not None, reason=str(_no_gpu_reason()))
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
 
 DTYPES = (torch.float16, torch.bfloat16)
-DEV = "cuda"
+DEV = "cpu" if ON_CPU else "cuda"
+OPS = torch.ops.attnx_cuda_host if ON_CPU else torch.ops.attnx
+
+
+def gpu_or_cpu(gpu, cpu):
+    """A test's sizes: `gpu` on a GPU, the smaller `cpu` through the host harness."""
+    return cpu if ON_CPU else gpu
+
+
+@pytest.fixture(autouse=True)
+def _harness_switch(monkeypatch):
+    if ON_CPU:
+        monkeypatch.setenv("ATTNX_CUDA_ON_CPU", "1")
 
 
 def rand(*shape, dtype, grad=True):
@@ -142,11 +162,12 @@ def test_cuda_backend_is_usable():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lq,lk", [(1, 1), (1, 97), (17, 17), (97, 17), (17, 97), (128, 128),
-                                   (1025, 1025)])
+                                   gpu_or_cpu((1025, 1025), (130, 130))])
 def test_sdpa_sizes(dtype, lq, lk):
     torch.manual_seed(1)
-    check_sdpa(rand(2, 3, lq, 64, dtype=dtype), rand(2, 3, lk, 64, dtype=dtype),
-               rand(2, 3, lk, 64, dtype=dtype))
+    b, h = gpu_or_cpu((2, 3), (1, 2))
+    check_sdpa(rand(b, h, lq, 64, dtype=dtype), rand(b, h, lk, 64, dtype=dtype),
+               rand(b, h, lk, 64, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -159,7 +180,8 @@ def test_sdpa_head_dims(dtype, e, ev):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lq,lk", [(97, 97), (17, 203), (203, 17), (1025, 1025)])
+@pytest.mark.parametrize("lq,lk", [(97, 97), (17, 203), (203, 17),
+                                   gpu_or_cpu((1025, 1025), (130, 130))])
 def test_sdpa_causal(dtype, lq, lk):
     torch.manual_seed(3)
     check_sdpa(rand(1, 2, lq, 128, dtype=dtype), rand(1, 2, lk, 128, dtype=dtype),
@@ -177,11 +199,12 @@ def test_sdpa_causal_bias(variant):
 
 
 @pytest.mark.parametrize("window,causal", [((16, 16), False), ((0, 0), False), ((40, None), True),
-                                           ((None, 3), False), ((100, 0), False)])
+                                           ((None, 3), False), ((100, 0), False), ((1, 0), False)])
 def test_sdpa_window(window, causal):
     torch.manual_seed(5)
-    check_sdpa(rand(1, 2, 300, 64, dtype=torch.bfloat16), rand(1, 2, 260, 64, dtype=torch.bfloat16),
-               rand(1, 2, 260, 64, dtype=torch.bfloat16), window=window, is_causal=causal)
+    lq, lk = gpu_or_cpu((300, 260), (150, 130))
+    check_sdpa(rand(1, 2, lq, 64, dtype=torch.bfloat16), rand(1, 2, lk, 64, dtype=torch.bfloat16),
+               rand(1, 2, lk, 64, dtype=torch.bfloat16), window=window, is_causal=causal)
 
 
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 1), (8, 8)])
@@ -215,10 +238,33 @@ def test_sdpa_float_mask_gradient(dtype):
                rand(2, 4, lk, 64, dtype=dtype), mask)
 
 
+def huge_bias_mask(b, lq, lk, dtype):
+    """Whole rows padded with the dtype's most negative finite value, as Hugging Face models
+    pad: in bfloat16 (finfo.min ~ -3.4e38) a row's lse rounds to its max, and probabilities
+    rebuilt as exp(s - lse) come out 1 instead of 1 / l unless the kernels renormalize those
+    rows (csrc/cpu/huge_lse.h). One padded row has a single key less biased."""
+    big = torch.finfo(dtype).min
+    m = torch.zeros(b, 1, lq, lk, dtype=dtype, device=DEV)
+    m[:, :, 2] = big
+    m[0, :, 5, 9:] = big
+    m[-1, :, lq - 1] = big
+    m[-1, :, lq - 1, 3] = big / 2
+    return m
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sdpa_rows_under_a_huge_finite_bias(dtype):
+    torch.manual_seed(13)
+    lq, lk = 70, 90  # two query tiles, the second partial
+    mask = huge_bias_mask(2, lq, lk, dtype).requires_grad_()
+    check_sdpa(rand(2, 2, lq, 64, dtype=dtype), rand(2, 2, lk, 64, dtype=dtype),
+               rand(2, 2, lk, 64, dtype=dtype), mask)
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_sdpa_dropout_matches_reference(p):
     torch.manual_seed(9)
-    q, k, v = (rand(2, 4, 129, 64, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (rand(*gpu_or_cpu((2, 4), (1, 2)), 129, 64, dtype=torch.bfloat16) for _ in range(3))
     check_sdpa(q, k, v, dropout_p=p, is_causal=True, seed=1234)
     a = seeded(attnx.scaled_dot_product_attention, 7, q, k, v, dropout_p=p, backend="cuda")
     b = seeded(attnx.scaled_dot_product_attention, 7, q, k, v, dropout_p=p, backend="cuda")
@@ -236,10 +282,12 @@ def test_sdpa_scale_and_noncontiguous_inputs():
 
 def test_sdpa_deterministic_forward():
     torch.manual_seed(11)
-    q, k, v = (rand(1, 2, 500, 128, dtype=torch.float16, grad=False) for _ in range(3))
+    # through the harness, each launch runs its blocks and threads in another order
+    q, k, v = (rand(1, 2, gpu_or_cpu(500, 130), 128, dtype=torch.float16, grad=False)
+               for _ in range(3))
     a = attnx.scaled_dot_product_attention(q, k, v, backend="cuda")
     assert all(torch.equal(a, attnx.scaled_dot_product_attention(q, k, v, backend="cuda"))
-               for _ in range(5))
+               for _ in range(gpu_or_cpu(5, 2)))
 
 
 def test_sdpa_opcheck():
@@ -249,10 +297,8 @@ def test_sdpa_opcheck():
     v = rand(1, 1, 47, 64, dtype=torch.float16)
     mask = torch.randn(1, 2, 33, 47, device=DEV, dtype=torch.float16, requires_grad=True)
     seed = torch.tensor([3, 5], dtype=torch.int64)
-    torch.library.opcheck(torch.ops.attnx.sdpa_fwd,
-                          (q, k, v, mask, 0.125, -33, 47, 0.0, None))
-    torch.library.opcheck(torch.ops.attnx.sdpa_fwd,
-                          (q, k, v, None, 0.125, -5, 0, 0.2, seed))
+    torch.library.opcheck(OPS.sdpa_fwd, (q, k, v, mask, 0.125, -33, 47, 0.0, None))
+    torch.library.opcheck(OPS.sdpa_fwd, (q, k, v, None, 0.125, -5, 0, 0.2, seed))
 
 
 # -------------------------------------------------------------------------------------- additive
@@ -289,18 +335,41 @@ def test_additive_band_and_dropout(kw, with_mask):
                    mask, seed=99, **kw)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_additive_rows_under_a_huge_finite_bias(dtype):
+    torch.manual_seed(25)
+    lq, lk, a = 20, 37, 16
+    mask = huge_bias_mask(2, lq, lk, dtype).requires_grad_()
+    check_additive(rand(2, 1, lq, a, dtype=dtype), rand(2, 1, lk, a, dtype=dtype),
+                   rand(2, 1, lk, 8, dtype=dtype), rand(1, a, dtype=dtype), mask)
+
+
 def test_additive_opcheck():
     torch.manual_seed(23)
     q, k = rand(1, 2, 9, 16, dtype=torch.float16), rand(1, 2, 21, 16, dtype=torch.float16)
     value, v = rand(1, 2, 21, 8, dtype=torch.float16), rand(2, 16, dtype=torch.float16)
-    torch.library.opcheck(torch.ops.attnx.additive_fwd,
-                          (q, k, value, v, None, -9, 21, 0.0, None, False))
-    torch.library.opcheck(torch.ops.attnx.additive_fwd,
+    torch.library.opcheck(OPS.additive_fwd, (q, k, value, v, None, -9, 21, 0.0, None, False))
+    torch.library.opcheck(OPS.additive_fwd,
                           (q, k, value, v, None, -2, 0, 0.25, torch.tensor([1, 2]), True))
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_sizes_past_the_grid_raise_before_they_are_narrowed(dim):
+    """A batch, head or length count of 2**32 + 3 (a stride-0 view: no memory) raises; narrowed
+    to an int first, it would pass the grid check as 3 and run on a slice of the input."""
+    shape = [1, 1, 1, 8]
+    shape[dim] = 2**32 + 3
+    q = torch.randn(1, 1, 1, 8, device=DEV, dtype=torch.float16).expand(*shape)
+    with pytest.raises(RuntimeError, match="attnx cuda kernels: sequence lengths below 2\\^31"):
+        OPS.sdpa_fwd(q, q, q, None, 0.125, -4, 4, 0.0, None)
+    v = torch.randn(1, 8, device=DEV, dtype=torch.float16).expand(shape[1], 8)
+    with pytest.raises(RuntimeError, match="attnx cuda kernels: sequence lengths below 2\\^31"):
+        OPS.additive_fwd(q, q, q, v, None, -4, 4, 0.0, None, False)
 
 
 def test_sdpa_many_heads_and_batches():
     """Many CTAs at once (the grid's y and z dims in use), vs the reference."""
     torch.manual_seed(24)
-    check_sdpa(rand(16, 16, 64, 32, dtype=torch.float16), rand(16, 16, 64, 32, dtype=torch.float16),
-               rand(16, 16, 64, 32, dtype=torch.float16), grads=False)
+    b, h = gpu_or_cpu((16, 16), (5, 7))
+    check_sdpa(rand(b, h, 64, 32, dtype=torch.float16), rand(b, h, 64, 32, dtype=torch.float16),
+               rand(b, h, 64, 32, dtype=torch.float16), grads=False)

@@ -24,18 +24,22 @@ instantiation of each kernel (forward 65-128 at BN = 32 keys: 82944 bytes; backw
 BM = BN = 32: 41728 up to 64, 66304 for 65-128; at 16: 54656 for 129-256), doubling the
 compiled kernels and the build; and the forward for 129-256 does not fit at all (its 64 query
 rows and fp32 output tile alone take 100352 bytes; 125440 at BN = 16).
+
+With ATTNX_CUDA_ON_CPU=1 (a testing switch, read at each call) the backend takes CPU tensors
+instead and runs the same kernels' source through the host harness (attnx._cuda_host,
+csrc/cuda/host/): slow, and never chosen by backend=None, which tries it for CUDA tensors only.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
 
 from .. import _ops
 from . import native
-from .native import additive, sdpa  # noqa: F401
 
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_SDPA_HEAD_DIM = 256
@@ -88,18 +92,40 @@ def _shared_memory_reason(op: str, call) -> Optional[str]:
             "parts (attnx/_backends/cuda.py says which calls fit less)")
 
 
+def on_cpu() -> bool:
+    """Whether ATTNX_CUDA_ON_CPU=1 sends the backend's calls through the host harness."""
+    return os.environ.get("ATTNX_CUDA_ON_CPU") == "1"
+
+
+def _ops_library():
+    return torch.ops.attnx_cuda_host if on_cpu() else torch.ops.attnx
+
+
+def sdpa(call):
+    return native.sdpa(call, _ops_library())
+
+
+def additive(call):
+    return native.additive(call, _ops_library())
+
+
 def availability() -> Optional[str]:
+    if on_cpu():
+        return _ops.cuda_host()
     if not torch.cuda.is_available():
         return "no CUDA device is visible to torch"
     return native.missing_kernel("sdpa", "CUDA")
 
 
 def unsupported(op: str, call) -> Optional[str]:
-    if call.q.device.type != "cuda":
+    if on_cpu():
+        if call.q.device.type != "cpu":
+            return f"with ATTNX_CUDA_ON_CPU=1 the cuda backend takes CPU tensors, got {call.q.device}"
+    elif call.q.device.type != "cuda":
         return f"the cuda backend takes CUDA tensors, got device {call.q.device}"
     if call.q.dtype not in DTYPES:
         return f"the cuda backend takes float16 and bfloat16, got {call.q.dtype}"
-    reason = _device_reason(call.q.device)
+    reason = availability() if on_cpu() else _device_reason(call.q.device)
     if reason is not None:
         return reason
     b, h = call.q.shape[:2]
@@ -112,4 +138,6 @@ def unsupported(op: str, call) -> Optional[str]:
     elif call.value.shape[-1] > MAX_ADDITIVE_VALUE_DIM:
         return (f"the cuda backend takes additive value dims up to {MAX_ADDITIVE_VALUE_DIM}, "
                 f"got {call.value.shape[-1]}")
+    if on_cpu():  # the harness: an H100's shared memory, no device to ask
+        return None
     return native.missing_kernel(op, "CUDA") or _shared_memory_reason(op, call)

@@ -2,7 +2,8 @@
 
 Both backends are the same dispatcher ops (`torch.ops.attnx.*`); the dispatcher picks the CPU
 or CUDA kernel from the tensors' device. What differs between them is only what each kernel
-family can serve, which `cpu.py` and `cuda.py` state.
+family can serve, which `cpu.py` and `cuda.py` state. (`ops`: torch.ops.attnx_cuda_host for the
+CUDA kernels on CPU tensors through the host harness, same schemas.)
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ def missing_kernel(op: str, dispatch_key: str) -> Optional[str]:
     return None
 
 
-def sdpa(call: SdpaCall):
-    return torch.ops.attnx.sdpa_fwd(call.q, call.k, call.v, call.mask, call.scale,
+def sdpa(call: SdpaCall, ops=torch.ops.attnx):
+    return ops.sdpa_fwd(call.q, call.k, call.v, call.mask, call.scale,
                                     call.window_lo, call.window_hi, call.dropout_p, call.seed)
 
 
-def additive(call: AdditiveCall):
-    out, lse, weights = torch.ops.attnx.additive_fwd(
+def additive(call: AdditiveCall, ops=torch.ops.attnx):
+    out, lse, weights = ops.additive_fwd(
         call.q, call.k, call.value, call.v, call.mask, call.window_lo, call.window_hi,
         call.dropout_p, call.seed, call.return_weights)
     return out, lse, (weights if call.return_weights else None)

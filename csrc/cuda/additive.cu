@@ -6,9 +6,12 @@
 // Forward: one CTA per (query tile of BQ rows, head, batch); for each key tile of BK keys it
 // builds the score tile, runs the online softmax per row (running max m and sum l) and
 // rescales and accumulates the fp32 output tile (BQ, Ev) in shared memory. With return_weights,
-// a second pass over the same key tiles recomputes the scores and writes P*z (exp(s - lse)).
+// a second pass over the same key tiles recomputes the scores and writes P*z (exp(s - m) / l:
+// exact on rows of huge lse too, where exp(s - lse) is not; common.cuh).
 //
-// Backward: one CTA per (query tile, head, batch). Per key tile it recomputes s and P, forms
+// Backward: one CTA per (query tile, head, batch). Per key tile it recomputes s and P =
+// exp(s - lse) / R (R = 1 but on rows of huge lse, where a first pass over the key tiles sums
+// R = sum_j exp(s_j - lse), which the rounded lse leaves above 1; common.cuh), forms
 //   dPd = dO value^T (+ dW),  dS = P * (dPd * z - delta),  delta = rowsum(dO * out)  (host)
 // and then, A chunk by A chunk, with t = tanh(q + k) and g = dS * (1 - t^2):
 //   dq[i, a] += v[a] sum_j g      (rows owned by this CTA: plain read-modify-write)
@@ -116,7 +119,7 @@ __device__ void score_tile(const AdditiveParams& p, const Head<T>& hd, const Sme
 template <typename T>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     additive_fwd_kernel(const AdditiveParams p) {
-  extern __shared__ __align__(16) float sm[];
+  ATTNX_DYNAMIC_SMEM(float, sm, 16);
   const Smem L(p.Ev);
   const int i0 = blockIdx.x * kBQ, h = blockIdx.y, b = blockIdx.z;
   const Head<T> hd(p, b, h);
@@ -169,9 +172,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
   for (int r = threadIdx.x; r < kBQ; r += kThreads) {
     const float l = sm[L.l + r];
-    const float lse = l > 0.f ? sm[L.m + r] + logf(l) : -INFINITY;
-    sm[L.lse + r] = lse;
-    if (i0 + r < p.Lq) p.lse[hd.bh * p.Lq + i0 + r] = lse;
+    if (i0 + r < p.Lq) p.lse[hd.bh * p.Lq + i0 + r] = l > 0.f ? sm[L.m + r] + logf(l) : -INFINITY;
   }
   if (p.weights == nullptr) return;
   // Second pass: the probabilities themselves (the host zero-fills tiles outside the band).
@@ -181,8 +182,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     for (int idx = threadIdx.x; idx < kBQ * kBK; idx += kThreads) {
       const int r = idx / kBK, c = idx % kBK, i = i0 + r, j = j0 + c;
       if (i >= p.Lq || j >= p.Lk) continue;
-      const float s = sm[L.S + idx], lse = sm[L.lse + r];
-      const float pr = (s == -INFINITY || lse == -INFINITY) ? 0.f : fast_exp(s - lse);
+      const float s = sm[L.S + idx], l = sm[L.l + r];
+      const float pr = (s == -INFINITY || l == 0.f) ? 0.f : fast_exp(s - sm[L.m + r]) / l;
       static_cast<T*>(p.weights)[(hd.bh * p.Lq + i) * p.Lk + j] =
           from_float<T>(pr * dropout_factor(p.drop, hd.key_bh, uint32_t(i), uint32_t(j)));
     }
@@ -192,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 template <typename T>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     additive_bwd_kernel(const AdditiveParams p) {
-  extern __shared__ __align__(16) float sm[];
+  ATTNX_DYNAMIC_SMEM(float, sm, 16);
   const Smem L(p.Ev);
   const int i0 = blockIdx.x * kBQ, h = blockIdx.y, b = blockIdx.z;
   const Head<T> hd(p, b, h);
@@ -202,10 +203,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const int r = idx / p.Ev, e = idx % p.Ev;
     sm[L.dO + idx] = i0 + r < p.Lq ? to_float(dout[int64_t(i0 + r) * p.Ev + e]) : 0.f;
   }
+  bool any_huge = false;  // every thread reads the tile's lse, so all take the same branches
+  for (int r = 0; r < kBQ; ++r)
+    any_huge = any_huge || (i0 + r < p.Lq && huge_lse(p.lse[hd.bh * p.Lq + i0 + r]));
+  float* R = sm + L.l;  // the forward's l slots hold R here
   for (int r = threadIdx.x; r < kBQ; r += kThreads) {
     const bool in = i0 + r < p.Lq;
     sm[L.lse + r] = in ? p.lse[hd.bh * p.Lq + i0 + r] : -INFINITY;
     sm[L.delta + r] = in ? p.delta[hd.bh * p.Lq + i0 + r] : 0.f;
+    R[r] = any_huge ? 0.f : 1.f;
   }
   float* dq = p.dq + hd.bh * p.Lq * p.A;
   float* dk = p.dk + hd.bh * p.Lk * p.A;
@@ -214,13 +220,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 
   int t0, t1;
   key_tile_range(i0, min(i0 + kBQ, p.Lq) - 1, p.Lk, p.window_lo, p.window_hi, kBK, t0, t1);
+  for (int t = t0; any_huge && t <= t1; ++t) {
+    score_tile(p, hd, L, sm, b, h, i0, t * kBK);  // starts and ends with __syncthreads
+    for (int r = threadIdx.x; r < kBQ; r += kThreads) {
+      const float lse = sm[L.lse + r];
+      for (int c = 0; c < kBK; ++c) {
+        const float s = sm[L.S + r * kBK + c];
+        if (s != -INFINITY && lse != -INFINITY) R[r] += fast_exp(s - lse);
+      }
+      if (t == t1 && !huge_lse(lse)) R[r] = 1.f;
+    }
+  }
   for (int t = t0; t <= t1; ++t) {
     const int j0 = t * kBK;
     score_tile(p, hd, L, sm, b, h, i0, j0);  // starts and ends with __syncthreads
     for (int idx = threadIdx.x; idx < kBQ * kBK; idx += kThreads) {
       const int r = idx / kBK, c = idx % kBK, i = i0 + r, j = j0 + c;
       const float s = sm[L.S + idx], lse = sm[L.lse + r];
-      const float pr = (s == -INFINITY || lse == -INFINITY) ? 0.f : fast_exp(s - lse);
+      const float pr = (s == -INFINITY || lse == -INFINITY) ? 0.f : fast_exp(s - lse) / R[r];
       float ds = 0.f, pd = 0.f;
       if (pr != 0.f) {
         const T* val = hd.value + int64_t(j) * p.svalue.l;
@@ -283,12 +300,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 template <typename K>
 cudaError_t launch(K kernel, const AdditiveParams& p, cudaStream_t stream) {
   if (p.B == 0 || p.H == 0 || p.Lq == 0) return cudaSuccess;
-  const size_t smem = size_t(Smem(p.Ev).total) * sizeof(float);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         int(smem));
-  if (err != cudaSuccess) return err;
-  kernel<<<dim3(ceil_div(p.Lq, kBQ), p.H, p.B), kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(kernel, dim3(ceil_div(p.Lq, kBQ), p.H, p.B), dim3(kThreads),
+                       additive_smem_bytes(p.Ev), stream, p);
 }
 
 }  // namespace

@@ -2,12 +2,11 @@
 // (band + mask), and the dropout hash of attnx/_rng.py in uint32 arithmetic.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstdint>
 
+#include "../cpu/huge_lse.h"
 #include "../dropout_hash.h"
+#include "device.cuh"
 #include "launch.h"
 
 namespace attnx {
@@ -53,6 +52,13 @@ __device__ __forceinline__ float admit(float s, const MaskView& m, int64_t lo, i
 
 // exp(x) for x <= 0 or -inf, through the fast exp2 unit.
 __device__ __forceinline__ float fast_exp(float x) { return exp2f(x * 1.4426950408889634f); }
+
+// Whether a row's saved lse is too large for exp(s - lse) to rebuild its probabilities
+// (csrc/cpu/huge_lse.h): they come out R times too large, R = sum_j exp(s_j - lse), which the
+// backward passes divide out.
+__device__ __forceinline__ bool huge_lse(float lse) {
+  return fabsf(lse) > float(cpu::HUGE_LSE) && fabsf(lse) != INFINITY;
+}
 
 __host__ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 

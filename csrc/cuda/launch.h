@@ -47,6 +47,10 @@ struct SdpaParams {
   // forward outputs: out (B, Hq, Lq, Ev) and lse (B, Hq, Lq), both contiguous
   void* out;
   float* lse;
+  // The forward kernel's row-sums mode (the backward's first pass), when set: it reads lse
+  // instead and writes row_sums (B, Hq, Lq), R_i = sum_j exp(s_ij - lse_i) on rows of huge lse
+  // (common.cuh), 1 on the others, and no out.
+  float* row_sums;
   // backward input (contiguous): grad_out (B, Hq, Lq, Ev)
   const void* dout;
   // backward outputs, contiguous: dq_acc fp32 (B, Hq, Lq, E) zeroed, dk (B, Hkv, Lk, E),

@@ -16,8 +16,6 @@
 // zero-filled loads); grad_out, out, dq_acc, dk, dv, dmask, lse and delta are contiguous.
 #pragma once
 
-#include <mma.h>
-
 #include "common.cuh"
 #include "sdpa_fwd.cuh"
 
@@ -50,7 +48,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) sdpa_bwd_kernel(const SdpaParams p) {
   using C = Config<D>;
   constexpr int BM = C::BM, BN = C::BN;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  ATTNX_DYNAMIC_SMEM(unsigned char, smem_raw, 128);
   T* Ks = reinterpret_cast<T*>(smem_raw);
   T* Vs = Ks + BN * C::LDH;
   T* Qs = Vs + BN * C::LDH;
@@ -207,13 +205,9 @@ __global__ void __launch_bounds__(kThreads) sdpa_bwd_kernel(const SdpaParams p) 
 
 template <typename T, int D>
 cudaError_t launch(const SdpaParams& p, cudaStream_t stream) {
-  const size_t smem = Config<D>::smem_bytes;
-  cudaError_t err = cudaFuncSetAttribute(sdpa_bwd_kernel<T, D>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (err != cudaSuccess) return err;
   const dim3 grid(ceil_div(p.Lk, Config<D>::BN), p.Hkv, p.B);
-  sdpa_bwd_kernel<T, D><<<grid, kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(sdpa_bwd_kernel<T, D>, grid, dim3(kThreads), Config<D>::smem_bytes, stream,
+                       p);
 }
 
 }  // namespace sdpa_bwd_impl

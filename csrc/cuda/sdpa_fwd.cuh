@@ -13,9 +13,11 @@
 // E, Ev <= D; loads are bounds-checked and zero-filled past Lq, Lk, E, Ev, so any sizes work.
 // Tiles outside the band [i + lo, i + hi] are skipped. A row with no admissible key ends with
 // l = 0 and is written as zeros with lse = -inf.
+//
+// Row-sums mode (p.row_sums set; the backward's first pass): the same scores and running m, l
+// without P V, ending with R_i = sum_j exp(s_ij - lse_i) = l exp(m - lse_i) against the saved
+// lse for rows of huge lse; query tiles with no such row write R = 1 and stop at once.
 #pragma once
-
-#include <mma.h>
 
 #include "common.cuh"
 
@@ -70,7 +72,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 2) sdpa_fwd_kernel(const SdpaParams p) {
   using C = Config<D>;
   constexpr int BN = C::BN;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  ATTNX_DYNAMIC_SMEM(unsigned char, smem_raw, 128);
   T* Qs = reinterpret_cast<T*>(smem_raw);
   T* Ks = Qs + kBM * C::LDH;
   T* Vs = Ks + BN * C::LDH;
@@ -92,6 +94,17 @@ __global__ void __launch_bounds__(kThreads, 2) sdpa_fwd_kernel(const SdpaParams 
   load_tile<T, D, C::LDH>(Qs, q, p.sq.l, i0, kBM, p.Lq, p.E, p.sq.vec16);
   for (int idx = threadIdx.x; idx < kBM * C::LDO; idx += kThreads) Os[idx] = 0.f;
   __syncthreads();  // Os is read below even when no key tile is visited
+
+  const bool sums = p.row_sums != nullptr;
+  if (sums) {  // every thread reads the tile's lse, so all take the same branch
+    const int64_t rows = (int64_t(b) * p.Hq + h) * p.Lq;
+    bool any_huge = false;
+    for (int r = i0; r < min(i0 + kBM, p.Lq); ++r) any_huge = any_huge || huge_lse(p.lse[rows + r]);
+    if (!any_huge) {
+      if (i < p.Lq && half == 0) p.row_sums[rows + i] = 1.f;
+      return;
+    }
+  }
 
   float m = -INFINITY, l = 0.f;
   int t0, t1;
@@ -142,6 +155,7 @@ __global__ void __launch_bounds__(kThreads, 2) sdpa_fwd_kernel(const SdpaParams 
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     l = l * alpha + sum;
     m = m_new;
+    if (sums) continue;
     float* orow = Os + row * C::LDO;
     for (int c = half * (D / 2); c < (half + 1) * (D / 2); ++c) orow[c] *= alpha;
     __syncwarp();
@@ -165,6 +179,11 @@ __global__ void __launch_bounds__(kThreads, 2) sdpa_fwd_kernel(const SdpaParams 
 
   if (i >= p.Lq) return;
   const int64_t bh = int64_t(b) * p.Hq + h;
+  if (sums) {
+    const float lse = p.lse[bh * p.Lq + i];
+    if (half == 0) p.row_sums[bh * p.Lq + i] = huge_lse(lse) ? l * expf(m - lse) : 1.f;
+    return;
+  }
   const float inv_l = l > 0.f ? 1.f / l : 0.f;
   T* out = static_cast<T*>(p.out) + (bh * p.Lq + i) * p.Ev;
   const float* orow = Os + row * C::LDO;
@@ -174,13 +193,9 @@ __global__ void __launch_bounds__(kThreads, 2) sdpa_fwd_kernel(const SdpaParams 
 
 template <typename T, int D>
 cudaError_t launch(const SdpaParams& p, cudaStream_t stream) {
-  const size_t smem = Config<D>::smem_bytes;
-  cudaError_t err = cudaFuncSetAttribute(sdpa_fwd_kernel<T, D>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (err != cudaSuccess) return err;
   const dim3 grid(ceil_div(p.Lq, kBM), p.Hq, p.B);
-  sdpa_fwd_kernel<T, D><<<grid, kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(sdpa_fwd_kernel<T, D>, grid, dim3(kThreads), Config<D>::smem_bytes, stream,
+                       p);
 }
 
 }  // namespace sdpa_fwd_impl

@@ -1,0 +1,55 @@
+// What the kernels use of CUDA beyond plain C++, in one place: the toolkit's headers under nvcc,
+// or their host twins (host/cuda_host.h) when the host harness compiles the same kernel source
+// with a C++ compiler (ATTNX_CUDA_HOST; tests only). Every construct plain C++ lacks goes
+// through a name defined here or there: ATTNX_DYNAMIC_SMEM for `extern __shared__` and
+// launch_kernel for `<<<...>>>`; barriers, shuffles, atomics and wmma keep their CUDA names.
+#pragma once
+
+#if defined(ATTNX_CUDA_HOST)
+#include "host/cuda_host.h"
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <map>
+#include <mutex>
+#include <utility>
+
+// The block's dynamic shared memory as an array `name` of T.
+#define ATTNX_DYNAMIC_SMEM(T, name, align) extern __shared__ __align__(align) T name[]
+
+namespace attnx {
+namespace cuda {
+
+// Lets `kernel` use `bytes` of dynamic shared memory: cudaFuncSetAttribute once per device and
+// kernel (and again only for a larger size), not on every launch.
+inline cudaError_t reserve_dynamic_smem(const void* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;  // within the default limit
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, size_t> reserved;
+  const std::lock_guard<std::mutex> lock(mutex);
+  size_t& have = reserved[{device, kernel}];
+  if (bytes <= have) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  if (err == cudaSuccess) have = bytes;
+  return err;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), and the launch's error.
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                          cudaStream_t stream, const Args&... args) {
+  cudaError_t err = reserve_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, block, smem, stream>>>(args...);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace attnx
+#endif

@@ -1,0 +1,94 @@
+// The host harness: what csrc/cuda's kernels use of CUDA, for a host C++ compiler, so that the
+// kernels' own source runs on the CPU (tests only; see README.md beside this file). Included
+// through ../device.cuh when ATTNX_CUDA_HOST is defined; never seen by nvcc.
+//
+// A launch runs the grid's blocks one after the other, in an order shuffled per seed; a block's
+// threads are fibers (ucontext) that each run until they reach a barrier (__syncthreads, or a
+// warp's collective: __syncwarp, __shfl_xor_sync, the wmma calls). The next fiber to run is the
+// first of a queue that starts shuffled and takes the fibers a completed barrier releases at its
+// front, so released threads run ahead of those that have not reached the barrier yet: a missing
+// barrier lets a thread read what others have not written yet, or overwrite what they have not
+// read, and the results come out wrong.
+#pragma once
+
+// Execution spaces and launch bounds mean nothing on the host.
+#define __host__
+#define __device__
+#define __global__
+#define __launch_bounds__(...)
+// A block's static __shared__ variables: one per OS thread, which runs one block at a time.
+#define __shared__ static thread_local
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>  // types only (dim3, uint4, cudaError_t): nothing links libcudart
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "scheduler.h"
+
+#define threadIdx (::attnx::host::place().thread)
+#define blockIdx (::attnx::host::place().block)
+#define blockDim (::attnx::host::place().block_dim)
+#define gridDim (::attnx::host::place().grid_dim)
+
+// extern __shared__ T name[] of the device code: this block's dynamic shared memory.
+#define ATTNX_DYNAMIC_SMEM(T, name, align) \
+  T* const name = reinterpret_cast<T*>(::attnx::host::dynamic_smem_base())
+
+inline void __syncthreads() { ::attnx::host::block_barrier(); }
+
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  ::attnx::host::warp_collective("__syncwarp", mask, nullptr, [](void* const*) {});
+}
+
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
+  struct Slot {
+    T in, out;
+  } slot{value, value};
+  ::attnx::host::warp_collective(
+      "__shfl_xor_sync", (uintptr_t(mask) << 32) ^ (uintptr_t(lane_mask) << 8) ^ width, &slot,
+      [&](void* const* slots) {
+        for (int l = 0; l < 32; ++l) {
+          const int src = l ^ lane_mask;  // a source outside the lane's segment reads its own
+          const bool same_segment = src / width == l / width;
+          static_cast<Slot*>(slots[l])->out = static_cast<Slot*>(slots[same_segment ? src : l])->in;
+        }
+      });
+  return slot.out;
+}
+
+// Blocks run one at a time and a block's fibers one at a time: a read-modify-write is atomic.
+inline float atomicAdd(float* address, float value) {
+  const float old = *address;
+  *address = old + value;
+  return old;
+}
+
+// CUDA's min and max take mixed integer types.
+template <typename A, typename B>
+inline std::common_type_t<A, B> min(A a, B b) {
+  return a < b ? a : b;
+}
+template <typename A, typename B>
+inline std::common_type_t<A, B> max(A a, B b) {
+  return a < b ? b : a;
+}
+
+namespace attnx {
+namespace cuda {
+
+// The launch of the device code (device.cuh): the grid runs here, through the harness.
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                          cudaStream_t, const Args&... args) {
+  return ::attnx::host::run(grid, block, smem, [&] { kernel(args...); });
+}
+
+}  // namespace cuda
+}  // namespace attnx
+
+#include "wmma_host.h"

@@ -1,0 +1,121 @@
+// attnx._cuda_host: the CUDA kernels run on CPU tensors through the host harness, registered as
+// the attnx_cuda_host ops (the attnx schemas; the `cuda` backend calls them under
+// ATTNX_CUDA_ON_CPU=1). Checks, outputs and launch parameters are kernel_ops.cpp's, as on a
+// GPU; what differs is where the buffers live: every tensor a kernel reads or writes is a copy
+// whose last byte (rounded up to 16) touches a PROT_NONE page, so an access past a tensor's
+// extent faults, and outputs start as NaN (0xFF bytes), so an element a kernel should have
+// written and did not shows.
+#include <sys/mman.h>
+#include <unistd.h>
+#include <torch/extension.h>
+
+#include <cstring>
+
+#include "../../op_schemas.h"
+#include "../kernel_ops.h"
+#include "scheduler.h"
+
+namespace attnx {
+namespace cuda {
+namespace {
+
+using at::Tensor;
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// A 1-D CPU tensor of `numel` elements ending at a guard page, every byte set to `fill`.
+Tensor guarded(int64_t numel, const at::TensorOptions& options, int fill) {
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  const size_t span = round_up(size_t(numel) * at::elementSize(options.dtype().toScalarType()), 16);
+  const size_t data_bytes = round_up(std::max<size_t>(span, 1), page);
+  const size_t total = data_bytes + page;
+  char* base = static_cast<char*>(
+      mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  TORCH_CHECK(base != MAP_FAILED, "attnx cuda host harness: out of memory");
+  TORCH_CHECK(mprotect(base + data_bytes, page, PROT_NONE) == 0, "mprotect failed");
+  std::memset(base, fill, data_bytes);
+  return at::from_blob(base + data_bytes - span, {numel},
+                       [base, total](void*) { munmap(base, total); }, options);
+}
+
+class Host final : public Target {
+ public:
+  at::DeviceType device_type() const override { return at::kCPU; }
+  size_t smem_optin() const override { return 227 * 1024; }  // an H100's
+  cudaStream_t stream() const override { return nullptr; }
+  void check(cudaError_t err) const override {
+    TORCH_CHECK(err == cudaSuccess, "attnx cuda host harness: ", host::last_error());
+  }
+  // A copy of the elements `t` spans (its strides kept: broadcast masks stay broadcast).
+  Tensor input(const Tensor& t) const override {
+    if (t.numel() == 0) return t;
+    int64_t extent = 1;
+    for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+    Tensor copy = guarded(extent, t.options(), 0xFF);
+    copy.copy_(t.as_strided({extent}, {1}));
+    return copy.as_strided(t.sizes(), t.strides());
+  }
+  Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) const override {
+    return guarded(c10::multiply_integers(sizes), options, 0xFF).view(sizes);
+  }
+  Tensor zeros(at::IntArrayRef sizes, const at::TensorOptions& options) const override {
+    return guarded(c10::multiply_integers(sizes), options, 0).view(sizes);
+  }
+};
+
+const Host kHost;
+
+std::tuple<Tensor, Tensor> host_sdpa_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const OptTensor& mask, double scale, int64_t window_lo,
+                                         int64_t window_hi, double dropout_p,
+                                         const OptTensor& seed) {
+  return sdpa_fwd(kHost, q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> host_sdpa_bwd(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+    const OptTensor& mask, const Tensor& out, const Tensor& lse, double scale, int64_t window_lo,
+    int64_t window_hi, double dropout_p, const OptTensor& seed, bool mask_grad,
+    const OptTensor& grad_lse) {
+  return sdpa_bwd(kHost, grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi,
+                  dropout_p, seed, mask_grad, grad_lse);
+}
+
+std::tuple<Tensor, Tensor, Tensor> host_additive_fwd(const Tensor& q, const Tensor& k,
+                                                     const Tensor& value, const Tensor& v,
+                                                     const OptTensor& mask, int64_t window_lo,
+                                                     int64_t window_hi, double dropout_p,
+                                                     const OptTensor& seed, bool return_weights) {
+  return additive_fwd(kHost, q, k, value, v, mask, window_lo, window_hi, dropout_p, seed,
+                      return_weights);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> host_additive_bwd(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& value,
+    const Tensor& v, const OptTensor& mask, const Tensor& out, const Tensor& lse,
+    int64_t window_lo, int64_t window_hi, double dropout_p, const OptTensor& seed,
+    bool mask_grad, const OptTensor& grad_lse, const OptTensor& grad_weights) {
+  return additive_bwd(kHost, grad_out, q, k, value, v, mask, out, lse, window_lo, window_hi,
+                      dropout_p, seed, mask_grad, grad_lse, grad_weights);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace attnx
+
+TORCH_LIBRARY(attnx_cuda_host, m) {
+  for (const char* schema : attnx::kOpSchemas) m.def(schema);
+}
+
+TORCH_LIBRARY_IMPL(attnx_cuda_host, CPU, m) {
+  m.impl("sdpa_fwd", &attnx::cuda::host_sdpa_fwd);
+  m.impl("sdpa_bwd", &attnx::cuda::host_sdpa_bwd);
+  m.impl("additive_fwd", &attnx::cuda::host_additive_fwd);
+  m.impl("additive_bwd", &attnx::cuda::host_additive_bwd);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "attnx's CUDA kernels on the CPU through the host harness (torch.ops.attnx_cuda_host)";
+  m.def("set_seed", &attnx::host::set_seed,
+        "the seed of the order in which the harness runs blocks and threads");
+}

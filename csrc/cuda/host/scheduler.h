@@ -1,0 +1,43 @@
+// The host harness's scheduler (cuda_host.cpp): blocks and their threads as fibers, barriers
+// and warp collectives. cuda_host.h builds the CUDA names on it; register_host.cpp runs and
+// seeds it. No CUDA names are defined here, so torch's headers can sit beside it.
+#pragma once
+
+#include <cuda_runtime.h>  // types only (dim3, uint3, cudaError_t): nothing links libcudart
+
+#include <cstdint>
+#include <functional>
+
+namespace attnx {
+namespace host {
+
+// The calling fiber's thread and block.
+struct ThreadPlace {
+  uint3 thread, block;
+  dim3 block_dim, grid_dim;
+  int warp, lane;
+};
+const ThreadPlace& place();
+unsigned char* dynamic_smem_base();
+
+// __syncthreads: waits for every thread of the block that has not exited.
+void block_barrier();
+
+// A warp collective: every lane of the warp arrives with the same `what` and `key` (the CUDA
+// documentation requires the same call and arguments warp-wide; a mismatch is reported) and
+// its own `slot`. The last lane to arrive runs `work` once over all the lanes' slots, before
+// any lane goes on.
+using WarpWork = std::function<void(void* const* slots)>;
+void warp_collective(const char* what, uintptr_t key, void* slot, const WarpWork& work);
+
+// Runs `body` as every thread of every block of the grid; returns cudaErrorLaunchFailure with
+// last_error() set when a block deadlocked or a collective was misused.
+cudaError_t run(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body);
+const char* last_error();
+
+// The launch order's seed (blocks and threads are shuffled from it and the launch's count).
+void set_seed(uint64_t seed);
+
+}  // namespace host
+}  // namespace attnx
+

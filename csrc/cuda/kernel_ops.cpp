@@ -1,0 +1,379 @@
+// The attnx ops on the CUDA kernels (kernel_ops.h): checks, launch parameters and outputs.
+#include "kernel_ops.h"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+
+namespace attnx {
+namespace cuda {
+namespace {
+
+using at::Tensor;
+
+DType dtype_of(const Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
+              "attnx cuda kernels take float16 or bfloat16 tensors, got ", t.scalar_type());
+  return t.scalar_type() == at::kHalf ? DType::Half : DType::BFloat16;
+}
+
+// A 4-D tensor on `like`'s device, of its dtype, with a contiguous last dim (copied only if it
+// is not), as the kernels will read it.
+Tensor rows(const Target& target, const Tensor& t, const Tensor& like, const char* name) {
+  TORCH_CHECK(t.device().type() == target.device_type() && t.device() == like.device(), name,
+              ": expected a tensor on ", like.device(), ", got ", t.device());
+  TORCH_CHECK(t.dim() == 4, name, ": expected 4 dims, got ", t.dim());
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, ": expected dtype ",
+              like.scalar_type(), ", got ", t.scalar_type());
+  return target.input(t.size(3) <= 1 || t.stride(3) == 1 ? t : t.contiguous());
+}
+
+Strides4 strides(const Tensor& t) {
+  const auto addr = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const bool vec16 = addr % 16 == 0 && t.size(3) % 8 == 0 && t.stride(0) % 8 == 0 &&
+                     t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0;
+  return {t.stride(0), t.stride(1), t.stride(2), vec16};
+}
+
+MaskView mask_view(const Target& target, const OptTensor& mask, Tensor& held, const Tensor& q,
+                   int64_t H, int64_t Lq, int64_t Lk) {
+  MaskView m;
+  if (!mask.has_value() || !mask->defined()) return m;
+  const Tensor& t = *mask;
+  TORCH_CHECK(t.device() == q.device(), "mask: expected device ", q.device(), ", got ", t.device());
+  TORCH_CHECK(t.dim() == 4 && t.size(0) == q.size(0) && t.size(1) == H && t.size(2) == Lq &&
+                  t.size(3) == Lk,
+              "mask: expected shape (", q.size(0), ", ", H, ", ", Lq, ", ", Lk, "), got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kBool || t.scalar_type() == q.scalar_type(),
+              "mask: expected bool or ", q.scalar_type(), ", got ", t.scalar_type());
+  held = target.input(t);
+  m.ptr = held.data_ptr();
+  m.kind = t.scalar_type() == at::kBool ? MaskKind::Bool : MaskKind::Additive;
+  m.b = held.stride(0);
+  m.h = held.stride(1);
+  m.i = held.stride(2);
+  m.j = held.stride(3);
+  return m;
+}
+
+Dropout dropout(double p, const OptTensor& seed) {
+  Dropout d;
+  if (p <= 0.0) return d;
+  TORCH_CHECK(p < 1.0, "dropout_p: expected < 1, got ", p);
+  TORCH_CHECK(seed.has_value() && seed->numel() == 2, "seed: expected an int64 (2,) tensor");
+  const Tensor s = seed->to(at::kCPU, at::kLong).contiguous();
+  d.on = true;
+  d.seed0 = static_cast<uint32_t>(s.data_ptr<int64_t>()[0]);
+  d.seed1 = static_cast<uint32_t>(s.data_ptr<int64_t>()[1]);
+  // threshold = min(floor(p * 2**32), 2**32 - 1), as attnx/_rng.py computes it.
+  const double t = std::floor(p * 4294967296.0);
+  d.threshold = t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
+  d.keep_scale = static_cast<float>(1.0 / (1.0 - p));
+  return d;
+}
+
+// The kernels hold sizes in int and index the grid's y and z dims by head and batch: checked on
+// the int64 sizes, before they are narrowed.
+void check_grid(int64_t length, int64_t heads, int64_t batch) {
+  TORCH_CHECK(length <= INT_MAX && heads <= 65535 && batch <= 65535,
+              "attnx cuda kernels: sequence lengths below 2^31 and at most 65535 heads and ",
+              "batches, got length ", length, ", ", heads, " heads and ", batch, " batches");
+}
+
+int family(int64_t E, int64_t Ev) {
+  for (int D : kSdpaFamilies)
+    if (E <= D && Ev <= D) return D;
+  TORCH_CHECK(false, "attnx cuda sdpa: head dims up to 256, got (E, Ev) = (", E, ", ", Ev, ")");
+  return 0;
+}
+
+template <typename F64, typename F128, typename F256>
+cudaError_t by_family(int D, F64 f64, F128 f128, F256 f256) {
+  return D == 64 ? f64() : D == 128 ? f128() : f256();
+}
+
+// A gradient in its input's dtype, contiguous whatever the input's strides: what the fake
+// kernels (attnx._ops.contiguous_grads) promise and the CPU and Triton kernels return.
+Tensor grad_for(const Tensor& grad, const Tensor& input) { return grad.to(input.scalar_type()); }
+
+// The tensors an SDPA launch reads, kept alive while it runs.
+struct SdpaInputs {
+  Tensor q, k, v, mask;
+};
+
+SdpaParams sdpa_params(const Target& target, SdpaInputs& in, const Tensor& q_in,
+                       const Tensor& k_in, const Tensor& v_in, const OptTensor& mask,
+                       double scale, int64_t lo, int64_t hi, double dropout_p,
+                       const OptTensor& seed) {
+  in.q = rows(target, q_in, q_in, "q");
+  in.k = rows(target, k_in, q_in, "k");
+  in.v = rows(target, v_in, q_in, "v");
+  const Tensor &q = in.q, &k = in.k, &v = in.v;
+  const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2), E = q.size(3);
+  const int64_t Hkv = k.size(1), Lk = k.size(2), Ev = v.size(3);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == Lk &&
+                  k.size(3) == E,
+              "sdpa: inconsistent shapes q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(Hkv > 0 ? Hq % Hkv == 0 : Hq == 0, "sdpa: Hq (", Hq,
+              ") must be a multiple of Hkv (", Hkv, ")");
+  check_grid(Lq, Hq, B);
+  check_grid(Lk, Hkv, B);  // the backward's grid
+  SdpaParams p{};
+  p.dtype = dtype_of(q);
+  p.B = int(B);
+  p.Hq = int(Hq);
+  p.Lq = int(Lq);
+  p.Hkv = int(Hkv);
+  p.Lk = int(Lk);
+  family(E, Ev);  // raises past the largest family: E, Ev fit an int
+  p.E = int(E);
+  p.Ev = int(Ev);
+  p.scale = static_cast<float>(scale);
+  // [-Lq, Lk] admits the same pairs and keeps i + lo, i + hi from overflowing in the kernels
+  p.window_lo = std::clamp<int64_t>(lo, -Lq, Lk);
+  p.window_hi = std::clamp<int64_t>(hi, -Lq, Lk);
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.sq = strides(q);
+  p.sk = strides(k);
+  p.sv = strides(v);
+  p.mask = mask_view(target, mask, in.mask, q, Hq, Lq, Lk);
+  p.drop = dropout(dropout_p, seed);
+  return p;
+}
+
+// A backward reads grad_out, out (B, H, Lq, Ev) and lse (B, H, Lq) whole: a direct caller's
+// other shapes or devices would be read out of bounds.
+void check_saved(const Tensor& dout, const Tensor& out, const Tensor& lse, const Tensor& q,
+                 c10::IntArrayRef out_shape) {
+  TORCH_CHECK(dout.sizes() == out_shape && out.sizes() == out_shape, "grad_out, out: expected ",
+              "shape ", out_shape, ", got ", dout.sizes(), " and ", out.sizes());
+  TORCH_CHECK(lse.sizes() == out_shape.slice(0, 3), "lse: expected shape ",
+              out_shape.slice(0, 3), ", got ", lse.sizes());
+  TORCH_CHECK(dout.device() == q.device() && out.device() == q.device() &&
+                  lse.device() == q.device(),
+              "grad_out, out, lse: expected q's device ", q.device(), ", got ", dout.device(),
+              ", ", out.device(), " and ", lse.device());
+}
+
+// D_i = rowsum(dO * O) of the softmax backward, less the lse gradient (csrc/ops.cpp).
+Tensor softmax_delta(const Tensor& dout, const Tensor& out, const Tensor& lse,
+                     const OptTensor& grad_lse) {
+  Tensor d = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
+  if (grad_lse.has_value()) {
+    TORCH_CHECK(grad_lse->sizes() == lse.sizes() && grad_lse->device() == lse.device(),
+                "grad_lse: expected lse's shape ", lse.sizes(), " on its device, got ",
+                grad_lse->sizes());
+    d = d - grad_lse->to(at::kFloat);
+  }
+  return d.contiguous();
+}
+
+// The inputs every backward reads besides q, k, v: grad_out in the input dtype, lse and delta.
+struct Saved {
+  Tensor dout, lse, delta;
+};
+
+Saved saved(const Tensor& grad_out, const Tensor& q, const Tensor& out, const Tensor& lse,
+            const OptTensor& grad_lse, c10::IntArrayRef out_shape) {
+  Tensor dout = grad_out.to(q.scalar_type()).contiguous();
+  check_saved(dout, out, lse, q, out_shape);
+  return {dout, lse.to(at::kFloat).contiguous(), softmax_delta(dout, out, lse, grad_lse)};
+}
+
+// The buffers the kernels read, dout 16-byte aligned for the vector loads.
+Saved read_by_kernels(const Target& target, const Saved& s) {
+  const bool aligned = reinterpret_cast<uintptr_t>(s.dout.data_ptr()) % 16 == 0;
+  return {target.input(aligned ? s.dout : s.dout.clone()), target.input(s.lse),
+          target.input(s.delta)};
+}
+
+cudaError_t run_sdpa_fwd(const SdpaParams& p, cudaStream_t stream) {
+  return by_family(
+      family(p.E, p.Ev), [&] { return sdpa_fwd_family<64>(p, stream); },
+      [&] { return sdpa_fwd_family<128>(p, stream); },
+      [&] { return sdpa_fwd_family<256>(p, stream); });
+}
+
+// Rows of huge lse (common.cuh): the backward kernel's exp(s - lse) is R_i P_ij there.
+// Dividing dO and D by R cancels it: dV = P'^T dO' and dS = P' (dP' - D') with P' = R P,
+// dO' = dO / R, D' = D / R. R comes from the forward kernel's row-sums mode (1 on other rows).
+void divide_out_huge_rows(const Target& target, SdpaParams p, Saved& s) {
+  const Tensor lse = target.input(s.lse);
+  const Tensor r = target.empty(lse.sizes(), lse.options());
+  p.lse = lse.data_ptr<float>();
+  p.row_sums = r.data_ptr<float>();
+  target.check(run_sdpa_fwd(p, target.stream()));
+  s.dout = (s.dout.to(at::kFloat) / r.unsqueeze(-1)).to(s.dout.scalar_type());
+  s.delta = s.delta / r;
+}
+
+struct AdditiveInputs {
+  Tensor q, k, value, v, mask;
+};
+
+AdditiveParams additive_params(const Target& target, AdditiveInputs& in, const Tensor& q_in,
+                               const Tensor& k_in, const Tensor& value_in, const Tensor& v_in,
+                               const OptTensor& mask, int64_t lo, int64_t hi, double dropout_p,
+                               const OptTensor& seed) {
+  in.q = rows(target, q_in, q_in, "q");
+  in.k = rows(target, k_in, q_in, "k");
+  in.value = rows(target, value_in, q_in, "value");
+  const Tensor &q = in.q, &k = in.k, &value = in.value;
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), A = q.size(3);
+  const int64_t Lk = k.size(2), Ev = value.size(3);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == A && value.size(0) == B &&
+                  value.size(1) == H && value.size(2) == Lk,
+              "additive: inconsistent shapes q ", q.sizes(), ", k ", k.sizes(), ", value ",
+              value.sizes());
+  TORCH_CHECK(v_in.device() == q.device() && v_in.scalar_type() == q.scalar_type() &&
+                  v_in.dim() == 2 && v_in.size(0) == H && v_in.size(1) == A,
+              "v: expected (", H, ", ", A, ") of q's dtype and device, got ", v_in.sizes());
+  check_grid(Lq, H, B);
+  TORCH_CHECK(Lk <= INT_MAX && A <= INT_MAX && Ev <= INT_MAX,
+              "attnx cuda additive: sizes below 2^31, got Lk ", Lk, ", A ", A, ", Ev ", Ev);
+  TORCH_CHECK(additive_smem_bytes(int(Ev)) <= target.smem_optin(), "attnx cuda additive: value ",
+              "dim ", Ev, " needs more shared memory than this device has");
+  in.v = target.input(v_in);
+  AdditiveParams p{};
+  p.dtype = dtype_of(q);
+  p.B = int(B);
+  p.H = int(H);
+  p.Lq = int(Lq);
+  p.A = int(A);
+  p.Lk = int(Lk);
+  p.Ev = int(Ev);
+  // [-Lq, Lk] admits the same pairs and keeps i + lo, i + hi from overflowing in the kernels
+  p.window_lo = std::clamp<int64_t>(lo, -Lq, Lk);
+  p.window_hi = std::clamp<int64_t>(hi, -Lq, Lk);
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.value = value.data_ptr();
+  p.v = in.v.data_ptr();
+  p.sq = strides(q);
+  p.sk = strides(k);
+  p.svalue = strides(value);
+  p.vh = in.v.stride(0);
+  p.va = in.v.stride(1);
+  p.mask = mask_view(target, mask, in.mask, q, H, Lq, Lk);
+  p.drop = dropout(dropout_p, seed);
+  return p;
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> sdpa_fwd(const Target& target, const Tensor& q_in, const Tensor& k_in,
+                                    const Tensor& v_in, const OptTensor& mask, double scale,
+                                    int64_t window_lo, int64_t window_hi, double dropout_p,
+                                    const OptTensor& seed) {
+  SdpaInputs in;
+  SdpaParams p =
+      sdpa_params(target, in, q_in, k_in, v_in, mask, scale, window_lo, window_hi, dropout_p, seed);
+  const auto opts = in.q.options();
+  Tensor out = target.empty({p.B, p.Hq, p.Lq, p.Ev}, opts);
+  Tensor lse = target.empty({p.B, p.Hq, p.Lq}, opts.dtype(at::kFloat));
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  target.check(run_sdpa_fwd(p, target.stream()));
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
+    const Target& target, const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in,
+    const Tensor& v_in, const OptTensor& mask, const Tensor& out, const Tensor& lse, double scale,
+    int64_t window_lo, int64_t window_hi, double dropout_p, const OptTensor& seed, bool mask_grad,
+    const OptTensor& grad_lse) {
+  SdpaInputs in;
+  SdpaParams p =
+      sdpa_params(target, in, q_in, k_in, v_in, mask, scale, window_lo, window_hi, dropout_p, seed);
+  Saved s = saved(grad_out, in.q, out, lse, grad_lse, {p.B, p.Hq, p.Lq, p.Ev});
+  divide_out_huge_rows(target, p, s);
+  s = read_by_kernels(target, s);
+  const auto opts = in.q.options();
+  Tensor dq_acc = target.zeros({p.B, p.Hq, p.Lq, p.E}, opts.dtype(at::kFloat));
+  Tensor dk = target.empty({p.B, p.Hkv, p.Lk, p.E}, opts);
+  Tensor dv = target.empty({p.B, p.Hkv, p.Lk, p.Ev}, opts);
+  const bool want_dmask = mask_grad && p.mask.kind == MaskKind::Additive;
+  Tensor dmask = want_dmask ? target.zeros({p.B, p.Hq, p.Lq, p.Lk}, opts) : in.q.new_empty({0});
+  p.dout = s.dout.data_ptr();
+  p.lse = s.lse.data_ptr<float>();
+  p.delta = s.delta.data_ptr<float>();
+  p.dq_acc = dq_acc.data_ptr<float>();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dmask = want_dmask ? dmask.data_ptr() : nullptr;
+  const cudaStream_t stream = target.stream();
+  target.check(by_family(
+      family(p.E, p.Ev), [&] { return sdpa_bwd_family<64>(p, stream); },
+      [&] { return sdpa_bwd_family<128>(p, stream); },
+      [&] { return sdpa_bwd_family<256>(p, stream); }));
+  return {grad_for(dq_acc, q_in), grad_for(dk, k_in), grad_for(dv, v_in), dmask};
+}
+
+std::tuple<Tensor, Tensor, Tensor> additive_fwd(const Target& target, const Tensor& q_in,
+                                                const Tensor& k_in, const Tensor& value_in,
+                                                const Tensor& v, const OptTensor& mask,
+                                                int64_t window_lo, int64_t window_hi,
+                                                double dropout_p, const OptTensor& seed,
+                                                bool return_weights) {
+  AdditiveInputs in;
+  AdditiveParams p = additive_params(target, in, q_in, k_in, value_in, v, mask, window_lo,
+                                     window_hi, dropout_p, seed);
+  const auto opts = in.q.options();
+  Tensor out = target.empty({p.B, p.H, p.Lq, p.Ev}, opts);
+  Tensor lse = target.empty({p.B, p.H, p.Lq}, opts.dtype(at::kFloat));
+  Tensor weights =
+      return_weights ? target.zeros({p.B, p.H, p.Lq, p.Lk}, opts) : in.q.new_empty({0});
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.weights = return_weights ? weights.data_ptr() : nullptr;
+  target.check(launch_additive_fwd(p, target.stream()));
+  return {out, lse, weights};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
+    const Target& target, const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in,
+    const Tensor& value_in, const Tensor& v, const OptTensor& mask, const Tensor& out,
+    const Tensor& lse, int64_t window_lo, int64_t window_hi, double dropout_p,
+    const OptTensor& seed, bool mask_grad, const OptTensor& grad_lse,
+    const OptTensor& grad_weights) {
+  AdditiveInputs in;
+  AdditiveParams p = additive_params(target, in, q_in, k_in, value_in, v, mask, window_lo,
+                                     window_hi, dropout_p, seed);
+  const Saved s =
+      read_by_kernels(target, saved(grad_out, in.q, out, lse, grad_lse, {p.B, p.H, p.Lq, p.Ev}));
+  const auto f32 = in.q.options().dtype(at::kFloat);
+  Tensor dq = target.zeros({p.B, p.H, p.Lq, p.A}, f32);
+  Tensor dk = target.zeros({p.B, p.H, p.Lk, p.A}, f32);
+  Tensor dvalue = target.zeros({p.B, p.H, p.Lk, p.Ev}, f32);
+  Tensor dv = target.zeros({p.H, p.A}, f32);
+  const bool want_dmask = mask_grad && p.mask.kind == MaskKind::Additive;
+  Tensor dmask =
+      want_dmask ? target.zeros({p.B, p.H, p.Lq, p.Lk}, in.q.options()) : in.q.new_empty({0});
+  p.dout = s.dout.data_ptr();
+  p.lse = s.lse.data_ptr<float>();
+  p.delta = s.delta.data_ptr<float>();
+  p.dq = dq.data_ptr<float>();
+  p.dk = dk.data_ptr<float>();
+  p.dvalue = dvalue.data_ptr<float>();
+  p.dv = dv.data_ptr<float>();
+  p.dmask = want_dmask ? dmask.data_ptr() : nullptr;
+  Tensor dw;
+  if (grad_weights.has_value()) {
+    TORCH_CHECK(grad_weights->sizes() == at::IntArrayRef({p.B, p.H, p.Lq, p.Lk}) &&
+                    grad_weights->device() == in.q.device(),
+                "grad_weights: expected shape (B, H, Lq, Lk) on q's device, got ",
+                grad_weights->sizes());
+    dw = target.input(grad_weights->to(in.q.scalar_type()).contiguous());
+  }
+  p.dweights = dw.defined() ? dw.data_ptr() : nullptr;
+  target.check(launch_additive_bwd(p, target.stream()));
+  // v may have been a broadcast (A,) vector: its gradient has v's own (H, A) shape here, the
+  // autograd of the expand sums it back.
+  return {grad_for(dq, q_in), grad_for(dk, k_in), grad_for(dvalue, value_in), grad_for(dv, v),
+          dmask};
+}
+
+}  // namespace cuda
+}  // namespace attnx

@@ -1,0 +1,25 @@
+// The attnx operator schemas (their conventions: ops.cpp). The host harness registers the same
+// schemas as the attnx_cuda_host library (csrc/cuda/host/register_host.cpp).
+#pragma once
+
+namespace attnx {
+
+inline constexpr const char* kOpSchemas[] = {
+    "sdpa_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int window_lo, "
+        "int window_hi, float dropout_p, Tensor? seed) -> (Tensor out, Tensor lse)",
+    "sdpa_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, "
+        "Tensor lse, float scale, int window_lo, int window_hi, float dropout_p, Tensor? seed, "
+        "bool mask_grad, Tensor? grad_lse=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)",
+    // Additive (Bahdanau): score[i, j] = sum_a v[h, a] * tanh(q[i, a] + k[j, a]); no scale, no
+    // GQA (k and value have q's heads); v is (H, A). weights (B, H, Lq, Lk) are the
+    // probabilities after dropout, returned only when return_weights, else empty.
+    "additive_fwd(Tensor q, Tensor k, Tensor value, Tensor v, Tensor? mask, int window_lo, "
+        "int window_hi, float dropout_p, Tensor? seed, bool return_weights) -> "
+        "(Tensor out, Tensor lse, Tensor weights)",
+    "additive_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor value, Tensor v, Tensor? mask, "
+        "Tensor out, Tensor lse, int window_lo, int window_hi, float dropout_p, Tensor? seed, "
+        "bool mask_grad, Tensor? grad_lse=None, Tensor? grad_weights=None) -> "
+        "(Tensor dq, Tensor dk, Tensor dvalue, Tensor dv, Tensor dmask)",
+};
+
+}  // namespace attnx
