@@ -1,0 +1,148 @@
+"""What each spawned rank runs for tests/test_distributed.py: a gloo process group on
+127.0.0.1, then named checks, each comparing this rank's results with the single-process ones
+on the full sequence, sliced to the rank's shard."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+import attnx
+from attnx.distributed import ring_attention, shard, unshard
+
+PG_TIMEOUT_S = 60  # a rank left waiting raises after this; the parent's deadline is longer
+
+
+def run(rank: int, world: int, port: int, checks: list) -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    try:
+        for name, kwargs in checks:
+            CHECKS[name](**kwargs)
+    finally:
+        dist.destroy_process_group()
+
+
+def _tol(dtype):
+    return dict(rtol=1e-4, atol=2e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
+
+
+def _inputs(hq, hk, length, e, ev, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)  # the same full tensors on every rank
+    shapes = ((2, hq, length, e), (2, hk, length, e), (2, hk, length, ev), (2, hq, length, ev))
+    return [torch.randn(s, generator=g, dtype=dtype) for s in shapes] + [
+        torch.randn((2, hq, length), generator=g, dtype=torch.float32)]
+
+
+def ring_matches(layout, is_causal=False, window=None, hq=4, hk=2, per_rank=4, e=5, ev=7,
+                 dtype=torch.float32, backend=None, scale=None):
+    """out, lse, dq, dk, dv of ring_attention on this rank's shard == the single-process op on
+    the full sequence, sliced; the loss reads the lse too, so its gradient is checked."""
+    world = dist.get_world_size()
+    q, k, v, dout, dlse = _inputs(hq, hk, per_rank * world, e, ev, dtype)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attnx.scaled_dot_product_attention(
+        *full, is_causal=is_causal, window=window, scale=scale, enable_gqa=hq != hk,
+        backend=backend, return_lse=True)
+    ((out * dout).sum() + (lse * dlse).sum()).backward()
+
+    def cut(t, dim=-2):
+        return shard(t, layout=layout, dim=dim)
+
+    local = [cut(t).detach().requires_grad_() for t in (q, k, v)]
+    out_l, lse_l = ring_attention(*local, is_causal=is_causal, window=window, scale=scale,
+                                  layout=layout, backend=backend, return_lse=True)
+    ((out_l * cut(dout)).sum() + (lse_l * cut(dlse, -1)).sum()).backward()
+    assert lse_l.dtype == torch.float32
+    tol = _tol(dtype)
+    what = f"rank {dist.get_rank()}/{world} {layout} causal={is_causal} window={window}"
+    torch.testing.assert_close(out_l, cut(out), **tol, msg=lambda m: f"{what} out: {m}")
+    torch.testing.assert_close(lse_l, cut(lse, -1), **tol, msg=lambda m: f"{what} lse: {m}")
+    for name, mine, ref in zip("qkv", local, full):
+        torch.testing.assert_close(mine.grad, cut(ref.grad), **tol,
+                                   msg=lambda m, n=name: f"{what} d{n}: {m}")
+    # the whole output gathered back from the shards
+    torch.testing.assert_close(unshard(out_l.detach(), layout=layout), out.detach(), **tol)
+
+
+def shard_roundtrip(layout):
+    """unshard(shard(x)) == x, and unshard's backward hands each rank its shard of the summed
+    full gradient."""
+    world = dist.get_world_size()
+    x = torch.arange(2 * 3 * 2 * world * 2, dtype=torch.float64).view(2, 3, 2 * world * 2)
+    local = shard(x, layout=layout, dim=-1).requires_grad_()
+    full = unshard(local, layout=layout, dim=-1)
+    assert torch.equal(full, x)
+    (full * x).sum().backward()  # every rank's loss reads every position
+    assert torch.equal(local.grad, world * shard(x, layout=layout, dim=-1))
+
+
+def _expect_error(exc_type, words, fn):
+    try:
+        fn()
+    except exc_type as exc:
+        for word in words:
+            assert word in str(exc), f"expected {word!r} in the error, got: {exc}"
+        return
+    raise AssertionError(f"expected {exc_type.__name__} mentioning {words}")
+
+
+def bad_input_everywhere():
+    """Bad input on one rank (or ranks that disagree) makes every rank raise, at once."""
+    rank = dist.get_rank()
+    q, k, v, *_ = _inputs(2, 2, 8, 4, 4, torch.float32)
+    ql, kl, vl = (shard(t) for t in (q, k, v))
+    # rank 1 only: an integer query
+    bad_q = ql.long() if rank == 1 else ql
+    _expect_error(TypeError if rank == 1 else ValueError,
+                  ["query"] if rank == 1 else ["rank(s) [1]"],
+                  lambda: ring_attention(bad_q, kl, vl))
+    # rank 1 only: an odd shard under zigzag (the full length not divisible by 2W)
+    odd = ql[..., :3, :] if rank == 1 else ql
+    _expect_error(ValueError, ["even"] if rank == 1 else ["rejected"],
+                  lambda: ring_attention(odd, odd, odd))
+    # shards of different lengths: L does not divide evenly
+    uneven = ql[..., :2, :] if rank == 1 else ql
+    _expect_error(ValueError, ["sequence length", "rank 1: 2"],
+                  lambda: ring_attention(uneven, uneven, uneven))
+    # flags that differ between ranks
+    _expect_error(ValueError, ["is_causal"],
+                  lambda: ring_attention(ql, kl, vl, is_causal=rank == 0))
+    _expect_error(ValueError, ["layout"], lambda: ring_attention(ql, kl, vl, layout="striped"))
+    _expect_error(ValueError, ["divisible by 4"], lambda: shard(q[..., :6, :]))
+    _expect_error(TypeError, ["attn_mask"], lambda: ring_attention(ql, kl, vl, attn_mask=None))
+    _expect_error(ValueError, ["softcap"], lambda: ring_attention(ql, kl, vl, softcap=-1.0))
+    _expect_error(ValueError, ["backend", "reference"],
+                  lambda: ring_attention(ql, kl, vl, softcap=5.0, backend="cpu"))
+    # and the group still works afterwards
+    ring_matches("zigzag", is_causal=True)
+
+
+def softcap_matches(layout):
+    """Soft-capped ring attention (reference kernels) against the formula in float64."""
+    world = dist.get_world_size()
+    cap, length = 2.0, 4 * world
+    q, k, v, dout, _ = _inputs(2, 1, length, 3, 3, torch.float64)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    s = full[0] @ full[1].transpose(-2, -1) / 3 ** 0.5
+    s = (cap * torch.tanh(s / cap)).masked_fill(
+        torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.softmax(s, -1) @ full[2]
+    (out * dout).sum().backward()
+    local = [shard(t, layout=layout).detach().requires_grad_() for t in (q, k, v)]
+    out_l = ring_attention(*local, is_causal=True, layout=layout, softcap=cap)
+    (out_l * shard(dout, layout=layout)).sum().backward()
+    tol = _tol(torch.float64)
+    torch.testing.assert_close(out_l, shard(out, layout=layout), **tol)
+    for mine, ref in zip(local, full):
+        torch.testing.assert_close(mine.grad, shard(ref.grad, layout=layout), **tol)
+
+
+CHECKS = {f.__name__: f for f in (ring_matches, shard_roundtrip, bad_input_everywhere,
+                                  softcap_matches)}
