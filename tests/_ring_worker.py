@@ -144,5 +144,84 @@ def softcap_matches(layout):
         torch.testing.assert_close(mine.grad, shard(ref.grad, layout=layout), **tol)
 
 
+def ddp_transformer_matches(steps=3):
+    """attnx.nn.Transformer trained under DistributedDataParallel (each rank half the batch)
+    ends with the weights of the single-process run on the whole batch."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import attnx.nn as ann
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def model():
+        torch.manual_seed(0)
+        return ann.Transformer(d_model=16, nhead=4, num_encoder_layers=1, num_decoder_layers=1,
+                               dim_feedforward=24, dropout=0.0, batch_first=True,
+                               dtype=torch.float64)
+
+    g = torch.Generator().manual_seed(1)
+    src, tgt = (torch.randn(2 * world, n, 16, generator=g, dtype=torch.float64) for n in (7, 5))
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64)
+
+    def train(net, src, tgt):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(steps):
+            opt.zero_grad()
+            net(src, tgt, tgt_mask=mask, tgt_is_causal=True).pow(2).mean().backward()
+            opt.step()
+
+    single = model()
+    train(single, src, tgt)
+    ddp = DistributedDataParallel(model())
+    mine = slice(2 * rank, 2 * rank + 2)
+    train(ddp, src[mine], tgt[mine])
+    for (name, a), b in zip(ddp.module.named_parameters(), single.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class _CausalSelfAttention(torch.nn.Module):
+    """A decoder's attention block; `sharded=True` runs it on this rank's shard of the
+    sequence with ring_attention (context parallelism), else on the whole sequence."""
+
+    def __init__(self, dim=16, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = torch.nn.Linear(dim, dim, dtype=torch.float64)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.head_dim, dtype=torch.float64)
+        self.out = torch.nn.Linear(dim, dim, dtype=torch.float64)
+
+    def forward(self, x, sharded):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.kv_heads, self.head_dim).transpose(1, 3).unbind(2)
+        if sharded:
+            y = ring_attention(q, k, v, is_causal=True)
+        else:
+            y = attnx.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.out(y.transpose(1, 2).reshape(b, n, -1))
+
+
+def context_parallel_matches(length=512):
+    """A long sequence split over the ranks: forward and backward of an attention block with
+    ring_attention == the single-process block; parameter gradients summed over the ranks."""
+    torch.manual_seed(0)
+    block = _CausalSelfAttention()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, length, 16, generator=g, dtype=torch.float64)
+    target = torch.randn(1, length, 16, generator=g, dtype=torch.float64)
+    full = x.clone().requires_grad_()
+    (block(full, sharded=False) * target).sum().backward()
+    ref = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    local = shard(x, dim=1).requires_grad_()
+    y = block(local, sharded=True)
+    (y * shard(target, dim=1)).sum().backward()
+    tol = _tol(torch.float64)
+    torch.testing.assert_close(local.grad, shard(full.grad, dim=1), **tol)
+    for p, want in zip(block.parameters(), ref):
+        dist.all_reduce(p.grad)
+        torch.testing.assert_close(p.grad, want, **tol)
+
+
 CHECKS = {f.__name__: f for f in (ring_matches, shard_roundtrip, bad_input_everywhere,
-                                  softcap_matches)}
+                                  softcap_matches, ddp_transformer_matches,
+                                  context_parallel_matches)}

@@ -45,7 +45,11 @@ F64 = torch.float64
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_ring_matches_single_process(world):
+def test_gloo_world(world):
+    """Each rank's ring_attention out, lse and gradients == the single-process op, sliced (both
+    layouts, causal, windows, GQA, odd head dims, float64); in the world of 2 also: bad input
+    on one rank raising on every rank, shard/unshard, soft-capping, a Transformer trained under
+    DistributedDataParallel and a context-parallel attention block (tests/_ring_worker.py)."""
     checks = {
         1: [("ring_matches", dict(layout="zigzag", is_causal=True)),
             ("ring_matches", dict(layout="contiguous", hq=3, hk=3, e=9, ev=2))],
@@ -56,7 +60,9 @@ def test_ring_matches_single_process(world):
                                   backend="reference", scale=0.3)),
             ("shard_roundtrip", dict(layout="zigzag")),
             ("bad_input_everywhere", {}),
-            ("softcap_matches", dict(layout="zigzag"))],
+            ("softcap_matches", dict(layout="zigzag")),
+            ("ddp_transformer_matches", {}),
+            ("context_parallel_matches", {})],
         3: [("ring_matches", dict(layout="zigzag", is_causal=True, window=(5, 0))),
             ("ring_matches", dict(layout="contiguous", is_causal=True, hq=6, hk=2, e=7, ev=3)),
             ("shard_roundtrip", dict(layout="contiguous"))],
