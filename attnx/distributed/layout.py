@@ -43,7 +43,7 @@ def check_divisible(name: str, length: int, world: int, layout: str) -> None:
 
 def segments(rank: int, world: int, local_len: int, layout: str) -> tuple:
     """The segments of rank `rank`'s shard when every shard holds `local_len` positions."""
-    if layout == "contiguous":
+    if layout == "contiguous" or world == 1:  # one rank: its two zigzag chunks are adjacent
         return (Segment(rank * local_len, 0, local_len),)
     c = local_len // 2
     return (Segment(rank * c, 0, c), Segment((2 * world - 1 - rank) * c, c, c))

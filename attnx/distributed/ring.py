@@ -94,7 +94,7 @@ def _forward(ring: _Ring, q, k, v):
     acc = _acc_dtype(q.dtype)
     out = q.new_zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc)
     lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
-    kv = _pack(k, v)
+    kv, touched = _pack(k, v), bytearray(q.shape[-2])  # rows that hold a partial result
     for t in range(w):
         s = (r - t) % w
         holding = t <= reach[s]  # else that shard stopped before reaching this rank
@@ -109,8 +109,12 @@ def _forward(ring: _Ring, q, k, v):
             o, l = ring.kernels.fwd(q[:, :, b.q0:b.q1], ks[:, :, b.k0:b.k1], vs[:, :, b.k0:b.k1],
                                     ring.scale, b.lo, b.hi)
             rows = slice(b.q0, b.q1)
-            out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows],
-                                                     o.to(acc), l.to(acc))
+            if any(touched[rows]):
+                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows],
+                                                         o.to(acc), l.to(acc))
+            else:  # the rows' first result: nothing to merge with
+                out[:, :, rows], lse[:, :, rows] = o, l
+                touched[rows] = b"\x01" * (b.q1 - b.q0)
         for work in works:
             work.wait()
         if nxt is not None:
