@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import attnx
 from attnx._backends import reference
 from attnx.distributed import blocks, layout, merge
 
@@ -42,6 +43,11 @@ def _spawn(world: int, checks: list) -> None:
 
 
 F64 = torch.float64
+
+
+def _triton_interpreting() -> bool:
+    from attnx.triton import common  # imports Triton, which backends() found usable
+    return common.interpreting()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -91,6 +97,43 @@ def test_merge_matches_attention_over_the_union_and_keeps_empty_rows_zero():
     empty = torch.full_like(lse, float("-inf"))  # rows empty on both sides
     out, lse = merge.merge(torch.zeros_like(out), empty, torch.zeros_like(out), empty)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_split_keys_with_global_lse_match_one_call(backend):
+    """What each ring step relies on, per backend: a backend's kernels on a split of the keys
+    (bands shifted to each part) merged by lse give its one call's out and lse, and its
+    backward on each part given the GLOBAL out and lse gives the one call's gradients. GQA, an
+    lse gradient, and rows that see no key of one part (causal)."""
+    status = attnx.backends()[backend]
+    if not status.usable:
+        pytest.skip(f"backend {backend} is not usable here: {status.reason}")
+    if backend == "triton" and not _triton_interpreting():
+        pytest.skip("CUDA tensors are for the GPU machines; here Triton runs interpreted")
+    g = torch.Generator().manual_seed(0)
+    q, dout = torch.randn(1, 4, 6, 5, generator=g), torch.randn(1, 4, 6, 3, generator=g)
+    k, v = torch.randn(1, 2, 10, 5, generator=g), torch.randn(1, 2, 10, 3, generator=g)
+    dlse = torch.randn(1, 4, 6, generator=g)
+    kern, lo, hi, split = blocks.kernels(backend, None), -8, 1, 4
+    out, lse = kern.fwd(q, k, v, 0.4, lo, hi)
+    parts = [(slice(0, split), 0), (slice(split, 10), split)]
+    merged = None
+    for keys, at in parts:
+        o, l = kern.fwd(q, k[:, :, keys], v[:, :, keys], 0.4, lo - at, hi - at)
+        merged = (o.float(), l.float()) if merged is None else merge.merge(*merged, o, l)
+    torch.testing.assert_close(merged[0], out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged[1], lse, rtol=1e-5, atol=1e-6)
+    whole = kern.bwd(dout, q, k, v, out, lse, 0.4, lo, hi, dlse)
+    dq = torch.zeros_like(q)
+    dk, dv = [], []
+    for keys, at in parts:
+        gq, gk, gv = kern.bwd(dout, q, k[:, :, keys], v[:, :, keys], out, lse, 0.4, lo - at,
+                              hi - at, dlse)
+        dq = dq + gq
+        dk.append(gk)
+        dv.append(gv)
+    for mine, ref in zip((dq, torch.cat(dk, 2), torch.cat(dv, 2)), whole):
+        torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])

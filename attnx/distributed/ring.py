@@ -180,6 +180,7 @@ def _backward(ring: _Ring, dout, q, k, v, out, lse, grad_lse):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring):
+        ctx.set_materialize_grads(False)  # an unused lse passes None, not a tensor of zeros
         out, lse = _forward(ring, q, k, v)
         ctx.ring = ring
         ctx.save_for_backward(q, k, v, out, lse)
