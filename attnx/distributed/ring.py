@@ -114,7 +114,7 @@ def _forward(ring: _Ring, q, k, v):
                                                          o.to(acc), l.to(acc))
             else:  # the rows' first result: nothing to merge with
                 out[:, :, rows], lse[:, :, rows] = o, l
-                touched[rows] = b"\x01" * (b.q1 - b.q0)
+            touched[rows] = b"\x01" * (b.q1 - b.q0)
         for work in works:
             work.wait()
         if nxt is not None:
