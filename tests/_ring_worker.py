@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -16,12 +17,12 @@ from attnx.distributed import ring_attention, shard, unshard
 PG_TIMEOUT_S = 60  # a rank left waiting raises after this; the parent's deadline is longer
 
 
-def run(rank: int, world: int, port: int, checks: list) -> None:
+def run(rank: int, world: int, port: int, checks: list, timeout_s: float = PG_TIMEOUT_S) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=timeout_s))
     try:
         for name, kwargs in checks:
             CHECKS[name](**kwargs)
@@ -222,6 +223,25 @@ def context_parallel_matches(length=512):
         torch.testing.assert_close(p.grad, want, **tol)
 
 
+def peer_dies_mid_ring(timeout_s):
+    """Rank 1 dies between the forward and the backward: rank 0's backward ring raises within
+    the process group's timeout instead of waiting for it forever."""
+    rank = dist.get_rank()
+    q, k, v, *_ = _inputs(2, 2, 8, 4, 4, torch.float32)
+    local = [shard(t).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, is_causal=True)
+    if rank == 1:
+        os._exit(0)  # gone without a word, as a crashed or killed rank is
+    start = time.monotonic()
+    try:
+        out.sum().backward()
+    except RuntimeError:
+        waited = time.monotonic() - start
+        assert waited < timeout_s + 10, f"rank 0 raised only after {waited:.0f} s"
+        os._exit(0)  # the group is broken: nothing to tear down
+    raise AssertionError("the backward ring finished without its peer")
+
+
 CHECKS = {f.__name__: f for f in (ring_matches, shard_roundtrip, bad_input_everywhere,
                                   softcap_matches, ddp_transformer_matches,
-                                  context_parallel_matches)}
+                                  context_parallel_matches, peer_dies_mid_ring)}

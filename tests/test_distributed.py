@@ -29,10 +29,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(world: int, checks: list) -> None:
-    """Run `checks` on `world` spawned ranks; fail (and kill them) past DEADLINE_S."""
-    ctx = mp.spawn(_ring_worker.run, args=(world, _free_port(), checks), nprocs=world,
-                   join=False)
+def _spawn(world: int, checks: list, timeout_s: float = _ring_worker.PG_TIMEOUT_S) -> None:
+    """Run `checks` on `world` spawned ranks (process group timeout `timeout_s`); fail (and
+    kill them) past DEADLINE_S."""
+    ctx = mp.spawn(_ring_worker.run, args=(world, _free_port(), checks, timeout_s),
+                   nprocs=world, join=False)
     end = time.monotonic() + DEADLINE_S
     while not ctx.join(timeout=max(0.0, end - time.monotonic())):  # raises a rank's error
         if time.monotonic() >= end:
@@ -79,6 +80,10 @@ def test_gloo_world(world):
             ("ring_matches", dict(layout="zigzag", window=(1, 4), per_rank=6, dtype=F64))],
     }[world]
     _spawn(world, checks)
+
+
+def test_a_rank_that_dies_leaves_the_others_raising_not_hanging():
+    _spawn(2, [("peer_dies_mid_ring", dict(timeout_s=10))], timeout_s=10)
 
 
 def test_merge_matches_attention_over_the_union_and_keeps_empty_rows_zero():
