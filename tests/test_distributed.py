@@ -77,7 +77,8 @@ def test_gloo_world(world):
             # a window shorter than a shard: shards stop after one hop
             ("ring_matches", dict(layout="contiguous", is_causal=True, window=(3, 0),
                                   per_rank=6)),
-            ("ring_matches", dict(layout="zigzag", window=(1, 4), per_rank=6, dtype=F64))],
+            ("ring_matches", dict(layout="zigzag", window=(1, 4), per_rank=6, dtype=F64)),
+            ("ring_matches", dict(layout="zigzag", is_causal=True, dtype=torch.bfloat16))],
     }[world]
     _spawn(world, checks)
 

@@ -67,13 +67,19 @@ class Kernels(NamedTuple):
     bwd: object
 
 
-def _native() -> Kernels:
+def _native(upcast: bool) -> Kernels:
+    """`upcast`: bfloat16 operands go in as float32, which the CPU kernels compute in anyway,
+    so that each block's output and gradients come back unrounded: a ring sums W of them,
+    and rounding each to bfloat16 would add W roundings where the single call makes one."""
+    def up(t):
+        return t.float() if upcast and t.dtype == torch.bfloat16 else t
+
     def fwd(q, k, v, scale, lo, hi):
-        return torch.ops.attnx.sdpa_fwd(q, k, v, None, scale, lo, hi, 0.0, None)
+        return torch.ops.attnx.sdpa_fwd(up(q), up(k), up(v), None, scale, lo, hi, 0.0, None)
 
     def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
-        dq, dk, dv, _ = torch.ops.attnx.sdpa_bwd(dout, q, k, v, None, out, lse, scale, lo, hi,
-                                                 0.0, None, False, grad_lse)
+        dq, dk, dv, _ = torch.ops.attnx.sdpa_bwd(up(dout), up(q), up(k), up(v), None, up(out),
+                                                 lse, scale, lo, hi, 0.0, None, False, grad_lse)
         return dq, dk, dv
     return Kernels(fwd, bwd)
 
@@ -142,4 +148,6 @@ def kernels(backend: str, softcap: Optional[float]) -> Kernels:
         return _reference(softcap)
     if backend == "triton":
         return _triton()
-    return _native()  # cpu and cuda: the same dispatcher ops, by the tensors' device
+    # cpu and cuda: the same dispatcher ops, by the tensors' device (the CUDA kernels compute
+    # half precision natively: their block results stay in it)
+    return _native(upcast=backend == "cpu")
