@@ -6,11 +6,14 @@ single-process kernel on the whole sequence (1 thread) and the ideal time single
 communication share is what the ring costs a rank beyond running its own kernel calls: each
 rank also times its schedule's kernel calls alone (the same blocks, no messages), and
 share = (ring time - compute time) / ring time, i.e. the communication that compute did not
-hide, plus the merge and the waits for slower ranks.
+hide, plus the merge and the waits for slower ranks. Each rank's CPU time is recorded too: on
+a machine shared with other jobs it still shows the work per rank (CPU speed-up = the single
+call's CPU time over the busiest rank's).
 
     python benchmarks/ring_scaling.py [--lengths 8192 16384 32768] [--worlds 1 2 4]
 
-Writes benchmarks/results/ring-scaling-<date>.json and prints a table. On a machine with fewer
+Writes benchmarks/results/ring-scaling-<date>.json and .png and prints a table;
+`--plot-only FILE.json` redraws the figure of a results file. On a machine with fewer
 cores than W the ranks share cores: the times then show the schedule's balance, not speed-up.
 """
 
@@ -43,15 +46,18 @@ def _inputs(length, heads, dim):
 
 
 def _median_time(fn, repeats, sync=None):
+    """(wall s, CPU s of this process) per call, medians. On a machine shared with other jobs
+    the CPU time still says how much work a rank did; the wall time adds the waiting."""
     fn()  # warm-up
-    times = []
+    walls, cpus = [], []
     for _ in range(repeats):
         if sync:
             sync()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        walls.append(time.perf_counter() - t)
+        cpus.append(time.process_time() - c)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def _compute_only(rank, world, length, layout, heads, dim, q):
@@ -84,7 +90,8 @@ def _rank(rank, world, port, cases, repeats, out_path):
         every = [None] * world
         dist.all_gather_object(every, (ring_t, compute_t))
         rows.append(dict(world=world, length=length, layout=layout,
-                         ring_s=[r for r, _ in every], compute_s=[c for _, c in every]))
+                         ring_s=[r[0] for r, _ in every], ring_cpu_s=[r[1] for r, _ in every],
+                         compute_s=[c[0] for _, c in every]))
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(rows, f)
@@ -115,7 +122,12 @@ def main():
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plot-only", metavar="JSON", default=None)
     args = ap.parse_args()
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            plot(json.load(f), args.plot_only[:-len(".json")] + ".png")
+        return
 
     torch.set_num_threads(1)
     single = {}
@@ -123,6 +135,8 @@ def main():
         q, k, v = _inputs(length, args.heads, args.dim)
         single[length] = _median_time(
             lambda: attnx.scaled_dot_product_attention(q, k, v, is_causal=True), args.repeats)
+    single_cpu = {n: c for n, (_, c) in single.items()}
+    single = {n: w for n, (w, _) in single.items()}
     cases = [(n, lay, args.heads, args.dim) for n in args.lengths for lay in args.layouts]
     rows = []
     for world in args.worlds:
@@ -137,6 +151,8 @@ def main():
         row["single_s"] = single[row["length"]]
         row["ideal_s"] = single[row["length"]] / row["world"]
         row["speedup"] = single[row["length"]] / slowest
+        row["single_cpu_s"] = single_cpu[row["length"]]
+        row["cpu_speedup"] = single_cpu[row["length"]] / max(row["ring_cpu_s"])
         row["comm_share"] = [max(0.0, (r - c) / r) for r, c in zip(row["ring_s"],
                                                                   row["compute_s"])]
     cores = os.cpu_count()
@@ -154,12 +170,45 @@ def main():
         json.dump(result, f, indent=1)
     print(f"{result['cpu']}, {cores} cores; {result['note']}")
     print(f"{'W':>2} {'L':>6} {'layout':>10} {'single s':>9} {'ideal s':>8} "
-          f"{'rank s (min..max)':>18} {'speedup':>7} {'comm share':>15}")
+          f"{'rank s (min..max)':>18} {'speedup':>7} {'comm share':>15} {'CPU speedup':>11}")
     for row in rows:
         print(f"{row['world']:>2} {row['length']:>6} {row['layout']:>10} {row['single_s']:>9.3f} "
               f"{row['ideal_s']:>8.3f} {min(row['ring_s']):>8.3f}..{max(row['ring_s']):<8.3f} "
-              f"{row['speedup']:>7.2f} {min(row['comm_share']):>6.0%}..{max(row['comm_share']):<6.0%}")
+              f"{row['speedup']:>7.2f} {min(row['comm_share']):>6.0%}..{max(row['comm_share']):<6.0%}"
+              f" {row['cpu_speedup']:>11.2f}")
+    plot(result, out[:-len(".json")] + ".png")
     print(f"wrote {out}")
+
+
+def plot(result: dict, path: str) -> None:
+    """Time per call against W, per L and layout: the slowest rank's wall time and the busiest
+    rank's CPU time, with the ideal single / W (log-log); communication shares: the JSON."""
+    import matplotlib
+    import matplotlib.ticker
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lengths = sorted({r["length"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.4), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        rows = [r for r in result["rows"] if r["length"] == length]
+        worlds = sorted({r["world"] for r in rows})
+        ax.plot(worlds, [rows[0]["single_s"] / w for w in worlds], "k--", label="ideal single/W")
+        for layout, marker in (("zigzag", "o"), ("contiguous", "s")):
+            mine = sorted((r["world"], max(r["ring_s"]), max(r["ring_cpu_s"])) for r in rows
+                          if r["layout"] == layout)
+            if mine:
+                w, wall, cpu = zip(*mine)
+                line, = ax.plot(w, wall, marker + "-", label=f"{layout}: wall, slowest rank")
+                ax.plot(w, cpu, marker + ":", color=line.get_color(),
+                        label=f"{layout}: CPU time, busiest rank")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set(xscale="log", yscale="log", xticks=worlds, xticklabels=worlds, xlabel="ranks W",
+               ylabel="s per call", title=f"causal L={length}")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"ring_attention forward on {result['cpu']} ({result['cores']} cores, 1 thread "
+                 "per rank; shared machine: noisy)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
