@@ -192,7 +192,10 @@ def plot(result: dict, path: str) -> None:
     for ax, length in zip(axes[0], lengths):
         rows = [r for r in result["rows"] if r["length"] == length]
         worlds = sorted({r["world"] for r in rows})
-        ax.plot(worlds, [rows[0]["single_s"] / w for w in worlds], "k--", label="ideal single/W")
+        ax.plot(worlds, [rows[0]["single_s"] / w for w in worlds], "k--",
+                label="ideal: single wall / W")
+        ax.plot(worlds, [rows[0]["single_cpu_s"] / w for w in worlds], "k:",
+                label="ideal: single CPU / W")
         for layout, marker in (("zigzag", "o"), ("contiguous", "s")):
             mine = sorted((r["world"], max(r["ring_s"]), max(r["ring_cpu_s"])) for r in rows
                           if r["layout"] == layout)
@@ -201,9 +204,9 @@ def plot(result: dict, path: str) -> None:
                 line, = ax.plot(w, wall, marker + "-", label=f"{layout}: wall, slowest rank")
                 ax.plot(w, cpu, marker + ":", color=line.get_color(),
                         label=f"{layout}: CPU time, busiest rank")
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set(xscale="log", yscale="log", xticks=worlds, xticklabels=worlds, xlabel="ranks W",
                ylabel="s per call", title=f"causal L={length}")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend(fontsize=7)
     fig.suptitle(f"ring_attention forward on {result['cpu']} ({result['cores']} cores, 1 thread "
                  "per rank; shared machine: noisy)", fontsize=9)
