@@ -1,0 +1,153 @@
+"""One step of the ring on one rank: which (query, key) blocks the band admits, and running
+the backend's kernels on them with the band shifted to the blocks' global offsets.
+
+The band over the full sequence admits key j for query i iff lo <= j - i <= hi (the form of
+attnx._validate.SdpaCall). A query segment at global offset q0 against a key segment at k0 sees
+the same band shifted by k0 - q0, which is what the dispatcher's ops take as window_lo/hi.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .._backends import reference
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+class Block(NamedTuple):
+    q0: int  # local query rows q0:q1
+    q1: int
+    k0: int  # local key rows k0:k1 of the shard in hand
+    k1: int
+    lo: int  # the band, shifted to the block
+    hi: int
+
+
+def _pair(qseg, kseg, lo: int, hi: int) -> tuple:
+    """(status, lo, hi) of query segment `qseg` against key segment `kseg`."""
+    m, n = qseg.length, kseg.length
+    shift = kseg.start - qseg.start
+    blo, bhi = lo - shift, hi - shift
+    if bhi < -(m - 1) or blo > n - 1:
+        return EMPTY, blo, bhi
+    blo, bhi = max(blo, -m), min(bhi, n)
+    return (FULL if blo <= -(m - 1) and bhi >= n - 1 else PARTIAL), blo, bhi
+
+
+def plan(qsegs: tuple, ksegs: tuple, lo: int, hi: int) -> list:
+    """The kernel calls that attend the queries of `qsegs` to the keys of `ksegs`: as few as
+    possible (a query segment whose every key segment is wholly admitted takes them in one
+    call), none for the pairs the band excludes."""
+    n_keys = sum(s.length for s in ksegs)
+    pairs = [[_pair(qs, ks, lo, hi) for ks in ksegs] for qs in qsegs]
+    n_q = sum(s.length for s in qsegs)
+    if all(p[0] == FULL for row in pairs for p in row):
+        return [Block(0, n_q, 0, n_keys, -n_q, n_keys)]
+    blocks = []
+    for qs, row in zip(qsegs, pairs):
+        q0, q1 = qs.local, qs.local + qs.length
+        if all(p[0] == FULL for p in row):
+            blocks.append(Block(q0, q1, 0, n_keys, -qs.length, n_keys))
+            continue
+        for ks, (status, blo, bhi) in zip(ksegs, row):
+            if status != EMPTY:
+                blocks.append(Block(q0, q1, ks.local, ks.local + ks.length, blo, bhi))
+    return blocks
+
+
+class Kernels(NamedTuple):
+    """A backend's forward (q, k, v, scale, lo, hi) -> (out, lse) and backward
+    (dout, q, k, v, out, lse, scale, lo, hi, grad_lse) -> (dq, dk, dv) on one block; the
+    backward takes the GLOBAL out and lse of the rows, so that its probabilities
+    exp(s - lse) and D = rowsum(dout * out) are those of the whole row."""
+    fwd: object
+    bwd: object
+
+
+def _native(upcast: bool) -> Kernels:
+    """`upcast`: bfloat16 operands go in as float32, which the CPU kernels compute in anyway,
+    so that each block's output and gradients come back unrounded: a ring sums W of them,
+    and rounding each to bfloat16 would add W roundings where the single call makes one."""
+    def up(t):
+        return t.float() if upcast and t.dtype == torch.bfloat16 else t
+
+    def fwd(q, k, v, scale, lo, hi):
+        return torch.ops.attnx.sdpa_fwd(up(q), up(k), up(v), None, scale, lo, hi, 0.0, None)
+
+    def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
+        dq, dk, dv, _ = torch.ops.attnx.sdpa_bwd(up(dout), up(q), up(k), up(v), None, up(out),
+                                                 lse, scale, lo, hi, 0.0, None, False, grad_lse)
+        return dq, dk, dv
+    return Kernels(fwd, bwd)
+
+
+def _triton() -> Kernels:
+    from ..triton import sdpa as tk  # imports Triton only when asked for
+
+    def fwd(q, k, v, scale, lo, hi):
+        return tk.sdpa_fwd(q, k, v, None, scale, lo, hi, 0.0, None)
+
+    def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
+        dq, dk, dv, _ = tk.sdpa_bwd(dout, q, k, v, None, out, lse, scale, lo, hi, 0.0, None,
+                                    False, grad_lse)
+        return dq, dk, dv
+    return Kernels(fwd, bwd)
+
+
+def _scores(q, k, scale, softcap):
+    """Scaled (and soft-capped) scores in the compute dtype, GQA heads repeated; also the
+    tanh of the capping for the backward (None without it)."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k = q.to(dtype), k.to(dtype)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if softcap is None:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return softcap * t, t
+
+
+def _reference(softcap: Optional[float]) -> Kernels:
+    """Plain PyTorch (attnx's reference backend's masked softmax), with soft-capping."""
+    def fwd(q, k, v, scale, lo, hi):
+        s, _ = _scores(q, k, scale, softcap)
+        p, lse = reference.masked_softmax(s, None, lo, hi)
+        v = v.to(s.dtype).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return torch.matmul(p, v), lse
+
+    def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
+        s, t = _scores(q, k, scale, softcap)
+        dtype, groups = s.dtype, q.shape[1] // k.shape[1]
+        allowed = reference.band(s.shape[-2], s.shape[-1], lo, hi, s.device)
+        allowed = allowed & torch.isfinite(lse).unsqueeze(-1)
+        safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        p = torch.exp(s - safe_lse.unsqueeze(-1).to(dtype)).masked_fill(~allowed, 0.0)
+        do, qq = dout.to(dtype), q.to(dtype)
+        kk, vv = (x.to(dtype).repeat_interleave(groups, dim=1) for x in (k, v))
+        d = (do * out.to(dtype)).sum(-1, keepdim=True)
+        if grad_lse is not None:
+            d = d - grad_lse.to(dtype).unsqueeze(-1)
+        ds = p * (torch.matmul(do, vv.transpose(-2, -1)) - d)
+        if t is not None:
+            ds = ds * (1 - t * t)
+        dq = torch.matmul(ds, kk) * scale
+        dk = torch.matmul(ds.transpose(-2, -1), qq) * scale
+        dv = torch.matmul(p.transpose(-2, -1), do)
+        b, hk = k.shape[:2]
+        dk = dk.view(b, hk, groups, *dk.shape[2:]).sum(2)
+        dv = dv.view(b, hk, groups, *dv.shape[2:]).sum(2)
+        return dq, dk, dv
+    return Kernels(fwd, bwd)
+
+
+def kernels(backend: str, softcap: Optional[float]) -> Kernels:
+    if backend == "reference":
+        return _reference(softcap)
+    if backend == "triton":
+        return _triton()
+    # cpu and cuda: the same dispatcher ops, by the tensors' device (the CUDA kernels compute
+    # half precision natively: their block results stay in it)
+    return _native(upcast=backend == "cpu")

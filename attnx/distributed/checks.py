@@ -1,0 +1,127 @@
+"""Validation of a ring_attention call: locally, then across the ranks in one small
+all-gather, before any other collective.
+
+The all-gather carries each rank's call summary (or the fact that its input was rejected), so
+that bad input on one rank makes every rank raise instead of leaving the others waiting on a
+ring that will never turn, and inputs that disagree between ranks (shapes, dtypes, flags) are
+caught before they could hang or mix.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import astuple, dataclass, fields
+from typing import Optional
+
+import torch
+
+from .. import _validate
+from .layout import check_divisible, check_layout, group_info  # noqa: F401  (re-exported)
+
+_DTYPES = tuple(_validate.FLOAT_DTYPES)
+_LAYOUTS = ("zigzag", "contiguous")
+_BACKENDS = tuple(_validate.BACKEND_NAMES)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What every rank must agree on (all ints, as they travel in one int64 tensor)."""
+    batch: int
+    heads_q: int
+    heads_kv: int
+    local_len: int
+    head_dim: int
+    value_dim: int
+    dtype: int
+    is_causal: int
+    layout_id: int
+    lo: int  # the band over the full sequence
+    hi: int
+    scale_bits: int
+    softcap_bits: int  # 0 for None
+    backend_id: int
+
+    @property
+    def layout(self) -> str:
+        return _LAYOUTS[self.layout_id]
+
+    @property
+    def softcap(self) -> Optional[float]:
+        return None if self.softcap_bits == 0 else _from_bits(self.softcap_bits)
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _from_bits(b: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", b))[0]
+
+
+def local_spec(call, world: int, is_causal, window, layout, softcap, backend: str) -> Spec:
+    """This rank's Spec, raising ValueError/TypeError for what is wrong with its own input
+    (the rest of the checks: attnx._validate.sdpa_call, which made `call`)."""
+    layout = check_layout(layout)
+    is_causal = _validate._check_bool("is_causal", is_causal)
+    b, hq, lq, e = call.q.shape
+    hk, lk, ev = call.k.shape[1], call.k.shape[2], call.v.shape[-1]
+    if lk != lq:
+        raise ValueError(f"key: expected this rank's shard of the query's sequence, of length "
+                         f"{lq}, got shape {tuple(call.k.shape)}")
+    if layout == "zigzag" and lq % 2:
+        raise ValueError(f"query: expected an even shard length (zigzag holds two chunks; the "
+                         f"full sequence must divide into {2 * world}), got {lq}")
+    check_divisible("query", lq * world, world, layout)
+    total = lq * world
+    lo, hi = _validate._band(total, total, is_causal, None, window)
+    return Spec(b, hq, hk, lq, e, ev, _DTYPES.index(call.q.dtype), int(is_causal),
+                _LAYOUTS.index(layout), lo, hi, _bits(call.scale),
+                0 if softcap is None else _bits(softcap), _BACKENDS.index(backend))
+
+
+def _device(group) -> torch.device:
+    import torch.distributed as dist
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(spec: Optional[Spec], error: Optional[Exception], rank: int, world: int,
+          group) -> None:
+    """Raise on every rank if any rank's input was rejected or the ranks' calls differ."""
+    import torch.distributed as dist
+    n = len(fields(Spec))
+    mine = torch.tensor([0, *astuple(spec)] if error is None else [1] + [0] * n,
+                        dtype=torch.int64, device=_device(group))
+    if world > 1:
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine, group=group)
+        table = torch.stack(every).cpu().tolist()
+    else:
+        table = [mine.cpu().tolist()]
+    if error is not None:
+        raise error
+    bad = [r for r, row in enumerate(table) if row[0]]
+    if bad:
+        raise ValueError(f"ring_attention: rank(s) {bad} of the group rejected their input "
+                         f"(their own error says why); this rank (rank {rank}) stops too")
+    for i, field in enumerate(fields(Spec), start=1):
+        values = [row[i] for row in table]
+        if len(set(values)) > 1:
+            raise ValueError(_mismatch(field.name, values))
+
+
+def _mismatch(name: str, values: list) -> str:
+    shown = {
+        "dtype": lambda x: str(_DTYPES[x]),
+        "layout_id": lambda x: _LAYOUTS[x],
+        "backend_id": lambda x: _BACKENDS[x],
+        "scale_bits": lambda x: repr(_from_bits(x)),
+        "softcap_bits": lambda x: "None" if x == 0 else repr(_from_bits(x)),
+    }.get(name, str)
+    label = {"dtype": "dtype", "layout_id": "layout", "backend_id": "backend",
+             "scale_bits": "scale", "softcap_bits": "softcap", "lo": "window/is_causal",
+             "hi": "window/is_causal", "local_len": "sequence length of the shard (L must "
+             "divide evenly over the ranks)"}.get(name, name)
+    per_rank = ", ".join(f"rank {r}: {shown(x)}" for r, x in enumerate(values))
+    return f"ring_attention: expected the same {label} on every rank, got {per_rank}"

@@ -1,0 +1,118 @@
+"""Which positions of the sequence each rank holds, and cutting/gathering full tensors.
+
+A rank's shard is one or more segments of the global sequence, concatenated in order:
+`contiguous` gives rank r the one segment [r L/W, (r+1) L/W); `zigzag` cuts the sequence into
+2W chunks and gives rank r chunks r and 2W-1-r, so that under a causal mask every rank holds one
+early and one late chunk and does the same amount of work.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+class Segment(NamedTuple):
+    start: int  # first global position
+    local: int  # where it begins in the rank's shard
+    length: int
+
+
+def check_layout(layout) -> str:
+    if not isinstance(layout, str):
+        raise TypeError(f"layout: expected one of {LAYOUTS}, got {type(layout).__name__}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def chunks_per_rank(layout: str) -> int:
+    return 2 if layout == "zigzag" else 1
+
+
+def check_divisible(name: str, length: int, world: int, layout: str) -> None:
+    parts = world * chunks_per_rank(layout)
+    if length % parts:
+        raise ValueError(
+            f"{name}: expected a sequence length divisible by {parts} ({layout} layout over "
+            f"{world} ranks), got {length}")
+
+
+def segments(rank: int, world: int, local_len: int, layout: str) -> tuple:
+    """The segments of rank `rank`'s shard when every shard holds `local_len` positions."""
+    if layout == "contiguous" or world == 1:  # one rank: its two zigzag chunks are adjacent
+        return (Segment(rank * local_len, 0, local_len),)
+    c = local_len // 2
+    return (Segment(rank * c, 0, c), Segment((2 * world - 1 - rank) * c, c, c))
+
+
+def group_info(group) -> tuple:
+    """(rank, world size) in `group`, or a clear error before torch.distributed is set up."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("attnx.distributed: torch.distributed is not initialized "
+                           "(call torch.distributed.init_process_group first)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _dim(x: torch.Tensor, dim: int, name: str) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim: expected a dim of a {x.dim()}-D {name}, got {dim}")
+    return dim % x.dim()
+
+
+def shard(x: torch.Tensor, *, group=None, layout: str = "zigzag", dim: int = -2) -> torch.Tensor:
+    """This rank's shard of the full tensor `x` along `dim` (differentiable)."""
+    layout = check_layout(layout)
+    dim = _dim(x, dim, "x")
+    rank, world = group_info(group)
+    check_divisible("x", x.shape[dim], world, layout)
+    local = x.shape[dim] // world
+    parts = [x.narrow(dim, s.start, s.length) for s in segments(rank, world, local, layout)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather of equal shards; its backward sums the full gradient over the ranks (each
+    rank's loss may read every position) and keeps this rank's shard of it."""
+
+    @staticmethod
+    def forward(ctx, x, group, layout, dim):
+        import torch.distributed as dist
+        rank, world = group_info(group)
+        ctx.args = (group, layout, dim)
+        pieces = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
+        dist.all_gather(pieces, x.contiguous(), group=group)
+        local = x.shape[dim]
+        full = list(x.shape)
+        full[dim] = local * world
+        out = x.new_empty(full)
+        for r, piece in enumerate(pieces):
+            for s in segments(r, world, local, layout):
+                out.narrow(dim, s.start, s.length).copy_(piece.narrow(dim, s.local, s.length))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+        group, layout, dim = ctx.args
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=group)
+        return shard(grad, group=group, layout=layout, dim=dim), None, None, None
+
+
+def unshard(x_local: torch.Tensor, *, group=None, layout: str = "zigzag",
+            dim: int = -2) -> torch.Tensor:
+    """The full tensor gathered from every rank's shard along `dim` (differentiable)."""
+    layout = check_layout(layout)
+    dim = _dim(x_local, dim, "x_local")
+    _, world = group_info(group)
+    if layout == "zigzag" and x_local.shape[dim] % 2:
+        raise ValueError(f"x_local: expected an even shard length (zigzag holds two chunks), "
+                         f"got {x_local.shape[dim]}")
+    return _Gather.apply(x_local, group, layout, dim)

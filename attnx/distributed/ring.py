@@ -1,0 +1,247 @@
+"""Ring attention: K/V shards travel a ring of ranks while each rank attends its queries to the
+shard in hand; partial results merge by their log-sum-exp. The backward is a ring too: the
+K/V shards travel again, each rank adds its block gradients to the dK/dV accumulator that
+travels with them, and the accumulator ends at the shard's owner.
+
+Communication is overlapped with compute: the next shard's receive (and the current one's send)
+is posted before the kernels run on the shard in hand. A shard travels only as far as the last
+rank whose queries the band admits to it (a causal contiguous layout stops at the last rank, a
+window stops a few ranks on); every rank derives the same schedule from the global band, so
+sends and receives always pair up.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import _dispatch, _validate
+from . import blocks, checks
+from .layout import segments
+from .merge import merge
+
+# Message tags: the forward/backward K/V shard, a travelling dK/dV accumulator, and the
+# accumulator's last hop back to its owner.
+_TAG_KV, _TAG_DKV, _TAG_HOME = 7301, 7302, 7303
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """The schedule shared by every rank of one call."""
+    group: object
+    rank: int
+    world: int
+    local_len: int
+    layout: str
+    lo: int  # the global band
+    hi: int
+    scale: float
+    kernels: blocks.Kernels
+
+    def segs(self, rank: int) -> tuple:
+        return segments(rank, self.world, self.local_len, self.layout)
+
+    def blocks(self, q_rank: int, kv_rank: int) -> list:
+        return blocks.plan(self.segs(q_rank), self.segs(kv_rank), self.lo, self.hi)
+
+    def reach(self, owner: int) -> int:
+        """How many hops the shard of `owner` travels: to the last rank after it, in ring
+        order, whose queries attend some of its keys (0: it never leaves its owner)."""
+        last = 0
+        for t in range(1, self.world):
+            if self.blocks((owner + t) % self.world, owner):
+                last = t
+        return last
+
+    def peer(self, rank: int) -> int:
+        import torch.distributed as dist
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
+def _send(ring, tensor, to, tag):
+    import torch.distributed as dist
+    return dist.isend(tensor, ring.peer(to % ring.world), group=ring.group, tag=tag)
+
+
+def _recv(ring, tensor, frm, tag):
+    import torch.distributed as dist
+    return dist.irecv(tensor, ring.peer(frm % ring.world), group=ring.group, tag=tag)
+
+
+def _pack(*ts):
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+def _unpack(buf, *likes):
+    out, at = [], 0
+    for like in likes:
+        out.append(buf[at:at + like.numel()].view(like.shape))
+        at += like.numel()
+    return out
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _forward(ring: _Ring, q, k, v):
+    r, w = ring.rank, ring.world
+    reach = [ring.reach(s) for s in range(w)]
+    acc = _acc_dtype(q.dtype)
+    out = q.new_zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc)
+    lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
+    kv, touched = _pack(k, v), bytearray(q.shape[-2])  # rows that hold a partial result
+    for t in range(w):
+        s = (r - t) % w
+        holding = t <= reach[s]  # else that shard stopped before reaching this rank
+        works, nxt = [], None
+        if holding and t < reach[s]:
+            works.append(_send(ring, kv, r + 1, _TAG_KV))
+        if t + 1 < w and t + 1 <= reach[(s - 1) % w]:
+            nxt = torch.empty_like(kv)
+            works.append(_recv(ring, nxt, r - 1, _TAG_KV))
+        ks, vs = _unpack(kv, k, v)
+        for b in ring.blocks(r, s) if holding else ():
+            o, l = ring.kernels.fwd(q[:, :, b.q0:b.q1], ks[:, :, b.k0:b.k1], vs[:, :, b.k0:b.k1],
+                                    ring.scale, b.lo, b.hi)
+            rows = slice(b.q0, b.q1)
+            if any(touched[rows]):
+                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows],
+                                                         o.to(acc), l.to(acc))
+            else:  # the rows' first result: nothing to merge with
+                out[:, :, rows], lse[:, :, rows] = o, l
+            touched[rows] = b"\x01" * (b.q1 - b.q0)
+        for work in works:
+            work.wait()
+        if nxt is not None:
+            kv = nxt
+    return out.to(q.dtype), lse
+
+
+def _backward(ring: _Ring, dout, q, k, v, out, lse, grad_lse):
+    r, w = ring.rank, ring.world
+    reach = [ring.reach(s) for s in range(w)]
+    acc = _acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk0, dv0 = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
+    kv, own, pending = _pack(k, v), None, []
+    for t in range(w):
+        s = (r - t) % w
+        holding = t <= reach[s]
+        works, nxt, incoming = [], None, None
+        # Posted in the order the sender sends: last step's accumulator, then the next shard.
+        if holding and t >= 1:
+            incoming = torch.empty(dk0.numel() + dv0.numel(), dtype=acc, device=q.device)
+            dkv_work = _recv(ring, incoming, r - 1, _TAG_DKV)
+        if holding and t < reach[s]:
+            works.append(_send(ring, kv, r + 1, _TAG_KV))
+        if t + 1 < w and t + 1 <= reach[(s - 1) % w]:
+            nxt = torch.empty_like(kv)
+            works.append(_recv(ring, nxt, r - 1, _TAG_KV))
+        if holding:
+            ks, vs = _unpack(kv, k, v)
+            dk, dv = torch.zeros_like(dk0), torch.zeros_like(dv0)
+            for b in ring.blocks(r, s):
+                rows, keys = slice(b.q0, b.q1), slice(b.k0, b.k1)
+                gq, gk, gv = ring.kernels.bwd(
+                    dout[:, :, rows], q[:, :, rows], ks[:, :, keys], vs[:, :, keys],
+                    out[:, :, rows], lse[:, :, rows], ring.scale, b.lo, b.hi,
+                    None if grad_lse is None else grad_lse[:, :, rows])
+                dq[:, :, rows] += gq
+                dk[:, :, keys] += gk
+                dv[:, :, keys] += gv
+            dkv = _pack(dk, dv)
+            if incoming is not None:
+                dkv_work.wait()
+                dkv += incoming
+            if t < reach[s]:
+                pending.append((_send(ring, dkv, r + 1, _TAG_DKV), dkv))
+            elif t >= 1:
+                pending.append((_send(ring, dkv, s, _TAG_HOME), dkv))
+            else:
+                own = dkv
+        for work in works:
+            work.wait()
+        if nxt is not None:
+            kv = nxt
+    if own is None:  # this rank's shard travelled: its gradients come home from its last holder
+        own = torch.empty(dk0.numel() + dv0.numel(), dtype=acc, device=q.device)
+        _recv(ring, own, r + reach[r], _TAG_HOME).wait()
+    for work, _buf in pending:
+        work.wait()
+    dk, dv = _unpack(own, dk0, dv0)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring):
+        ctx.set_materialize_grads(False)  # an unused lse passes None, not a tensor of zeros
+        out, lse = _forward(ring, q, k, v)
+        ctx.ring = ring
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse.float()
+
+    @staticmethod
+    def backward(ctx, dout, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dq, dk, dv = _backward(ctx.ring, dout, q, k, v, out, lse, grad_lse)
+        return dq, dk, dv, None
+
+
+def _check_softcap(softcap) -> Optional[float]:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap: expected None or a float > 0, got {type(softcap).__name__}")
+    if not (math.isfinite(float(softcap)) and softcap > 0):
+        raise ValueError(f"softcap: expected None or a finite float > 0, got {softcap}")
+    return float(softcap)
+
+
+def _backend(call, softcap) -> str:
+    """The backend for the blocks. Soft-capping runs on the reference backend only (the fused
+    kernels do not take it yet); `backend=None` goes there by itself, as the dispatcher falls
+    back to the reference for what no fused kernel serves."""
+    if softcap is not None:
+        if call.backend not in ("auto", "reference"):
+            raise _dispatch.BackendUnavailableError(
+                f"backend: {call.backend!r} cannot run this call: soft-capping in ring "
+                "attention runs on the 'reference' backend only")
+        return "reference"
+    return _dispatch.select("sdpa", call)
+
+
+def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="zigzag",
+                   window=None, softcap=None, backend=None, return_lse=False):
+    """Attention of this rank's shard of the queries to the whole sequence, whose K/V shards
+    are spread over the ranks of `group` (see API.md, `attnx.distributed`).
+
+    q (..., Hq, L_local, E), k (..., Hkv, L_local, E), v (..., Hkv, L_local, Ev): this rank's
+    shard of the sequence in `layout`. Returns the shard's output (..., Hq, L_local, Ev), and
+    with `return_lse=True` also its float32 lse (..., Hq, L_local).
+    """
+    rank, world = checks.group_info(group)
+    try:
+        call = _validate.sdpa_call(q, k, v, None, 0.0, False, scale, True, None, backend,
+                                   return_lse)
+        softcap = _check_softcap(softcap)
+        name = _backend(call, softcap)
+        spec = checks.local_spec(call, world, is_causal, window, layout, softcap, name)
+        error = None
+    except (TypeError, ValueError) as exc:  # told to every rank before this one raises it
+        spec, error = None, exc
+    checks.agree(spec, error, rank, world, group)
+    ring = _Ring(group, rank, world, spec.local_len, spec.layout, spec.lo, spec.hi, call.scale,
+                 blocks.kernels(name, spec.softcap))
+    qf, kf, vf = (t.contiguous() for t in (call.q, call.k, call.v))
+    out, lse = _RingAttention.apply(qf, kf, vf, ring)
+    out = out.reshape(call.prefix + tuple(out.shape[-2:]))
+    if not return_lse:
+        return out
+    return out, lse.reshape(call.prefix + (lse.shape[-1],))

@@ -1,0 +1,272 @@
+"""What each spawned rank runs for tests/test_distributed.py: a gloo process group on
+127.0.0.1, then named checks, each comparing this rank's results with the single-process ones
+on the full sequence, sliced to the rank's shard."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import attnx
+from _compare import assert_within  # tests/ is on the spawned ranks' path, as on the parent's
+from attnx.distributed import ring_attention, shard, unshard
+
+PG_TIMEOUT_S = 60  # a rank left waiting raises after this; the parent's deadline is longer
+
+
+def run(rank: int, world: int, port: int, checks: list, timeout_s: float = PG_TIMEOUT_S) -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        for name, kwargs in checks:
+            try:
+                CHECKS[name](**kwargs)
+            except BaseException:
+                # The parent reports the first rank to exit, often one that only lost its
+                # peer: every rank's own error goes to stderr (the test's captured output).
+                print(f"rank {rank}/{world}: {name}({kwargs}) failed:\n{traceback.format_exc()}",
+                      file=sys.stderr, flush=True)
+                raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _tol(dtype):
+    return dict(rtol=1e-4, atol=2e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
+
+
+def _inputs(hq, hk, length, e, ev, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)  # the same full tensors on every rank
+    shapes = ((2, hq, length, e), (2, hk, length, e), (2, hk, length, ev), (2, hq, length, ev))
+    return [torch.randn(s, generator=g, dtype=dtype) for s in shapes] + [
+        torch.randn((2, hq, length), generator=g, dtype=torch.float32)]
+
+
+def ring_matches(layout, is_causal=False, window=None, hq=4, hk=2, per_rank=4, e=5, ev=7,
+                 dtype=torch.float32, backend=None, scale=None):
+    """out, lse, dq, dk, dv of ring_attention on this rank's shard == the single-process op on
+    the full sequence, sliced; the loss reads the lse too, so its gradient is checked."""
+    world = dist.get_world_size()
+    q, k, v, dout, dlse = _inputs(hq, hk, per_rank * world, e, ev, dtype)
+
+    def single(inputs, backend):
+        full = [t.clone().requires_grad_() for t in inputs]
+        out, lse = attnx.scaled_dot_product_attention(
+            *full, is_causal=is_causal, window=window, scale=scale, enable_gqa=hq != hk,
+            backend=backend, return_lse=True)
+        ((out * dout.to(out.dtype)).sum() + (lse * dlse).sum()).backward()
+        return out, lse, full
+
+    out, lse, full = single((q, k, v), backend)
+
+    def cut(t, dim=-2):
+        return shard(t, layout=layout, dim=dim)
+
+    local = [cut(t).detach().requires_grad_() for t in (q, k, v)]
+    out_l, lse_l = ring_attention(*local, is_causal=is_causal, window=window, scale=scale,
+                                  layout=layout, backend=backend, return_lse=True)
+    ((out_l * cut(dout)).sum() + (lse_l * cut(dlse, -1)).sum()).backward()
+    assert lse_l.dtype == torch.float32
+    what = f"rank {dist.get_rank()}/{world} {layout} causal={is_causal} window={window}"
+    if dtype == torch.bfloat16:  # as flash-attention tests: against float64, bounded by
+        gold_out, gold_lse, gold = single((t.double() for t in (q, k, v)), "reference")
+        pairs = [("out", out_l, out, gold_out), ("lse", lse_l, lse, gold_lse)] + [
+            ("d" + n, mine.grad, ref.grad, g.grad) for n, mine, ref, g in zip("qkv", local, full,
+                                                                             gold)]
+        for name, mine, ref, g in pairs:  # a small multiple of the single call's own error
+            dim = -1 if name == "lse" else -2
+            assert_within(mine, cut(g, dim), cut(ref, dim), factor=2.0, floor=1e-2,
+                          what=f"{what} {name}")
+        return
+    tol = _tol(dtype)
+    torch.testing.assert_close(out_l, cut(out), **tol, msg=lambda m: f"{what} out: {m}")
+    torch.testing.assert_close(lse_l, cut(lse, -1), **tol, msg=lambda m: f"{what} lse: {m}")
+    for name, mine, ref in zip("qkv", local, full):
+        torch.testing.assert_close(mine.grad, cut(ref.grad), **tol,
+                                   msg=lambda m, n=name: f"{what} d{n}: {m}")
+    # the whole output gathered back from the shards
+    torch.testing.assert_close(unshard(out_l.detach(), layout=layout), out.detach(), **tol)
+
+
+def shard_roundtrip(layout):
+    """unshard(shard(x)) == x, and unshard's backward hands each rank its shard of the summed
+    full gradient."""
+    world = dist.get_world_size()
+    x = torch.arange(2 * 3 * 2 * world * 2, dtype=torch.float64).view(2, 3, 2 * world * 2)
+    local = shard(x, layout=layout, dim=-1).requires_grad_()
+    full = unshard(local, layout=layout, dim=-1)
+    assert torch.equal(full, x)
+    (full * x).sum().backward()  # every rank's loss reads every position
+    assert torch.equal(local.grad, world * shard(x, layout=layout, dim=-1))
+
+
+def _expect_error(exc_type, words, fn):
+    try:
+        fn()
+    except exc_type as exc:
+        for word in words:
+            assert word in str(exc), f"expected {word!r} in the error, got: {exc}"
+        return
+    raise AssertionError(f"expected {exc_type.__name__} mentioning {words}")
+
+
+def bad_input_everywhere():
+    """Bad input on one rank (or ranks that disagree) makes every rank raise, at once."""
+    rank = dist.get_rank()
+    q, k, v, *_ = _inputs(2, 2, 8, 4, 4, torch.float32)
+    ql, kl, vl = (shard(t) for t in (q, k, v))
+    # rank 1 only: an integer query
+    bad_q = ql.long() if rank == 1 else ql
+    _expect_error(TypeError if rank == 1 else ValueError,
+                  ["query"] if rank == 1 else ["rank(s) [1]"],
+                  lambda: ring_attention(bad_q, kl, vl))
+    # rank 1 only: an odd shard under zigzag (the full length not divisible by 2W)
+    odd = ql[..., :3, :] if rank == 1 else ql
+    _expect_error(ValueError, ["even"] if rank == 1 else ["rejected"],
+                  lambda: ring_attention(odd, odd, odd))
+    # shards of different lengths: L does not divide evenly
+    uneven = ql[..., :2, :] if rank == 1 else ql
+    _expect_error(ValueError, ["sequence length", "rank 1: 2"],
+                  lambda: ring_attention(uneven, uneven, uneven))
+    # flags that differ between ranks
+    _expect_error(ValueError, ["is_causal"],
+                  lambda: ring_attention(ql, kl, vl, is_causal=rank == 0))
+    _expect_error(ValueError, ["layout"], lambda: ring_attention(ql, kl, vl, layout="striped"))
+    _expect_error(ValueError, ["divisible by 4"], lambda: shard(q[..., :6, :]))
+    _expect_error(TypeError, ["attn_mask"], lambda: ring_attention(ql, kl, vl, attn_mask=None))
+    _expect_error(ValueError, ["softcap"], lambda: ring_attention(ql, kl, vl, softcap=-1.0))
+    _expect_error(ValueError, ["backend", "reference"],
+                  lambda: ring_attention(ql, kl, vl, softcap=5.0, backend="cpu"))
+    # and the group still works afterwards
+    ring_matches("zigzag", is_causal=True)
+
+
+def softcap_matches(layout):
+    """Soft-capped ring attention (reference kernels) against the formula in float64."""
+    world = dist.get_world_size()
+    cap, length = 2.0, 4 * world
+    q, k, v, dout, _ = _inputs(2, 1, length, 3, 3, torch.float64)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    s = full[0] @ full[1].transpose(-2, -1) / 3 ** 0.5
+    s = (cap * torch.tanh(s / cap)).masked_fill(
+        torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.softmax(s, -1) @ full[2]
+    (out * dout).sum().backward()
+    local = [shard(t, layout=layout).detach().requires_grad_() for t in (q, k, v)]
+    out_l = ring_attention(*local, is_causal=True, layout=layout, softcap=cap)
+    (out_l * shard(dout, layout=layout)).sum().backward()
+    tol = _tol(torch.float64)
+    torch.testing.assert_close(out_l, shard(out, layout=layout), **tol)
+    for mine, ref in zip(local, full):
+        torch.testing.assert_close(mine.grad, shard(ref.grad, layout=layout), **tol)
+
+
+def ddp_transformer_matches(steps=3):
+    """attnx.nn.Transformer trained under DistributedDataParallel (each rank half the batch)
+    ends with the weights of the single-process run on the whole batch."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import attnx.nn as ann
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def model():
+        torch.manual_seed(0)
+        return ann.Transformer(d_model=16, nhead=4, num_encoder_layers=1, num_decoder_layers=1,
+                               dim_feedforward=24, dropout=0.0, batch_first=True,
+                               dtype=torch.float64)
+
+    g = torch.Generator().manual_seed(1)
+    src, tgt = (torch.randn(2 * world, n, 16, generator=g, dtype=torch.float64) for n in (7, 5))
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64)
+
+    def train(net, src, tgt):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(steps):
+            opt.zero_grad()
+            net(src, tgt, tgt_mask=mask, tgt_is_causal=True).pow(2).mean().backward()
+            opt.step()
+
+    single = model()
+    train(single, src, tgt)
+    ddp = DistributedDataParallel(model())
+    mine = slice(2 * rank, 2 * rank + 2)
+    train(ddp, src[mine], tgt[mine])
+    for (name, a), b in zip(ddp.module.named_parameters(), single.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class _CausalSelfAttention(torch.nn.Module):
+    """A decoder's attention block; `sharded=True` runs it on this rank's shard of the
+    sequence with ring_attention (context parallelism), else on the whole sequence."""
+
+    def __init__(self, dim=16, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = torch.nn.Linear(dim, dim, dtype=torch.float64)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.head_dim, dtype=torch.float64)
+        self.out = torch.nn.Linear(dim, dim, dtype=torch.float64)
+
+    def forward(self, x, sharded):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.kv_heads, self.head_dim).transpose(1, 3).unbind(2)
+        if sharded:
+            y = ring_attention(q, k, v, is_causal=True)
+        else:
+            y = attnx.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.out(y.transpose(1, 2).reshape(b, n, -1))
+
+
+def context_parallel_matches(length=512):
+    """A long sequence split over the ranks: forward and backward of an attention block with
+    ring_attention == the single-process block; parameter gradients summed over the ranks."""
+    torch.manual_seed(0)
+    block = _CausalSelfAttention()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, length, 16, generator=g, dtype=torch.float64)
+    target = torch.randn(1, length, 16, generator=g, dtype=torch.float64)
+    full = x.clone().requires_grad_()
+    (block(full, sharded=False) * target).sum().backward()
+    ref = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    local = shard(x, dim=1).requires_grad_()
+    y = block(local, sharded=True)
+    (y * shard(target, dim=1)).sum().backward()
+    tol = _tol(torch.float64)
+    torch.testing.assert_close(local.grad, shard(full.grad, dim=1), **tol)
+    for p, want in zip(block.parameters(), ref):
+        dist.all_reduce(p.grad)
+        torch.testing.assert_close(p.grad, want, **tol)
+
+
+def peer_dies_mid_ring(timeout_s):
+    """Rank 1 dies between the forward and the backward: rank 0's backward ring raises within
+    the process group's timeout instead of waiting for it forever."""
+    rank = dist.get_rank()
+    q, k, v, *_ = _inputs(2, 2, 8, 4, 4, torch.float32)
+    local = [shard(t).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, is_causal=True)
+    if rank == 1:
+        os._exit(0)  # gone without a word, as a crashed or killed rank is
+    start = time.monotonic()
+    try:
+        out.sum().backward()
+    except RuntimeError:
+        waited = time.monotonic() - start
+        assert waited < timeout_s + 10, f"rank 0 raised only after {waited:.0f} s"
+        os._exit(0)  # the group is broken: nothing to tear down
+    raise AssertionError("the backward ring finished without its peer")
+
+
+CHECKS = {f.__name__: f for f in (ring_matches, shard_roundtrip, bad_input_everywhere,
+                                  softcap_matches, ddp_transformer_matches,
+                                  context_parallel_matches, peer_dies_mid_ring)}

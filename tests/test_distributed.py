@@ -1,0 +1,175 @@
+"""attnx.distributed: ring attention across gloo processes on this machine, against the
+single-process op; the schedule's bookkeeping without processes."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import attnx
+from attnx._backends import reference
+from attnx.distributed import blocks, layout, merge
+
+import _ring_worker
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without "
+                                "torch.distributed")
+
+DEADLINE_S = 180  # a world that has not finished by then is killed and the test fails
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world: int, checks: list, timeout_s: float = _ring_worker.PG_TIMEOUT_S) -> None:
+    """Run `checks` on `world` spawned ranks (process group timeout `timeout_s`); fail (and
+    kill them) past DEADLINE_S."""
+    ctx = mp.spawn(_ring_worker.run, args=(world, _free_port(), checks, timeout_s),
+                   nprocs=world, join=False)
+    end = time.monotonic() + DEADLINE_S
+    while not ctx.join(timeout=max(0.0, end - time.monotonic())):  # raises a rank's error
+        if time.monotonic() >= end:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"a world of {world} ranks did not finish within {DEADLINE_S} s")
+
+
+F64 = torch.float64
+
+
+def _triton_interpreting() -> bool:
+    from attnx.triton import common  # imports Triton, which backends() found usable
+    return common.interpreting()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_gloo_world(world):
+    """Each rank's ring_attention out, lse and gradients == the single-process op, sliced (both
+    layouts, causal, windows, GQA, odd head dims, float64); in the world of 2 also: bad input
+    on one rank raising on every rank, shard/unshard, soft-capping, a Transformer trained under
+    DistributedDataParallel and a context-parallel attention block (tests/_ring_worker.py)."""
+    checks = {
+        1: [("ring_matches", dict(layout="zigzag", is_causal=True)),
+            ("ring_matches", dict(layout="contiguous", hq=3, hk=3, e=9, ev=2))],
+        2: [("ring_matches", dict(layout=lay, is_causal=c))
+            for lay in ("zigzag", "contiguous") for c in (False, True)] + [
+            ("ring_matches", dict(layout="zigzag", window=(2, 1), hq=2, hk=1, e=3, ev=6)),
+            ("ring_matches", dict(layout="contiguous", is_causal=True, dtype=F64,
+                                  backend="reference", scale=0.3)),
+            ("shard_roundtrip", dict(layout="zigzag")),
+            ("bad_input_everywhere", {}),
+            ("softcap_matches", dict(layout="zigzag")),
+            ("ddp_transformer_matches", {}),
+            ("context_parallel_matches", {})],
+        3: [("ring_matches", dict(layout="zigzag", is_causal=True, window=(5, 0))),
+            ("ring_matches", dict(layout="contiguous", is_causal=True, hq=6, hk=2, e=7, ev=3)),
+            ("shard_roundtrip", dict(layout="contiguous"))],
+        4: [("ring_matches", dict(layout="zigzag", is_causal=True, hq=4, hk=1, e=11, ev=5)),
+            # a window shorter than a shard: shards stop after one hop
+            ("ring_matches", dict(layout="contiguous", is_causal=True, window=(3, 0),
+                                  per_rank=6)),
+            ("ring_matches", dict(layout="zigzag", window=(1, 4), per_rank=6, dtype=F64)),
+            ("ring_matches", dict(layout="zigzag", is_causal=True, dtype=torch.bfloat16))],
+    }[world]
+    _spawn(world, checks)
+
+
+def test_a_rank_that_dies_leaves_the_others_raising_not_hanging():
+    _spawn(2, [("peer_dies_mid_ring", dict(timeout_s=10))], timeout_s=10)
+
+
+def test_merge_matches_attention_over_the_union_and_keeps_empty_rows_zero():
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 6, 4, dtype=F64)
+    k, v = torch.randn(1, 2, 10, 4, dtype=F64), torch.randn(1, 2, 10, 3, dtype=F64)
+    kern = blocks.kernels("reference", None)
+    # causal over keys split 4 | 6: query rows 0-3 see no key of the second part (lse -inf)
+    a = kern.fwd(q, k[:, :, :4], v[:, :, :4], 0.5, -6, 0)
+    b = kern.fwd(q, k[:, :, 4:], v[:, :, 4:], 0.5, -10, -4)
+    assert torch.isneginf(b[1][..., :4]).all()
+    out, lse = merge.merge(*a, *b)
+    ref_out, ref_lse = kern.fwd(q, k, v, 0.5, -6, 0)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+    empty = torch.full_like(lse, float("-inf"))  # rows empty on both sides
+    out, lse = merge.merge(torch.zeros_like(out), empty, torch.zeros_like(out), empty)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_split_keys_with_global_lse_match_one_call(backend):
+    """What each ring step relies on, per backend: a backend's kernels on a split of the keys
+    (bands shifted to each part) merged by lse give its one call's out and lse, and its
+    backward on each part given the GLOBAL out and lse gives the one call's gradients. GQA, an
+    lse gradient, and rows that see no key of one part (causal)."""
+    status = attnx.backends()[backend]
+    if not status.usable:
+        pytest.skip(f"backend {backend} is not usable here: {status.reason}")
+    if backend == "triton" and not _triton_interpreting():
+        pytest.skip("CUDA tensors are for the GPU machines; here Triton runs interpreted")
+    g = torch.Generator().manual_seed(0)
+    q, dout = torch.randn(1, 4, 6, 5, generator=g), torch.randn(1, 4, 6, 3, generator=g)
+    k, v = torch.randn(1, 2, 10, 5, generator=g), torch.randn(1, 2, 10, 3, generator=g)
+    dlse = torch.randn(1, 4, 6, generator=g)
+    kern, lo, hi, split = blocks.kernels(backend, None), -8, 1, 4
+    out, lse = kern.fwd(q, k, v, 0.4, lo, hi)
+    parts = [(slice(0, split), 0), (slice(split, 10), split)]
+    merged = None
+    for keys, at in parts:
+        o, l = kern.fwd(q, k[:, :, keys], v[:, :, keys], 0.4, lo - at, hi - at)
+        merged = (o.float(), l.float()) if merged is None else merge.merge(*merged, o, l)
+    torch.testing.assert_close(merged[0], out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged[1], lse, rtol=1e-5, atol=1e-6)
+    whole = kern.bwd(dout, q, k, v, out, lse, 0.4, lo, hi, dlse)
+    dq = torch.zeros_like(q)
+    dk, dv = [], []
+    for keys, at in parts:
+        gq, gk, gv = kern.bwd(dout, q, k[:, :, keys], v[:, :, keys], out, lse, 0.4, lo - at,
+                              hi - at, dlse)
+        dq = dq + gq
+        dk.append(gk)
+        dv.append(gv)
+    for mine, ref in zip((dq, torch.cat(dk, 2), torch.cat(dv, 2)), whole):
+        torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("lay", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("band", [(-40, 40), (-40, 0), (-3, 0), (-2, 5), (0, 0)])
+def test_blocks_cover_the_band_exactly_once(world, lay, band):
+    """Over every (query rank, key rank), the planned blocks cover each admissible (i, j) of
+    the full sequence once and nothing else; shards travel at least to every rank that needs
+    them (the ring's `reach`)."""
+    from attnx.distributed.ring import _Ring
+    local = 4
+    total = local * world
+    ring = _Ring(None, 0, world, local, lay, band[0], band[1], 1.0, None)
+    count = torch.zeros(total, total, dtype=torch.int64)
+    for r in range(world):
+        qsegs = ring.segs(r)
+        pos_q = torch.cat([torch.arange(s.start, s.start + s.length) for s in qsegs])
+        for s in range(world):
+            pos_k = torch.cat([torch.arange(g.start, g.start + g.length) for g in ring.segs(s)])
+            planned = ring.blocks(r, s)
+            if planned and r != s:
+                assert (r - s) % world <= ring.reach(s)
+            for b in planned:
+                admitted = reference.band(b.q1 - b.q0, b.k1 - b.k0, b.lo, b.hi, "cpu")
+                rows, cols = pos_q[b.q0:b.q1], pos_k[b.k0:b.k1]
+                count[rows.view(-1, 1), cols.view(1, -1)] += admitted.long()
+    want = reference.band(total, total, band[0], band[1], "cpu").long()
+    assert torch.equal(count, want)
+
+
+def test_layout_positions():
+    assert layout.segments(1, 3, 4, "zigzag") == (layout.Segment(2, 0, 2), layout.Segment(8, 2, 2))
+    assert layout.segments(2, 3, 4, "contiguous") == (layout.Segment(8, 0, 4),)
