@@ -1,0 +1,17 @@
+// The two products of decoding attention, on rows reached through pointers (a paged cache's
+// rows are not evenly spaced). The float versions are vectorized (AVX-512 or AVX2, the ISA of
+// vector_isa() in sdpa_tile.h); the double ones are plain loops (float64 is for checking).
+#pragma once
+#include <cstdint>
+
+namespace attnx::cpu {
+
+// s[t] = dot(q, k[t][0, e)) for t in [0, n).
+void dot_rows(const float* q, const float* const* k, int64_t n, int64_t e, float* s);
+void dot_rows(const double* q, const double* const* k, int64_t n, int64_t e, double* s);
+
+// o[0, ev) += sum over t in [0, n) of p[t] * v[t][0, ev).
+void add_rows(float* o, const float* p, const float* const* v, int64_t n, int64_t ev);
+void add_rows(double* o, const double* p, const double* const* v, int64_t n, int64_t ev);
+
+}  // namespace attnx::cpu
