@@ -33,7 +33,7 @@ using at::Tensor;
 
 // Keys per block: a block's K and V rows (2 x 64 x 512 bytes at E = 128, float32) stay in L2
 // while the group's rows use them.
-constexpr int64_t BLOCK_KEYS = 64;
+constexpr int64_t BLOCK_KEYS = 16;
 // Fewest keys per slice: shorter slices cost more in the merge than they gain in balance.
 constexpr int64_t MIN_SLICE = 512;
 
@@ -106,8 +106,7 @@ void run(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& 
 
   parallel_tasks(tasks, [&](Tasks& queue) {
     line_vector<T> s(static_cast<size_t>(BLOCK_KEYS));
-    const T* kp[BLOCK_KEYS];
-    const T* vp[BLOCK_KEYS];
+    const T *kp[BLOCK_KEYS], *vp[BLOCK_KEYS], *kp_next[BLOCK_KEYS], *vp_next[BLOCK_KEYS];
     for (int64_t task; queue.next(task);) {
       const Slice& sl = slices[task / d.Hkv];
       const int64_t h = task % d.Hkv, diag = lens[sl.b] - d.Lq;
@@ -121,13 +120,22 @@ void run(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& 
           kp[t] = krows.row(sl.b, h, j0 + t);
           vp[t] = vrows.row(sl.b, h, j0 + t);
         }
+        // The next block's rows, fetched a share per row of the group (decode_vectors.h): the
+        // requests flow evenly while this block is computed.
+        const int64_t n_next = std::clamp<int64_t>(sl.j1 - j0 - n, 0, BLOCK_KEYS);
+        for (int64_t t = 0; t < n_next; ++t) {
+          kp_next[t] = krows.row(sl.b, h, j0 + n + t);
+          vp_next[t] = vrows.row(sl.b, h, j0 + n + t);
+        }
         for (int64_t r = 0; r < d.R; ++r) {
           const int64_t i = r % d.Lq;  // keys [first, last) of the block that query i admits
           const int64_t first = std::clamp<int64_t>(i + diag + lo - j0, 0, n);
           const int64_t last = std::clamp<int64_t>(i + diag + hi + 1 - j0, 0, n);
           if (first >= last) continue;
           const int64_t cnt = last - first;
-          dot_rows(q + r * d.E, kp + first, cnt, d.E, s.data());
+          const int64_t a0 = r * n_next / d.R, a1 = (r + 1) * n_next / d.R;
+          const Ahead<T> k_ahead{kp_next + a0, a1 - a0, d.E}, v_ahead{vp_next + a0, a1 - a0, d.Ev};
+          dot_rows(q + r * d.E, kp + first, cnt, d.E, s.data(), k_ahead);
           const T top = std::max(m[r], row_max(s.data(), cnt));
           const T sum = exp_sum(s.data(), cnt, top);
           if (top != m[r]) {  // rescale what earlier blocks added (nothing on the first)
@@ -137,7 +145,7 @@ void run(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& 
           }
           l[r] += sum;
           m[r] = top;
-          add_rows(o + r * d.Ev, s.data(), vp + first, cnt, d.Ev);
+          add_rows(o + r * d.Ev, s.data(), vp + first, cnt, d.Ev, v_ahead);
         }
       }
     }

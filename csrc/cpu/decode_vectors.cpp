@@ -46,14 +46,54 @@ ATTNX_BODY float hsum(vf<W> v) {
   return s;
 }
 
+ATTNX_BODY void hsum4(vf<4> a0, vf<4> a1, vf<4> a2, vf<4> a3, float* out) {
+  const vf<8> p01 = __builtin_shufflevector(a0, a1, 0, 1, 4, 5, 2, 3, 6, 7);  // a0 lo, a1 lo, a0 hi, a1 hi
+  const vf<8> p23 = __builtin_shufflevector(a2, a3, 0, 1, 4, 5, 2, 3, 6, 7);
+  const vf<4> h01 = __builtin_shufflevector(p01, p01, 0, 1, 2, 3) + __builtin_shufflevector(p01, p01, 4, 5, 6, 7);
+  const vf<4> h23 = __builtin_shufflevector(p23, p23, 0, 1, 2, 3) + __builtin_shufflevector(p23, p23, 4, 5, 6, 7);
+  // h01: a0 x2, a1 x2; h23: a2 x2, a3 x2
+  const vf<4> sums = __builtin_shufflevector(h01, h23, 0, 2, 4, 6) + __builtin_shufflevector(h01, h23, 1, 3, 5, 7);
+  std::memcpy(out, &sums, sizeof(sums));
+}
+ATTNX_BODY void hsum4(vf<8> a0, vf<8> a1, vf<8> a2, vf<8> a3, float* out) {
+  hsum4(__builtin_shufflevector(a0, a0, 0, 1, 2, 3) + __builtin_shufflevector(a0, a0, 4, 5, 6, 7),
+        __builtin_shufflevector(a1, a1, 0, 1, 2, 3) + __builtin_shufflevector(a1, a1, 4, 5, 6, 7),
+        __builtin_shufflevector(a2, a2, 0, 1, 2, 3) + __builtin_shufflevector(a2, a2, 4, 5, 6, 7),
+        __builtin_shufflevector(a3, a3, 0, 1, 2, 3) + __builtin_shufflevector(a3, a3, 4, 5, 6, 7), out);
+}
+
+// The sums of four vectors' lanes, reduced together: shuffles that halve all four at each step
+// cost 4 instructions a key, where a lane-by-lane sum of each costs 2W.
+ATTNX_BODY void hsum4(vf<16> a0, vf<16> a1, vf<16> a2, vf<16> a3, float* out) {
+  const vf<16> p01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const vf<16> p23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // lanes: a0 x4, a1 x4, a2 x4, a3 x4
+  const vf<16> q = __builtin_shufflevector(p01, p23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                   __builtin_shufflevector(p01, p23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  hsum4(__builtin_shufflevector(q, q, 0, 1, 2, 3), __builtin_shufflevector(q, q, 4, 5, 6, 7),
+        __builtin_shufflevector(q, q, 8, 9, 10, 11), __builtin_shufflevector(q, q, 12, 13, 14, 15), out);
+}
+
+// Row t of `ahead` (if any) towards L2, a cache line at a time.
+template <typename T>
+ATTNX_BODY void fetch_ahead(const Ahead<T>& ahead, int64_t t) {
+  if (t >= ahead.n) return;
+  const char* p = reinterpret_cast<const char*>(ahead.rows[t]);
+  for (int64_t off = 0; off < ahead.len * static_cast<int64_t>(sizeof(T)); off += 64)
+    __builtin_prefetch(p + off, 0, 2);
+}
+
 // Four keys per pass over q: q's vectors are loaded once for four products, and the four
 // independent FMA chains hide the FMA latency.
 template <int W>
 ATTNX_BODY void dot_rows_body(const float* q, const float* const* k, int64_t n, int64_t e,
-                              float* s) {
+                              float* s, const Ahead<float>& ahead) {
   const int64_t ew = e - e % W;
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
+    for (int64_t u = t; u < t + 4; ++u) fetch_ahead(ahead, u);
     const float *k0 = k[t], *k1 = k[t + 1], *k2 = k[t + 2], *k3 = k[t + 3];
     vf<W> a0{}, a1{}, a2{}, a3{};
     for (int64_t c = 0; c < ew; c += W) {
@@ -63,12 +103,13 @@ ATTNX_BODY void dot_rows_body(const float* q, const float* const* k, int64_t n, 
       a2 += qv * load<W>(k2 + c);
       a3 += qv * load<W>(k3 + c);
     }
-    float s0 = hsum<W>(a0), s1 = hsum<W>(a1), s2 = hsum<W>(a2), s3 = hsum<W>(a3);
+    hsum4(a0, a1, a2, a3, s + t);
     for (int64_t c = ew; c < e; ++c) {
-      s0 += q[c] * k0[c], s1 += q[c] * k1[c], s2 += q[c] * k2[c], s3 += q[c] * k3[c];
+      s[t] += q[c] * k0[c], s[t + 1] += q[c] * k1[c], s[t + 2] += q[c] * k2[c];
+      s[t + 3] += q[c] * k3[c];
     }
-    s[t] = s0, s[t + 1] = s1, s[t + 2] = s2, s[t + 3] = s3;
   }
+  for (int64_t u = t; u < ahead.n; ++u) fetch_ahead(ahead, u);  // a block shorter than the next
   for (; t < n; ++t) {
     vf<W> a{};
     for (int64_t c = 0; c < ew; c += W) a += load<W>(q + c) * load<W>(k[t] + c);
@@ -78,12 +119,27 @@ ATTNX_BODY void dot_rows_body(const float* q, const float* const* k, int64_t n, 
   }
 }
 
-// o is held in registers four vectors at a time while every key's row adds to it: o is read
-// and written once per call, the n value rows (in L1/L2 from the caller's block) once each.
+// o is held in registers eight (then four) vectors at a time while every key's row adds to it:
+// o is read and written once per call, and each value row is read as one run of 8W floats (the
+// whole row at Ev = 128 on AVX-512): a row's first touch streams from memory in order.
 template <int W>
 ATTNX_BODY void add_rows_body(float* o, const float* p, const float* const* v, int64_t n,
-                              int64_t ev) {
+                              int64_t ev, const Ahead<float>& ahead) {
   int64_t c = 0;
+  for (int64_t t = n; t < ahead.n; ++t) fetch_ahead(ahead, t);  // a block shorter than the next
+  for (; c + 8 * W <= ev; c += 8 * W) {
+    vf<W> acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = load<W>(o + c + u * W);
+    for (int64_t t = 0; t < n; ++t) {
+      if (c == 0) fetch_ahead(ahead, t);
+      const vf<W> pt = vf<W>{} + p[t];
+      const float* row = v[t] + c;
+      for (int u = 0; u < 8; ++u) acc[u] += pt * load<W>(row + u * W);
+    }
+    for (int u = 0; u < 8; ++u) store<W>(o + c + u * W, acc[u]);
+  }
+  if (ev < 8 * W)
+    for (int64_t t = 0; t < n; ++t) fetch_ahead(ahead, t);
   for (; c + 4 * W <= ev; c += 4 * W) {
     vf<W> o0 = load<W>(o + c), o1 = load<W>(o + c + W), o2 = load<W>(o + c + 2 * W),
           o3 = load<W>(o + c + 3 * W);
@@ -110,20 +166,20 @@ ATTNX_BODY void add_rows_body(float* o, const float* p, const float* const* v, i
 
 #ifdef ATTNX_X86_DISPATCH
 ATTNX_AVX2 void dot_rows_avx2(const float* q, const float* const* k, int64_t n, int64_t e,
-                              float* s) {
-  dot_rows_body<8>(q, k, n, e, s);
+                              float* s, const Ahead<float>& ahead) {
+  dot_rows_body<8>(q, k, n, e, s, ahead);
 }
 ATTNX_AVX512 void dot_rows_avx512(const float* q, const float* const* k, int64_t n, int64_t e,
-                                  float* s) {
-  dot_rows_body<16>(q, k, n, e, s);
+                                  float* s, const Ahead<float>& ahead) {
+  dot_rows_body<16>(q, k, n, e, s, ahead);
 }
 ATTNX_AVX2 void add_rows_avx2(float* o, const float* p, const float* const* v, int64_t n,
-                              int64_t ev) {
-  add_rows_body<8>(o, p, v, n, ev);
+                              int64_t ev, const Ahead<float>& ahead) {
+  add_rows_body<8>(o, p, v, n, ev, ahead);
 }
 ATTNX_AVX512 void add_rows_avx512(float* o, const float* p, const float* const* v, int64_t n,
-                                  int64_t ev) {
-  add_rows_body<16>(o, p, v, n, ev);
+                                  int64_t ev, const Ahead<float>& ahead) {
+  add_rows_body<16>(o, p, v, n, ev, ahead);
 }
 
 enum class Isa { baseline, avx2, avx512 };
@@ -138,29 +194,32 @@ Isa isa() {
 
 }  // namespace
 
-void dot_rows(const float* q, const float* const* k, int64_t n, int64_t e, float* s) {
+void dot_rows(const float* q, const float* const* k, int64_t n, int64_t e, float* s,
+              Ahead<float> ahead) {
 #ifdef ATTNX_X86_DISPATCH
   switch (isa()) {
-    case Isa::avx512: return dot_rows_avx512(q, k, n, e, s);
-    case Isa::avx2: return dot_rows_avx2(q, k, n, e, s);
+    case Isa::avx512: return dot_rows_avx512(q, k, n, e, s, ahead);
+    case Isa::avx2: return dot_rows_avx2(q, k, n, e, s, ahead);
     case Isa::baseline: break;
   }
 #endif
-  dot_rows_body<8>(q, k, n, e, s);
+  dot_rows_body<8>(q, k, n, e, s, ahead);
 }
 
-void add_rows(float* o, const float* p, const float* const* v, int64_t n, int64_t ev) {
+void add_rows(float* o, const float* p, const float* const* v, int64_t n, int64_t ev,
+              Ahead<float> ahead) {
 #ifdef ATTNX_X86_DISPATCH
   switch (isa()) {
-    case Isa::avx512: return add_rows_avx512(o, p, v, n, ev);
-    case Isa::avx2: return add_rows_avx2(o, p, v, n, ev);
+    case Isa::avx512: return add_rows_avx512(o, p, v, n, ev, ahead);
+    case Isa::avx2: return add_rows_avx2(o, p, v, n, ev, ahead);
     case Isa::baseline: break;
   }
 #endif
-  add_rows_body<8>(o, p, v, n, ev);
+  add_rows_body<8>(o, p, v, n, ev, ahead);
 }
 
-void dot_rows(const double* q, const double* const* k, int64_t n, int64_t e, double* s) {
+void dot_rows(const double* q, const double* const* k, int64_t n, int64_t e, double* s,
+              Ahead<double>) {
   for (int64_t t = 0; t < n; ++t) {
     double sum = 0.0;
     for (int64_t c = 0; c < e; ++c) sum += q[c] * k[t][c];
@@ -168,7 +227,8 @@ void dot_rows(const double* q, const double* const* k, int64_t n, int64_t e, dou
   }
 }
 
-void add_rows(double* o, const double* p, const double* const* v, int64_t n, int64_t ev) {
+void add_rows(double* o, const double* p, const double* const* v, int64_t n, int64_t ev,
+              Ahead<double>) {
   for (int64_t t = 0; t < n; ++t)
     for (int64_t c = 0; c < ev; ++c) o[c] += p[t] * v[t][c];
 }

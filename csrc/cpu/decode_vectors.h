@@ -6,12 +6,26 @@
 
 namespace attnx::cpu {
 
+// Rows to fetch towards L2 while a product runs: rows[0, n) of `len` values each (n = 0: none),
+// so that reading the next block from memory overlaps computing on this one. The caller
+// spreads a block's rows over its products: a burst of prefetches at a block's start
+// overflows the CPU's queue of misses and leaves memory idle for the rest of the block.
+template <typename T>
+struct Ahead {
+  const T* const* rows = nullptr;
+  int64_t n = 0, len = 0;
+};
+
 // s[t] = dot(q, k[t][0, e)) for t in [0, n).
-void dot_rows(const float* q, const float* const* k, int64_t n, int64_t e, float* s);
-void dot_rows(const double* q, const double* const* k, int64_t n, int64_t e, double* s);
+void dot_rows(const float* q, const float* const* k, int64_t n, int64_t e, float* s,
+              Ahead<float> ahead = {});
+void dot_rows(const double* q, const double* const* k, int64_t n, int64_t e, double* s,
+              Ahead<double> ahead = {});
 
 // o[0, ev) += sum over t in [0, n) of p[t] * v[t][0, ev).
-void add_rows(float* o, const float* p, const float* const* v, int64_t n, int64_t ev);
-void add_rows(double* o, const double* p, const double* const* v, int64_t n, int64_t ev);
+void add_rows(float* o, const float* p, const float* const* v, int64_t n, int64_t ev,
+              Ahead<float> ahead = {});
+void add_rows(double* o, const double* p, const double* const* v, int64_t n, int64_t ev,
+              Ahead<double> ahead = {});
 
 }  // namespace attnx::cpu
