@@ -306,3 +306,18 @@ def test_avx2_path_matches_reference():
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-4000:]
     assert " passed" in res.stdout and "deselected" in res.stdout, res.stdout[-2000:]
+
+
+@pytest.mark.skipif(not HAS_CPU_KERNEL, reason="attnx._C is not built")
+def test_opcheck():
+    """The schema, fake kernel and dispatcher registration of attnx::kvcache_fwd agree."""
+    cache = Cache(2, 2, 8, 8, 12, True, torch.float32, block_size=4)
+    cache.fill([5, 9])
+    q = torch.randn(2, 4, 2, 8)
+    seqlens = torch.tensor([5, 9], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.attnx.kvcache_fwd.default,
+                          (q, cache.k, cache.v, seqlens, cache.table, 0.3, -14, 0))
+    contiguous = Cache(2, 2, 8, 8, 12, False, torch.float32)
+    contiguous.fill([5, 9])
+    torch.library.opcheck(torch.ops.attnx.kvcache_fwd.default,
+                          (q, contiguous.k, contiguous.v, seqlens, None, 0.3, -14, 12))
