@@ -105,7 +105,7 @@ void run(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& 
   const T* q_all = qs.data_ptr<T>();
 
   parallel_tasks(tasks, [&](Tasks& queue) {
-    line_vector<T> s(static_cast<size_t>(BLOCK_KEYS));
+    line_vector<T> s(static_cast<size_t>(2 * BLOCK_KEYS));
     const T *kp[BLOCK_KEYS], *vp[BLOCK_KEYS], *kp_next[BLOCK_KEYS], *vp_next[BLOCK_KEYS];
     for (int64_t task; queue.next(task);) {
       const Slice& sl = slices[task / d.Hkv];
@@ -127,25 +127,42 @@ void run(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& 
           kp_next[t] = krows.row(sl.b, h, j0 + n + t);
           vp_next[t] = vrows.row(sl.b, h, j0 + n + t);
         }
-        for (int64_t r = 0; r < d.R; ++r) {
-          const int64_t i = r % d.Lq;  // keys [first, last) of the block that query i admits
+        // Rows in pairs of query heads at the same query i (row r = g * Lq + i): they admit
+        // the same keys, so the products load each K and V vector once for both.
+        int64_t share = 0;  // rows done, for spreading the next block's fetches
+        for (int64_t i = 0; i < d.Lq; ++i) {
           const int64_t first = std::clamp<int64_t>(i + diag + lo - j0, 0, n);
           const int64_t last = std::clamp<int64_t>(i + diag + hi + 1 - j0, 0, n);
-          if (first >= last) continue;
-          const int64_t cnt = last - first;
-          const int64_t a0 = r * n_next / d.R, a1 = (r + 1) * n_next / d.R;
-          const Ahead<T> k_ahead{kp_next + a0, a1 - a0, d.E}, v_ahead{vp_next + a0, a1 - a0, d.Ev};
-          dot_rows(q + r * d.E, kp + first, cnt, d.E, s.data(), k_ahead);
-          const T top = std::max(m[r], row_max(s.data(), cnt));
-          const T sum = exp_sum(s.data(), cnt, top);
-          if (top != m[r]) {  // rescale what earlier blocks added (nothing on the first)
-            const T alpha = std::exp(m[r] - top);
-            scale_row(o + r * d.Ev, d.Ev, alpha);
-            l[r] *= alpha;
+          if (first >= last) {
+            share += d.G;
+            continue;
           }
-          l[r] += sum;
-          m[r] = top;
-          add_rows(o + r * d.Ev, s.data(), vp + first, cnt, d.Ev, v_ahead);
+          const int64_t cnt = last - first;
+          for (int64_t g = 0; g < d.G; g += 2) {
+            const int rows = g + 1 < d.G ? 2 : 1;
+            const int64_t r[2] = {g * d.Lq + i, (g + rows - 1) * d.Lq + i};
+            const int64_t a0 = share * n_next / d.R;
+            share += rows;
+            const int64_t a1 = share * n_next / d.R;
+            const Ahead<T> k_ahead{kp_next + a0, a1 - a0, d.E}, v_ahead{vp_next + a0, a1 - a0, d.Ev};
+            const T* qr[2] = {q + r[0] * d.E, q + r[1] * d.E};
+            T* sr[2] = {s.data(), s.data() + BLOCK_KEYS};
+            T* orow[2] = {o + r[0] * d.Ev, o + r[1] * d.Ev};
+            dot_rows(rows, qr, kp + first, cnt, d.E, sr, k_ahead);
+            for (int rr = 0; rr < rows; ++rr) {
+              const int64_t row = r[rr];
+              const T top = std::max(m[row], row_max(sr[rr], cnt));
+              const T sum = exp_sum(sr[rr], cnt, top);
+              if (top != m[row]) {  // rescale what earlier blocks added (nothing on the first)
+                const T alpha = std::exp(m[row] - top);
+                scale_row(orow[rr], d.Ev, alpha);
+                l[row] *= alpha;
+              }
+              l[row] += sum;
+              m[row] = top;
+            }
+            add_rows(rows, orow, sr, vp + first, cnt, d.Ev, v_ahead);
+          }
         }
       }
     }

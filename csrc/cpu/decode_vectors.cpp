@@ -85,101 +85,136 @@ ATTNX_BODY void fetch_ahead(const Ahead<T>& ahead, int64_t t) {
     __builtin_prefetch(p + off, 0, 2);
 }
 
-// Four keys per pass over q: q's vectors are loaded once for four products, and the four
+// Four keys per pass over the ROWS query rows: each key vector loaded once serves every row
+// (two rows: 6 loads per 8 FMAs, not 10 — Zen 4 issues one 512-bit load a cycle), and the
 // independent FMA chains hide the FMA latency.
-template <int W>
-ATTNX_BODY void dot_rows_body(const float* q, const float* const* k, int64_t n, int64_t e,
-                              float* s, const Ahead<float>& ahead) {
+template <int W, int ROWS>
+ATTNX_BODY void dot_rows_body(const float* const* q, const float* const* k, int64_t n, int64_t e,
+                              float* const* s, const Ahead<float>& ahead) {
   const int64_t ew = e - e % W;
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
     for (int64_t u = t; u < t + 4; ++u) fetch_ahead(ahead, u);
+    // (unrolled by hand into named values: GCC kept arrays of vectors on the stack)
     const float *k0 = k[t], *k1 = k[t + 1], *k2 = k[t + 2], *k3 = k[t + 3];
-    vf<W> a0{}, a1{}, a2{}, a3{};
+    vf<W> a[ROWS][4];
+#pragma GCC unroll 2
+    for (int rr = 0; rr < ROWS; ++rr) a[rr][0] = a[rr][1] = a[rr][2] = a[rr][3] = vf<W>{};
     for (int64_t c = 0; c < ew; c += W) {
-      const vf<W> qv = load<W>(q + c);
-      a0 += qv * load<W>(k0 + c);
-      a1 += qv * load<W>(k1 + c);
-      a2 += qv * load<W>(k2 + c);
-      a3 += qv * load<W>(k3 + c);
+      const vf<W> x0 = load<W>(k0 + c), x1 = load<W>(k1 + c), x2 = load<W>(k2 + c),
+                  x3 = load<W>(k3 + c);
+#pragma GCC unroll 2
+      for (int rr = 0; rr < ROWS; ++rr) {
+        const vf<W> qv = load<W>(q[rr] + c);
+        a[rr][0] += qv * x0, a[rr][1] += qv * x1, a[rr][2] += qv * x2, a[rr][3] += qv * x3;
+      }
     }
-    hsum4(a0, a1, a2, a3, s + t);
-    for (int64_t c = ew; c < e; ++c) {
-      s[t] += q[c] * k0[c], s[t + 1] += q[c] * k1[c], s[t + 2] += q[c] * k2[c];
-      s[t + 3] += q[c] * k3[c];
+#pragma GCC unroll 2
+    for (int rr = 0; rr < ROWS; ++rr) {
+      hsum4(a[rr][0], a[rr][1], a[rr][2], a[rr][3], s[rr] + t);
+      for (int64_t c = ew; c < e; ++c)
+        for (int u = 0; u < 4; ++u) s[rr][t + u] += q[rr][c] * k[t + u][c];
     }
   }
   for (int64_t u = t; u < ahead.n; ++u) fetch_ahead(ahead, u);  // a block shorter than the next
   for (; t < n; ++t) {
-    vf<W> a{};
-    for (int64_t c = 0; c < ew; c += W) a += load<W>(q + c) * load<W>(k[t] + c);
-    float sum = hsum<W>(a);
-    for (int64_t c = ew; c < e; ++c) sum += q[c] * k[t][c];
-    s[t] = sum;
+    for (int rr = 0; rr < ROWS; ++rr) {
+      vf<W> a{};
+      for (int64_t c = 0; c < ew; c += W) a += load<W>(q[rr] + c) * load<W>(k[t] + c);
+      float sum = hsum<W>(a);
+      for (int64_t c = ew; c < e; ++c) sum += q[rr][c] * k[t][c];
+      s[rr][t] = sum;
+    }
   }
 }
 
-// o is held in registers eight (then four) vectors at a time while every key's row adds to it:
-// o is read and written once per call, and each value row is read as one run of 8W floats (the
-// whole row at Ev = 128 on AVX-512): a row's first touch streams from memory in order.
-template <int W>
-ATTNX_BODY void add_rows_body(float* o, const float* p, const float* const* v, int64_t n,
-                              int64_t ev, const Ahead<float>& ahead) {
+// The ROWS output rows are held in registers U vectors at a time while every key's value row
+// adds to them: o is read and written once per call, each value vector loaded once for every
+// row, and each value row read as one run of U W floats (the whole row at Ev = 128 on AVX-512,
+// one row): a row's first touch streams from memory in order. U keeps the accumulators within
+// the ISA's registers (32 zmm, 16 ymm).
+template <int W, int ROWS>
+ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const float* const* v,
+                              int64_t n, int64_t ev, const Ahead<float>& ahead) {
+  constexpr int U = (ROWS == 2 && W == 8) ? 4 : 8;
   int64_t c = 0;
   for (int64_t t = n; t < ahead.n; ++t) fetch_ahead(ahead, t);  // a block shorter than the next
-  for (; c + 8 * W <= ev; c += 8 * W) {
-    vf<W> acc[8];
-    for (int u = 0; u < 8; ++u) acc[u] = load<W>(o + c + u * W);
+  if (ev < U * W)
+    for (int64_t t = 0; t < n; ++t) fetch_ahead(ahead, t);
+  for (; c + U * W <= ev; c += U * W) {
+    vf<W> acc[ROWS][U];
+#pragma GCC unroll 2
+    for (int rr = 0; rr < ROWS; ++rr)
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) acc[rr][u] = load<W>(o[rr] + c + u * W);
     for (int64_t t = 0; t < n; ++t) {
       if (c == 0) fetch_ahead(ahead, t);
-      const vf<W> pt = vf<W>{} + p[t];
       const float* row = v[t] + c;
-      for (int u = 0; u < 8; ++u) acc[u] += pt * load<W>(row + u * W);
+      vf<W> pt[ROWS];
+#pragma GCC unroll 2
+      for (int rr = 0; rr < ROWS; ++rr) pt[rr] = vf<W>{} + p[rr][t];
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) {
+        const vf<W> x = load<W>(row + u * W);
+#pragma GCC unroll 2
+        for (int rr = 0; rr < ROWS; ++rr) acc[rr][u] += pt[rr] * x;
+      }
     }
-    for (int u = 0; u < 8; ++u) store<W>(o + c + u * W, acc[u]);
-  }
-  if (ev < 8 * W)
-    for (int64_t t = 0; t < n; ++t) fetch_ahead(ahead, t);
-  for (; c + 4 * W <= ev; c += 4 * W) {
-    vf<W> o0 = load<W>(o + c), o1 = load<W>(o + c + W), o2 = load<W>(o + c + 2 * W),
-          o3 = load<W>(o + c + 3 * W);
-    for (int64_t t = 0; t < n; ++t) {
-      const vf<W> pt = vf<W>{} + p[t];
-      const float* row = v[t] + c;
-      o0 += pt * load<W>(row), o1 += pt * load<W>(row + W);
-      o2 += pt * load<W>(row + 2 * W), o3 += pt * load<W>(row + 3 * W);
-    }
-    store<W>(o + c, o0), store<W>(o + c + W, o1), store<W>(o + c + 2 * W, o2);
-    store<W>(o + c + 3 * W, o3);
+#pragma GCC unroll 2
+    for (int rr = 0; rr < ROWS; ++rr)
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) store<W>(o[rr] + c + u * W, acc[rr][u]);
   }
   for (; c + W <= ev; c += W) {
-    vf<W> acc = load<W>(o + c);
-    for (int64_t t = 0; t < n; ++t) acc += (vf<W>{} + p[t]) * load<W>(v[t] + c);
-    store<W>(o + c, acc);
+    for (int rr = 0; rr < ROWS; ++rr) {
+      vf<W> acc = load<W>(o[rr] + c);
+      for (int64_t t = 0; t < n; ++t) acc += (vf<W>{} + p[rr][t]) * load<W>(v[t] + c);
+      store<W>(o[rr] + c, acc);
+    }
   }
   for (; c < ev; ++c) {
-    float acc = o[c];
-    for (int64_t t = 0; t < n; ++t) acc += p[t] * v[t][c];
-    o[c] = acc;
+    for (int rr = 0; rr < ROWS; ++rr) {
+      float acc = o[rr][c];
+      for (int64_t t = 0; t < n; ++t) acc += p[rr][t] * v[t][c];
+      o[rr][c] = acc;
+    }
   }
+}
+
+// One body per row count, so that the row loops unroll.
+template <int W>
+ATTNX_BODY void dot_rows_any(int rows, const float* const* q, const float* const* k, int64_t n,
+                             int64_t e, float* const* s, const Ahead<float>& ahead) {
+  if (rows == 2) return dot_rows_body<W, 2>(q, k, n, e, s, ahead);
+  dot_rows_body<W, 1>(q, k, n, e, s, ahead);
+}
+template <int W>
+ATTNX_BODY void add_rows_any(int rows, float* const* o, const float* const* p,
+                             const float* const* v, int64_t n, int64_t ev,
+                             const Ahead<float>& ahead) {
+  if (rows == 2) return add_rows_body<W, 2>(o, p, v, n, ev, ahead);
+  add_rows_body<W, 1>(o, p, v, n, ev, ahead);
 }
 
 #ifdef ATTNX_X86_DISPATCH
-ATTNX_AVX2 void dot_rows_avx2(const float* q, const float* const* k, int64_t n, int64_t e,
-                              float* s, const Ahead<float>& ahead) {
-  dot_rows_body<8>(q, k, n, e, s, ahead);
+ATTNX_AVX2 void dot_rows_avx2(int rows, const float* const* q, const float* const* k, int64_t n,
+                              int64_t e, float* const* s, const Ahead<float>& ahead) {
+  dot_rows_any<8>(rows, q, k, n, e, s, ahead);
 }
-ATTNX_AVX512 void dot_rows_avx512(const float* q, const float* const* k, int64_t n, int64_t e,
-                                  float* s, const Ahead<float>& ahead) {
-  dot_rows_body<16>(q, k, n, e, s, ahead);
+ATTNX_AVX512 void dot_rows_avx512(int rows, const float* const* q, const float* const* k,
+                                  int64_t n, int64_t e, float* const* s,
+                                  const Ahead<float>& ahead) {
+  dot_rows_any<16>(rows, q, k, n, e, s, ahead);
 }
-ATTNX_AVX2 void add_rows_avx2(float* o, const float* p, const float* const* v, int64_t n,
-                              int64_t ev, const Ahead<float>& ahead) {
-  add_rows_body<8>(o, p, v, n, ev, ahead);
+ATTNX_AVX2 void add_rows_avx2(int rows, float* const* o, const float* const* p,
+                              const float* const* v, int64_t n, int64_t ev,
+                              const Ahead<float>& ahead) {
+  add_rows_any<8>(rows, o, p, v, n, ev, ahead);
 }
-ATTNX_AVX512 void add_rows_avx512(float* o, const float* p, const float* const* v, int64_t n,
-                                  int64_t ev, const Ahead<float>& ahead) {
-  add_rows_body<16>(o, p, v, n, ev, ahead);
+ATTNX_AVX512 void add_rows_avx512(int rows, float* const* o, const float* const* p,
+                                  const float* const* v, int64_t n, int64_t ev,
+                                  const Ahead<float>& ahead) {
+  add_rows_any<16>(rows, o, p, v, n, ev, ahead);
 }
 
 enum class Isa { baseline, avx2, avx512 };
@@ -194,43 +229,45 @@ Isa isa() {
 
 }  // namespace
 
-void dot_rows(const float* q, const float* const* k, int64_t n, int64_t e, float* s,
-              Ahead<float> ahead) {
+void dot_rows(int rows, const float* const* q, const float* const* k, int64_t n, int64_t e,
+              float* const* s, Ahead<float> ahead) {
 #ifdef ATTNX_X86_DISPATCH
   switch (isa()) {
-    case Isa::avx512: return dot_rows_avx512(q, k, n, e, s, ahead);
-    case Isa::avx2: return dot_rows_avx2(q, k, n, e, s, ahead);
+    case Isa::avx512: return dot_rows_avx512(rows, q, k, n, e, s, ahead);
+    case Isa::avx2: return dot_rows_avx2(rows, q, k, n, e, s, ahead);
     case Isa::baseline: break;
   }
 #endif
-  dot_rows_body<8>(q, k, n, e, s, ahead);
+  dot_rows_any<8>(rows, q, k, n, e, s, ahead);
 }
 
-void add_rows(float* o, const float* p, const float* const* v, int64_t n, int64_t ev,
-              Ahead<float> ahead) {
+void add_rows(int rows, float* const* o, const float* const* p, const float* const* v, int64_t n,
+              int64_t ev, Ahead<float> ahead) {
 #ifdef ATTNX_X86_DISPATCH
   switch (isa()) {
-    case Isa::avx512: return add_rows_avx512(o, p, v, n, ev, ahead);
-    case Isa::avx2: return add_rows_avx2(o, p, v, n, ev, ahead);
+    case Isa::avx512: return add_rows_avx512(rows, o, p, v, n, ev, ahead);
+    case Isa::avx2: return add_rows_avx2(rows, o, p, v, n, ev, ahead);
     case Isa::baseline: break;
   }
 #endif
-  add_rows_body<8>(o, p, v, n, ev, ahead);
+  add_rows_any<8>(rows, o, p, v, n, ev, ahead);
 }
 
-void dot_rows(const double* q, const double* const* k, int64_t n, int64_t e, double* s,
-              Ahead<double>) {
-  for (int64_t t = 0; t < n; ++t) {
-    double sum = 0.0;
-    for (int64_t c = 0; c < e; ++c) sum += q[c] * k[t][c];
-    s[t] = sum;
-  }
+void dot_rows(int rows, const double* const* q, const double* const* k, int64_t n, int64_t e,
+              double* const* s, Ahead<double>) {
+  for (int rr = 0; rr < rows; ++rr)
+    for (int64_t t = 0; t < n; ++t) {
+      double sum = 0.0;
+      for (int64_t c = 0; c < e; ++c) sum += q[rr][c] * k[t][c];
+      s[rr][t] = sum;
+    }
 }
 
-void add_rows(double* o, const double* p, const double* const* v, int64_t n, int64_t ev,
-              Ahead<double>) {
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t c = 0; c < ev; ++c) o[c] += p[t] * v[t][c];
+void add_rows(int rows, double* const* o, const double* const* p, const double* const* v,
+              int64_t n, int64_t ev, Ahead<double>) {
+  for (int rr = 0; rr < rows; ++rr)
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t c = 0; c < ev; ++c) o[rr][c] += p[rr][t] * v[t][c];
 }
 
 }  // namespace attnx::cpu

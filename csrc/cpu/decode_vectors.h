@@ -16,16 +16,17 @@ struct Ahead {
   int64_t n = 0, len = 0;
 };
 
-// s[t] = dot(q, k[t][0, e)) for t in [0, n).
-void dot_rows(const float* q, const float* const* k, int64_t n, int64_t e, float* s,
-              Ahead<float> ahead = {});
-void dot_rows(const double* q, const double* const* k, int64_t n, int64_t e, double* s,
-              Ahead<double> ahead = {});
+// For each of `rows` (1 or 2) query rows q[rr]: s[rr][t] = dot(q[rr], k[t][0, e)), t in [0, n).
+// Two rows sharing the keys (two query heads of a GQA group) load each key once for both.
+void dot_rows(int rows, const float* const* q, const float* const* k, int64_t n, int64_t e,
+              float* const* s, Ahead<float> ahead = {});
+void dot_rows(int rows, const double* const* q, const double* const* k, int64_t n, int64_t e,
+              double* const* s, Ahead<double> ahead = {});
 
-// o[0, ev) += sum over t in [0, n) of p[t] * v[t][0, ev).
-void add_rows(float* o, const float* p, const float* const* v, int64_t n, int64_t ev,
-              Ahead<float> ahead = {});
-void add_rows(double* o, const double* p, const double* const* v, int64_t n, int64_t ev,
-              Ahead<double> ahead = {});
+// For each of `rows` (1 or 2) rows: o[rr][0, ev) += sum over t in [0, n) of p[rr][t] v[t][0, ev).
+void add_rows(int rows, float* const* o, const float* const* p, const float* const* v, int64_t n,
+              int64_t ev, Ahead<float> ahead = {});
+void add_rows(int rows, double* const* o, const double* const* p, const double* const* v,
+              int64_t n, int64_t ev, Ahead<double> ahead = {});
 
 }  // namespace attnx::cpu
