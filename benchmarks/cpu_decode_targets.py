@@ -9,7 +9,11 @@ bandwidth under the same load. attnx's bandwidth is the K and V bytes it must re
 (B * Hkv * L * 2D * 4) over its time; its fraction is against the read bandwidth of the same
 round. Medians with min/max. Writes benchmarks/results/cpu-decode-<date>.json.
 
-    python benchmarks/cpu_decode_targets.py [--quick] [--repeats N]
+    python benchmarks/cpu_decode_targets.py [--quick] [--repeats N] [--threads T]
+
+On a machine shared with other work, a 2-thread region waits for whichever thread the OS has
+descheduled (even torch.sum slows 10x on a 2-core VM at load 6): --threads 1 then shows the
+kernels' own speed.
 """
 
 from __future__ import annotations
@@ -110,9 +114,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK}")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--out", default=None, help="JSON path (default: results/cpu-decode-<date>.json)")
     args = parser.parse_args()
     repeats = args.repeats or (5 if args.quick else 9)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sink = torch.randn(128 * 1024 * 1024)  # 512 MiB: far past any cache
     header = (f"{'B':>2} {'L':>6} {'Lq':>3} | {'torch ms':>9} {'attnx ms':>9} {'paged ms':>9} | "
               f"{'speedup':>7} | {'attnx GB/s':>10} {'read GB/s':>9} {'fraction':>8} | {'paged/contig':>12}")
@@ -145,7 +152,7 @@ def main() -> None:
                     "paged_over_contiguous": PAGED_TARGET},
         "cases": rows,
     }
-    path = args.out or os.path.join(HERE, "results", f"cpu-decode-{now:%Y-%m-%d}{'-quick' if args.quick else ''}.json")
+    path = args.out or os.path.join(HERE, "results", f"cpu-decode-{now:%Y-%m-%d}-t{torch.get_num_threads()}{'-quick' if args.quick else ''}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
