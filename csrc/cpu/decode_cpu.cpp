@@ -188,7 +188,12 @@ void run(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& 
   // Merge a head's slices: out = sum_s e^(m_s - M) o_s / L, L = sum_s e^(m_s - M) l_s.
   T* out_all = out.data_ptr<T>();
   T* lse_all = lse.data_ptr<T>();
-  at::parallel_for(0, d.B * d.Hkv, 1, [&](int64_t begin, int64_t end) {
+  // Threads only when the merge is worth waking them for: it reads tasks * R * Ev values, a
+  // few microseconds at decoding sizes, and a second parallel region on a busy machine waits
+  // milliseconds for a descheduled thread.
+  const int64_t merge_values = std::max<int64_t>(1, tasks * d.R * d.Ev);
+  const int64_t grain = std::max<int64_t>(1, d.B * d.Hkv * (1 << 18) / merge_values);
+  at::parallel_for(0, d.B * d.Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> acc(static_cast<size_t>(d.Ev));
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / d.Hkv, h = bh % d.Hkv;
