@@ -41,21 +41,32 @@ def backends() -> dict:
     return status
 
 
-def _is_empty(call) -> bool:
-    return any(t.numel() == 0 for t in (call.q, call.k)) or call.q.shape[-1] == 0
+# The backends of the ops that not every backend has yet (the others' modules never see them).
+_SERVED = {"kvcache": ("cpu", "reference")}
+
+
+def _is_empty(op: str, call) -> bool:
+    keys = call.k_cache if op == "kvcache" else call.k
+    return call.q.numel() == 0 or keys.numel() == 0 or call.q.shape[-1] == 0
+
+
+def _unsupported(name: str, op: str, call):
+    if name not in _SERVED.get(op, _MODULES):
+        return f"it has no {op} kernel yet (served by: {', '.join(_SERVED[op])})"
+    return _module(name).unsupported(op, call)
 
 
 def select(op: str, call) -> str:
     """The backend that will run `call`; raises BackendUnavailableError for a forced one."""
-    if _is_empty(call):
+    if _is_empty(op, call):
         return "reference"  # nothing to fuse; the reference handles every empty shape
     if call.backend != "auto":
-        reason = _module(call.backend).unsupported(op, call)
+        reason = _unsupported(call.backend, op, call)
         if reason is not None:
             raise BackendUnavailableError(f"backend: {call.backend!r} cannot run this call: {reason}")
         return call.backend
     for name in _AUTO_ORDER.get(call.q.device.type, ("reference",)):
-        if _module(name).unsupported(op, call) is None:
+        if _unsupported(name, op, call) is None:
             return name
     return "reference"
 
@@ -122,3 +133,46 @@ def additive_attention(query, key, value, v, attn_mask=None, dropout_p=0.0, is_c
         out = out.squeeze(1)
         weights = weights.squeeze(1) if weights is not None else None
     return (out, weights) if return_weights else out
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *,
+                           block_table=None, is_causal=True, scale=None, window=None,
+                           softcap=None, alibi_slopes=None, sinks=None, backend=None,
+                           return_lse=False):
+    """Decoding attention against a KV cache, contiguous (B, Hkv, Lmax, E) or paged
+    (num_blocks, Hkv, block_size, E) with `block_table` (B, max_blocks) int32.
+
+    `k`, `v` (B, Hkv, Lnew, E), if given, are written into the cache in place at positions
+    `cache_seqlens[b]...` before attending; `cache_seqlens` itself is not updated. Query i of
+    sequence b attends keys 0 .. cache_seqlens[b] + Lnew - 1, with `is_causal` (the default)
+    only those up to its bottom-right diagonal. An inference op: it runs under torch.no_grad(),
+    so its outputs carry no gradient whatever requires one. softcap, alibi_slopes and sinks
+    are not supported yet (ValueError). See API.md for the contract.
+    """
+    with torch.no_grad():
+        call = _validate.kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                                      is_causal, scale, window, softcap, alibi_slopes, sinks,
+                                      backend, return_lse)
+        name = select("kvcache", call)  # a forced backend that cannot serve it writes nothing
+        if call.k is not None:
+            _write_new_keys(call)
+        out, lse = _module(name).kvcache(call)
+    return (out, lse.float()) if return_lse else out
+
+
+def _write_new_keys(call) -> None:
+    """k, v into the cache at positions cache_seqlens[b] + t (capacity and block ids were
+    checked by the validation)."""
+    b, _, lnew, _ = call.k.shape
+    if lnew == 0:
+        return
+    device = call.k_cache.device
+    pos = call.cache_seqlens.long().view(b, 1) + torch.arange(lnew, device=device)  # (B, Lnew)
+    if call.block_table is None:
+        rows, slots = torch.arange(b, device=device).view(b, 1).expand(b, lnew), pos
+    else:
+        block_size = call.k_cache.shape[2]
+        rows, slots = call.block_table.long().gather(1, pos // block_size), pos % block_size
+    # cache[rows, :, slots] is (B, Lnew, Hkv, E): the indexed dims come first
+    call.k_cache[rows, :, slots] = call.k.transpose(1, 2)
+    call.v_cache[rows, :, slots] = call.v.transpose(1, 2)

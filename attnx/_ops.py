@@ -30,7 +30,7 @@ def build_info() -> dict:
 # a built extension holds does not change while it runs.
 _KERNELS = frozenset(
     (op, key)
-    for op in ("sdpa_fwd", "sdpa_bwd", "additive_fwd", "additive_bwd")
+    for op in ("sdpa_fwd", "sdpa_bwd", "additive_fwd", "additive_bwd", "kvcache_fwd")
     for key in ("CPU", "CUDA")
     if _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"attnx::{op}", key))
 
@@ -124,6 +124,12 @@ def _register(ns: str) -> None:
         same_device(q, grad_out, k, value, v, mask, out, lse, grad_lse, grad_weights)
         dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
         return (*contiguous_grads(q, k, value, v), dmask)
+
+    @torch.library.register_fake("attnx::kvcache_fwd")
+    def _kvcache_fwd_fake(q, k_cache, v_cache, seqlens, block_table, scale, window_lo, window_hi):
+        same_device(q, k_cache, v_cache, seqlens, block_table)
+        b, h, lq, _ = q.shape
+        return q.new_empty((b, h, lq, v_cache.shape[-1])), q.new_empty((b, h, lq), dtype=torch.float32)
 
     def _wants_mask_grad(ctx, mask) -> bool:
         return mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[4 if ctx.additive else 3]

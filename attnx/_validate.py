@@ -123,6 +123,12 @@ def _band(lq: int, lk: int, is_causal: bool, causal_offset: Optional[int], windo
         hi = 0
     if causal_offset is not None:
         hi = min(hi, causal_offset)
+    lo, hi = _windowed(lo, hi, window)
+    return max(lo, -lq), min(hi, lk)
+
+
+def _windowed(lo: int, hi: int, window) -> tuple:
+    """(lo, hi) narrowed by window=(left, right), checked."""
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise ValueError(f"window: expected None or a pair (left, right), got {window!r}")
@@ -138,7 +144,7 @@ def _band(lq: int, lk: int, is_causal: bool, causal_offset: Optional[int], windo
             lo = max(lo, -int(left))
         if right is not None:
             hi = min(hi, int(right))
-    return max(lo, -lq), min(hi, lk)
+    return lo, hi
 
 
 def _check_mask(attn_mask, q: torch.Tensor, target: tuple, lq: int, lk: int):
@@ -225,16 +231,7 @@ def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
             raise ValueError(f"key: with enable_gqa=True expected a head count dividing {hq} "
                              f"(that of query), got {hk}")
 
-    if scale is None:  # head dim 0: every score is 0 whatever the scale (torch: uniform weights)
-        scale = 1.0 / math.sqrt(e) if e > 0 else 1.0
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale: expected None or a float, got {_type_name(scale)}")
-    elif not math.isfinite(float(scale)):
-        raise ValueError(f"scale: expected a finite float, got {scale}")
-    scale = float(scale)
-    if q.dtype != torch.float64 and abs(scale) > torch.finfo(torch.float32).max:
-        # the kernels scale in float32 (float64 only for float64 inputs): inf there, NaN after
-        raise ValueError(f"scale: expected a value float32 can hold for {q.dtype} inputs, got {scale}")
+    scale = _check_scale(scale, e, q.dtype)
 
     target = lead + (hq, lq, lk)
     mask, causal_offset = _check_mask(attn_mask, q, target, lq, lk)
@@ -293,3 +290,137 @@ def additive_call(query, key, value, v, attn_mask, dropout_p, is_causal, window,
     lo, hi = _band(lq, lk, is_causal, causal_offset, window)
     seed = _rng.draw_seed() if 0 < p < 1 else None
     return AdditiveCall(q, k, val, vv, mask, lo, hi, p, seed, backend, three_d, return_weights)
+
+
+@dataclass
+class KvcacheCall:
+    """attention_with_kvcache after validation. Key j of sequence b (0 <= j < seqlens[b]) lies
+    at k_cache[b, :, j] (contiguous) or k_cache[block_table[b, j // bs], :, j % bs] (paged);
+    query i may attend it iff i + d + window_lo <= j <= i + d + window_hi, d = seqlens[b] - Lq
+    (the band aligned bottom-right)."""
+    q: torch.Tensor  # (B, Hq, Lq, E)
+    k_cache: torch.Tensor  # (B, Hkv, Lmax, E) or (num_blocks, Hkv, block_size, E)
+    v_cache: torch.Tensor  # (B, Hkv, Lmax, Ev) or (num_blocks, Hkv, block_size, Ev)
+    cache_seqlens: torch.Tensor  # int32 (B,): tokens cached before this call's k, v
+    seqlens: torch.Tensor  # int32 (B,): keys attended, cache_seqlens + Lnew
+    k: Optional[torch.Tensor]  # (B, Hkv, Lnew, E), written into the cache before attending
+    v: Optional[torch.Tensor]
+    block_table: Optional[torch.Tensor]  # int32 (B, max_blocks), paged caches only
+    scale: float
+    window_lo: int
+    window_hi: int
+    backend: str
+    return_lse: bool
+
+
+def _check_index_tensor(name: str, x, shape: tuple, device) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected an int32 torch.Tensor, got {_type_name(x)}")
+    _check_dense(name, x)
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name}: expected dtype torch.int32, got {x.dtype}")
+    if x.device != device:
+        raise TypeError(f"{name}: expected device {device} (that of q), got {x.device}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
+    return x
+
+
+def _check_scale(scale, e: int, dtype: torch.dtype) -> float:
+    if scale is None:  # head dim 0: every score is 0 whatever the scale (torch: uniform weights)
+        return 1.0 / math.sqrt(e) if e > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected None or a float, got {_type_name(scale)}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale: expected a finite float, got {scale}")
+    if dtype != torch.float64 and abs(float(scale)) > torch.finfo(torch.float32).max:
+        # the kernels scale in float32 (float64 only for float64 inputs): inf there, NaN after
+        raise ValueError(f"scale: expected a value float32 can hold for {dtype} inputs, got {scale}")
+    return float(scale)
+
+
+# Score modifiers the KV-cache op accepts by name (API.md) but no backend computes yet.
+_NOT_YET = ("softcap", "alibi_slopes", "sinks")
+
+
+def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causal, scale,
+                 window, softcap, alibi_slopes, sinks, backend, return_lse) -> KvcacheCall:
+    """The validated call. Everything, the cache's capacity and the block table's ids included,
+    is checked here, before the caller writes k and v into the cache."""
+    for name, value in zip(_NOT_YET, (softcap, alibi_slopes, sinks)):
+        if value is not None:
+            raise ValueError(f"{name}: not yet supported by attention_with_kvcache "
+                             f"(expected None), got {_type_name(value)}")
+    q = _check_tensor("q", q, 4, 4)
+    k_cache = _check_tensor("k_cache", k_cache, 4, 4)
+    v_cache = _check_tensor("v_cache", v_cache, 4, 4)
+    _check_same("k_cache", k_cache, q, "q")
+    _check_same("v_cache", v_cache, q, "q")
+    is_causal = _check_bool("is_causal", is_causal)
+    return_lse = _check_bool("return_lse", return_lse)
+    backend = _check_backend(backend)
+    b, hq, lq, e = q.shape
+    slots, hkv, depth, ek = k_cache.shape  # depth: Lmax, or block_size when paged
+    ev = v_cache.shape[-1]
+    if ek != e:
+        raise ValueError(f"k_cache: expected head dim {e} (that of q), got shape {tuple(k_cache.shape)}")
+    if tuple(v_cache.shape[:3]) != (slots, hkv, depth):
+        raise ValueError(f"v_cache: expected shape {(slots, hkv, depth, 'Ev')} (that of k_cache), "
+                         f"got {tuple(v_cache.shape)}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"k_cache: expected a head count dividing {hq} (that of q), got {hkv}")
+
+    if block_table is None:
+        if slots != b:
+            raise ValueError(f"k_cache: expected batch size {b} (that of q) for a contiguous cache, "
+                             f"got shape {tuple(k_cache.shape)}")
+        capacity = depth
+    else:
+        if not isinstance(block_table, torch.Tensor):
+            raise TypeError(f"block_table: expected None or an int32 torch.Tensor, got {_type_name(block_table)}")
+        if block_table.dim() != 2 or block_table.shape[0] != b:
+            raise ValueError(f"block_table: expected shape ({b}, max_blocks), got {tuple(block_table.shape)}")
+        block_table = _check_index_tensor("block_table", block_table, tuple(block_table.shape), q.device)
+        if depth == 0:
+            raise ValueError(f"k_cache: expected a block size >= 1, got shape {tuple(k_cache.shape)}")
+        capacity = block_table.shape[1] * depth
+
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((b,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    cache_seqlens = _check_index_tensor("cache_seqlens", cache_seqlens, (b,), q.device)
+
+    if (k is None) != (v is None):
+        raise ValueError(f"k, v: expected both or neither, got k {_type_name(k)} and v {_type_name(v)}")
+    lnew = 0
+    if k is not None:
+        k = _check_tensor("k", k, 4, 4)
+        v = _check_tensor("v", v, 4, 4)
+        _check_same("k", k, q, "q")
+        _check_same("v", v, q, "q")
+        lnew = k.shape[2]
+        if tuple(k.shape) != (b, hkv, lnew, e):
+            raise ValueError(f"k: expected shape {(b, hkv, 'Lnew', e)}, got {tuple(k.shape)}")
+        if tuple(v.shape) != (b, hkv, lnew, ev):
+            raise ValueError(f"v: expected shape {(b, hkv, lnew, ev)}, got {tuple(v.shape)}")
+
+    lens = cache_seqlens.to("cpu", torch.int64)
+    if b > 0 and int(lens.min()) < 0:
+        raise ValueError(f"cache_seqlens: expected values >= 0, got {lens.tolist()}")
+    if b > 0 and int(lens.max()) + lnew > capacity:
+        raise ValueError(f"cache_seqlens: cached tokens plus the {lnew} new ones must fit the cache's "
+                         f"capacity of {capacity} positions, got cache_seqlens {lens.tolist()}")
+    seqlens = cache_seqlens + lnew
+    if block_table is not None and b > 0:
+        # only the blocks that hold some key of the sequence: tables are often padded with -1
+        used = torch.arange(block_table.shape[1]).view(1, -1) * depth < (lens + lnew).view(-1, 1)
+        ids = block_table.to("cpu")[used]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= slots):
+            raise ValueError(f"block_table: expected block ids in [0, {slots}) where the sequences "
+                             f"have keys, got ids from {int(ids.min())} to {int(ids.max())}")
+
+    scale = _check_scale(scale, e, q.dtype)
+    # The band relative to the bottom-right diagonal; unbounded is [-(capacity + Lq), capacity],
+    # which holds every j - (i + d) and keeps a kernel's i + d + lo far from overflow.
+    lo, hi = _windowed(-capacity - lq, 0 if is_causal else capacity, window)
+    return KvcacheCall(q, k_cache, v_cache, cache_seqlens, seqlens, k, v, block_table, scale,
+                       max(lo, -capacity - lq), min(hi, capacity), backend, return_lse)

@@ -22,4 +22,14 @@
 
 TORCH_LIBRARY(attnx, m) {
   for (const char* schema : attnx::kOpSchemas) m.def(schema);
+  // Not in kOpSchemas: the cuda host harness serves the kernels of csrc/cuda only.
+  // Decoding against a KV cache (no backward: an inference op). k_cache (B, Hkv, Lmax, E), or
+  // paged (num_blocks, Hkv, block_size, E) with block_table int32 (B, max_blocks): position p
+  // of sequence b is slot p % block_size of block block_table[b, p // block_size]. seqlens
+  // int32 (B,): keys 0 .. seqlens[b] - 1 are attended, slots past them never read. The band is
+  // aligned bottom-right: query i admits key j iff i + d + window_lo <= j <= i + d + window_hi,
+  // d = seqlens[b] - Lq. out (B, Hq, Lq, Ev) in q's dtype, lse (B, Hq, Lq) float32.
+  m.def(
+      "kvcache_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens, Tensor? block_table, "
+      "float scale, int window_lo, int window_hi) -> (Tensor out, Tensor lse)");
 }

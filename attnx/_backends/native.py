@@ -13,9 +13,9 @@ from typing import Optional
 import torch
 
 from .. import _ops
-from .._validate import AdditiveCall, SdpaCall
+from .._validate import AdditiveCall, KvcacheCall, SdpaCall
 
-OPS = {"sdpa": "sdpa_fwd", "additive": "additive_fwd"}
+OPS = {"sdpa": "sdpa_fwd", "additive": "additive_fwd", "kvcache": "kvcache_fwd"}
 
 
 def missing_kernel(op: str, dispatch_key: str) -> Optional[str]:
@@ -36,3 +36,9 @@ def additive(call: AdditiveCall, ops=torch.ops.attnx):
         call.q, call.k, call.value, call.v, call.mask, call.window_lo, call.window_hi,
         call.dropout_p, call.seed, call.return_weights)
     return out, lse, (weights if call.return_weights else None)
+
+
+def kvcache(call: KvcacheCall):
+    return torch.ops.attnx.kvcache_fwd(call.q, call.k_cache, call.v_cache, call.seqlens,
+                                       call.block_table, call.scale, call.window_lo,
+                                       call.window_hi)

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .. import _rng
-from .._validate import AdditiveCall, SdpaCall
+from .._validate import AdditiveCall, KvcacheCall, SdpaCall
 
 
 def availability() -> Optional[str]:
@@ -93,3 +93,31 @@ def additive(call: AdditiveCall):
     out = torch.matmul(p, value)
     weights = p.to(call.q.dtype) if call.return_weights else None
     return out.to(call.q.dtype), lse.float(), weights
+
+
+def cached_keys(cache: torch.Tensor, block_table: Optional[torch.Tensor], b: int, n: int):
+    """The first n positions of sequence b of a contiguous or paged cache: (Hkv, n, E)."""
+    if block_table is None:
+        return cache[b, :, :n]
+    block_size = cache.shape[2]
+    used = -(-n // block_size)
+    blocks = cache[block_table[b, :used].long()]  # (used, Hkv, block_size, E)
+    return blocks.transpose(0, 1).reshape(cache.shape[1], used * block_size, cache.shape[3])[:, :n]
+
+
+def kvcache(call: KvcacheCall):
+    """One sequence at a time over its gathered keys: slots past its length are never read."""
+    dtype = _compute_dtype(call.q.dtype)
+    lq = call.q.shape[2]
+    outs, lses = [], []
+    for b, n in enumerate(call.seqlens.tolist()):
+        q = call.q[b].to(dtype)
+        k, v = (cached_keys(c, call.block_table, b, n).to(dtype) for c in (call.k_cache, call.v_cache))
+        groups = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+        s = torch.matmul(q, k.transpose(-2, -1)) * call.scale
+        offset = n - lq  # bottom-right: query i's diagonal is key i + offset
+        p, lse = masked_softmax(s, None, call.window_lo + offset, call.window_hi + offset)
+        outs.append(torch.matmul(p, v))
+        lses.append(lse)
+    return torch.stack(outs).to(call.q.dtype), torch.stack(lses).float()

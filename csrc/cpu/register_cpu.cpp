@@ -2,6 +2,7 @@
 #include <torch/library.h>
 
 #include "additive_cpu.h"
+#include "decode_cpu.h"
 #include "sdpa_cpu.h"
 
 TORCH_LIBRARY_IMPL(attnx, CPU, m) {
@@ -9,4 +10,5 @@ TORCH_LIBRARY_IMPL(attnx, CPU, m) {
   m.impl("sdpa_bwd", &attnx::cpu::sdpa_bwd);
   m.impl("additive_fwd", &attnx::cpu::additive_fwd);
   m.impl("additive_bwd", &attnx::cpu::additive_bwd);
+  m.impl("kvcache_fwd", &attnx::cpu::kvcache_fwd);
 }

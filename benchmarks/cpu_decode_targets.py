@@ -1,0 +1,163 @@
+"""attnx's CPU decoding kernel (attention_with_kvcache) against torch's SDPA, interleaved.
+
+Decoding shapes of issue 20 item 3 / issue 23 item 3: fp32, Hq=32, Hkv=8, D=128, B=1-8, cache
+L=2k-32k (every sequence full to L), Lq=1 and 4. Per repeat, in turn: torch's
+F.scaled_dot_product_attention over the contiguous cache (enable_gqa=True; for Lq > 1 a
+bottom-right causal bool mask), attnx on the same contiguous cache, attnx on a paged copy
+(block size 16, blocks shuffled), and a read of a large tensor (torch.sum) measuring the memory
+bandwidth under the same load. attnx's bandwidth is the K and V bytes it must read
+(B * Hkv * L * 2D * 4) over its time; its fraction is against the read bandwidth of the same
+round. Medians with min/max. Writes benchmarks/results/cpu-decode-<date>.json.
+
+    python benchmarks/cpu_decode_targets.py [--quick] [--repeats N] [--threads T]
+
+On a machine shared with other work, a 2-thread region waits for whichever thread the OS has
+descheduled (even torch.sum slows 10x on a 2-core VM at load 6): --threads 1 then shows the
+kernels' own speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+import torch.nn.functional as F
+
+import attnx
+from attnx.bench.machine import cpu_kernels, device_name
+
+HQ, HKV, D, BLOCK = 32, 8, 128, 16
+SPEEDUP_TARGET, BANDWIDTH_TARGET, PAGED_TARGET = 1.5, 0.70, 1.10
+CASES = [(1, 2048), (1, 8192), (1, 32768), (4, 8192), (8, 2048), (8, 8192)]
+QUICK = [(1, 8192), (8, 2048)]
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def summary(ts: list) -> dict:
+    return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "runs": len(ts)}
+
+
+def paged(cache: torch.Tensor, g: torch.Generator):
+    """A shuffled paged copy of a full contiguous cache: (blocks, block_table)."""
+    b, h, n, e = cache.shape
+    nb = n // BLOCK
+    blocks = cache.view(b, h, nb, BLOCK, e).transpose(1, 2).reshape(b * nb, h, BLOCK, e)
+    perm = torch.randperm(b * nb, generator=g)
+    shuffled = torch.empty_like(blocks)
+    shuffled[perm] = blocks  # logical block i of the flat order now lives at perm[i]
+    return shuffled, perm.view(b, nb).to(torch.int32)
+
+
+def case(b: int, n: int, lq: int, repeats: int, sink: torch.Tensor) -> dict:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, HQ, lq, D, generator=g)
+    k, v = (torch.randn(b, HKV, n, D, generator=g) for _ in range(2))
+    (kp, table), (vp, _) = paged(k, torch.Generator().manual_seed(1)), paged(v, torch.Generator().manual_seed(1))
+    lens = torch.full((b,), n, dtype=torch.int32)
+    mask = torch.ones(lq, n, dtype=torch.bool).tril(n - lq) if lq > 1 else None
+    impls = {
+        "torch": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+        "attnx": lambda: attnx.attention_with_kvcache(q, k, v, lens, backend="cpu"),
+        "attnx_paged": lambda: attnx.attention_with_kvcache(q, kp, vp, lens, block_table=table,
+                                                            backend="cpu"),
+        "read": lambda: sink.sum(),
+    }
+    with torch.no_grad():
+        ref = impls["torch"]()
+        for name in ("attnx", "attnx_paged"):  # a benchmark of wrong answers is worth nothing
+            err = (impls[name]() - ref).abs().max().item()
+            assert err < 1e-4, f"{name}: max error {err} against torch"
+        times = {name: [] for name in impls}
+        for _ in range(repeats):
+            for name, fn in impls.items():
+                times[name].append(timed(fn))
+    kv_bytes = b * HKV * n * 2 * D * 4
+    read_bw = [sink.numel() * 4 / t for t in times["read"]]
+    attnx_bw = [kv_bytes / t for t in times["attnx"]]
+    row = {"B": b, "L": n, "Lq": lq, "kv_bytes": kv_bytes}
+    for name in impls:
+        row[name] = summary(times[name])
+    row["read_bandwidth_gbs"] = statistics.median(read_bw) / 1e9
+    row["attnx_bandwidth_gbs"] = statistics.median(attnx_bw) / 1e9
+    # per round, so that load hitting one round hits both sides of its ratio
+    row["bandwidth_fraction"] = statistics.median(a / r for a, r in zip(attnx_bw, read_bw))
+    row["speedup"] = row["torch"]["median_s"] / row["attnx"]["median_s"]
+    row["paged_over_contiguous"] = row["attnx_paged"]["median_s"] / row["attnx"]["median_s"]
+    return row
+
+
+def lscpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return device_name("cpu")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"only {QUICK}")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--out", default=None, help="JSON path (default: results/cpu-decode-<date>.json)")
+    args = parser.parse_args()
+    repeats = args.repeats or (5 if args.quick else 9)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sink = torch.randn(128 * 1024 * 1024)  # 512 MiB: far past any cache
+    header = (f"{'B':>2} {'L':>6} {'Lq':>3} | {'torch ms':>9} {'attnx ms':>9} {'paged ms':>9} | "
+              f"{'speedup':>7} | {'attnx GB/s':>10} {'read GB/s':>9} {'fraction':>8} | {'paged/contig':>12}")
+    print(f"threads: {torch.get_num_threads()}, targets: >= {SPEEDUP_TARGET}x torch, >= "
+          f"{BANDWIDTH_TARGET:.0%} of read bandwidth, paged <= {PAGED_TARGET:.2f}x contiguous")
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for b, n in (QUICK if args.quick else CASES):
+        for lq in (1, 4):
+            r = case(b, n, lq, repeats, sink)
+            rows.append(r)
+            miss = [w for w, bad in (("speed", r["speedup"] < SPEEDUP_TARGET),
+                                     ("bw", r["bandwidth_fraction"] < BANDWIDTH_TARGET),
+                                     ("paged", r["paged_over_contiguous"] > PAGED_TARGET)) if bad]
+            print(f"{b:>2} {n:>6} {lq:>3} | {r['torch']['median_s'] * 1e3:>9.2f} "
+                  f"{r['attnx']['median_s'] * 1e3:>9.2f} {r['attnx_paged']['median_s'] * 1e3:>9.2f} | "
+                  f"{r['speedup']:>6.2f}x | {r['attnx_bandwidth_gbs']:>10.1f} {r['read_bandwidth_gbs']:>9.1f} "
+                  f"{r['bandwidth_fraction']:>8.0%} | {r['paged_over_contiguous']:>11.2f}x"
+                  f"{'  MISS ' + ','.join(miss) if miss else ''}", flush=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    result = {
+        "benchmark": "cpu_decode_targets", "quick": args.quick, "date": now.isoformat(),
+        "machine": {"cpu": lscpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+                    "platform": platform.platform(), "load_avg": os.getloadavg(),
+                    "attnx_cpu_kernels": cpu_kernels()},
+        "torch": torch.__version__, "attnx": attnx.__version__, "repeats": repeats,
+        "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "dtype": "float32", "paged_block_size": BLOCK},
+        "targets": {"speedup": SPEEDUP_TARGET, "bandwidth_fraction": BANDWIDTH_TARGET,
+                    "paged_over_contiguous": PAGED_TARGET},
+        "cases": rows,
+    }
+    path = args.out or os.path.join(HERE, "results", f"cpu-decode-{now:%Y-%m-%d}-t{torch.get_num_threads()}{'-quick' if args.quick else ''}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

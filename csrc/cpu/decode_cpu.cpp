@@ -1,0 +1,321 @@
+// Decoding attention against a KV cache (attnx::kvcache_fwd): a few queries (Lq = 1-16) against
+// long cached keys, where the time goes into reading K and V once from memory.
+//
+// Split-K: each task is one (sequence b, kv head, slice of b's keys) and takes every query row
+// of the kv head's group at once (G = Hq / Hkv query heads x Lq queries), so each K/V row is
+// read from memory once per group. Keys go in blocks of BLOCK_KEYS whose rows' addresses are
+// looked up first (contiguous or through the block table), so the block stays in L1/L2 while
+// every row of the group uses it: scores, online softmax, then o += p V. A task leaves its
+// unnormalized output with its rows' max and sum; a second pass merges a head's slices by
+// log-sum-exp. Slots past a sequence's length are never read. float32 runs on the vector
+// products of decode_vectors.h; float64 on plain loops. Where float32 overflows on finite
+// inputs (scores near its range), the call reruns in float64, as the SDPA kernels do.
+#include "decode_cpu.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "decode_vectors.h"
+#include "line_vector.h"
+#include "sdpa_tile.h"
+#include "task_queue.h"
+
+namespace attnx::cpu {
+namespace {
+
+using at::Tensor;
+
+// Keys per block: a block's K and V rows (2 x 64 x 512 bytes at E = 128, float32) stay in L2
+// while the group's rows use them.
+constexpr int64_t BLOCK_KEYS = 16;
+// Fewest keys per slice: shorter slices cost more in the merge than they gain in balance.
+constexpr int64_t MIN_SLICE = 512;
+
+struct Shape {
+  int64_t B, Hq, Hkv, G, Lq, E, Ev, R;  // R = G * Lq rows per task, row r = g * Lq + i
+};
+
+// Where row p of (sequence b, kv head h) lies: strided, or paged through the block table.
+template <typename T>
+struct CacheRows {
+  const T* base;
+  int64_t s0, s1, s2;  // element strides of the cache's first three dims (the last is 1)
+  const int32_t* table;  // nullptr for a contiguous cache
+  int64_t table_stride, block_size;
+  // rows[t] = the row of position p0 + t, t in [0, n): one division per call, not per row (a
+  // 64-bit division a row cost paged reads 20-45% at Lq = 1).
+  void rows(int64_t b, int64_t h, int64_t p0, int64_t n, const T** out) const {
+    if (table == nullptr) {
+      for (int64_t t = 0; t < n; ++t) out[t] = base + b * s0 + h * s1 + (p0 + t) * s2;
+      return;
+    }
+    const int32_t* blocks = table + b * table_stride;
+    int64_t block = p0 / block_size, slot = p0 % block_size;
+    for (int64_t t = 0; t < n; ++t) {
+      out[t] = base + blocks[block] * s0 + h * s1 + slot * s2;
+      if (++slot == block_size) slot = 0, ++block;
+    }
+  }
+};
+
+template <typename T>
+CacheRows<T> cache_rows(const Tensor& cache, const Tensor& table) {
+  const bool paged = table.defined();
+  return CacheRows<T>{cache.data_ptr<T>(), cache.stride(0), cache.stride(1), cache.stride(2),
+                      paged ? table.data_ptr<int32_t>() : nullptr, paged ? table.stride(0) : 0,
+                      cache.size(2)};
+}
+
+// Keys [j0, j1) of sequence b, for every kv head.
+struct Slice {
+  int64_t b, j0, j1;
+};
+
+template <typename T>
+constexpr T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+template <typename T>
+void run(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& v_cache,
+         const std::vector<int64_t>& lens, const Tensor& table, int64_t lo, int64_t hi,
+         const Tensor& out, const Tensor& lse) {
+  const CacheRows<T> krows = cache_rows<T>(k_cache, table), vrows = cache_rows<T>(v_cache, table);
+  // Each sequence's keys that some query admits, cut into slices of about equal length.
+  std::vector<Slice> slices;
+  std::vector<int64_t> first_slice(d.B + 1, 0);
+  int64_t admitted = 0;
+  for (int64_t b = 0; b < d.B; ++b) {
+    const int64_t diag = lens[b] - d.Lq;
+    admitted += std::max<int64_t>(0, std::min(lens[b], diag + d.Lq + hi) - std::max<int64_t>(0, diag + lo));
+  }
+  const int64_t wanted = 4 * std::max<int64_t>(1, at::get_num_threads());
+  int64_t slice_len = std::max(MIN_SLICE, (admitted * d.Hkv + wanted - 1) / wanted);
+  slice_len = (slice_len + BLOCK_KEYS - 1) / BLOCK_KEYS * BLOCK_KEYS;
+  for (int64_t b = 0; b < d.B; ++b) {
+    const int64_t diag = lens[b] - d.Lq;
+    const int64_t begin = std::max<int64_t>(0, diag + lo);
+    const int64_t end = std::min(lens[b], diag + d.Lq + hi);
+    for (int64_t j = begin; j < end; j += slice_len) slices.push_back({b, j, std::min(end, j + slice_len)});
+    first_slice[b + 1] = static_cast<int64_t>(slices.size());
+  }
+
+  // Per task (slice s, kv head h) = s * Hkv + h: unnormalized output rows, their max and sum.
+  const int64_t tasks = static_cast<int64_t>(slices.size()) * d.Hkv;
+  line_vector<T> part_o(static_cast<size_t>(tasks * d.R * d.Ev), T(0));
+  std::vector<T> part_m(static_cast<size_t>(tasks * d.R), neg_inf<T>());
+  std::vector<T> part_l(static_cast<size_t>(tasks * d.R), T(0));
+  const T* q_all = qs.data_ptr<T>();
+
+  parallel_tasks(tasks, [&](Tasks& queue) {
+    line_vector<T> s(static_cast<size_t>(2 * BLOCK_KEYS));
+    const T *kp[BLOCK_KEYS], *vp[BLOCK_KEYS], *kp_next[BLOCK_KEYS], *vp_next[BLOCK_KEYS];
+    const T *kp_far[BLOCK_KEYS], *vp_far[BLOCK_KEYS];
+    for (int64_t task; queue.next(task);) {
+      const Slice& sl = slices[task / d.Hkv];
+      const int64_t h = task % d.Hkv, diag = lens[sl.b] - d.Lq;
+      const T* q = q_all + (sl.b * d.Hkv + h) * d.R * d.E;
+      T* o = part_o.data() + task * d.R * d.Ev;
+      T* m = part_m.data() + task * d.R;
+      T* l = part_l.data() + task * d.R;
+      for (int64_t j0 = sl.j0; j0 < sl.j1; j0 += BLOCK_KEYS) {
+        const int64_t n = std::min(BLOCK_KEYS, sl.j1 - j0);
+        if (j0 == sl.j0) {  // later blocks' rows were looked up as the next block
+          krows.rows(sl.b, h, j0, n, kp);
+          vrows.rows(sl.b, h, j0, n, vp);
+        }
+        // The rows of the block after next, fetched a share per row of the group
+        // (decode_vectors.h): the requests flow evenly while this block is computed, two
+        // blocks ahead (one ahead left paged reads, 8 KB runs scattered by the block table,
+        // 16-26% slower than contiguous at Lq = 1; two: 0.95-1.16x). The next block's rows are
+        // looked up here too, to be the current ones next time.
+        const int64_t n_next = std::clamp<int64_t>(sl.j1 - j0 - n, 0, BLOCK_KEYS);
+        krows.rows(sl.b, h, j0 + n, n_next, kp_next);
+        vrows.rows(sl.b, h, j0 + n, n_next, vp_next);
+        const int64_t far0 = j0 + n + n_next;
+        const int64_t n_far = std::clamp<int64_t>(sl.j1 - far0, 0, BLOCK_KEYS);
+        krows.rows(sl.b, h, far0, n_far, kp_far);
+        vrows.rows(sl.b, h, far0, n_far, vp_far);
+        // Rows in pairs of query heads at the same query i (row r = g * Lq + i): they admit
+        // the same keys, so the products load each K and V vector once for both.
+        int64_t share = 0;  // rows done, for spreading the next block's fetches
+        for (int64_t i = 0; i < d.Lq; ++i) {
+          const int64_t first = std::clamp<int64_t>(i + diag + lo - j0, 0, n);
+          const int64_t last = std::clamp<int64_t>(i + diag + hi + 1 - j0, 0, n);
+          if (first >= last) {
+            share += d.G;
+            continue;
+          }
+          const int64_t cnt = last - first;
+          for (int64_t g = 0; g < d.G; g += 2) {
+            const int rows = g + 1 < d.G ? 2 : 1;
+            const int64_t r[2] = {g * d.Lq + i, (g + rows - 1) * d.Lq + i};
+            const int64_t a0 = share * n_far / d.R;
+            share += rows;
+            const int64_t a1 = share * n_far / d.R;
+            const Ahead<T> k_ahead{kp_far + a0, a1 - a0, d.E}, v_ahead{vp_far + a0, a1 - a0, d.Ev};
+            const T* qr[2] = {q + r[0] * d.E, q + r[1] * d.E};
+            T* sr[2] = {s.data(), s.data() + BLOCK_KEYS};
+            T* orow[2] = {o + r[0] * d.Ev, o + r[1] * d.Ev};
+            dot_rows(rows, qr, kp + first, cnt, d.E, sr, k_ahead);
+            for (int rr = 0; rr < rows; ++rr) {
+              const int64_t row = r[rr];
+              const T top = std::max(m[row], row_max(sr[rr], cnt));
+              const T sum = exp_sum(sr[rr], cnt, top);
+              if (top != m[row]) {  // rescale what earlier blocks added (nothing on the first)
+                const T alpha = std::exp(m[row] - top);
+                scale_row(orow[rr], d.Ev, alpha);
+                l[row] *= alpha;
+              }
+              l[row] += sum;
+              m[row] = top;
+            }
+            add_rows(rows, orow, sr, vp + first, cnt, d.Ev, v_ahead);
+          }
+        }
+        std::copy(kp_next, kp_next + n_next, kp);
+        std::copy(vp_next, vp_next + n_next, vp);
+      }
+    }
+  });
+
+  // Merge a head's slices: out = sum_s e^(m_s - M) o_s / L, L = sum_s e^(m_s - M) l_s.
+  T* out_all = out.data_ptr<T>();
+  T* lse_all = lse.data_ptr<T>();
+  // Threads only when the merge is worth waking them for: it reads tasks * R * Ev values, a
+  // few microseconds at decoding sizes, and a second parallel region on a busy machine waits
+  // milliseconds for a descheduled thread.
+  const int64_t merge_values = std::max<int64_t>(1, tasks * d.R * d.Ev);
+  const int64_t grain = std::max<int64_t>(1, d.B * d.Hkv * (1 << 18) / merge_values);
+  at::parallel_for(0, d.B * d.Hkv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<T> acc(static_cast<size_t>(d.Ev));
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / d.Hkv, h = bh % d.Hkv;
+      for (int64_t r = 0; r < d.R; ++r) {
+        T top = neg_inf<T>();
+        for (int64_t s = first_slice[b]; s < first_slice[b + 1]; ++s)
+          top = std::max(top, part_m[(s * d.Hkv + h) * d.R + r]);
+        std::fill(acc.begin(), acc.end(), T(0));
+        T total = 0;
+        if (top != neg_inf<T>()) {
+          for (int64_t s = first_slice[b]; s < first_slice[b + 1]; ++s) {
+            const int64_t row = (s * d.Hkv + h) * d.R + r;
+            const T w = std::exp(part_m[row] - top);  // 0 for a slice the row admits no key of
+            if (w == 0) continue;
+            total += w * part_l[row];
+            const T* o = part_o.data() + row * d.Ev;
+            for (int64_t c = 0; c < d.Ev; ++c) acc[c] += w * o[c];
+          }
+        }
+        // row r of kv head h's group is row (b, h * G + g, i) of out: (b * Hkv + h) * R + r
+        const int64_t row = (b * d.Hkv + h) * d.R + r;
+        const T inv = total > 0 ? T(1) / total : T(0);
+        T* dst = out_all + row * d.Ev;
+        for (int64_t c = 0; c < d.Ev; ++c) dst[c] = acc[c] * inv;
+        lse_all[row] = total > 0 ? top + std::log(total) : neg_inf<T>();
+      }
+    }
+  });
+}
+
+void check_inputs(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                  const Tensor& seqlens, const Tensor& table) {
+  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "attnx::kvcache_fwd: expected 4-D q, k_cache and v_cache");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "attnx::kvcache_fwd: expected the caches in q's dtype");
+  TORCH_CHECK(k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
+                  k_cache.size(2) == v_cache.size(2) && k_cache.size(3) == q.size(3),
+              "attnx::kvcache_fwd: k_cache and v_cache do not match q or each other");
+  TORCH_CHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0,
+              "attnx::kvcache_fwd: expected q's head count to be a multiple of the cache's");
+  TORCH_CHECK(seqlens.scalar_type() == at::kInt && seqlens.dim() == 1 && seqlens.size(0) == q.size(0),
+              "attnx::kvcache_fwd: expected int32 seqlens of shape (B,)");
+  if (table.defined()) {
+    TORCH_CHECK(table.scalar_type() == at::kInt && table.dim() == 2 && table.size(0) == q.size(0),
+                "attnx::kvcache_fwd: expected an int32 block_table of shape (B, max_blocks)");
+  } else {
+    TORCH_CHECK(k_cache.size(0) == q.size(0), "attnx::kvcache_fwd: expected a cache of batch size B");
+  }
+}
+
+// The lengths, checked against the cache (and the block ids a sequence uses against the number
+// of blocks) so that no read leaves the cache, whoever calls the op.
+std::vector<int64_t> checked_lengths(const Tensor& seqlens, const Tensor& table, const Tensor& cache) {
+  const int64_t B = seqlens.size(0), depth = cache.size(2);
+  const int64_t capacity = table.defined() ? table.size(1) * depth : depth;
+  std::vector<int64_t> lens(static_cast<size_t>(B));
+  const int32_t* raw = seqlens.data_ptr<int32_t>();
+  const int32_t* ids = table.defined() ? table.data_ptr<int32_t>() : nullptr;
+  for (int64_t b = 0; b < B; ++b) {
+    lens[b] = raw[b];
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= capacity, "attnx::kvcache_fwd: seqlens[", b, "] = ",
+                lens[b], " outside [0, ", capacity, "]");
+    if (!table.defined()) continue;
+    for (int64_t p = 0; p * depth < lens[b]; ++p) {
+      const int32_t block = ids[b * table.stride(0) + p];
+      TORCH_CHECK(block >= 0 && block < cache.size(0), "attnx::kvcache_fwd: block_table[", b, ", ",
+                  p, "] = ", block, " outside [0, ", cache.size(0), ")");
+    }
+  }
+  return lens;
+}
+
+std::tuple<Tensor, Tensor> attend(const Shape& d, const Tensor& q, const Tensor& k_cache,
+                                  const Tensor& v_cache, const std::vector<int64_t>& lens,
+                                  const Tensor& table, double scale, int64_t lo, int64_t hi) {
+  // q scaled once, rows of a kv head's group consecutive: (B, Hkv, G * Lq, E) is q's own order.
+  const Tensor qs = (q.contiguous() * scale).contiguous();
+  Tensor out = at::empty({d.B, d.Hq, d.Lq, d.Ev}, q.options());
+  Tensor lse = at::empty({d.B, d.Hq, d.Lq}, q.options());
+  if (q.scalar_type() == at::kDouble) {
+    run<double>(d, qs, k_cache, v_cache, lens, table, lo, hi, out, lse);
+  } else {
+    run<float>(d, qs, k_cache, v_cache, lens, table, lo, hi, out, lse);
+  }
+  return {out, lse.to(at::kFloat)};
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> kvcache_fwd(const Tensor& q, const Tensor& k_cache_in,
+                                       const Tensor& v_cache_in, const Tensor& seqlens,
+                                       const std::optional<Tensor>& block_table, double scale,
+                                       int64_t window_lo, int64_t window_hi) {
+  const Tensor table = block_table.has_value() ? block_table->contiguous() : Tensor();
+  check_inputs(q, k_cache_in, v_cache_in, seqlens, table);
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
+              "attnx::kvcache_fwd (CPU): expected float32 or float64, got ", q.scalar_type());
+  // Rows are read as runs of E values: a cache whose last dim is strided (never one a model
+  // keeps) is copied.
+  const Tensor k_cache = k_cache_in.stride(3) == 1 ? k_cache_in : k_cache_in.contiguous();
+  const Tensor v_cache = v_cache_in.stride(3) == 1 ? v_cache_in : v_cache_in.contiguous();
+  const std::vector<int64_t> lens = checked_lengths(seqlens.contiguous(), table, k_cache);
+  const int64_t capacity = table.defined() ? table.size(1) * k_cache.size(2) : k_cache.size(2);
+  const int64_t lq = q.size(2);
+  // Bounds that hold every j - (i + diag) keep i + diag + lo from overflowing.
+  const int64_t lo = std::clamp(window_lo, -capacity - lq, capacity + lq);
+  const int64_t hi = std::clamp(window_hi, -capacity - lq, capacity + lq);
+  Shape d{q.size(0), q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1), lq, q.size(3),
+          v_cache.size(3), 0};
+  d.R = d.G * d.Lq;
+  auto [out, lse] = attend(d, q, k_cache, v_cache, lens, table, scale, lo, hi);
+  if (q.scalar_type() == at::kFloat && !(at::isfinite(out).all().item<bool>() &&
+                                         !at::isnan(lse).any().item<bool>() &&
+                                         !at::isposinf(lse).any().item<bool>())) {
+    // float32 overflowed (scores past its range) or the inputs hold non-finite values; float64
+    // holds every product of float32 values, and keeps the inputs' own non-finite values.
+    auto [out64, lse64] = attend(d, q.to(at::kDouble), k_cache.to(at::kDouble),
+                                 v_cache.to(at::kDouble), lens, table, scale, lo, hi);
+    return {out64.to(at::kFloat), lse64};
+  }
+  return {out, lse};
+}
+
+}  // namespace attnx::cpu

@@ -1,0 +1,17 @@
+// Decoding attention against a KV cache on the CPU (attnx::kvcache_fwd; conventions:
+// csrc/ops.cpp).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <optional>
+#include <tuple>
+
+namespace attnx::cpu {
+
+std::tuple<at::Tensor, at::Tensor> kvcache_fwd(const at::Tensor& q, const at::Tensor& k_cache,
+                                               const at::Tensor& v_cache,
+                                               const at::Tensor& seqlens,
+                                               const std::optional<at::Tensor>& block_table,
+                                               double scale, int64_t window_lo,
+                                               int64_t window_hi);
+
+}  // namespace attnx::cpu

@@ -1,0 +1,323 @@
+"""attnx.attention_with_kvcache (API.md) on the reference and cpu backends.
+
+The golden value is plain torch SDPA in float64 over each sequence's keys gathered from the
+cache (slot by slot, through the block table when paged), with the bottom-right band as a bool
+mask; the bound is a small multiple of what the same PyTorch computation makes in the tested
+dtype. Every slot past a sequence's length holds NaN, so a read of one shows in the output.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnx
+from attnx import _ops
+from tests._compare import assert_within
+
+HAS_CPU_KERNEL = _ops.has_kernel("kvcache_fwd", "CPU")
+BACKENDS = ["reference", pytest.param("cpu", marks=pytest.mark.skipif(
+    not HAS_CPU_KERNEL, reason="attnx._C is not built"))]
+LENGTHS = [0, 1, 17, 97, 1025]  # tokens cached before the call, one per sequence
+
+
+class Cache:
+    """A contiguous or paged cache with NaN in every slot no sequence uses, and the map from
+    (sequence, position) to its slot."""
+
+    def __init__(self, b, hkv, e, ev, capacity, paged, dtype, seed=0, block_size=16):
+        g = torch.Generator().manual_seed(seed)
+        self.b, self.paged, self.block_size = b, paged, block_size
+        if paged:
+            per_seq = -(-capacity // block_size)
+            blocks = b * per_seq + 3  # spare blocks no sequence owns
+            order = torch.randperm(blocks, generator=g)[: b * per_seq]
+            self.table = order.view(b, per_seq).to(torch.int32)
+            shape = (blocks, hkv, block_size)
+        else:
+            self.table = None
+            shape = (b, hkv, capacity)
+        self.k = torch.full(shape + (e,), float("nan"), dtype=dtype)
+        self.v = torch.full(shape + (ev,), float("nan"), dtype=dtype)
+
+    def slot(self, b, p):
+        """(index of dim 0, index of dim 2) of position p of sequence b."""
+        if self.table is None:
+            return b, p
+        return int(self.table[b, p // self.block_size]), p % self.block_size
+
+    def slots(self, b, n):
+        """slot() of positions 0 .. n - 1 of sequence b, as two index tensors."""
+        p = torch.arange(n)
+        if self.table is None:
+            return torch.full((n,), b), p
+        return self.table[b].long()[p // self.block_size], p % self.block_size
+
+    def fill(self, lengths, seed=1):
+        """Random keys and values at positions 0 .. lengths[b] - 1."""
+        g = torch.Generator().manual_seed(seed)
+        for b, n in enumerate(lengths):
+            i, s = self.slots(b, n)
+            for cache in (self.k, self.v):
+                cache[i, :, s] = torch.randn(n, cache.shape[1], cache.shape[3], generator=g).to(cache.dtype)
+
+    def gather(self, cache, b, n):
+        """(Hkv, n, E) of sequence b."""
+        i, s = self.slots(b, n)
+        return cache[i, :, s].transpose(0, 1)
+
+
+def torch_decode(q, keys, values, scale, is_causal, window, dtype):
+    """out, lse of plain torch SDPA in `dtype`, one sequence at a time (keys[b]: (Hkv, n, E))."""
+    outs, lses = [], []
+    lq = q.shape[2]
+    for b in range(q.shape[0]):
+        qb, k, v = (t.to(dtype) for t in (q[b], keys[b], values[b]))
+        n = k.shape[1]
+        groups = qb.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+        d = torch.arange(n).view(1, n) - torch.arange(lq).view(lq, 1) - (n - lq)  # j - diagonal
+        allowed = torch.ones(lq, n, dtype=torch.bool)
+        if is_causal:
+            allowed &= d <= 0
+        if window is not None and window[0] is not None:
+            allowed &= d >= -window[0]
+        if window is not None and window[1] is not None:
+            allowed &= d <= window[1]
+        s = (qb @ k.transpose(-1, -2)) * scale
+        lse = torch.logsumexp(s.masked_fill(~allowed, float("-inf")), dim=-1)
+        out = F.scaled_dot_product_attention(qb, k, v, attn_mask=allowed, scale=scale)
+        out = torch.where(allowed.any(-1, keepdim=True), out, 0.0)  # torch gives NaN on empty rows
+        outs.append(out)
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def run_case(backend, dtype, *, paged, lq, lnew, is_causal=True, window=None, hq=4, hkv=2,
+             e=40, ev=24, lengths=LENGTHS, scale=None, factor=2.0):
+    b = len(lengths)
+    capacity = max(lengths) + lnew + 3
+    cache = Cache(b, hkv, e, ev, capacity, paged, dtype)
+    cache.fill(lengths)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(b, hq, lq, e, generator=g, dtype=torch.float64)
+    k_new = torch.randn(b, hkv, lnew, e, generator=g, dtype=torch.float64)
+    v_new = torch.randn(b, hkv, lnew, ev, generator=g, dtype=torch.float64)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+
+    out, lse = attnx.attention_with_kvcache(
+        q.to(dtype), cache.k, cache.v, seqlens, k_new.to(dtype) if lnew else None,
+        v_new.to(dtype) if lnew else None, block_table=cache.table, is_causal=is_causal,
+        scale=scale, window=window, backend=backend, return_lse=True)
+
+    # the new keys and values landed slot by slot, and nothing else changed
+    want_k, want_v = before_k.clone(), before_v.clone()
+    for i, n in enumerate(lengths):
+        for t in range(lnew):
+            blk, s = cache.slot(i, n + t)
+            want_k[blk, :, s], want_v[blk, :, s] = k_new[i, :, t].to(dtype), v_new[i, :, t].to(dtype)
+    torch.testing.assert_close(cache.k, want_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(cache.v, want_v, rtol=0, atol=0, equal_nan=True)
+
+    total = [n + lnew for n in lengths]
+    keys = [cache.gather(cache.k, i, n).double() for i, n in enumerate(total)]
+    values = [cache.gather(cache.v, i, n).double() for i, n in enumerate(total)]
+    scale_ = 1 / math.sqrt(e) if scale is None else scale
+    golden = torch_decode(q, keys, values, scale_, is_causal, window, torch.float64)
+    baseline = torch_decode(q.to(dtype), keys, values, scale_, is_causal, window, dtype)
+    assert out.dtype == dtype and out.shape == (b, hq, lq, ev)
+    assert lse.dtype == torch.float32 and lse.shape == (b, hq, lq)
+    floor = 1e-5 if dtype != torch.float64 else 1e-12
+    assert_within(out, golden[0], baseline[0], factor=factor, floor=floor)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(golden[1])), "lse: empty rows"
+    a, gl, bl = (t.nan_to_num(neginf=0.0) for t in (lse, golden[1], baseline[1]))
+    assert_within(a, gl, bl, factor=factor, floor=1e-5, what="lse")
+    return out
+
+
+MODES = {
+    "causal": dict(is_causal=True),
+    "full": dict(is_causal=False),
+    "causal_window": dict(is_causal=True, window=(7, None)),
+    "window": dict(is_causal=False, window=(30, 2)),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("lq", [1, 4, 17])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_matches_reference(backend, paged, lq, mode):
+    """Cache lengths 0-1025 in one batch (the longest split across threads and merged), GQA,
+    E and Ev off the vector widths, new keys appended before attending."""
+    run_case(backend, torch.float32, paged=paged, lq=lq, lnew=lq, **MODES[mode])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_without_new_keys_and_odd_block_size(backend, paged):
+    """No k, v: the queries attend the cache as it is (sequences of length 0 with Lq = 4: rows
+    with no key give zeros and lse -inf)."""
+    run_case(backend, torch.float32, paged=paged, lq=4, lnew=0, hq=3, hkv=3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_llama_shape(backend):
+    """The benchmark's shape (Hq 32, Hkv 8, D 128: whole vectors, the 8-vector value path)."""
+    run_case(backend, torch.float32, paged=True, lq=2, lnew=1, hq=32, hkv=8, e=128, ev=128,
+             lengths=[700, 33], scale=0.05)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float64(backend):
+    run_case(backend, torch.float64, paged=True, lq=3, lnew=2, window=(50, None))
+
+
+@pytest.mark.skipif(not HAS_CPU_KERNEL, reason="attnx._C is not built")
+def test_scores_past_float32_range_rerun_in_float64():
+    """Finite inputs whose scores overflow float32 give the float64 answer, not NaN."""
+    b, hq, hkv, lq, e = 1, 2, 1, 1, 16
+    q = torch.full((b, hq, lq, e), 3e18)
+    k = torch.randn(b, hkv, 40, e).abs() * 3e18
+    v = torch.randn(b, hkv, 40, e)
+    out = attnx.attention_with_kvcache(q, k, v, 40, backend="cpu")
+    ref = attnx.attention_with_kvcache(q.double(), k.double(), v.double(), 40, backend="reference")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int_seqlens_no_grad_and_auto(backend):
+    q = torch.randn(2, 2, 1, 8, requires_grad=True)
+    k, v = torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+    out = attnx.attention_with_kvcache(q, k, v, 6, backend=backend)
+    assert not out.requires_grad  # an inference op: no graph, whatever requires grad
+    same = attnx.attention_with_kvcache(q, k, v, torch.tensor([6, 6], dtype=torch.int32))
+    torch.testing.assert_close(out, same, rtol=1e-6, atol=1e-6)
+
+
+def test_empty_query():
+    q = torch.randn(2, 2, 0, 8)
+    k, v = torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+    out, lse = attnx.attention_with_kvcache(q, k, v, 3, return_lse=True)
+    assert out.shape == (2, 2, 0, 8) and lse.shape == (2, 2, 0)
+
+
+def test_bfloat16_runs_on_the_reference():
+    """The CPU kernel reads float32 and float64 caches; bfloat16 is served by the reference
+    (auto), and a forced cpu backend says why not."""
+    q, k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    out = attnx.attention_with_kvcache(q.bfloat16(), k.bfloat16(), v.bfloat16(), 7)
+    ref = attnx.attention_with_kvcache(q, k, v, 7, backend="reference")
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    if HAS_CPU_KERNEL:
+        with pytest.raises(attnx.BackendUnavailableError, match="bfloat16"):
+            attnx.attention_with_kvcache(q.bfloat16(), k.bfloat16(), v.bfloat16(), 7, backend="cpu")
+
+
+def _errors_case(paged=False):
+    cache = Cache(2, 2, 8, 8, 20, paged, torch.float32, block_size=4)
+    cache.fill([5, 9])
+    q = torch.randn(2, 4, 2, 8)
+    k_new, v_new = torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8)
+    return cache, q, k_new, v_new
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_capacity_overflow_raises_and_writes_nothing(paged):
+    cache, q, k_new, v_new = _errors_case(paged)
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    capacity = cache.table.shape[1] * 4 if paged else 20
+    seqlens = torch.tensor([5, capacity - 1], dtype=torch.int32)  # the second one overflows by 1
+    with pytest.raises(ValueError, match="cache_seqlens.*capacity"):
+        attnx.attention_with_kvcache(q, cache.k, cache.v, seqlens, k_new, v_new,
+                                     block_table=cache.table)
+    torch.testing.assert_close(cache.k, before_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(cache.v, before_v, rtol=0, atol=0, equal_nan=True)
+
+
+def test_block_ids_out_of_range_raise_and_write_nothing():
+    cache, q, k_new, v_new = _errors_case(paged=True)
+    before = cache.k.clone()
+    table = cache.table.clone()
+    table[1, 2] = cache.k.shape[0]  # a block sequence 1 uses (positions 8-11)
+    with pytest.raises(ValueError, match="block_table.*block ids"):
+        attnx.attention_with_kvcache(q, cache.k, cache.v, torch.tensor([5, 9], dtype=torch.int32),
+                                     k_new, v_new, block_table=table)
+    torch.testing.assert_close(cache.k, before, rtol=0, atol=0, equal_nan=True)
+    table = cache.table.clone()
+    table[:, -1] = -1  # padding past the blocks in use is fine
+    attnx.attention_with_kvcache(q, cache.k, cache.v, torch.tensor([1, 2], dtype=torch.int32),
+                                 k_new, v_new, block_table=table)
+
+
+def _bad_calls():
+    cache, q, k_new, v_new = _errors_case()
+    s = torch.tensor([5, 9], dtype=torch.int32)
+    kc, vc = cache.k, cache.v
+    return [
+        (TypeError, "cache_seqlens.*int32", dict(cache_seqlens=s.long())),
+        (ValueError, "cache_seqlens.*>= 0", dict(cache_seqlens=torch.tensor([-1, 2], dtype=torch.int32))),
+        (ValueError, "cache_seqlens.*shape", dict(cache_seqlens=torch.tensor([1], dtype=torch.int32))),
+        (TypeError, "k_cache.*dtype", dict(k_cache=kc.double())),
+        (ValueError, "k_cache.*head count", dict(q=torch.randn(2, 3, 2, 8))),
+        (ValueError, "k_cache.*head dim", dict(q=torch.randn(2, 4, 2, 6))),
+        (ValueError, "v_cache.*shape", dict(v_cache=vc[:, :, :10])),
+        (ValueError, "k, v.*both", dict(k=k_new, v=None)),
+        (ValueError, "k: expected shape", dict(k=k_new[:, :1], v=v_new[:, :1, :, :1].expand(2, 1, 2, 8))),
+        (ValueError, "v: expected shape", dict(k=k_new, v=v_new[:, :, :1])),
+        (TypeError, "block_table.*int32", dict(block_table=torch.zeros(2, 5, dtype=torch.int64))),
+        (ValueError, "block_table.*shape", dict(block_table=torch.zeros(3, 5, dtype=torch.int32))),
+        (ValueError, "softcap.*not yet supported", dict(softcap=30.0)),
+        (ValueError, "alibi_slopes.*not yet supported", dict(alibi_slopes=torch.ones(4))),
+        (ValueError, "sinks.*not yet supported", dict(sinks=torch.zeros(4))),
+        (ValueError, "window", dict(window=(-1, 0))),
+        (ValueError, "backend", dict(backend="nope")),
+    ], dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=s, k=k_new, v=v_new)
+
+
+@pytest.mark.parametrize("case", range(len(_bad_calls()[0])))
+def test_bad_input_names_the_argument(case):
+    errors, base = _bad_calls()
+    exc, pattern, change = errors[case]
+    kwargs = dict(base, **change)
+    before = kwargs["k_cache"].clone()
+    with pytest.raises(exc, match=pattern):
+        attnx.attention_with_kvcache(**kwargs)
+    torch.testing.assert_close(kwargs["k_cache"], before, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(not HAS_CPU_KERNEL, reason="attnx._C is not built")
+def test_avx2_path_matches_reference():
+    """ATTNX_CPU_AVX512=0 runs the 8-lane products, what CPUs without AVX-512 get."""
+    if _ops.build_info()["cpu_vector"] != "avx512":
+        pytest.skip("no AVX-512 here: the main run already tests the 8-lane bodies")
+    env = dict(os.environ, ATTNX_CPU_AVX512="0")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", "(matches_reference or llama or odd_block or float32_range) and cpu"
+                          " and not avx2"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert " passed" in res.stdout and "deselected" in res.stdout, res.stdout[-2000:]
+
+
+@pytest.mark.skipif(not HAS_CPU_KERNEL, reason="attnx._C is not built")
+def test_opcheck():
+    """The schema, fake kernel and dispatcher registration of attnx::kvcache_fwd agree."""
+    cache = Cache(2, 2, 8, 8, 12, True, torch.float32, block_size=4)
+    cache.fill([5, 9])
+    q = torch.randn(2, 4, 2, 8)
+    seqlens = torch.tensor([5, 9], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.attnx.kvcache_fwd.default,
+                          (q, cache.k, cache.v, seqlens, cache.table, 0.3, -14, 0))
+    contiguous = Cache(2, 2, 8, 8, 12, False, torch.float32)
+    contiguous.fill([5, 9])
+    torch.library.opcheck(torch.ops.attnx.kvcache_fwd.default,
+                          (q, contiguous.k, contiguous.v, seqlens, None, 0.3, -14, 12))
