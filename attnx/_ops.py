@@ -125,12 +125,6 @@ def _register(ns: str) -> None:
         dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
         return (*contiguous_grads(q, k, value, v), dmask)
 
-    @torch.library.register_fake("attnx::kvcache_fwd")
-    def _kvcache_fwd_fake(q, k_cache, v_cache, seqlens, block_table, scale, window_lo, window_hi):
-        same_device(q, k_cache, v_cache, seqlens, block_table)
-        b, h, lq, _ = q.shape
-        return q.new_empty((b, h, lq, v_cache.shape[-1])), q.new_empty((b, h, lq), dtype=torch.float32)
-
     def _wants_mask_grad(ctx, mask) -> bool:
         return mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[4 if ctx.additive else 3]
 
@@ -177,8 +171,22 @@ def _register(ns: str) -> None:
     torch.library.register_autograd(f"{ns}::additive_bwd", no_double_backward)
 
 
+def _register_kvcache() -> None:
+    """The fake kernel of attnx::kvcache_fwd, an inference op (no autograd) that only the attnx
+    library has: the host harness serves the kernels of csrc/cuda."""
+
+    @torch.library.register_fake("attnx::kvcache_fwd")
+    def _kvcache_fwd_fake(q, k_cache, v_cache, seqlens, block_table, scale, window_lo,
+                          window_hi):
+        same_device(q, k_cache, v_cache, seqlens, block_table)
+        b, h, lq, _ = q.shape
+        out = q.new_empty((b, h, lq, v_cache.shape[-1]))
+        return out, q.new_empty((b, h, lq), dtype=torch.float32)
+
+
 if _C is not None:
     _register("attnx")
+    _register_kvcache()
 
 
 @functools.cache
