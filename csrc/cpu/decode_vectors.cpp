@@ -7,38 +7,13 @@
 
 #include "sdpa_tile.h"
 
-// Written once on GCC vector types of W lanes, compiled for AVX2 (8) and AVX-512 (16), as
-// sdpa_tile.cpp's row operations are; the same cached choice (vector_isa()) picks the body.
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define ATTNX_X86_DISPATCH 1
-#define ATTNX_AVX2 __attribute__((target("avx2,fma")))
-#define ATTNX_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
-#endif
-#define ATTNX_BODY static inline __attribute__((always_inline))
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
+// Written once on GCC vector types of W lanes (vector_body.h), compiled for AVX2 (8) and
+// AVX-512 (16), as sdpa_tile.cpp's row operations are; the same cached choice picks the body.
+#include "vector_body.h"
 
 namespace attnx::cpu {
 namespace {
 
-template <int W>
-struct Vec {
-  typedef float f __attribute__((vector_size(4 * W)));
-};
-template <int W>
-using vf = typename Vec<W>::f;
-
-template <int W>
-ATTNX_BODY vf<W> load(const float* p) {
-  vf<W> v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-template <int W>
-ATTNX_BODY void store(float* p, vf<W> v) {
-  std::memcpy(p, &v, sizeof(v));
-}
 template <int W>
 ATTNX_BODY float hsum(vf<W> v) {
   float s = 0.0f;

@@ -9,39 +9,13 @@
 #include <limits>
 #include <string>
 
-// The float bodies are written once on GCC vector types of W lanes and instantiated three
-// times: 8 lanes for the baseline ISA and for AVX2, 16 for AVX-512, picked per call from a
-// cached CPU check. Inlining a baseline body into a target function compiles it for that
-// target, so no intrinsics are needed. AVX-512 runs exp_sum in 2/3 of AVX2's time even on Zen 4,
-// whose 512-bit units are two 256-bit ones (0.20 vs 0.30 ns per element on 256-key rows, one
-// core): half the instructions to issue.
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define ATTNX_X86_DISPATCH 1
-#define ATTNX_AVX2 __attribute__((target("avx2,fma")))
-#define ATTNX_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
-#endif
-#define ATTNX_BODY static inline __attribute__((always_inline))
-#if defined(__GNUC__) && !defined(__clang__)
-// The bodies pass vectors by value, always inlined: GCC's note that a vector argument's ABI
-// depends on the ISA concerns calls that never happen.
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
+// AVX-512 runs exp_sum in 2/3 of AVX2's time even on Zen 4, whose 512-bit units are two 256-bit
+// ones (0.20 vs 0.30 ns per element on 256-key rows, one core): half the instructions to issue.
+#include "vector_body.h"
 
 namespace attnx::cpu {
 namespace {
 
-template <int W>
-struct Vec {
-  typedef float f __attribute__((vector_size(4 * W)));
-  typedef int32_t i __attribute__((vector_size(4 * W)));
-  typedef uint32_t u __attribute__((vector_size(4 * W)));
-};
-template <int W>
-using vf = typename Vec<W>::f;
-template <int W>
-using vi = typename Vec<W>::i;
-template <int W>
-using vu = typename Vec<W>::u;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 template <int W>
@@ -58,16 +32,6 @@ ATTNX_BODY vu<W> lanes() {
   vu<W> v;
   for (int t = 0; t < W; ++t) v[t] = static_cast<uint32_t>(t);
   return v;
-}
-template <int W>
-ATTNX_BODY vf<W> load(const float* p) {
-  vf<W> v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-template <int W>
-ATTNX_BODY void store(float* p, vf<W> v) {
-  std::memcpy(p, &v, sizeof(v));
 }
 // The last n % W elements, padded with `fill`.
 template <int W>
