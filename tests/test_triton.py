@@ -473,6 +473,16 @@ def test_raw_ops_take_bands_of_any_size():
         torch.testing.assert_close(a, b)
 
 
+def test_dropout_seed_never_goes_through_the_host():
+    """The seed words stay on the device the kernels read them from: on the meta device, which
+    has no data, any copy through the host raises."""
+    from attnx.triton.rng import rng_words
+
+    words = rng_words(torch.tensor([7, 9], device="meta"), 0.25, torch.device("meta"))
+    assert words.device.type == "meta" and words.shape == (3,) and words.dtype == torch.int64
+    on_cpu = rng_words(torch.tensor([7, 9]), 0.25, torch.device("cpu"))
+    assert on_cpu.tolist() == [7, 9, _rng.keep_threshold(0.25)]
+
 def test_grids_stay_within_cudas_axis_caps():
     """CUDA caps grid axes y and z at 65535 (x at 2^31 - 1): 65536 heads must still launch.
     Launches are recorded, not run (tests/triton_compile/capture.py)."""
