@@ -32,7 +32,7 @@ def _blocks(a: int) -> dict:
     """Fixed tiles (the backward accumulates in scratch, which autotuning reruns would spoil)."""
     if common.interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_A=min(32, triton.next_power_of_2(a)))
-    return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_A=4, num_warps=4)
+    return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_A=4, num_warps=4, maxnreg=common.MAX_REGISTERS)
 
 
 @triton.jit

@@ -94,13 +94,18 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"  # ignored for 16-bit inputs
 
 
+# Every register a thread may have: without the bound ptxas may aim at occupancy and hold a
+# kernel at 168 registers with spills (Triton 3.6's ptxas on sm_80, the compile test found).
+MAX_REGISTERS = 255
+
+
 def configs(shapes, small):
     """Autotuning configs: (BLOCK_M, BLOCK_N, num_warps, num_stages) tuples for Ampere/Hopper,
     one small config under the interpreter (it runs every program in Python)."""
     if interpreting():
         return [triton.Config({"BLOCK_M": small[0], "BLOCK_N": small[1]}, num_warps=4)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-            for m, n, w, s in shapes]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s,
+                          maxnreg=MAX_REGISTERS) for m, n, w, s in shapes]
 
 
 def shared_memory_limit() -> int:

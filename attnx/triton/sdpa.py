@@ -28,7 +28,8 @@ _FWD = common.configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 
                        (32, 32, 4, 2), (32, 16, 4, 1)], small=(16, 16))
 _DKDV = common.configs([(64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3),
                         (64, 64, 8, 3), (32, 64, 8, 3), (32, 64, 4, 4), (64, 128, 8, 2),
-                        (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 1)], small=(16, 16))
+                        (16, 64, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 1)],
+                       small=(16, 16))
 _DQ = common.configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3),
                       (64, 32, 8, 3), (64, 32, 4, 4), (128, 64, 8, 2), (32, 32, 4, 2),
                       (16, 32, 4, 2), (16, 16, 4, 1)], small=(16, 16))
@@ -53,20 +54,20 @@ def _sums_tiles(m):
 
 
 def _dkdv_tiles(m):
-    """q and dO staged; k, v, p^T and ds^T through shared memory; dk, dv and p, dp, ds and a
-    transpose fp32 in registers (four more tiles for the dropout hash and kept p, one for a
-    mask), k and v held."""
+    """q and dO staged; k, v, p^T and ds^T through shared memory; dk, dv and six score-sized
+    fp32 tiles in registers (p, dp, ds, their transposes; four more for the dropout hash and
+    kept p, one for a mask), k and v held."""
     mm, n, d, dv = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"], m["BLOCK_DV"]
-    tiles = 4 + 4 * bool(m["DROPOUT"]) + bool(m["MASK_KIND"])
+    tiles = 6 + 4 * bool(m["DROPOUT"]) + bool(m["MASK_KIND"])
     return dict(staged=mm * (d + dv), resident=n * (d + dv + 2 * mm),
                 acc=n * (d + dv) + tiles * mm * n, held=n * (d + dv))
 
 
 def _dq_tiles(m):
-    """k and v^T staged; q, dO and ds through shared memory; dq and p, dp fp32 in registers, q
-    and dO held."""
+    """k and v^T staged; q, dO and ds through shared memory; dq and p, dp, ds fp32 in registers,
+    q and dO held."""
     mm, n, d, dv = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"], m["BLOCK_DV"]
-    return dict(staged=n * (d + dv), resident=mm * (d + dv + n), acc=mm * d + 2 * mm * n,
+    return dict(staged=n * (d + dv), resident=mm * (d + dv + n), acc=mm * d + 3 * mm * n,
                 held=mm * (d + dv))
 
 

@@ -72,7 +72,7 @@ def run(args) -> int:
         for row in pool.imap(_compile, range(len(_WORK))):
             rows.append(row)
             print(_line(len(rows), row), flush=True)
-            if args.json and len(rows) % 200 == 0:  # a long --full run leaves partial results
+            if args.json and len(rows) % 50 == 0:  # a long --full run leaves partial results
                 _write(args, rows, t0, complete=False)
     broken = _write(args, rows, t0, complete=True)
     for line in broken:

@@ -119,12 +119,13 @@ def _units_of(launch: Launch, v: Variant, arch: int) -> list[Unit]:
         kernel.nargs = None
         needs = getattr(kernel.early_config_prune, "needs", lambda *a, **k: None)
         fn = kernel.fn
-        chosen = [({**c.kwargs}, dict(num_warps=c.num_warps, num_stages=c.num_stages),
+        chosen = [({**c.kwargs}, dict(num_warps=c.num_warps, num_stages=c.num_stages,
+                                      maxnreg=c.maxnreg),
                    needs(c, nargs, **launch.kwargs)) for c in configs]
     else:
         fn = kernel
         kwargs = dict(launch.kwargs)
-        opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
         launch = dataclasses.replace(launch, kwargs=kwargs)
         chosen = [({}, opts, None)]
     units = []
