@@ -508,3 +508,27 @@ def test_grids_stay_within_cudas_axis_caps():
             grid = [grid]
         for g in grid:
             assert g[0] < 2**31 and all(n <= 65535 for n in g[1:]), (launch.kernel, g)
+
+
+def _autotune_keys(lq, lk):
+    """The autotuners' keys (as Triton's Autotuner builds them) of an SDPA forward and backward."""
+    from attnx.triton import sdpa as ts
+    from triton_compile.capture import recording
+
+    q, k = torch.zeros(1, 2, lq, 64), torch.zeros(1, 2, lk, 64)
+    launches = []
+    with recording(launches), torch.no_grad():
+        out, lse = ts.sdpa_fwd(q, k, k, None, 0.125, -lq, lk, 0.0, None)
+        ts.sdpa_bwd(out, q, k, k, None, out, lse, 0.125, -lq, lk, 0.0, None, False, None)
+    keys = []
+    for launch in launches:
+        args = {**dict(zip(launch.kernel.arg_names, launch.args)), **launch.kwargs}
+        keys.append(tuple(args[name] for name in launch.kernel.keys))
+    return keys
+
+
+def test_autotuning_keys_on_length_buckets():
+    """New lengths within a power of two reuse the tuned configs: an exact-length key re-tuned
+    (about a second forward, two backward) at every new length of a decoding loop."""
+    assert _autotune_keys(1000, 1000) == _autotune_keys(1020, 513) == _autotune_keys(1024, 1024)
+    assert _autotune_keys(1000, 1000) != _autotune_keys(1025, 1000)

@@ -76,6 +76,13 @@ def mask_arg(mask, dummy: torch.Tensor):
     return mask, tuple(mask.stride())
 
 
+def length_bucket(n: int) -> int:
+    """What the autotuners key on for a length: its power-of-two ceiling, so a decoding loop or
+    varying batch lengths tune once per bucket, where an exact-length key re-tuned (seconds)
+    at every new length."""
+    return triton.next_power_of_2(n)
+
+
 def head_block(d: int) -> int:
     """The padded (power-of-two, >= 16 for tl.dot) block for a head dim; loads mask the rest."""
     return max(16, triton.next_power_of_2(d))

@@ -35,7 +35,9 @@ _DQ = common.configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64,
                       (16, 32, 4, 2), (16, 16, 4, 1)], small=(16, 16))
 _SUMS = common.configs([(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (32, 16, 4, 2)],
                       small=(16, 16))
-_KEY = ["Lq", "Lk", "BLOCK_D", "BLOCK_DV", "MASK_KIND", "DROPOUT", "GROUPS"]
+# Tuned once per power-of-two bucket of the lengths (common.length_bucket), not per length.
+_KEY = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "BLOCK_DV", "MASK_KIND", "DROPOUT", "GROUPS"]
+_JIT = triton.jit(do_not_specialize=["LQ_BUCKET", "LK_BUCKET"])  # read by the autotuner only
 
 
 # What each kernel's tiles take, for common.pruner (element counts of a config).
@@ -88,12 +90,12 @@ def _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh):
 
 @triton.autotune(configs=_FWD, key=_KEY,
                  prune_configs_by={"early_config_prune": common.pruner(_fwd_tiles)})
-@triton.jit
+@_JIT
 def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                 smb, smh, smm, smn, sob, soh, som, sod,
                 H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
-                MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+                LQ_BUCKET, LK_BUCKET, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
@@ -136,11 +138,12 @@ def _probs(q, kt, m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, scale, 
     return tl.exp(s - lse[:, None])
 
 
-@triton.autotune(configs=_SUMS, key=["Lq", "Lk", "BLOCK_D", "MASK_KIND", "GROUPS"],
+@triton.autotune(configs=_SUMS, key=["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "MASK_KIND", "GROUPS"],
                  prune_configs_by={"early_config_prune": common.pruner(_sums_tiles)})
-@triton.jit
+@_JIT
 def _row_sums_kernel(Q, K, M, LSE, R, sqb, sqh, sqm, sqd, skb, skh, skn, skd, smb, smh, smm, smn,
                      H, Lq, Lk, E, GROUPS, scale, window_lo, window_hi, huge_lse,
+                     LQ_BUCKET, LK_BUCKET,
                      MASK_KIND: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """R = sum_j exp(s_ij - lse_i) on rows of huge |lse| (common.HUGE_LSE), 1 on the others;
@@ -169,11 +172,12 @@ def _row_sums_kernel(Q, K, M, LSE, R, sqb, sqh, sqm, sqd, skb, skh, skn, skd, sm
 
 @triton.autotune(configs=_DKDV, key=_KEY,
                  prune_configs_by={"early_config_prune": common.pruner(_dkdv_tiles)})
-@triton.jit
+@_JIT
 def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                  smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                  H, Hkv, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
+                 LQ_BUCKET, LK_BUCKET,
                  MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
                  DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -230,11 +234,12 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
 
 @triton.autotune(configs=_DQ, key=_KEY,
                  prune_configs_by={"early_config_prune": common.pruner(_dq_tiles)})
-@triton.jit
+@_JIT
 def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
+               LQ_BUCKET, LK_BUCKET,
                MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -274,7 +279,8 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
 
 
 def _common_args(q, k, v, mask, dropout_p, seed):
-    """Launch arguments shared by the three kernels: (tensors, strides, sizes, constexprs)."""
+    """Launch arguments shared by the three kernels: (tensors, strides, sizes, keywords: the
+    constexprs and the lengths' autotune buckets)."""
     m, m_strides = common.mask_arg(mask, q)
     rng = rng_words(seed, dropout_p, q.device) if dropout_p > 0 else q
     b, h, lq, e = q.shape
@@ -282,7 +288,8 @@ def _common_args(q, k, v, mask, dropout_p, seed):
     strides = (*q.stride(), *k.stride(), *v.stride(), *m_strides)
     consts = dict(MASK_KIND=common.mask_kind(mask), DROPOUT=dropout_p > 0,
                   DOT_PREC=common.dot_precision(q.dtype),
-                  BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
+                  BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev),
+                  LQ_BUCKET=common.length_bucket(lq), LK_BUCKET=common.length_bucket(lk))
     inv_keep = 1.0 / (1.0 - dropout_p)
     return m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep
 
@@ -315,8 +322,8 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     r = torch.empty_like(lse)
     common.launcher(_row_sums_kernel)[lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)](
         q, k, m, lse, r, *strides[:8], *strides[12:], h, lq, lk, e, h // hkv, scale, window_lo,
-        window_hi, common.HUGE_LSE, MASK_KIND=consts["MASK_KIND"], DOT_PREC=consts["DOT_PREC"],
-        BLOCK_D=consts["BLOCK_D"])
+        window_hi, common.HUGE_LSE, consts["LQ_BUCKET"], consts["LK_BUCKET"],
+        MASK_KIND=consts["MASK_KIND"], DOT_PREC=consts["DOT_PREC"], BLOCK_D=consts["BLOCK_D"])
     grad_out = common.divide_rows(grad_out, r)
     # With dropout D_i = sum_j P_ij dP_ij still equals rowsum(dO * O): O is built from the
     # dropped P, and dP of the dropped P differs from dP by the same keep / (1 - p) factor.

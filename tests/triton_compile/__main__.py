@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import platform
+import random
 import sys
 import tempfile
 import time
@@ -66,6 +67,8 @@ def run(args) -> int:
             else:
                 seen[key] = len(_WORK)
                 _WORK.append((u, [u.variant.name]))
+    if args.full:  # in a seeded random order: the partial results of a run cut short sample it all
+        random.Random(0).shuffle(_WORK)
     print(f"{len(_WORK)} units ({len(chosen)} variants) on {args.jobs} processes", flush=True)
     rows = []
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
