@@ -207,14 +207,20 @@ def test_sdpa_lse_is_differentiable():
     mask = _huge_bias_mask(2, 20, 33)
     dout, dlse = _randn((2, 2, 20, 8), f32, gen), _randn((2, 2, 20), f32, gen)
     res = {}
-    for backend in ("triton", "reference"):
-        leaves = [t.detach().requires_grad_() for t in (q, k, v, mask)]
+    # Bounded by the reference's own float32 error against float64, not a flat tolerance: on a
+    # GPU tl.exp / tl.log lower to approximate instructions, which the interpreter's numpy
+    # does not reproduce.
+    for name, backend, dtype in (("triton", "triton", f32), ("base", "reference", f32),
+                                 ("gold", "reference", torch.float64)):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, mask)]
         out, lse = attnx.scaled_dot_product_attention(*leaves[:3], attn_mask=leaves[3],
                                                       enable_gqa=True, return_lse=True,
                                                       backend=backend)
-        res[backend] = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), leaves)
-    for name, a, b in zip(("dq", "dk", "dv", "dmask"), res["triton"], res["reference"]):
-        assert max_err(a, b) < 1e-5, name
+        res[name] = torch.autograd.grad((out * dout.to(dtype)).sum() + (lse * dlse.to(dtype)).sum(),
+                                        leaves)
+    for name, a, gold, base in zip(("dq", "dk", "dv", "dmask"), res["triton"], res["gold"],
+                                   res["base"]):
+        assert_within(a, gold, base, factor=3.0, what=name)
 
 
 def test_sdpa_dropout_matches_reference():
@@ -329,10 +335,13 @@ def test_additive_bf16_and_three_d():
     q, k, value = (_randn((2, 5, 8), f32, gen) for _ in range(3))
     w = _randn((8,), f32, gen)
     out, weights = attnx.additive_attention(q, k, value, w, backend="triton", return_weights=True)
-    gold, gold_w = attnx.additive_attention(q, k, value, w, backend="reference",
+    gold, gold_w = attnx.additive_attention(q.double(), k.double(), value.double(), w.double(),
+                                            backend="reference", return_weights=True)
+    base, base_w = attnx.additive_attention(q, k, value, w, backend="reference",
                                             return_weights=True)
     assert out.shape == (2, 5, 8) and weights.shape == (2, 5, 5)
-    assert max_err(out, gold) < 1e-5 and max_err(weights, gold_w) < 1e-5
+    assert_within(out, gold, base)  # relative to float32's own error: GPU exp is approximate
+    assert_within(weights, gold_w, base_w, what="weights")
 
 
 # ---------------------------------------------------------------- fp32 dots
