@@ -1,4 +1,4 @@
-"""Every Triton kernel of attnx compiled ahead of time for sm_80 and sm_90, no GPU needed (issue 18).
+"""Every Triton kernel of attnx compiled ahead of time for sm_80 and sm_90 without a GPU (issue 18).
 
 The interpreter runs the kernels here but is no compiler: it accepts kernels that no GPU compile
 accepts, and says nothing of shared memory or registers. `tests/triton_compile` records every

@@ -150,7 +150,8 @@ def pruner(tiles):
     def needs(config, named_args, **kwargs) -> int:
         t = tiles({**kwargs, **config.kwargs})
         size = named_args["Q"].element_size()
-        return size * ((config.num_stages + 1) * t["staged"] + t["resident"] * (2 if size == 4 else 1))
+        resident = t["resident"] * (2 if size == 4 else 1)
+        return size * ((config.num_stages + 1) * t["staged"] + resident)
 
     def words(config, named_args, **kwargs) -> float:
         t = tiles({**kwargs, **config.kwargs})

@@ -95,7 +95,8 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                 smb, smh, smm, smn, sob, soh, som, sod,
                 H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
-                LQ_BUCKET, LK_BUCKET, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+                LQ_BUCKET, LK_BUCKET,
+                MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)

@@ -1,4 +1,4 @@
-"""Ahead-of-time GPU compiles of attnx's Triton kernels, without a GPU (tests/test_triton_compile.py).
+"""Ahead-of-time GPU compiles of the Triton kernels without a GPU (tests/test_triton_compile.py).
 
 `capture` runs the ops on CPU tensors with every kernel launch recorded instead of run, so the
 arguments, constexprs and configs compiled are exactly those the ops pass; `aot` compiles one
