@@ -34,7 +34,7 @@ class Variant:
     def name(self) -> str:
         flags = [f for f in ("dropout", "gqa", "weights") if getattr(self, f)]
         mask = [] if self.mask == "none" else [f"{self.mask}-mask"]
-        return "/".join([self.op, self.dtype, f"d{self.head_dim}", *mask, *flags] )
+        return "/".join([self.op, self.dtype, f"d{self.head_dim}", *mask, *flags])
 
 
 @dataclasses.dataclass
@@ -44,7 +44,7 @@ class Unit:
     variant: Variant
     fn: Any                  # triton JITFunction
     args: dict               # every parameter by name (constexprs included)
-    options: dict            # num_warps, num_stages
+    options: dict            # num_warps, num_stages, maxnreg
     config: dict             # the config's constexprs and options, for the report
     grid: tuple
     arch: int
@@ -53,6 +53,7 @@ class Unit:
 
 @dataclasses.dataclass
 class Launch:
+    """One recorded launch: `kernel[grid](*args, **kwargs)` (kernel an Autotuner or JIT function)."""
     kernel: Any
     grid: Any
     args: tuple
@@ -111,13 +112,15 @@ def _run_variant(v: Variant) -> None:
 
 
 def _units_of(launch: Launch, v: Variant, arch: int) -> list[Unit]:
+    """The units of one launch: one per config its autotuner keeps for sm_<arch> (the launch's
+    own options for a kernel that is not autotuned)."""
     kernel = launch.kernel
     if isinstance(kernel, triton.runtime.Autotuner):
         nargs = dict(zip(kernel.arg_names, launch.args))
         kernel.nargs = nargs
         configs = kernel.prune_configs(launch.kwargs)  # the autotuner's own pruning
         kernel.nargs = None
-        needs = getattr(kernel.early_config_prune, "needs", lambda *a, **k: None)
+        needs = kernel.early_config_prune.needs  # common.pruner's shared-memory estimate
         fn = kernel.fn
         chosen = [({**c.kwargs}, dict(num_warps=c.num_warps, num_stages=c.num_stages,
                                       maxnreg=c.maxnreg),
