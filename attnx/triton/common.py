@@ -136,8 +136,9 @@ REGISTER_WORDS = 128
 
 def pruner(tiles):
     """The autotuner's early_config_prune for a kernel whose config `tiles(meta)` describes (meta:
-    the config's BLOCK_M, BLOCK_N and the launch's BLOCK_D, BLOCK_DV) as a dict of element counts:
-    `staged` (tiles each pipeline stage buffers in shared memory), `resident` (operand tiles of
+    the config's BLOCK_M, BLOCK_N with the launch's arguments) as a dict of element counts:
+    `staged` (tiles each pipeline stage buffers in shared memory; `mask`, the mask's tile, in its
+    own dtype), `resident` (operand tiles of
     tl.dot staged once), `acc` (fp32 tiles in registers: accumulators, scores) and `held`
     (input-dtype tiles kept in registers).
 
@@ -148,13 +149,15 @@ def pruner(tiles):
     fp16/bf16 with head dims up to 128 the compile test holds both rules to the compiler's own
     figures on sm_80 and sm_90 (`needs` is the shared-memory estimate)."""
     def needs(config, named_args, **kwargs) -> int:
-        t = tiles({**kwargs, **config.kwargs})
+        t = tiles({**named_args, **kwargs, **config.kwargs})
         size = named_args["Q"].element_size()
         resident = t["resident"] * (2 if size == 4 else 1)
-        return size * ((config.num_stages + 1) * t["staged"] + resident)
+        # A mask's tile is staged with the keys, in the mask's own dtype.
+        mask = t["mask"] * named_args["M"].element_size() if kwargs["MASK_KIND"] else 0
+        return (config.num_stages + 1) * (size * t["staged"] + mask) + size * resident
 
     def words(config, named_args, **kwargs) -> float:
-        t = tiles({**kwargs, **config.kwargs})
+        t = tiles({**named_args, **kwargs, **config.kwargs})
         held = t["held"] * named_args["Q"].element_size() / 4
         return (t["acc"] + held) / (32 * config.num_warps)
 

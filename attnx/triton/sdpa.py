@@ -45,23 +45,24 @@ def _fwd_tiles(m):
     """K^T and V staged; q and p through shared memory; acc and s/p fp32 in registers (and the
     mask or dropout's tile where there is one), q held."""
     mm, n, d, dv = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"], m["BLOCK_DV"]
-    tiles = 2 if m["MASK_KIND"] or m["DROPOUT"] else 1
-    return dict(staged=n * (d + dv), resident=mm * (d + n), acc=mm * (dv + tiles * n), held=mm * d)
+    tiles = 1 + m["MASK_KIND"] + bool(m["DROPOUT"])  # a float mask: its load and fp32 copy
+    return dict(staged=n * (d + dv), mask=mm * n, resident=mm * (d + n), acc=mm * (dv + tiles * n),
+                held=mm * d)
 
 
 def _sums_tiles(m):
     """K^T staged; q through shared memory; s fp32 in registers, q held."""
     mm, n, d = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"]
-    return dict(staged=n * d, resident=mm * (d + n), acc=mm * n, held=mm * d)
+    return dict(staged=n * d, mask=mm * n, resident=mm * (d + n), acc=mm * n, held=mm * d)
 
 
 def _dkdv_tiles(m):
     """q and dO staged; k, v, p^T and ds^T through shared memory; dk, dv and six score-sized
     fp32 tiles in registers (p, dp, ds, their transposes; four more for the dropout hash and
-    kept p, one for a mask), k and v held."""
+    kept p, one for a mask, five for a GQA group's loop), k and v held."""
     mm, n, d, dv = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"], m["BLOCK_DV"]
-    tiles = 6 + 4 * bool(m["DROPOUT"]) + bool(m["MASK_KIND"])
-    return dict(staged=mm * (d + dv), resident=n * (d + dv + 2 * mm),
+    tiles = 6 + 4 * bool(m["DROPOUT"]) + bool(m["MASK_KIND"]) + 5 * (m["GROUPS"] > 1)
+    return dict(staged=mm * (d + dv), mask=mm * n, resident=n * (d + dv + 2 * mm),
                 acc=n * (d + dv) + tiles * mm * n, held=n * (d + dv))
 
 
@@ -69,8 +70,8 @@ def _dq_tiles(m):
     """k and v^T staged; q, dO and ds through shared memory; dq and p, dp, ds fp32 in registers,
     q and dO held."""
     mm, n, d, dv = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"], m["BLOCK_DV"]
-    return dict(staged=n * (d + dv), resident=mm * (d + dv + n), acc=mm * d + 3 * mm * n,
-                held=mm * (d + dv))
+    return dict(staged=n * (d + dv), mask=mm * n, resident=mm * (d + dv + n),
+                acc=mm * d + 3 * mm * n, held=mm * (d + dv))
 
 
 @triton.jit

@@ -21,6 +21,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--only", nargs="+", default=[],
+                    help="only the variants whose name contains one of these (e.g. float-mask)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"):
         sys.exit("triton_compile: unset TRITON_INTERPRET (the interpreter replaces the kernels)")
@@ -55,6 +57,8 @@ def run(args) -> int:
 
     t0 = time.perf_counter()
     chosen = variants.full() if args.full else list(variants.CI)
+    if args.only:
+        chosen = [v for v in chosen if any(part in v.name for part in args.only)]
     seen: dict = {}
     for arch in args.arch:
         units = [u for v in chosen for u in capture.units(v, arch)]
