@@ -24,7 +24,7 @@ import triton.language as tl
 from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device, weights_grads
 from . import common
 from .common import (admit, dot, huge_rows, key_range, query_range, score_grad,
-                     softmax_start, softmax_step, store_rows)
+                     softmax_start, softmax_step, split_tile, store_rows, tile_and_head)
 from .rng import keep, rng_words, row_keys
 
 
@@ -32,7 +32,7 @@ def _blocks(a: int) -> dict:
     """Fixed tiles (the backward accumulates in scratch, which autotuning reruns would spoil)."""
     if common.interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_A=min(32, triton.next_power_of_2(a)))
-    return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_A=4, num_warps=4)
+    return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_A=4, num_warps=4, maxnreg=common.MAX_REGISTERS)
 
 
 @triton.jit
@@ -73,8 +73,7 @@ def _fwd_kernel(Q, K, VAL, W, M, O, LSE, RNG,
                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_A: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    m0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    m0, bh = tile_and_head(Lq, BLOCK_M)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -124,8 +123,8 @@ def _row_sums_kernel(Q, K, W, M, LSE, R,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """R = sum_j exp(s_ij - lse_i) on rows of huge |lse| (common.HUGE_LSE), 1 on the others;
     blocks without such rows read nothing but their lse."""
-    m0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
+    m0, bh = tile_and_head(Lq, BLOCK_M)
+    bh = bh.to(tl.int64)
     b = bh // H
     h = bh % H
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -150,9 +149,12 @@ def _weights_kernel(Q, K, W, M, LSE, RNG, P,
                     H, Lq, Lk, A, window_lo, window_hi, inv_keep,
                     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_A: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    bh = tl.program_id(2).to(tl.int64)
+    # One axis over (query tile, key tile, b * H + h): common.tiles_grid's reason.
+    m0, rest = split_tile(tl.program_id(0), Lq, BLOCK_M)
+    n0, bh = split_tile(rest, Lk, BLOCK_N)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    bh = bh.to(tl.int64)
     b = bh // H
     h = bh % H
     p = _probs(Q + b * sqb + h * sqh, K + b * skb + h * skh, W + h * swh, M + b * smb + h * smh,
@@ -166,12 +168,17 @@ def _weights_kernel(Q, K, W, M, LSE, RNG, P,
 
 
 @triton.jit
-def _dweights(DWEIGHTS, bh, offs_m, offs_n, Lq, Lk, HAS_DWEIGHTS: tl.constexpr):
-    """The tile of the weights' gradient ((B, H, Lq, Lk) contiguous fp32), or 0.0 for none."""
+def _dweights(DWEIGHTS, bh, offs_m, offs_n, Lq, Lk, HAS_DWEIGHTS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile of the weights' gradient ((B, H, Lq, Lk) contiguous fp32), zeros for none: both
+    branches return a (BLOCK_M, BLOCK_N) fp32 tile, as a GPU compile requires (a scalar 0.0 in
+    one branch fails there with "Inconsistent return types"; the interpreter accepts it)."""
     if HAS_DWEIGHTS:
-        return tl.load(DWEIGHTS + (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :],
+        tile = tl.load(DWEIGHTS + (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :],
                        mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk), other=0.0)
-    return 0.0
+    else:
+        tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    return tile
 
 
 @triton.jit
@@ -183,9 +190,8 @@ def _dk_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DK, DVAL, DW, DM,
                HAS_DWEIGHTS: tl.constexpr,
                DOT_PREC: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_A: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_n = tl.program_id(0)
-    n0 = pid_n * BLOCK_N
-    bh = tl.program_id(1).to(tl.int64)
+    n0, bh = tile_and_head(Lk, BLOCK_N)
+    bh = bh.to(tl.int64)
     b = bh // H
     h = bh % H
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -198,7 +204,7 @@ def _dk_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DK, DVAL, DW, DM,
     val_t = tl.trans(tl.load(VAL + b * svb + h * svh + offs_n[:, None] * svn
                              + offs_dv[None, :] * svd, mask=val_mask, other=0.0))
     dk_rows = DK + (bh * Lk + offs_n[:, None]) * A  # fp32 scratch, zeroed, owned here
-    dw_slot = DW + (bh * tl.num_programs(0) + pid_n) * A
+    dw_slot = DW + (bh * tl.cdiv(Lk, BLOCK_N) + n0 // BLOCK_N) * A
     dval = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     start, end = query_range(n0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
     for m0 in range(start, end, BLOCK_M):
@@ -210,7 +216,8 @@ def _dk_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DK, DVAL, DW, DM,
         do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd,
                      mask=row_ok[:, None] & (offs_dv[None, :] < Ev), other=0.0)
         delta = tl.load(DELTA + bh * Lq + offs_m, mask=row_ok, other=0.0)
-        dweights = _dweights(DWEIGHTS, bh, offs_m, offs_n, Lq, Lk, HAS_DWEIGHTS)
+        dweights = _dweights(DWEIGHTS, bh, offs_m, offs_n, Lq, Lk, HAS_DWEIGHTS, BLOCK_M,
+                               BLOCK_N)
         ds, p_used = score_grad(p, do, val_t, dweights, delta, RNG, bh, offs_m, offs_n, inv_keep,
                                 DROPOUT, DOT_PREC)
         dval += dot(tl.trans(p_used.to(do.dtype)), do, DOT_PREC)
@@ -242,8 +249,8 @@ def _dq_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DQ,
                DOT_PREC: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_A: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    m0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
+    m0, bh = tile_and_head(Lq, BLOCK_M)
+    bh = bh.to(tl.int64)
     b = bh // H
     h = bh % H
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -266,7 +273,8 @@ def _dq_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DQ,
                    MASK_KIND, BLOCK_M, BLOCK_N, BLOCK_A)
         val_t = tl.load(v_base + offs_n[None, :] * svn + offs_dv[:, None] * svd,
                         mask=(offs_n[None, :] < Lk) & (offs_dv[:, None] < Ev), other=0.0)
-        dweights = _dweights(DWEIGHTS, bh, offs_m, offs_n, Lq, Lk, HAS_DWEIGHTS)
+        dweights = _dweights(DWEIGHTS, bh, offs_m, offs_n, Lq, Lk, HAS_DWEIGHTS, BLOCK_M,
+                               BLOCK_N)
         ds, _ = score_grad(p, do, val_t, dweights, delta, RNG, bh, offs_m, offs_n, inv_keep,
                            DROPOUT, DOT_PREC)
         for a0 in range(0, A, BLOCK_A):
@@ -303,7 +311,7 @@ def additive_fwd(q: torch.Tensor, k: torch.Tensor, value: torch.Tensor, v: torch
     lk, ev = k.shape[2], value.shape[-1]
     out = q.new_empty((b, h, lq, ev))
     lse = q.new_empty((b, h, lq), dtype=torch.float32)
-    grid = (triton.cdiv(lq, consts["BLOCK_M"]), b * h)
+    grid = common.tiles_grid(lq, consts["BLOCK_M"], b * h)
     common.launcher(_fwd_kernel)[grid](
         q, k, value, v, m, out, lse, rng, *strides, *out.stride(),
         h, lq, lk, a, ev, window_lo, window_hi, inv_keep, **consts)
@@ -318,7 +326,7 @@ def _row_sums(q, k, v, mask, lse, window_lo, window_hi):
     b, h, lq, a = q.shape
     blocks = _blocks(a)
     r = torch.empty_like(lse)
-    common.launcher(_row_sums_kernel)[(triton.cdiv(lq, blocks["BLOCK_M"]), b * h)](
+    common.launcher(_row_sums_kernel)[common.tiles_grid(lq, blocks["BLOCK_M"], b * h)](
         q, k, v, m, lse, r, *q.stride(), *k.stride(), *v.stride(), *m_strides,
         h, lq, k.shape[2], a, window_lo, window_hi, common.HUGE_LSE,
         MASK_KIND=common.mask_kind(mask), **blocks)
@@ -333,7 +341,7 @@ def _weights(q, k, v, mask, lse, window_lo, window_hi, dropout_p, seed):
     lk = k.shape[2]
     blocks = _blocks(a)
     weights = q.new_empty((b, h, lq, lk))
-    grid = (triton.cdiv(lq, blocks["BLOCK_M"]), triton.cdiv(lk, blocks["BLOCK_N"]), b * h)
+    grid = common.tiles_grid(lq, blocks["BLOCK_M"], triton.cdiv(lk, blocks["BLOCK_N"]) * b * h)
     common.launcher(_weights_kernel)[grid](
         q, k, v, m, lse, rng, weights, *q.stride(), *k.stride(), *v.stride(), *m_strides,
         h, lq, lk, a, window_lo, window_hi, 1.0 / (1.0 - dropout_p),
@@ -371,10 +379,10 @@ def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value
     dmask = q.new_zeros((b, h, lq, lk)) if mask_grad else q.new_empty((0,))
     sizes = (h, lq, lk, a, ev, window_lo, window_hi, inv_keep)
     has_dw = grad_weights is not None
-    common.launcher(_dk_kernel)[(n_blocks, b * h)](
+    common.launcher(_dk_kernel)[common.tiles_grid(lk, consts["BLOCK_N"], b * h)](
         q, k, value, v, m, grad_out, dweights, lse, delta, rng, dk, dvalue, dw, dmask, *strides,
         *grad_out.stride(), *sizes, MASK_GRAD=mask_grad, HAS_DWEIGHTS=has_dw, **consts)
-    common.launcher(_dq_kernel)[(triton.cdiv(lq, consts["BLOCK_M"]), b * h)](
+    common.launcher(_dq_kernel)[common.tiles_grid(lq, consts["BLOCK_M"], b * h)](
         q, k, value, v, m, grad_out, dweights, lse, delta, rng, dq, *strides, *grad_out.stride(),
         *sizes, HAS_DWEIGHTS=has_dw, **consts)
     return dq.to(q.dtype), dk.to(k.dtype), dvalue, dw.sum((0, 2)).to(v.dtype), dmask

@@ -3,6 +3,7 @@ launch configurations."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -75,6 +76,13 @@ def mask_arg(mask, dummy: torch.Tensor):
     return mask, tuple(mask.stride())
 
 
+def length_bucket(n: int) -> int:
+    """What the autotuners key on for a length: its power-of-two ceiling, so a decoding loop or
+    varying batch lengths tune once per bucket, where an exact-length key re-tuned (seconds)
+    at every new length."""
+    return triton.next_power_of_2(n)
+
+
 def head_block(d: int) -> int:
     """The padded (power-of-two, >= 16 for tl.dot) block for a head dim; loads mask the rest."""
     return max(16, triton.next_power_of_2(d))
@@ -83,10 +91,19 @@ def head_block(d: int) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """The DOT_PREC constexpr of `dot`."""
     if dtype == torch.float32:
-        return "ieee"  # true fp32 products: tf32 would lose to PyTorch's own fp32 error
+        # Three TF32 tensor-core products (big*big + big*small + small*big): about fp32's
+        # error (tests/test_triton.py emulates it; the interpreter computes plain fp32), where
+        # one TF32 product would lose to PyTorch's own fp32 error and "ieee" runs on the FMA
+        # units, spilling heavily and compiling for tens of seconds (issue 18).
+        return "tf32x3"
     if dtype == torch.bfloat16 and interpreting():
         return "upcast"  # the interpreter's tl.dot mistakes bfloat16 for integers
     return "tf32"  # ignored for 16-bit inputs
+
+
+# Every register a thread may have: without the bound ptxas may aim at occupancy and hold a
+# kernel at 168 registers with spills (Triton 3.6's ptxas on sm_80, the compile test found).
+MAX_REGISTERS = 255
 
 
 def configs(shapes, small):
@@ -94,15 +111,70 @@ def configs(shapes, small):
     one small config under the interpreter (it runs every program in Python)."""
     if interpreting():
         return [triton.Config({"BLOCK_M": small[0], "BLOCK_N": small[1]}, num_warps=4)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-            for m, n, w, s in shapes]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s,
+                          maxnreg=MAX_REGISTERS) for m, n, w, s in shapes]
 
 
-def prune_wide_heads(configs_, named_args, **kwargs):
-    """Head dims over 128 do not fit 128-wide tiles in registers/shared memory."""
-    wide = max(kwargs.get("BLOCK_D", 0), kwargs.get("BLOCK_DV", 0)) > 128
-    kept = [c for c in configs_ if not wide or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64]
-    return kept or configs_[-1:]
+def shared_memory_limit() -> int:
+    """The opt-in shared memory per block of the current CUDA device: what a launch may use
+    (163 KiB on an A100, 227 KiB on an H100)."""
+    from triton.runtime import driver
+    return _device_shared_limit(driver.active.get_current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_shared_limit(device: int) -> int:
+    from triton.runtime import driver
+    return driver.active.utils.get_device_properties(device)["max_shared_mem"]
+
+
+# Registers (32-bit words per thread) a config's register tiles may take, of 255: the rest
+# holds pointers, masks and the compiler's temporaries. From the sm_80/sm_90 compiles
+# (tests/test_triton_compile.py): fp16/bf16 configs over it spill, configs within it do not.
+REGISTER_WORDS = 128
+
+
+def pruner(tiles):
+    """The autotuner's early_config_prune for a kernel whose config `tiles(meta)` describes (meta:
+    the config's BLOCK_M, BLOCK_N with the launch's arguments) as a dict of element counts:
+    `staged` (tiles each pipeline stage buffers in shared memory; `mask`, the mask's tile, in its
+    own dtype), `resident` (operand tiles of
+    tl.dot staged once), `acc` (fp32 tiles in registers: accumulators, scores) and `held`
+    (input-dtype tiles kept in registers).
+
+    Shared memory, in bytes of Q's dtype: (num_stages + 1) * staged + resident, the resident
+    tiles twice in fp32, where tf32x3 splits each operand in two; it must fit the device. Registers:
+    acc + held * (element size / 4) over the config's threads must fit REGISTER_WORDS, for head
+    dims up to 128 (wider ones keep every config that fits shared memory). For
+    fp16/bf16 with head dims up to 128 the compile test holds both rules to the compiler's own
+    figures on sm_80 and sm_90 (`needs` is the shared-memory estimate)."""
+    def needs(config, named_args, **kwargs) -> int:
+        t = tiles({**named_args, **kwargs, **config.kwargs})
+        size = named_args["Q"].element_size()
+        resident = t["resident"] * (2 if size == 4 else 1)
+        # A mask's tile is staged with the keys, in the mask's own dtype.
+        mask = t["mask"] * named_args["M"].element_size() if kwargs["MASK_KIND"] else 0
+        return (config.num_stages + 1) * (size * t["staged"] + mask) + size * resident
+
+    def words(config, named_args, **kwargs) -> float:
+        t = tiles({**named_args, **kwargs, **config.kwargs})
+        held = t["held"] * named_args["Q"].element_size() / 4
+        return (t["acc"] + held) / (32 * config.num_warps)
+
+    def prune(configs_, named_args, **kwargs):
+        limit = shared_memory_limit()
+        fit = [c for c in configs_ if needs(c, named_args, **kwargs) <= limit]
+        kept = [c for c in fit if words(c, named_args, **kwargs) <= REGISTER_WORDS]
+        # Heads over 128 wide spill in every config but the smallest tiles: there the autotuner
+        # times every config that fits (spilling, bigger tiles may win), as it does where no
+        # config keeps within the registers. A device with less shared memory than sm_80's gets
+        # the least hungry config, which the estimate's margin may still let launch.
+        if max(kwargs["BLOCK_D"], kwargs.get("BLOCK_DV", 0)) > 128 or not kept:
+            kept = fit
+        return kept or [min(configs_, key=lambda c: needs(c, named_args, **kwargs))]
+
+    prune.needs = needs
+    return prune
 
 
 @triton.jit
@@ -143,6 +215,26 @@ def admit_block(s, m_ptr, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, w
     else:
         s = admit(s, m_ptr, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
     return s
+
+
+def tiles_grid(length: int, block: int, heads: int) -> tuple[int]:
+    """The grid of `tile_and_head`: one axis, whose cap (2^31 - 1) no tensor reaches, where
+    (tiles, heads) on axes (x, y) failed at launch from 65536 heads (CUDA caps y and z at 65535)."""
+    return (triton.cdiv(length, block) * heads,)
+
+
+@triton.jit
+def tile_and_head(L, BLOCK: tl.constexpr):
+    """(first row of this program's tile, head b * H + h) on a `tiles_grid`: the tiles of one
+    head are neighbours, as on a (tiles, heads) grid, so they meet its K/V in L2."""
+    return split_tile(tl.program_id(0), L, BLOCK)
+
+
+@triton.jit
+def split_tile(index, L, BLOCK: tl.constexpr):
+    """(first row of tile index % tiles, index // tiles) for the cdiv(L, BLOCK) tiles of L."""
+    tiles = tl.cdiv(L, BLOCK)
+    return (index % tiles) * BLOCK, index // tiles
 
 
 @triton.jit

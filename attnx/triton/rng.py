@@ -14,9 +14,11 @@ from .. import _rng
 
 
 def rng_words(seed: torch.Tensor, p: float, device: torch.device) -> torch.Tensor:
-    """int64 (3,) on `device`: seed0, seed1, keep threshold."""
-    threshold = torch.tensor([_rng.keep_threshold(p)], dtype=torch.int64)
-    return torch.cat((seed.to(torch.int64).cpu(), threshold)).to(device)
+    """int64 (3,) on `device`: seed0, seed1, keep threshold. A seed already on the device stays
+    there: no copy through the host, which would synchronise (and break CUDA graphs)."""
+    seed = seed.to(device=device, dtype=torch.int64)
+    threshold = torch.full((1,), _rng.keep_threshold(p), dtype=torch.int64, device=device)
+    return torch.cat((seed, threshold))
 
 
 @triton.jit

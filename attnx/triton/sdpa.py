@@ -18,25 +18,66 @@ import triton.language as tl
 from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device
 from . import common
 from .common import (admit_block, dot, huge_rows, key_range, query_range, score_grad,
-                     softmax_start, softmax_step, store_rows)
+                     softmax_start, softmax_step, store_rows, tile_and_head)
 from .rng import keep, rng_words, row_keys
 
+# Pruned per launch by common.pruner; the small configs are what fits wide fp32 heads on
+# sm_80, the 8-warp ones what fits 128-wide heads in registers.
 _FWD = common.configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
-                       (64, 32, 4, 4), (128, 32, 4, 4), (64, 64, 4, 2)], small=(16, 16))
-_DKDV = common.configs([(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 4),
-                        (64, 128, 8, 2), (32, 32, 4, 2)], small=(16, 16))
-_DQ = common.configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4),
-                      (128, 64, 8, 2), (32, 32, 4, 2)], small=(16, 16))
-_SUMS = common.configs([(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4)], small=(16, 16))
-_KEY = ["Lq", "Lk", "BLOCK_D", "BLOCK_DV", "MASK_KIND", "DROPOUT", "GROUPS"]
-_PRUNE = {"early_config_prune": common.prune_wide_heads}
+                       (64, 32, 4, 4), (128, 32, 4, 4), (64, 64, 4, 2), (64, 32, 8, 2),
+                       (32, 32, 4, 2), (32, 16, 4, 1)], small=(16, 16))
+_DKDV = common.configs([(64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3),
+                        (64, 64, 8, 3), (32, 64, 8, 3), (32, 64, 4, 4), (64, 128, 8, 2),
+                        (16, 64, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 1)],
+                       small=(16, 16))
+_DQ = common.configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3),
+                      (64, 32, 8, 3), (64, 32, 4, 4), (128, 64, 8, 2), (32, 32, 4, 2),
+                      (16, 32, 4, 2), (16, 16, 4, 1)], small=(16, 16))
+_SUMS = common.configs([(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (32, 16, 4, 2)],
+                      small=(16, 16))
+# Tuned once per power-of-two bucket of the lengths (common.length_bucket), not per length.
+_KEY = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "BLOCK_DV", "MASK_KIND", "DROPOUT", "GROUPS"]
+_JIT = triton.jit(do_not_specialize=["LQ_BUCKET", "LK_BUCKET"])  # read by the autotuner only
+
+
+# What each kernel's tiles take, for common.pruner (element counts of a config).
+def _fwd_tiles(m):
+    """K^T and V staged; q and p through shared memory; acc and s/p fp32 in registers (and the
+    mask or dropout's tile where there is one), q held."""
+    mm, n, d, dv = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"], m["BLOCK_DV"]
+    tiles = 1 + m["MASK_KIND"] + bool(m["DROPOUT"])  # a float mask: its load and fp32 copy
+    return dict(staged=n * (d + dv), mask=mm * n, resident=mm * (d + n), acc=mm * (dv + tiles * n),
+                held=mm * d)
+
+
+def _sums_tiles(m):
+    """K^T staged; q through shared memory; s fp32 in registers, q held."""
+    mm, n, d = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"]
+    return dict(staged=n * d, mask=mm * n, resident=mm * (d + n), acc=mm * n, held=mm * d)
+
+
+def _dkdv_tiles(m):
+    """q and dO staged; k, v, p^T and ds^T through shared memory; dk, dv and six score-sized
+    fp32 tiles in registers (p, dp, ds, their transposes; four more for the dropout hash and
+    kept p, one for a mask, five for a GQA group's loop), k and v held."""
+    mm, n, d, dv = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"], m["BLOCK_DV"]
+    tiles = 6 + 4 * bool(m["DROPOUT"]) + bool(m["MASK_KIND"]) + 5 * (m["GROUPS"] > 1)
+    return dict(staged=mm * (d + dv), mask=mm * n, resident=n * (d + dv + 2 * mm),
+                acc=n * (d + dv) + tiles * mm * n, held=n * (d + dv))
+
+
+def _dq_tiles(m):
+    """k and v^T staged; q, dO and ds through shared memory; dq and p, dp, ds fp32 in registers,
+    q and dO held."""
+    mm, n, d, dv = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"], m["BLOCK_DV"]
+    return dict(staged=n * (d + dv), mask=mm * n, resident=mm * (d + dv + n),
+                acc=mm * d + 3 * mm * n, held=mm * (d + dv))
 
 
 @triton.jit
-def _query_program(H, GROUPS, BLOCK_M: tl.constexpr):
+def _query_program(H, Lq, GROUPS, BLOCK_M: tl.constexpr):
     """(first query row, b * Hq + h, b, h, kv head) of a program over (query block, b * Hq + h)."""
-    m0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    m0, bh = tile_and_head(Lq, BLOCK_M)
     b = (bh // H).to(tl.int64)
     h = bh % H
     return m0, bh, b, h, (h // GROUPS).to(tl.int64)
@@ -48,16 +89,18 @@ def _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh):
     return K + b * skb + hk * skh, V + b * svb + hk * svh, M + b * smb + h * smh
 
 
-@triton.autotune(configs=_FWD, key=_KEY, prune_configs_by=_PRUNE)
-@triton.jit
+@triton.autotune(configs=_FWD, key=_KEY,
+                 prune_configs_by={"early_config_prune": common.pruner(_fwd_tiles)})
+@_JIT
 def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                 smb, smh, smm, smn, sob, soh, som, sod,
                 H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
+                LQ_BUCKET, LK_BUCKET,
                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    m0, bh, b, h, hk = _query_program(H, GROUPS, BLOCK_M)
+    m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -97,16 +140,17 @@ def _probs(q, kt, m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, scale, 
     return tl.exp(s - lse[:, None])
 
 
-@triton.autotune(configs=_SUMS, key=["Lq", "Lk", "BLOCK_D", "MASK_KIND", "GROUPS"],
-                 prune_configs_by=_PRUNE)
-@triton.jit
+@triton.autotune(configs=_SUMS, key=["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "MASK_KIND", "GROUPS"],
+                 prune_configs_by={"early_config_prune": common.pruner(_sums_tiles)})
+@_JIT
 def _row_sums_kernel(Q, K, M, LSE, R, sqb, sqh, sqm, sqd, skb, skh, skn, skd, smb, smh, smm, smn,
                      H, Lq, Lk, E, GROUPS, scale, window_lo, window_hi, huge_lse,
+                     LQ_BUCKET, LK_BUCKET,
                      MASK_KIND: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """R = sum_j exp(s_ij - lse_i) on rows of huge |lse| (common.HUGE_LSE), 1 on the others;
     blocks without such rows read nothing but their lse."""
-    m0, bh, b, h, hk = _query_program(H, GROUPS, BLOCK_M)
+    m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < Lq
@@ -128,17 +172,18 @@ def _row_sums_kernel(Q, K, M, LSE, R, sqb, sqh, sqm, sqd, skb, skh, skn, skd, sm
     tl.store(R + bh.to(tl.int64) * Lq + offs_m, tl.where(huge, total, 1.0), mask=row_ok)
 
 
-@triton.autotune(configs=_DKDV, key=_KEY, prune_configs_by=_PRUNE)
-@triton.jit
+@triton.autotune(configs=_DKDV, key=_KEY,
+                 prune_configs_by={"early_config_prune": common.pruner(_dkdv_tiles)})
+@_JIT
 def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                  smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                  H, Hkv, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
+                 LQ_BUCKET, LK_BUCKET,
                  MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
                  DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    n0 = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1)
+    n0, bhk = tile_and_head(Lk, BLOCK_N)
     b = (bhk // Hkv).to(tl.int64)
     hk = (bhk % Hkv).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -189,16 +234,18 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
              dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
-@triton.autotune(configs=_DQ, key=_KEY, prune_configs_by=_PRUNE)
-@triton.jit
+@triton.autotune(configs=_DQ, key=_KEY,
+                 prune_configs_by={"early_config_prune": common.pruner(_dq_tiles)})
+@_JIT
 def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
+               LQ_BUCKET, LK_BUCKET,
                MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    m0, bh, b, h, hk = _query_program(H, GROUPS, BLOCK_M)
+    m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -234,7 +281,8 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
 
 
 def _common_args(q, k, v, mask, dropout_p, seed):
-    """Launch arguments shared by the three kernels: (tensors, strides, sizes, constexprs)."""
+    """Launch arguments shared by the three kernels: (tensors, strides, sizes, keywords: the
+    constexprs and the lengths' autotune buckets)."""
     m, m_strides = common.mask_arg(mask, q)
     rng = rng_words(seed, dropout_p, q.device) if dropout_p > 0 else q
     b, h, lq, e = q.shape
@@ -242,7 +290,8 @@ def _common_args(q, k, v, mask, dropout_p, seed):
     strides = (*q.stride(), *k.stride(), *v.stride(), *m_strides)
     consts = dict(MASK_KIND=common.mask_kind(mask), DROPOUT=dropout_p > 0,
                   DOT_PREC=common.dot_precision(q.dtype),
-                  BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
+                  BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev),
+                  LQ_BUCKET=common.length_bucket(lq), LK_BUCKET=common.length_bucket(lk))
     inv_keep = 1.0 / (1.0 - dropout_p)
     return m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep
 
@@ -256,7 +305,7 @@ def sdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
         q, k, v, mask, dropout_p, seed)
     out = q.new_empty((b, h, lq, ev))
     lse = q.new_empty((b, h, lq), dtype=torch.float32)
-    grid = lambda meta: (triton.cdiv(lq, meta["BLOCK_M"]), b * h)  # noqa: E731
+    grid = lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)  # noqa: E731
     common.launcher(_fwd_kernel)[grid](
         q, k, v, m, out, lse, rng, *strides, *out.stride(),
         h, lq, lk, e, ev, h // hkv, scale, window_lo, window_hi, inv_keep, **consts)
@@ -273,10 +322,10 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep = _common_args(
         q, k, v, mask, dropout_p, seed)
     r = torch.empty_like(lse)
-    common.launcher(_row_sums_kernel)[lambda meta: (triton.cdiv(lq, meta["BLOCK_M"]), b * h)](
+    common.launcher(_row_sums_kernel)[lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)](
         q, k, m, lse, r, *strides[:8], *strides[12:], h, lq, lk, e, h // hkv, scale, window_lo,
-        window_hi, common.HUGE_LSE, MASK_KIND=consts["MASK_KIND"], DOT_PREC=consts["DOT_PREC"],
-        BLOCK_D=consts["BLOCK_D"])
+        window_hi, common.HUGE_LSE, consts["LQ_BUCKET"], consts["LK_BUCKET"],
+        MASK_KIND=consts["MASK_KIND"], DOT_PREC=consts["DOT_PREC"], BLOCK_D=consts["BLOCK_D"])
     grad_out = common.divide_rows(grad_out, r)
     # With dropout D_i = sum_j P_ij dP_ij still equals rowsum(dO * O): O is built from the
     # dropped P, and dP of the dropped P differs from dP by the same keep / (1 - p) factor.
@@ -290,11 +339,11 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dmask = q.new_zeros((b, h, lq, lk)) if mask_grad else q.new_empty((0,))
     sizes = (lq, lk, e, ev, h // hkv, scale, window_lo, window_hi, inv_keep)
     common.launcher(_dkdv_kernel)[
-        lambda meta: (triton.cdiv(lk, meta["BLOCK_N"]), b * hkv)](
+        lambda meta: common.tiles_grid(lk, meta["BLOCK_N"], b * hkv)](
         q, k, v, m, grad_out, lse, delta, rng, dk, dv, dmask, *strides, *grad_out.stride(),
         h, hkv, *sizes, MASK_GRAD=mask_grad, **consts)
     common.launcher(_dq_kernel)[
-        lambda meta: (triton.cdiv(lq, meta["BLOCK_M"]), b * h)](
+        lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)](
         q, k, v, m, grad_out, lse, delta, rng, dq, *strides, *grad_out.stride(),
         h, *sizes, **consts)
     return dq, dk, dv, dmask

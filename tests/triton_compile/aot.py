@@ -1,0 +1,71 @@
+"""Compiles one recorded launch (capture.Unit) ahead of time for an NVIDIA arch, no GPU needed.
+
+The signature, constexprs and divisibility attributes come from Triton's own binder, as at a
+launch (`JITFunction.run`); the compile is `triton.compile(ASTSource(...), target=GPUTarget)`.
+Registers and spill bytes are read from the ptxas log (TRITON_DUMP_PTXAS_LOG), so the Triton
+cache must be fresh: a cached kernel runs no ptxas (__main__ points TRITON_CACHE_DIR at a
+temporary folder).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+
+# The opt-in shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+SHARED_LIMIT = {80: 166912, 90: 232448}
+
+_PTXAS = re.compile(r"Used (\d+) registers.*?(?:\n|$)", re.S)
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_STACK = re.compile(r"(\d+) bytes stack frame")
+
+
+def prepare(unit):
+    """(source, options, target, key) of `unit`, bound as a launch binds it; the key is the
+    same for units that compile to the same kernel."""
+    arch = unit.arch
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(unit.fn.signature, unit.fn.params, backend)
+    kwargs = dict(unit.options, debug=False)
+    bound, specialization, options = binder(**unit.args, **kwargs)
+    options, signature, constexprs, attrs = unit.fn._pack_args(backend, kwargs, bound,
+                                                               specialization, options)
+    src = ASTSource(unit.fn, signature, constexprs, attrs)
+    return src, options, target, (src.hash(), str(options), arch)
+
+
+def compile_unit(unit) -> dict:
+    """Compiles `unit` for its arch: a result row (kernel, variant, config, arch, shared and the
+    pruning rule's estimate, registers, spill and stack bytes, compile seconds, wgmma, error)."""
+    row = dict(kernel=unit.kernel, variant=unit.variant.name, config=unit.config, arch=unit.arch,
+               grid=list(unit.grid), shared_estimate=unit.shared_estimate)
+    src, options, target, _ = prepare(unit)
+    log = io.StringIO()
+    t0 = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(log):
+            kernel = triton.compile(src, target=target, options=options.__dict__)
+    except Exception as e:  # noqa: BLE001 - every failure is a result row
+        row.update(seconds=round(time.perf_counter() - t0, 2),
+                   error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
+        return row
+    text = log.getvalue()
+    regs = _PTXAS.search(text)
+    spill = _SPILL.search(text)
+    stack = _STACK.search(text)
+    row.update(seconds=round(time.perf_counter() - t0, 2), error=None,
+               shared=kernel.metadata.shared,
+               registers=int(regs.group(1)) if regs else None,
+               spill_bytes=int(spill.group(1)) + int(spill.group(2)) if spill else None,
+               stack_bytes=int(stack.group(1)) if stack else None,
+               wgmma="wgmma" in kernel.asm["ptx"])
+    return row

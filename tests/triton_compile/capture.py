@@ -1,0 +1,168 @@
+"""Every kernel launch the attnx Triton ops make for one variant, recorded instead of run.
+
+The ops are called on CPU tensors in a process without TRITON_INTERPRET, with
+`attnx.triton.common.launcher` replaced by a recorder: the arguments, constexprs, grids and the
+autotuner's configs (after its own pruning) are what a GPU launch of the same call would see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Optional
+
+import torch
+import triton
+
+from attnx.triton import additive, common, sdpa
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One call of an op: the kernels' constexprs follow from these fields."""
+    op: str                 # "sdpa" or "additive"
+    dtype: str              # key of DTYPES
+    head_dim: int           # E = Ev for sdpa; A = Ev for additive
+    mask: str = "none"      # "none", "bool", "float" (float masks also take their gradient)
+    dropout: bool = False
+    gqa: bool = False       # sdpa: 4 query heads on 2 kv heads
+    weights: bool = False   # additive: return_weights and a loss on them
+
+    @property
+    def name(self) -> str:
+        flags = [f for f in ("dropout", "gqa", "weights") if getattr(self, f)]
+        mask = [] if self.mask == "none" else [f"{self.mask}-mask"]
+        return "/".join([self.op, self.dtype, f"d{self.head_dim}", *mask, *flags])
+
+
+@dataclasses.dataclass
+class Unit:
+    """One compile: a kernel's JIT function, its bound arguments with one config applied."""
+    kernel: str
+    variant: Variant
+    fn: Any                  # triton JITFunction
+    args: dict               # every parameter by name (constexprs included)
+    options: dict            # num_warps, num_stages, maxnreg
+    config: dict             # the config's constexprs and options, for the report
+    grid: tuple
+    arch: int
+    shared_estimate: Optional[int]  # the pruning rule's bytes (common.pruner), autotuned only
+
+
+@dataclasses.dataclass
+class Launch:
+    """One recorded launch: `kernel[grid](*args, **kwargs)` (kernel an Autotuner or JIT function)."""
+    kernel: Any
+    grid: Any
+    args: tuple
+    kwargs: dict
+
+
+class _Recorder:
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid) -> Callable:
+        return lambda *args, **kwargs: self.launches.append(Launch(self.kernel, grid, args, kwargs))
+
+
+@contextlib.contextmanager
+def recording(launches: list):
+    """Within it, kernel launches of the ops append to `launches` instead of running."""
+    real = common.launcher
+    common.launcher = lambda kernel: _Recorder(kernel, launches)
+    try:
+        yield
+    finally:
+        common.launcher = real
+
+
+L = 256  # a multiple of 16 like most real lengths: the JIT specialises divisibility
+
+
+def _run_variant(v: Variant) -> None:
+    dtype = DTYPES[v.dtype]
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape, dt=dtype: torch.randn(shape, generator=gen).to(dt)  # noqa: E731
+    b, h, d = 1, 4 if v.gqa else 2, v.head_dim
+    hkv = 2
+    mask = None
+    if v.mask == "bool":
+        mask = torch.rand((b, h, L, L), generator=gen) > 0.3
+    elif v.mask == "float":
+        mask = rand(b, h, L, L)
+    p = 0.1 if v.dropout else 0.0
+    seed = torch.tensor([12345, 678], dtype=torch.int64) if v.dropout else None
+    lo, hi = -L, L
+    mask_grad = v.mask == "float"
+    if v.op == "sdpa":
+        q, k, val = rand(b, h, L, d), rand(b, hkv, L, d), rand(b, hkv, L, d)
+        out, lse = sdpa.sdpa_fwd(q, k, val, mask, d ** -0.5, lo, hi, p, seed)
+        sdpa.sdpa_bwd(rand(b, h, L, d), q, k, val, mask, rand(b, h, L, d),
+                      torch.zeros(b, h, L), d ** -0.5, lo, hi, p, seed, mask_grad,
+                      torch.zeros(b, h, L))
+    else:
+        q, k, val, w = rand(b, h, L, d), rand(b, h, L, d), rand(b, h, L, d), rand(h, d)
+        additive.additive_fwd(q, k, val, w, mask, lo, hi, p, seed, v.weights)
+        additive.additive_bwd(rand(b, h, L, d), q, k, val, w, mask, rand(b, h, L, d),
+                              torch.zeros(b, h, L), lo, hi, p, seed, mask_grad,
+                              torch.zeros(b, h, L), rand(b, h, L, L) if v.weights else None)
+
+
+def _units_of(launch: Launch, v: Variant, arch: int) -> list[Unit]:
+    """The units of one launch: one per config its autotuner keeps for sm_<arch> (the launch's
+    own options for a kernel that is not autotuned)."""
+    kernel = launch.kernel
+    if isinstance(kernel, triton.runtime.Autotuner):
+        nargs = dict(zip(kernel.arg_names, launch.args))
+        kernel.nargs = nargs
+        configs = kernel.prune_configs(launch.kwargs)  # the autotuner's own pruning
+        kernel.nargs = None
+        needs = kernel.early_config_prune.needs  # common.pruner's shared-memory estimate
+        fn = kernel.fn
+        chosen = [({**c.kwargs}, dict(num_warps=c.num_warps, num_stages=c.num_stages,
+                                      maxnreg=c.maxnreg),
+                   needs(c, nargs, **launch.kwargs)) for c in configs]
+    else:
+        fn = kernel
+        kwargs = dict(launch.kwargs)
+        opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+        launch = dataclasses.replace(launch, kwargs=kwargs)
+        chosen = [({}, opts, None)]
+    units = []
+    for consts, opts, estimate in chosen:
+        args = dict(zip(fn.arg_names, launch.args))
+        args.update(launch.kwargs)
+        args.update(consts)
+        grid = launch.grid(args) if callable(launch.grid) else launch.grid
+        # The tile sizes a config picks (the head blocks follow from the variant).
+        blocks = {k: args[k] for k in args
+                  if k.startswith("BLOCK_") and k not in ("BLOCK_D", "BLOCK_DV")}
+        name = f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"  # sdpa._fwd_kernel
+        units.append(Unit(name, v, fn, args, opts, {**blocks, **opts}, tuple(grid), arch,
+                          estimate))
+    return units
+
+
+@contextlib.contextmanager
+def _device_limit(arch: int):
+    """The autotuners prune for sm_<arch>'s shared memory (common.shared_memory_limit)."""
+    from .aot import SHARED_LIMIT
+    real = common.shared_memory_limit
+    common.shared_memory_limit = lambda: SHARED_LIMIT[arch]
+    try:
+        yield
+    finally:
+        common.shared_memory_limit = real
+
+
+def units(v: Variant, arch: int) -> list[Unit]:
+    """The compile units of one variant for sm_<arch>: every launch x every config its
+    autotuner may pick there."""
+    launches: list[Launch] = []
+    with recording(launches), torch.no_grad():
+        _run_variant(v)
+    with _device_limit(arch):
+        return [u for launch in launches for u in _units_of(launch, v, arch)]

@@ -1,0 +1,72 @@
+"""What a compile result must satisfy (issue 18), and the exceptions, each with its reason."""
+
+from __future__ import annotations
+
+from .aot import SHARED_LIMIT
+
+# (kernel, variant, arch) allowed to spill registers at fp16/bf16 head dims <= 128, and why.
+SPILL_EXCEPTIONS: dict[tuple[str, str, int], str] = {
+    ("additive._dk_kernel", "additive/fp16/d128/bool-mask/dropout", 90):
+        "12 B: the fixed 32x32x4 CUDA-core config (additive._blocks, not autotuned), which ptxas "
+        "holds at 168 registers on sm_90 with the mask and dropout hash live; sm_80 does not spill",
+    **{("sdpa._dkdv_kernel", f"sdpa/{dtype}/d64/float-mask/dropout/gqa", 80):
+       "124 B in the (16, 64, 8, 2) config only, with a float mask, dropout and GQA at once (the "
+       "register rule adds their costs; together they cost more): the autotuner also keeps "
+       "(16, 32, 4, 2) and (16, 16, 4, 1), which do not spill. Found by the --full run."
+       for dtype in ("fp16", "bf16")},
+}
+
+# wgmma multiplies 64 rows per warpgroup: an sm_90 SDPA config whose dots all have fewer rows
+# (BLOCK_M, and BLOCK_N for dK/dV's transposed dots) runs mma.sync. Such configs are kept for
+# heads over 128 and fp32, where larger tiles do not fit; every config with a 64-row dot must
+# use wgmma.
+WGMMA_ROWS = {"sdpa._fwd_kernel": ("BLOCK_M",), "sdpa._row_sums_kernel": ("BLOCK_M",),
+              "sdpa._dq_kernel": ("BLOCK_M",), "sdpa._dkdv_kernel": ("BLOCK_M", "BLOCK_N")}
+
+
+def _dtype_and_dim(row) -> tuple[str, int]:
+    _, dtype, dim = row["variant"].split("/")[:3]
+    return dtype, int(dim[1:])
+
+
+def failures(rows: list[dict]) -> list[str]:
+    """One line per broken bound: a compile error; shared memory over the arch's opt-in limit
+    or over the pruning rule's estimate; spills of a fp16/bf16 unit at head dim <= 128 (less
+    SPILL_EXCEPTIONS); an sm_90 fp16/bf16 SDPA kernel without wgmma though its config has a
+    64-row dot (WGMMA_ROWS)."""
+    out = []
+    for r in rows:
+        what = f"{r['kernel']} {r['variant']} {r['config']} sm_{r['arch']}"
+        if r["error"]:
+            out.append(f"{what}: {r['error']}")
+            continue
+        if r["shared"] > SHARED_LIMIT[r["arch"]]:
+            out.append(f"{what}: shared {r['shared']} B > {SHARED_LIMIT[r['arch']]} B")
+        # The pruning rule (attnx/triton/common.py pruner) must bound what the compiler
+        # allocates, and must have found a config within the limit.
+        estimate = r.get("shared_estimate")
+        if estimate is not None and not r["shared"] <= estimate <= SHARED_LIMIT[r["arch"]]:
+            out.append(f"{what}: pruning estimate {estimate} B against shared {r['shared']} B, "
+                       f"limit {SHARED_LIMIT[r['arch']]} B")
+        dtype, dim = _dtype_and_dim(r)
+        low = dtype in ("fp16", "bf16")
+        if (low and dim <= 128 and r["spill_bytes"]
+                and (r["kernel"], r["variant"], r["arch"]) not in SPILL_EXCEPTIONS):
+            out.append(f"{what}: {r['spill_bytes']} spill bytes")
+        rows = WGMMA_ROWS.get(r["kernel"], ())
+        if (low and r["arch"] == 90 and any(r["config"][b] >= 64 for b in rows)
+                and not r["wgmma"]):
+            out.append(f"{what}: no wgmma in the sm_90 PTX")
+    return out
+
+
+def summary(rows: list[dict]) -> dict:
+    """Counts: units, errors, over the shared-memory limit, fp16/bf16 d<=128 spilling."""
+    ok = [r for r in rows if not r["error"]]
+    spilling = [r for r in ok if r["spill_bytes"] and _dtype_and_dim(r)[0] != "fp32"
+                and _dtype_and_dim(r)[1] <= 128]
+    return dict(units=len(rows), errors=len(rows) - len(ok),
+                over_shared=sum(r["shared"] > SHARED_LIMIT[r["arch"]] for r in ok),
+                spilling_low_precision=len(spilling),
+                spilling_any=sum(bool(r["spill_bytes"]) for r in ok),
+                seconds=round(sum(r["seconds"] for r in rows), 1))

@@ -1,0 +1,59 @@
+"""Which variants and units a run compiles: the CI set, or the full cross-product (--full)."""
+
+from __future__ import annotations
+
+import itertools
+
+from .capture import Variant
+
+HEAD_DIMS = (16, 64, 96, 128, 256)
+DTYPES = ("fp32", "fp16", "bf16")
+
+# The CI set: each dtype, each head-dim family and each constexpr flag at least once per op
+# (masks none/bool/float, dropout, GQA, additive weights), wide heads in each dtype family.
+CI = (
+    Variant("sdpa", "fp16", 64),
+    Variant("sdpa", "bf16", 128, mask="bool", dropout=True),
+    Variant("sdpa", "fp32", 96, mask="float", gqa=True),
+    Variant("sdpa", "fp16", 256, mask="float", dropout=True),
+    Variant("sdpa", "bf16", 16, gqa=True, dropout=True),
+    Variant("sdpa", "fp32", 256),
+    Variant("additive", "fp32", 64, weights=True),
+    Variant("additive", "fp16", 128, mask="bool", dropout=True),
+    Variant("additive", "bf16", 256, mask="float", weights=True),
+)
+
+
+def full() -> list[Variant]:
+    """Every dtype x head dim x each flag alone and all flags together, for both ops."""
+    flags = {
+        "sdpa": [{}, dict(mask="bool"), dict(mask="float"), dict(dropout=True), dict(gqa=True),
+                 dict(mask="float", dropout=True, gqa=True)],
+        "additive": [{}, dict(mask="bool"), dict(mask="float"), dict(dropout=True),
+                     dict(weights=True), dict(mask="float", dropout=True, weights=True)],
+    }
+    return [Variant(op, dt, d, **f) for op in ("sdpa", "additive")
+            for dt, d in itertools.product(DTYPES, HEAD_DIMS) for f in flags[op]]
+
+
+def config_key(unit) -> tuple:
+    return tuple(sorted(unit.config.items()))
+
+
+def cover(units: list) -> list:
+    """A subset of `units` (in variant order) that compiles every kernel x every config at
+    least once, and every variant's launch of every kernel at least once: for each variant and
+    kernel, the config compiled least so far; then each config not yet compiled."""
+    chosen, seen = [], {}
+    by_kernel: dict = {}
+    for u in units:
+        by_kernel.setdefault((u.kernel, u.variant), []).append(u)
+    for group in by_kernel.values():
+        pick = min(group, key=lambda u: seen.get((u.kernel, config_key(u)), 0))
+        seen[(pick.kernel, config_key(pick))] = seen.get((pick.kernel, config_key(pick)), 0) + 1
+        chosen.append(pick)
+    for u in units:
+        if (u.kernel, config_key(u)) not in seen:
+            seen[(u.kernel, config_key(u))] = 1
+            chosen.append(u)
+    return chosen
