@@ -227,6 +227,25 @@ def test_sdpa_bool_mask_broadcast_with_empty_rows():
     assert (lse[:, :, [5, 63]] == float("-inf")).all()
 
 
+def test_bool_mask_bytes_other_than_one_mean_true():
+    """A bool mask whose True bytes are not 1 (a uint8 tensor viewed as bool, as masks built by
+    byte arithmetic are) is read as bytes != 0: the kernels read uint8, never `bool`, whose other
+    values are undefined behaviour on the device. SDPA and additive give bitwise what the 0/1
+    mask gives."""
+    torch.manual_seed(12)
+    lq, lk = 33, 40
+    ones = torch.rand(lq, lk, device=DEV) > 0.4
+    ones[7] = False  # an empty row stays empty
+    odd = (ones.to(torch.uint8) * torch.randint(2, 256, (lq, lk), device=DEV,
+                                                dtype=torch.uint8)).view(torch.bool)
+    assert odd.view(torch.uint8).max() > 1
+    q, k, v = (rand(1, 2, n, 64, dtype=torch.float16, grad=False) for n in (lq, lk, lk))
+    for mask_op in (lambda m: attnx.scaled_dot_product_attention(q, k, v, m, backend="cuda"),
+                    lambda m: attnx.additive_attention(q, k, v, torch.ones(64, device=DEV,
+                                                       dtype=torch.float16), m, backend="cuda")):
+        assert torch.equal(mask_op(odd), mask_op(ones))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sdpa_float_mask_gradient(dtype):
     torch.manual_seed(8)
