@@ -25,29 +25,19 @@ import os
 import platform
 import statistics
 import subprocess
-import time
 
 import torch
 import torch.nn.functional as F
 
 import attnx
 from attnx.bench.machine import cpu_kernels, device_name
+from cpu_sdpa_targets import summary, timed
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 SPEEDUP_TARGET, BANDWIDTH_TARGET, PAGED_TARGET = 1.5, 0.70, 1.10
 CASES = [(1, 2048), (1, 8192), (1, 32768), (4, 8192), (8, 2048), (8, 8192)]
 QUICK = [(1, 8192), (8, 2048)]
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def summary(ts: list) -> dict:
-    return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "runs": len(ts)}
 
 
 def paged(cache: torch.Tensor, g: torch.Generator):
