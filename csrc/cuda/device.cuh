@@ -13,9 +13,7 @@
 #include <cuda_runtime.h>
 #include <mma.h>
 
-#include <map>
-#include <mutex>
-#include <utility>
+#include "smem_grants.h"
 
 // The block's dynamic shared memory as an array `name` of T.
 #define ATTNX_DYNAMIC_SMEM(T, name, align) extern __shared__ __align__(align) T name[]
@@ -23,21 +21,17 @@
 namespace attnx {
 namespace cuda {
 
-// Lets `kernel` use `bytes` of dynamic shared memory: cudaFuncSetAttribute once per device and
-// kernel (and again only for a larger size), not on every launch.
+// Lets `kernel` use `bytes` of dynamic shared memory on the current device (SmemGrants: the
+// attribute is set once per device and kernel, not on every launch).
 inline cudaError_t reserve_dynamic_smem(const void* kernel, size_t bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;  // within the default limit
+  if (bytes <= SmemGrants::kDefaultLimit) return cudaSuccess;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  static std::mutex mutex;
-  static std::map<std::pair<int, const void*>, size_t> reserved;
-  const std::lock_guard<std::mutex> lock(mutex);
-  size_t& have = reserved[{device, kernel}];
-  if (bytes <= have) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  if (err == cudaSuccess) have = bytes;
-  return err;
+  static SmemGrants grants;
+  return grants.reserve(device, kernel, bytes, [](const void* f, size_t n) {
+    return cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(n));
+  });
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), and the launch's error.
