@@ -5,8 +5,8 @@ from . import _ops  # noqa: F401  (registers fake kernels and autograd for the n
 from . import distributed  # noqa: F401  (touches torch.distributed only when called)
 from ._dispatch import (BackendStatus, BackendUnavailableError, additive_attention, backends,
                         scaled_dot_product_attention)
-from ._dispatch import attention_with_kvcache
+from ._dispatch import attention_with_kvcache, varlen_attention
 
 __all__ = ["__version__", "scaled_dot_product_attention", "additive_attention",
-           "attention_with_kvcache", "backends",
+           "attention_with_kvcache", "varlen_attention", "backends",
            "BackendStatus", "BackendUnavailableError"]

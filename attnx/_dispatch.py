@@ -42,7 +42,7 @@ def backends() -> dict:
 
 
 # The backends of the ops that not every backend has yet (the others' modules never see them).
-_SERVED = {"kvcache": ("cpu", "reference")}
+_SERVED = {"kvcache": ("cpu", "reference"), "varlen": ("cpu", "reference")}
 
 
 def _is_empty(op: str, call) -> bool:
@@ -157,6 +157,26 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
         if call.k is not None:
             _write_new_keys(call)
         out, lse = _module(name).kvcache(call)
+    return (out, lse.float()) if return_lse else out
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                     *, dropout_p=0.0, is_causal=False, scale=None, window=None, softcap=None,
+                     alibi_slopes=None, sinks=None, backend=None, return_lse=False):
+    """Attention over packed sequences (flash-attention's varlen convention): q (total_q, Hq, E),
+    k (total_k, Hkv, E), v (total_k, Hkv, Ev); sequence n is rows cu_seqlens[n]:cu_seqlens[n+1]
+    (int32 prefix sums) and attends only to itself, `is_causal` and `window` aligned
+    bottom-right in each sequence. Returns (total_q, Hq, Ev), and with `return_lse=True` also
+    lse (Hq, total_q) float32. softcap, alibi_slopes and sinks are not supported yet
+    (ValueError). See API.md for the contract.
+    """
+    call = _validate.varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 dropout_p, is_causal, scale, window, softcap, alibi_slopes, sinks,
+                                 backend, return_lse)
+    call, everything_dropped = _without_total_dropout(call)
+    out, lse = _module(select("varlen", call)).varlen(call)
+    if everything_dropped:
+        out = _dropped(out)
     return (out, lse.float()) if return_lse else out
 
 

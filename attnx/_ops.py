@@ -30,7 +30,8 @@ def build_info() -> dict:
 # a built extension holds does not change while it runs.
 _KERNELS = frozenset(
     (op, key)
-    for op in ("sdpa_fwd", "sdpa_bwd", "additive_fwd", "additive_bwd", "kvcache_fwd")
+    for op in ("sdpa_fwd", "sdpa_bwd", "additive_fwd", "additive_bwd", "kvcache_fwd",
+               "varlen_fwd", "varlen_bwd")
     for key in ("CPU", "CUDA")
     if _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"attnx::{op}", key))
 
@@ -184,9 +185,45 @@ def _register_kvcache() -> None:
         return out, q.new_empty((b, h, lq), dtype=torch.float32)
 
 
+def _register_varlen() -> None:
+    """The fake kernels and autograd of attnx::varlen_fwd / varlen_bwd (packed sequences), which
+    only the attnx library has."""
+
+    @torch.library.register_fake("attnx::varlen_fwd")
+    def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, window_lo, window_hi,
+                         dropout_p, seed):
+        same_device(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        total_q, hq, _ = q.shape
+        out = q.new_empty((total_q, hq, v.shape[-1]))
+        return out, q.new_empty((hq, total_q), dtype=_sdpa_lse_dtype(q.dtype))
+
+    @torch.library.register_fake("attnx::varlen_bwd")
+    def _varlen_bwd_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale,
+                         window_lo, window_hi, dropout_p, seed, grad_lse=None):
+        same_device(q, grad_out, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse)
+        return contiguous_grads(q, k, v)
+
+    def _setup(ctx, inputs, output):
+        q, k, v, cu_q, cu_k, scale, lo, hi, p, seed = inputs
+        out, lse = output
+        ctx.args = (scale, lo, hi, p)
+        ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse, seed)
+
+    def _backward(ctx, grad_out, grad_lse):
+        q, k, v, cu_q, cu_k, out, lse, seed = ctx.saved_tensors
+        scale, lo, hi, p = ctx.args
+        dq, dk, dv = torch.ops.attnx.varlen_bwd(or_zeros(grad_out, out), q, k, v, cu_q, cu_k,
+                                                out, lse, scale, lo, hi, p, seed, grad_lse)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+    torch.library.register_autograd("attnx::varlen_fwd", _backward, setup_context=_setup)
+    torch.library.register_autograd("attnx::varlen_bwd", no_double_backward)
+
+
 if _C is not None:
     _register("attnx")
     _register_kvcache()
+    _register_varlen()
 
 
 @functools.cache

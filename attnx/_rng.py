@@ -12,6 +12,10 @@ with dropout on. The hash is 32-bit and stateless, so tiles can be processed in 
     keep      = r >= threshold,  threshold = min(floor(p * 2**32), 2**32 - 1)
 
 Kept elements are scaled by 1 / (1 - p).
+
+Packed variable-length batches (varlen_attention) draw sequence n's dropout as a batch-1 call
+with the seed (seed0, mix32((seed1 + n + 1) mod 2**32)) and its local positions i, j:
+sequence_seed() below, and csrc/cpu/varlen_cpu.cpp.
 """
 
 from __future__ import annotations
@@ -57,3 +61,9 @@ def keep_mask(seed: torch.Tensor, batch: int, heads: int, lq: int, lk: int,
     j = torch.arange(lk, dtype=torch.int64, device=device).view(1, 1, 1, lk)
     r = mix32(mix32(key_bh ^ i) ^ j)
     return r >= keep_threshold(p)
+
+
+def sequence_seed(seed: torch.Tensor, n: int) -> torch.Tensor:
+    """The seed of sequence n of a packed batch (see the module's docstring)."""
+    word = mix32((seed[1:2] + n + 1) & _M32)
+    return torch.cat([seed[:1], word])

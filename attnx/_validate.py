@@ -424,3 +424,99 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
     lo, hi = _windowed(-capacity - lq, 0 if is_causal else capacity, window)
     return KvcacheCall(q, k_cache, v_cache, cache_seqlens, seqlens, k, v, block_table, scale,
                        max(lo, -capacity - lq), min(hi, capacity), backend, return_lse)
+
+
+@dataclass
+class VarlenCall:
+    """varlen_attention after validation. Sequence n is query rows cu_q[n]:cu_q[n+1] and key rows
+    cu_k[n]:cu_k[n+1]; its query i (local) may attend its key j (local) iff
+    i + d + window_lo <= j <= i + d + window_hi, d = Lk_n - Lq_n (the band aligned
+    bottom-right in each sequence). Tokens of different sequences never attend to each other."""
+    q: torch.Tensor  # (total_q, Hq, E)
+    k: torch.Tensor  # (total_k, Hkv, E)
+    v: torch.Tensor  # (total_k, Hkv, Ev)
+    cu_q: torch.Tensor  # int32 (N + 1,), on q's device
+    cu_k: torch.Tensor
+    lens: tuple  # ((Lq_n, Lk_n), ...) as Python ints, read once here
+    scale: float
+    window_lo: int
+    window_hi: int
+    dropout_p: float
+    seed: Optional[torch.Tensor]
+    backend: str
+    return_lse: bool
+
+
+def _check_cu_seqlens(name: str, cu, total: int, device) -> list:
+    """The prefix sums as a list of ints: int32, 1-D, from 0, non-decreasing, ending at total."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name}: expected an int32 torch.Tensor, got {_type_name(cu)}")
+    _check_dense(name, cu)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name}: expected dtype torch.int32, got {cu.dtype}")
+    if cu.device != device:
+        raise TypeError(f"{name}: expected device {device} (that of q), got {cu.device}")
+    if cu.dim() != 1 or cu.numel() == 0:
+        raise ValueError(f"{name}: expected shape (N + 1,) with N >= 0, got {tuple(cu.shape)}")
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name}: expected to start at 0, got {values[0]}")
+    steps = [b - a for a, b in zip(values, values[1:])]
+    if any(s < 0 for s in steps):
+        n = next(i for i, s in enumerate(steps) if s < 0)
+        raise ValueError(f"{name}: expected non-decreasing values, got {values[n]} then {values[n + 1]} "
+                         f"at positions {n} and {n + 1}")
+    if values[-1] != total:
+        raise ValueError(f"{name}: expected to end at the total number of tokens, {total}, got {values[-1]}")
+    return steps
+
+
+def _check_max_seqlen(name: str, hint, lens: list) -> None:
+    if hint is None:
+        return
+    if isinstance(hint, bool) or not isinstance(hint, numbers.Integral):
+        raise TypeError(f"{name}: expected None or an int, got {_type_name(hint)}")
+    longest = max(lens, default=0)
+    if hint < longest:
+        raise ValueError(f"{name}: expected at least the longest sequence's {longest} tokens, got {hint}")
+
+
+def varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                is_causal, scale, window, softcap, alibi_slopes, sinks, backend,
+                return_lse) -> VarlenCall:
+    for name, value in zip(_NOT_YET, (softcap, alibi_slopes, sinks)):
+        if value is not None:
+            raise ValueError(f"{name}: not yet supported by varlen_attention "
+                             f"(expected None), got {_type_name(value)}")
+    q = _check_tensor("q", q, 3, 3)
+    k = _check_tensor("k", k, 3, 3)
+    v = _check_tensor("v", v, 3, 3)
+    _check_same("k", k, q, "q")
+    _check_same("v", v, q, "q")
+    is_causal = _check_bool("is_causal", is_causal)
+    return_lse = _check_bool("return_lse", return_lse)
+    p = _check_dropout(dropout_p)
+    backend = _check_backend(backend)
+    total_q, hq, e = q.shape
+    total_k, hkv, ek = k.shape
+    if ek != e:
+        raise ValueError(f"k: expected head dim {e} (that of q), got shape {tuple(k.shape)}")
+    if tuple(v.shape[:2]) != (total_k, hkv):
+        raise ValueError(f"v: expected shape {(total_k, hkv, 'Ev')} (that of k), got {tuple(v.shape)}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"k: expected a head count dividing {hq} (that of q), got {hkv}")
+    lens_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, q.device)
+    lens_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, q.device)
+    if len(lens_q) != len(lens_k):
+        raise ValueError(f"cu_seqlens_k: expected {len(lens_q) + 1} entries (as cu_seqlens_q), "
+                         f"got {len(lens_k) + 1}")
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q, lens_q)
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k, lens_k)
+    scale = _check_scale(scale, e, q.dtype)
+    # The band relative to each sequence's bottom-right diagonal; unbounded is
+    # [-(Lk + Lq), Lk] of the longest, which holds every j - (i + d).
+    lq_max, lk_max = max(lens_q, default=0), max(lens_k, default=0)
+    lo, hi = _windowed(-lk_max - lq_max, 0 if is_causal else lk_max, window)
+    seed = _rng.draw_seed() if 0 < p < 1 else None
+    return VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, tuple(zip(lens_q, lens_k)), scale,
+                      max(lo, -lk_max - lq_max), min(hi, lk_max), p, seed, backend, return_lse)

@@ -22,7 +22,8 @@
 
 TORCH_LIBRARY(attnx, m) {
   for (const char* schema : attnx::kOpSchemas) m.def(schema);
-  // Not in kOpSchemas: the cuda host harness serves the kernels of csrc/cuda only.
+  // Not in kOpSchemas (kvcache, varlen): the cuda host harness serves the kernels of
+  // csrc/cuda only.
   // Decoding against a KV cache (no backward: an inference op). k_cache (B, Hkv, Lmax, E), or
   // paged (num_blocks, Hkv, block_size, E) with block_table int32 (B, max_blocks): position p
   // of sequence b is slot p % block_size of block block_table[b, p // block_size]. seqlens
@@ -32,4 +33,18 @@ TORCH_LIBRARY(attnx, m) {
   m.def(
       "kvcache_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens, Tensor? block_table, "
       "float scale, int window_lo, int window_hi) -> (Tensor out, Tensor lse)");
+  // Packed variable-length batches: q (total_q, Hq, E), k (total_k, Hkv, E), v (total_k, Hkv,
+  // Ev); cu_seqlens_q/k int32 (N + 1,) prefix sums: sequence n is rows cu[n]:cu[n+1] and
+  // attends only to itself, its query i admitting key j iff i + d + window_lo <= j <=
+  // i + d + window_hi, d = Lk_n - Lq_n (bottom-right). out (total_q, Hq, Ev), lse (Hq,
+  // total_q) (float64 for float64 inputs, as sdpa_fwd). Sequence n's dropout seed:
+  // attnx/_rng.py sequence_seed.
+  m.def(
+      "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "float scale, int window_lo, int window_hi, float dropout_p, Tensor? seed) -> "
+      "(Tensor out, Tensor lse)");
+  m.def(
+      "varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, Tensor out, Tensor lse, float scale, int window_lo, int window_hi, "
+      "float dropout_p, Tensor? seed, Tensor? grad_lse=None) -> (Tensor dq, Tensor dk, Tensor dv)");
 }

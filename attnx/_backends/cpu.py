@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import native
-from .native import additive, kvcache, sdpa  # noqa: F401
+from .native import additive, kvcache, sdpa, varlen  # noqa: F401
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 # The decoding kernel reads the cache where it lies: no float32 copy of a bfloat16 cache per

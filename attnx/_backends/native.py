@@ -13,9 +13,10 @@ from typing import Optional
 import torch
 
 from .. import _ops
-from .._validate import AdditiveCall, KvcacheCall, SdpaCall
+from .._validate import AdditiveCall, KvcacheCall, SdpaCall, VarlenCall
 
-OPS = {"sdpa": "sdpa_fwd", "additive": "additive_fwd", "kvcache": "kvcache_fwd"}
+OPS = {"sdpa": "sdpa_fwd", "additive": "additive_fwd", "kvcache": "kvcache_fwd",
+       "varlen": "varlen_fwd"}
 
 
 def missing_kernel(op: str, dispatch_key: str) -> Optional[str]:
@@ -42,3 +43,8 @@ def kvcache(call: KvcacheCall):
     return torch.ops.attnx.kvcache_fwd(call.q, call.k_cache, call.v_cache, call.seqlens,
                                        call.block_table, call.scale, call.window_lo,
                                        call.window_hi)
+
+
+def varlen(call: VarlenCall):
+    return torch.ops.attnx.varlen_fwd(call.q, call.k, call.v, call.cu_q, call.cu_k, call.scale,
+                                      call.window_lo, call.window_hi, call.dropout_p, call.seed)

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .. import _rng
-from .._validate import AdditiveCall, KvcacheCall, SdpaCall
+from .._validate import AdditiveCall, KvcacheCall, SdpaCall, VarlenCall
 
 
 def availability() -> Optional[str]:
@@ -121,3 +121,28 @@ def kvcache(call: KvcacheCall):
         outs.append(torch.matmul(p, v))
         lses.append(lse)
     return torch.stack(outs).to(call.q.dtype), torch.stack(lses).float()
+
+
+def varlen(call: VarlenCall):
+    """One sequence at a time, each a batch-1 SDPA with the band aligned bottom-right and the
+    sequence's dropout seed (attnx._rng.sequence_seed)."""
+    dtype = _compute_dtype(call.q.dtype)
+    hq, hkv = call.q.shape[1], call.k.shape[1]
+    groups = hq // hkv
+    outs, lses = [], []
+    q0 = k0 = 0
+    for n, (lq, lk) in enumerate(call.lens):
+        q = call.q[q0:q0 + lq].transpose(0, 1).to(dtype)  # (Hq, Lq, E)
+        k, v = (t[k0:k0 + lk].transpose(0, 1).to(dtype).repeat_interleave(groups, dim=0)
+                for t in (call.k, call.v))
+        s = torch.matmul(q, k.transpose(-2, -1)) * call.scale
+        d = lk - lq  # bottom-right: query i's diagonal is key i + d
+        p, lse = masked_softmax(s, None, call.window_lo + d, call.window_hi + d)
+        seed = None if call.seed is None else _rng.sequence_seed(call.seed, n)
+        p = apply_dropout(p.unsqueeze(0), call.dropout_p, seed).squeeze(0)
+        outs.append(torch.matmul(p, v).transpose(0, 1))
+        lses.append(lse)
+        q0, k0 = q0 + lq, k0 + lk
+    out = torch.cat(outs) if outs else call.q.new_empty((0, hq, call.v.shape[-1]), dtype=dtype)
+    lse = torch.cat(lses, dim=1) if lses else call.q.new_empty((hq, 0), dtype=dtype)
+    return out.to(call.q.dtype), lse.float()

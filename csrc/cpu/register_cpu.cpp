@@ -4,6 +4,7 @@
 #include "additive_cpu.h"
 #include "decode_cpu.h"
 #include "sdpa_cpu.h"
+#include "varlen_cpu.h"
 
 TORCH_LIBRARY_IMPL(attnx, CPU, m) {
   m.impl("sdpa_fwd", &attnx::cpu::sdpa_fwd);
@@ -11,4 +12,6 @@ TORCH_LIBRARY_IMPL(attnx, CPU, m) {
   m.impl("additive_fwd", &attnx::cpu::additive_fwd);
   m.impl("additive_bwd", &attnx::cpu::additive_bwd);
   m.impl("kvcache_fwd", &attnx::cpu::kvcache_fwd);
+  m.impl("varlen_fwd", &attnx::cpu::varlen_fwd);
+  m.impl("varlen_bwd", &attnx::cpu::varlen_bwd);
 }

@@ -1,0 +1,23 @@
+// Attention over packed variable-length sequences on the CPU (attnx::varlen_fwd / varlen_bwd;
+// conventions: csrc/ops.cpp).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <optional>
+#include <tuple>
+
+namespace attnx::cpu {
+
+std::tuple<at::Tensor, at::Tensor> varlen_fwd(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                                              const at::Tensor& cu_seqlens_k, double scale,
+                                              int64_t window_lo, int64_t window_hi,
+                                              double dropout_p,
+                                              const std::optional<at::Tensor>& seed);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Tensor& out,
+    const at::Tensor& lse, double scale, int64_t window_lo, int64_t window_hi, double dropout_p,
+    const std::optional<at::Tensor>& seed, const std::optional<at::Tensor>& grad_lse);
+
+}  // namespace attnx::cpu

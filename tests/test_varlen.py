@@ -1,0 +1,201 @@
+"""attnx.varlen_attention (API.md): packed variable-length batches on the reference and cpu
+backends.
+
+The golden value is plain torch SDPA in float64 run on each sequence alone, the bottom-right
+band as a bool mask and GQA heads repeated; the bound is a small multiple of what the same
+PyTorch computation makes in the tested dtype. Sequences of length 0 and 1, Lq != Lk and rows
+with no admissible key (causal with Lq > Lk) are among the cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnx
+from attnx import _ops
+from tests._compare import assert_within
+
+HAS_CPU_KERNEL = _ops.has_kernel("varlen_fwd", "CPU")
+BACKENDS = ["reference", pytest.param("cpu", marks=pytest.mark.skipif(
+    not HAS_CPU_KERNEL, reason="attnx._C is not built"))]
+
+# (Lq, Lk) per sequence
+MIXED = [(17, 17), (1, 1), (0, 5), (97, 97), (5, 0), (3, 40), (40, 3)]
+LONG = [(1025, 1025), (17, 97)]
+
+
+def pack(lens, hq, hkv, e, ev, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = sum(a for a, _ in lens), sum(b for _, b in lens)
+    q = torch.randn(tq, hq, e, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(tk, hkv, e, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(tk, hkv, ev, generator=g, dtype=torch.float64).to(dtype)
+    cu_q = torch.tensor([0] + [a for a, _ in lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + [b for _, b in lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+    return q, k, v, cu_q, cu_k
+
+
+def allowed(lq, lk, is_causal, window):
+    """Bool (Lq, Lk): the band aligned bottom-right."""
+    d = torch.arange(lk).view(1, lk) - torch.arange(lq).view(lq, 1) - (lk - lq)
+    ok = torch.ones(lq, lk, dtype=torch.bool)
+    if is_causal:
+        ok &= d <= 0
+    if window is not None:
+        left, right = window
+        if left is not None:
+            ok &= d >= -left
+        if right is not None:
+            ok &= d <= right
+    return ok
+
+
+def golden(q, k, v, lens, is_causal=False, window=None, scale=None, dtype=torch.float64):
+    """Per-sequence torch SDPA in `dtype` (output, lse); empty rows give zeros and -inf."""
+    hq, hkv = q.shape[1], k.shape[1]
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    outs, lses, q0, k0 = [], [], 0, 0
+    for lq, lk in lens:
+        qs = q[q0:q0 + lq].transpose(0, 1)
+        ks, vs = (t[k0:k0 + lk].transpose(0, 1).repeat_interleave(hq // hkv, 0) for t in (k, v))
+        ok = allowed(lq, lk, is_causal, window)
+        sc = scale if scale is not None else q.shape[-1] ** -0.5
+        s = (qs @ ks.transpose(-1, -2) * sc).masked_fill(~ok, float("-inf"))
+        lse = torch.logsumexp(s, -1) if lk else torch.full((hq, lq), float("-inf"), dtype=dtype)
+        p = torch.where(ok, torch.exp(s - lse.unsqueeze(-1)), torch.zeros_like(s))
+        outs.append((p @ vs).transpose(0, 1))
+        lses.append(lse)
+        q0, k0 = q0 + lq, k0 + lk
+    return torch.cat(outs), torch.cat(lses, 1)
+
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("lens,is_causal,window,heads", [
+    (MIXED, False, None, (3, 3)), (MIXED, True, None, (4, 2)), (MIXED, False, (4, 2), (4, 1)),
+    (MIXED, True, (8, None), (4, 2)), (LONG, True, None, (4, 2))])
+def test_matches_golden(backend, dtype, lens, is_causal, window, heads):
+    if dtype == torch.bfloat16 and lens is LONG:
+        pytest.skip("one long case per backend is enough (float32, float64)")
+    hq, hkv = heads
+    q, k, v, cu_q, cu_k = pack(lens, hq, hkv, 16, 8, dtype)
+    out, lse = attnx.varlen_attention(q, k, v, cu_q, cu_k, is_causal=is_causal, window=window,
+                                      backend=backend, return_lse=True)
+    want, want_lse = golden(q, k, v, lens, is_causal, window)
+    base, _ = golden(q, k, v, lens, is_causal, window, dtype=dtype)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_within(out, want, base, floor=TOL[dtype])
+    assert lse.shape == (hq, q.shape[0])
+    empty = torch.isinf(want_lse)
+    assert torch.equal(torch.isinf(lse), empty)
+    assert_within(lse[~empty], want_lse[~empty].float(), want_lse[~empty].float(), floor=1e-5,
+                  what="lse")
+    if empty.any():  # rows with no admissible key: zeros
+        assert (out.transpose(0, 1)[empty] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("is_causal,window", [(False, None), (True, None), (True, (6, None))])
+def test_gradients(backend, dtype, is_causal, window):
+    lens = MIXED
+    q, k, v, cu_q, cu_k = pack(lens, 4, 2, 16, 8, dtype, seed=1)
+    g = torch.randn(q.shape[0], 4, 8, generator=torch.Generator().manual_seed(2))
+    gl = torch.randn(4, q.shape[0], generator=torch.Generator().manual_seed(3))
+
+    def grads(fn, x, y, z):
+        x, y, z = (t.detach().requires_grad_() for t in (x, y, z))
+        out, lse = fn(x, y, z)
+        ok = torch.isfinite(lse)
+        (out * g.to(out.dtype)).sum().add((lse.where(ok, 0) * gl.to(lse.dtype)).sum()).backward()
+        return x.grad, y.grad, z.grad
+
+    got = grads(lambda *t: attnx.varlen_attention(*t, cu_q, cu_k, is_causal=is_causal,
+                                                  window=window, backend=backend,
+                                                  return_lse=True), q, k, v)
+    want = grads(lambda *t: golden(*t, lens, is_causal, window), q, k, v)
+    base = grads(lambda *t: golden(*t, lens, is_causal, window, dtype=dtype), q, k, v)
+    for name, a, w, b in zip(("dq", "dk", "dv"), got, want, base):
+        assert a.dtype == dtype
+        assert_within(a, w, b, factor=3.0, floor=TOL[dtype], what=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float64_gradcheck(backend):
+    lens = [(3, 5), (1, 1), (4, 2)]
+    q, k, v, cu_q, cu_k = pack(lens, 2, 1, 4, 3, torch.float64)
+    inputs = tuple(t.requires_grad_() for t in (q, k, v))
+    fn = lambda *t: attnx.varlen_attention(*t, cu_q, cu_k, is_causal=True, backend=backend)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout(backend):
+    """Reproducible under torch.manual_seed; the cpu kernels drop what the reference drops;
+    two identical sequences of one batch get different patterns (each its own seed)."""
+    lens = [(20, 20), (20, 20), (7, 9)]
+    q, k, v, cu_q, cu_k = pack([(20, 20), (0, 0), (7, 9)], 2, 2, 8, 8, torch.float32)
+    q = torch.cat([q[:20], q[:20], q[20:]])
+    k = torch.cat([k[:20], k[:20], k[20:]])
+    v = torch.cat([v[:20], v[:20], v[20:]])
+    cu_q = torch.tensor([0, 20, 40, 47], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 40, 49], dtype=torch.int32)
+
+    def run(name):
+        torch.manual_seed(7)
+        return attnx.varlen_attention(q, k, v, cu_q, cu_k, dropout_p=0.3, backend=name)
+
+    a, b = run(backend), run(backend)
+    assert torch.equal(a, b)
+    ref = run("reference")
+    torch.testing.assert_close(a, ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(a[:20], a[20:40])
+    no_drop = attnx.varlen_attention(q, k, v, cu_q, cu_k, backend=backend)
+    assert not torch.allclose(a, no_drop)
+    assert lens  # the packing above
+
+
+def test_auto_picks_cpu_and_opcheck():
+    if not HAS_CPU_KERNEL:
+        pytest.skip("attnx._C is not built")
+    from attnx import _dispatch, _validate
+    q, k, v, cu_q, cu_k = pack(MIXED, 4, 2, 16, 8, torch.float32)
+    call = _validate.varlen_call(q, k, v, cu_q, cu_k, None, None, 0.0, True, None, None, None,
+                                 None, None, None, False)
+    assert _dispatch.select("varlen", call) == "cpu"
+    q.requires_grad_()
+    torch.library.opcheck(torch.ops.attnx.varlen_fwd,
+                          (q, k, v, cu_q, cu_k, 0.25, -200, 0, 0.0, None))
+
+
+BAD = [
+    (dict(cu_seqlens_q=torch.tensor([0, 3, 5])), TypeError, "cu_seqlens_q: expected dtype torch.int32"),
+    (dict(cu_seqlens_q=torch.tensor([1, 3, 5], dtype=torch.int32)), ValueError, "start at 0"),
+    (dict(cu_seqlens_q=torch.tensor([0, 4, 3, 5], dtype=torch.int32)), ValueError, "non-decreasing"),
+    (dict(cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32)), ValueError, "end at the total"),
+    (dict(cu_seqlens_k=torch.tensor([0, 2, 3, 5], dtype=torch.int32)), ValueError, "expected 3 entries"),
+    (dict(cu_seqlens_q=[0, 3, 5]), TypeError, "cu_seqlens_q: expected an int32 torch.Tensor"),
+    (dict(max_seqlen_q=2), ValueError, "max_seqlen_q: expected at least"),
+    (dict(softcap=30.0), ValueError, "softcap: not yet supported"),
+    (dict(q=torch.randn(1, 5, 2, 8)), ValueError, "q: expected 3 dimensions"),
+    (dict(k=torch.randn(5, 3, 8), v=torch.randn(5, 3, 4)), ValueError,
+     "k: expected a head count dividing 2"),
+    (dict(v=torch.randn(5, 2, 4, dtype=torch.float64)), TypeError, "v: expected dtype torch.float32"),
+    (dict(backend="triton"), ValueError, "backend: 'triton' cannot run this call"),
+    (dict(is_causal=1), TypeError, "is_causal: expected a bool"),
+]
+
+
+@pytest.mark.parametrize("change,error,message", BAD)
+def test_bad_input(change, error, message):
+    args = dict(q=torch.randn(5, 2, 8), k=torch.randn(5, 1, 8), v=torch.randn(5, 1, 4),
+                cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32),
+                cu_seqlens_k=torch.tensor([0, 2, 5], dtype=torch.int32))
+    args.update(change)
+    with pytest.raises(error, match=message):
+        attnx.varlen_attention(**args)
