@@ -42,7 +42,7 @@ def backends() -> dict:
 
 
 # The backends of the ops that not every backend has yet (the others' modules never see them).
-_SERVED = {"kvcache": ("cpu", "reference"), "varlen": ("cpu", "reference")}
+_SERVED = {"kvcache": ("cpu", "triton", "reference"), "varlen": ("cpu", "reference")}
 
 
 def _is_empty(op: str, call) -> bool:

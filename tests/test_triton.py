@@ -541,3 +541,54 @@ def test_autotuning_keys_on_length_buckets():
     (about a second forward, two backward) at every new length of a decoding loop."""
     assert _autotune_keys(1000, 1000) == _autotune_keys(1020, 513) == _autotune_keys(1024, 1024)
     assert _autotune_keys(1000, 1000) != _autotune_keys(1025, 1000)
+
+
+# ---------------------------------------------------------------- KV-cache decoding
+
+
+def _nan_cache(slots, hkv, depth, e, dtype, lengths, table, gen):
+    """A cache holding random keys at each sequence's positions and NaN in every other slot
+    (a read past a sequence's length shows in the output)."""
+    cache = torch.full((slots, hkv, depth, e), float("nan"), dtype=torch.float64)
+    for b, n in enumerate(lengths):
+        p = torch.arange(n)
+        rows, slot = (table[b].long()[p // depth], p % depth) if table is not None else (
+            torch.full((n,), b), p)
+        cache[rows, :, slot] = torch.randn(n, hkv, e, generator=gen, dtype=torch.float64)
+    return cache.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", [f32, f16, bf16])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("lq,is_causal,window", [(1, True, None), (4, True, (5, None)),
+                                                 (3, False, (20, 1))])
+def test_kvcache(dtype, paged, lq, is_causal, window):
+    """attention_with_kvcache through the split-K decode kernel: lengths 0-150 in one batch
+    (several key tiles and two splits), GQA, odd head dims, shuffled blocks of 16."""
+    gen = torch.Generator().manual_seed(SEED)
+    lengths, hq, hkv, e, ev, depth = [150, 0, 17, 64], 4, 2, 24, 40, 16
+    table = None
+    if paged:
+        per_seq = 10  # 160 positions each
+        table = torch.randperm(len(lengths) * per_seq + 3, generator=gen)[:len(lengths) * per_seq]
+        table = table.view(len(lengths), per_seq).to(torch.int32)
+        slots = len(lengths) * per_seq + 3
+    else:
+        slots, depth = len(lengths), 160
+    k = _nan_cache(slots, hkv, depth, e, dtype, lengths, table, gen)
+    v = _nan_cache(slots, hkv, depth, ev, dtype, lengths, table, gen)
+    q = _randn((len(lengths), hq, lq, e), dtype, gen)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    table = None if table is None else table.to(DEVICE)
+    kw = dict(block_table=table, is_causal=is_causal, window=window, return_lse=True)
+    out, lse = attnx.attention_with_kvcache(q, k, v, lens, backend="triton", **kw)
+    want, want_lse = attnx.attention_with_kvcache(q.double(), k.double(), v.double(), lens,
+                                                  backend="reference", **kw)
+    base, _ = attnx.attention_with_kvcache(q, k, v, lens, backend="reference", **kw)
+    assert out.dtype == dtype and lse.dtype == f32
+    # the reference computes 16-bit inputs in fp32 and rounds once: its error floors the bound
+    floor = {f32: 1e-5, f16: 2e-3, bf16: 1.6e-2}[dtype]
+    assert_within(out, want, base, floor=floor)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    ok = torch.isfinite(want_lse)
+    assert_within(lse[ok], want_lse[ok].float(), want_lse[ok].float(), floor=1e-4, what="lse")

@@ -26,7 +26,7 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 KERNELS = {"sdpa._fwd_kernel", "sdpa._row_sums_kernel", "sdpa._dkdv_kernel", "sdpa._dq_kernel",
            "additive._fwd_kernel", "additive._weights_kernel", "additive._row_sums_kernel",
-           "additive._dk_kernel", "additive._dq_kernel"}
+           "additive._dk_kernel", "additive._dq_kernel", "decode._split_kernel"}
 
 
 @pytest.fixture(scope="module")
@@ -66,5 +66,5 @@ def test_the_variants_cover_each_dtype_head_dim_and_flag(results):
     names = {v for r in results["units"] for v in r["variants"]}
     parts = {p for n in names for p in n.split("/")}
     assert {"fp32", "fp16", "bf16", "d16", "d64", "d96", "d128", "d256", "bool-mask",
-            "float-mask", "dropout", "gqa", "weights"} <= parts
+            "float-mask", "dropout", "gqa", "weights", "paged"} <= parts
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .._validate import AdditiveCall, SdpaCall
+from .._validate import AdditiveCall, KvcacheCall, SdpaCall
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -45,7 +45,9 @@ def unsupported(op: str, call) -> Optional[str]:
                 f"got device {call.q.device}")
     if call.q.dtype not in DTYPES:
         return f"the triton backend takes float16, bfloat16 and float32, got {call.q.dtype}"
-    dims = (call.q.shape[-1], call.v.shape[-1]) if op == "sdpa" else (call.value.shape[-1],)
+    dims = {"sdpa": lambda: (call.q.shape[-1], call.v.shape[-1]),
+            "kvcache": lambda: (call.q.shape[-1], call.v_cache.shape[-1]),
+            "additive": lambda: (call.value.shape[-1],)}[op]()
     if max(dims) > MAX_HEAD_DIM:
         return f"the triton backend takes head dims up to {MAX_HEAD_DIM}, got {dims}"
     return None
@@ -63,3 +65,9 @@ def additive(call: AdditiveCall):
                                              call.window_lo, call.window_hi, call.dropout_p,
                                              call.seed, call.return_weights)
     return out, lse, (weights if call.return_weights else None)
+
+
+def kvcache(call: KvcacheCall):
+    from ..triton import decode as kernels
+    return kernels.kvcache_fwd(call.q, call.k_cache, call.v_cache, call.seqlens,
+                               call.block_table, call.scale, call.window_lo, call.window_hi)

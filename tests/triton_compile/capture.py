@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 import triton
 
-from attnx.triton import additive, common, sdpa
+from attnx.triton import additive, common, decode, sdpa
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -22,17 +22,18 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One call of an op: the kernels' constexprs follow from these fields."""
-    op: str                 # "sdpa" or "additive"
+    op: str                 # "sdpa", "additive" or "kvcache"
     dtype: str              # key of DTYPES
     head_dim: int           # E = Ev for sdpa; A = Ev for additive
     mask: str = "none"      # "none", "bool", "float" (float masks also take their gradient)
     dropout: bool = False
     gqa: bool = False       # sdpa: 4 query heads on 2 kv heads
     weights: bool = False   # additive: return_weights and a loss on them
+    paged: bool = False     # kvcache: a paged cache (block table) instead of a contiguous one
 
     @property
     def name(self) -> str:
-        flags = [f for f in ("dropout", "gqa", "weights") if getattr(self, f)]
+        flags = [f for f in ("dropout", "gqa", "weights", "paged") if getattr(self, f)]
         mask = [] if self.mask == "none" else [f"{self.mask}-mask"]
         return "/".join([self.op, self.dtype, f"d{self.head_dim}", *mask, *flags])
 
@@ -97,7 +98,16 @@ def _run_variant(v: Variant) -> None:
     seed = torch.tensor([12345, 678], dtype=torch.int64) if v.dropout else None
     lo, hi = -L, L
     mask_grad = v.mask == "float"
-    if v.op == "sdpa":
+    if v.op == "kvcache":  # one decoding step (Lq = 1) of 2 sequences over a cache of L
+        q = rand(2, h, 1, d)
+        lens = torch.tensor([L - 3, L // 2], dtype=torch.int32)
+        if v.paged:
+            k, val = rand(2 * L // 16, hkv, 16, d), rand(2 * L // 16, hkv, 16, d)
+            table = torch.randperm(2 * L // 16, generator=gen).view(2, L // 16).to(torch.int32)
+        else:
+            k, val, table = rand(2, hkv, L, d), rand(2, hkv, L, d), None
+        decode.kvcache_fwd(q, k, val, lens, table, d ** -0.5, -L - 1, 0)
+    elif v.op == "sdpa":
         q, k, val = rand(b, h, L, d), rand(b, hkv, L, d), rand(b, hkv, L, d)
         out, lse = sdpa.sdpa_fwd(q, k, val, mask, d ** -0.5, lo, hi, p, seed)
         sdpa.sdpa_bwd(rand(b, h, L, d), q, k, val, mask, rand(b, h, L, d),

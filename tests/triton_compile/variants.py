@@ -10,7 +10,8 @@ HEAD_DIMS = (16, 64, 96, 128, 256)
 DTYPES = ("fp32", "fp16", "bf16")
 
 # The CI set: each dtype, each head-dim family and each constexpr flag at least once per op
-# (masks none/bool/float, dropout, GQA, additive weights), wide heads in each dtype family.
+# (masks none/bool/float, dropout, GQA, additive weights, paged caches), wide heads in each
+# dtype family.
 CI = (
     Variant("sdpa", "fp16", 64),
     Variant("sdpa", "bf16", 128, mask="bool", dropout=True),
@@ -21,6 +22,9 @@ CI = (
     Variant("additive", "fp32", 64, weights=True),
     Variant("additive", "fp16", 128, mask="bool", dropout=True),
     Variant("additive", "bf16", 256, mask="float", weights=True),
+    Variant("kvcache", "fp16", 128, gqa=True, paged=True),
+    Variant("kvcache", "bf16", 64),
+    Variant("kvcache", "fp32", 256, paged=True),
 )
 
 
@@ -31,8 +35,9 @@ def full() -> list[Variant]:
                  dict(mask="float", dropout=True, gqa=True)],
         "additive": [{}, dict(mask="bool"), dict(mask="float"), dict(dropout=True),
                      dict(weights=True), dict(mask="float", dropout=True, weights=True)],
+        "kvcache": [{}, dict(gqa=True), dict(paged=True), dict(gqa=True, paged=True)],
     }
-    return [Variant(op, dt, d, **f) for op in ("sdpa", "additive")
+    return [Variant(op, dt, d, **f) for op in ("sdpa", "additive", "kvcache")
             for dt, d in itertools.product(DTYPES, HEAD_DIMS) for f in flags[op]]
 
 
