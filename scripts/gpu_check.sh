@@ -27,6 +27,9 @@
 #   run(command="bash scripts/gpu_check.sh $OUT --steps build,bench", timeout_s=600)
 # and join the two JSON files here with
 #   python scripts/gpu_check_report.py merge -o all.json run1/gpu_check.json run2/gpu_check.json
+# The decoding benchmark (attention_with_kvcache, triton, against torch's SDPA and the copy
+# bandwidth) is its own call on the warm machine:
+#   run(command="python3 benchmarks/gpu_decode.py --out $OUT/decode.jsonl --deadline-s 400", timeout_s=600)
 # Python packages missing there travel as wheels (/work/.library/device/README.md): put them in
 # .whl/ at the repository root (ignored through .git/info/exclude), name .whl in the call's
 # carry, and this script installs them into a scratch folder on PYTHONPATH before the steps.

@@ -278,3 +278,24 @@ def test_benchmark_without_a_gpu_says_so(tmp_path, capsys):
     assert "no CUDA device" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
     assert bench.main(["--plan"]) == 0
     assert capsys.readouterr().out.strip().endswith("96 measurements x 5 providers")
+
+
+# ---------------------------------------------------------------- benchmarks/gpu_decode.py
+
+decode = _load("gpu_decode", "benchmarks/gpu_decode.py")
+
+
+def test_decode_plan_and_bytes(capsys):
+    assert decode.main(["--plan", "--dtypes", "bf16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("bf16 B=1 L=32768") and lines[-1] == "9 cases x 3 providers"
+    # K and V of one full sequence: Hkv 8 x L x 2 x D 128 x 2 bytes
+    assert decode.kv_bytes(1, 2048) == 8 * 2048 * 2 * 128 * 2
+
+
+def test_decode_bad_dtypes_and_no_gpu(capsys):
+    with pytest.raises(SystemExit):
+        decode.main(["--plan", "--dtypes", "fp32"])
+    if not HAS_GPU:
+        assert decode.main(["--out", "unused.jsonl"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
