@@ -52,11 +52,16 @@ def _inputs(hq, hk, length, e, ev, dtype, seed=0):
 
 
 def ring_matches(layout, is_causal=False, window=None, hq=4, hk=2, per_rank=4, e=5, ev=7,
-                 dtype=torch.float32, backend=None, scale=None):
+                 dtype=torch.float32, backend=None, scale=None, huge_lse=False):
     """out, lse, dq, dk, dv of ring_attention on this rank's shard == the single-process op on
-    the full sequence, sliced; the loss reads the lse too, so its gradient is checked."""
+    the full sequence, sliced; the loss reads the lse too, so its gradient is checked.
+    `huge_lse`: every key shares a large first coordinate, which shifts each row's scores by
+    a constant in the hundreds (|lse| > 256) and leaves its softmax as spread as before."""
     world = dist.get_world_size()
     q, k, v, dout, dlse = _inputs(hq, hk, per_rank * world, e, ev, dtype)
+    if huge_lse:
+        q[..., 0] = 10.0
+        k[..., 0] += 100.0
 
     def single(inputs, backend):
         full = [t.clone().requires_grad_() for t in inputs]

@@ -122,6 +122,31 @@ def _forward(ring: _Ring, q, k, v):
     return out.to(q.dtype), lse
 
 
+# Rows whose |lse| passes this may have lost log(l) to rounding: the backward kernels then
+# renormalize such a row by its own sum of exp(s - lse) (csrc/cpu/huge_lse.h,
+# attnx/triton/common.py HUGE_LSE), right for a whole row, wrong for the part of it one block
+# of the ring holds.
+_HUGE_LSE = 256.0
+
+
+def _block_terms(ring, b, q, ks, vs, dout, lse, grad_lse):
+    """(dout, lse, grad_lse) of block b's rows for its backward kernel. Normally the global
+    ones. When a row's |lse| is huge: the block's own lse (from its forward), with dout and
+    grad_lse scaled by w = exp(lse_block - lse): the kernel's probabilities exp(s - lse_block)
+    are then those of the block (a renormalization by their sum changes nothing) and w times
+    the row's, and since dV, dS and D are linear in (dout, grad_lse) the gradients are exact."""
+    rows, keys = slice(b.q0, b.q1), slice(b.k0, b.k1)
+    do, l, gl = dout[:, :, rows], lse[:, :, rows], None if grad_lse is None else grad_lse[:, :, rows]
+    if not ((l.abs() > _HUGE_LSE) & torch.isfinite(l)).any():
+        return do, l, gl
+    _, lb = ring.kernels.fwd(q[:, :, rows], ks[:, :, keys], vs[:, :, keys], ring.scale, b.lo, b.hi)
+    lb = lb.to(l.dtype)
+    finite = torch.isfinite(l) & torch.isfinite(lb)
+    scale = torch.where(finite, torch.exp(lb - torch.where(finite, l, lb)), torch.zeros_like(l))
+    do = (do * scale.unsqueeze(-1).to(do.dtype))
+    return do, lb, None if gl is None else gl.to(scale.dtype) * scale
+
+
 def _backward(ring: _Ring, dout, q, k, v, out, lse, grad_lse):
     r, w = ring.rank, ring.world
     reach = [ring.reach(s) for s in range(w)]
@@ -147,10 +172,9 @@ def _backward(ring: _Ring, dout, q, k, v, out, lse, grad_lse):
             dk, dv = torch.zeros_like(dk0), torch.zeros_like(dv0)
             for b in ring.blocks(r, s):
                 rows, keys = slice(b.q0, b.q1), slice(b.k0, b.k1)
-                gq, gk, gv = ring.kernels.bwd(
-                    dout[:, :, rows], q[:, :, rows], ks[:, :, keys], vs[:, :, keys],
-                    out[:, :, rows], lse[:, :, rows], ring.scale, b.lo, b.hi,
-                    None if grad_lse is None else grad_lse[:, :, rows])
+                do, lb, gl = _block_terms(ring, b, q, ks, vs, dout, lse, grad_lse)
+                gq, gk, gv = ring.kernels.bwd(do, q[:, :, rows], ks[:, :, keys], vs[:, :, keys],
+                                              out[:, :, rows], lb, ring.scale, b.lo, b.hi, gl)
                 dq[:, :, rows] += gq
                 dk[:, :, keys] += gk
                 dv[:, :, keys] += gv
