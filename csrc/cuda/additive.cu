@@ -15,8 +15,10 @@
 // max and sum reduced across the 16 lanes that hold it (every warp takes part); P*z to shared
 // memory; then, kEC value columns at a time, the value tile is loaded into shared memory once and
 // the fp32 output tile (kBQ, Ev), kept in shared memory, is rescaled and accumulated. With
-// return_weights, a second pass over the key tiles recomputes the scores and writes
-// exp(s - m) / l (exact on rows of huge lse too, where exp(s - lse) is not; common.cuh).
+// return_weights, each tile's exp(s - m_t) z is written to the weights as it is computed, with
+// the running max m_t to a scratch, and a last pass over them (no scores recomputed) scales
+// them by exp(m_t - m) / l: exact on rows of huge lse too, where exp(s - lse) is not
+// (common.cuh).
 //
 // Backward: one CTA per (query tile, head, batch). Per key tile it recomputes s and P =
 // exp(s - lse) / R (R = 1 but on rows of huge lse, where a first pass over the key tiles sums
@@ -85,6 +87,8 @@ struct Smem {  // offsets into the dynamic shared memory, in floats
   }
 };
 static_assert(kBQ * kBK <= kBK * kStrideT, "the forward's P tile fits its region");
+
+__host__ __device__ int key_tiles(int Lk) { return ceil_div(Lk, kBK); }
 
 template <typename T>
 struct Head {  // pointers to one (b, h)
@@ -267,12 +271,16 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks)
         const int c = tc + kRowLanes * m;
         const float e = fast_exp(s[u][m] - m_use);
         sum += e;
-        sm[L.P + r * kBK + c] =
-            e * dropout_factor(p.drop, hd.key_bh, uint32_t(i0 + r), uint32_t(j0 + c));
+        const float pz = e * dropout_factor(p.drop, hd.key_bh, uint32_t(i0 + r), uint32_t(j0 + c));
+        sm[L.P + r * kBK + c] = pz;
+        if (p.weights != nullptr && i0 + r < p.Lq && j0 + c < p.Lk)
+          static_cast<T*>(p.weights)[(hd.bh * p.Lq + i0 + r) * p.Lk + j0 + c] = from_float<T>(pz);
       }
       l_run[u] = l_run[u] * alpha + row_sum(sum);
       m_run[u] = m_new;
       if (tc == 0) alpha_s[r] = alpha;
+      if (p.weights != nullptr && tc == 0 && i0 + r < p.Lq)
+        p.weight_max[(hd.bh * p.Lq + i0 + r) * key_tiles(p.Lk) + t] = m_use;
     }
     // O = alpha O + (P*z) value, kEC columns at a time: warp = rows 4 warp .. 4 warp + 3, lane
     // = columns lane and lane + 32 of the chunk.
@@ -334,23 +342,24 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks)
     p.lse[hd.bh * p.Lq + i0 + threadIdx.x] = l > 0.f ? m_s[threadIdx.x] + logf(l) : -INFINITY;
   }
   if (p.weights == nullptr) return;
-  // Second pass: the probabilities themselves (the host zero-fills tiles outside the band).
+  // exp(s - m_t) z -> exp(s - m) z / l, each thread on the entries it wrote (the barrier above
+  // published the maxima; the host zero-fills tiles outside the band).
   for (int t = t0; t <= t1; ++t) {
-    const int j0 = t * kBK;
-    float s[kRows][kCols];
-    score_tile(p, hd, L, sm, b, h, i0, j0, s);
 #pragma unroll
-    for (int u = 0; u < kRows; ++u)
+    for (int u = 0; u < kRows; ++u) {
+      const int i = i0 + kRows * tr + u;
+      if (i >= p.Lq) continue;
+      const float m_use = m_run[u] == -INFINITY ? 0.f : m_run[u];
+      const float scale = l_run[u] == 0.f ? 0.f
+          : fast_exp(p.weight_max[(hd.bh * p.Lq + i) * key_tiles(p.Lk) + t] - m_use) / l_run[u];
 #pragma unroll
       for (int m = 0; m < kCols; ++m) {
-        const int i = i0 + kRows * tr + u, j = j0 + tc + kRowLanes * m;
-        if (i >= p.Lq || j >= p.Lk) continue;
-        const float pr = (s[u][m] == -INFINITY || l_run[u] == 0.f)
-                             ? 0.f
-                             : fast_exp(s[u][m] - m_run[u]) / l_run[u];
-        static_cast<T*>(p.weights)[(hd.bh * p.Lq + i) * p.Lk + j] =
-            from_float<T>(pr * dropout_factor(p.drop, hd.key_bh, uint32_t(i), uint32_t(j)));
+        const int j = t * kBK + tc + kRowLanes * m;
+        if (j >= p.Lk) continue;
+        T& w = static_cast<T*>(p.weights)[(hd.bh * p.Lq + i) * p.Lk + j];
+        w = from_float<T>(to_float(w) * scale);
       }
+    }
   }
 }
 
@@ -559,6 +568,8 @@ cudaError_t launch(K kernel, const AdditiveParams& p, cudaStream_t stream) {
 size_t additive_smem_bytes(int Ev) { return size_t(Smem(Ev).total) * sizeof(float); }
 
 int additive_query_tiles(int Lq) { return ceil_div(Lq, kBQ); }
+
+int additive_key_tiles(int Lk) { return key_tiles(Lk); }
 
 cudaError_t launch_additive_fwd(const AdditiveParams& p, cudaStream_t stream) {
   return p.dtype == DType::Half ? launch(additive_fwd_kernel<__half>, p, stream)

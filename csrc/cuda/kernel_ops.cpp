@@ -328,6 +328,10 @@ std::tuple<Tensor, Tensor, Tensor> additive_fwd(const Target& target, const Tens
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   p.weights = return_weights ? weights.data_ptr() : nullptr;
+  const Tensor weight_max =
+      return_weights ? target.empty({p.B, p.H, p.Lq, additive_key_tiles(p.Lk)}, opts.dtype(at::kFloat))
+                     : Tensor();
+  p.weight_max = return_weights ? weight_max.data_ptr<float>() : nullptr;
   target.check(launch_additive_fwd(p, target.stream()));
   return {out, lse, weights};
 }
