@@ -4,10 +4,10 @@
 // in shared memory, A chunk by A chunk, through
 //   r = 1 / (e^{2q} e^{2k} + 1) = (1 - tanh(q + k)) / 2,   tanh = 1 - 2r,   1 - tanh^2 = 4r(1 - r)
 // with e^{2q} and e^{2k} computed once per loaded element (1/kBK + 1/kBQ of an exp per (i, j, a)),
-// so each (i, j, a) costs one FMA and one approximate reciprocal (rcp_approx: one SFU op, where
-// tanhf is a dozen instructions). e^{2x} is exact and finite for |x| <= kExpLimit, and then the
-// product never meets inf * 0; a chunk holding a larger |q| or |k| (rare: it is tanh's flat
-// tail) keeps the raw values and computes r = 1 / (e^{2(q+k)} + 1) per element instead.
+// so a score's (i, j, a) costs two FMAs and one approximate reciprocal (rcp_approx: one SFU op,
+// where tanhf is two SFU ops and about 18 others). e^{2x} is a normal float for |x| <= kExpLimit,
+// and then the product never meets inf * 0; a chunk holding a larger |q| or |k| (rare: it is
+// tanh's flat tail) keeps the raw values and computes r = 1 / (e^{2(q+k)} + 1) per element.
 // Then s = sum_a v - 2 sum_a v r.
 //
 // Forward: one CTA per (query tile of kBQ rows, head, batch). Per key tile of kBK keys: the score
