@@ -5,7 +5,7 @@
 # machine with no network: builds attnx (its CUDA half for this GPU's architecture only), runs
 # tests/test_cuda.py and tests/test_triton.py on CUDA tensors, `attnx check`, compute-sanitizer
 # (memcheck, racecheck) on small cases of both GPU backends (scripts/gpu_sanitize_cases.py) and
-# the GPU benchmark (benchmarks/gpu.py). Writes OUTDIR/gpu_check.json and OUTDIR/gpu_check.log.
+# the GPU benchmarks (benchmarks/gpu_additive_targets.py, then benchmarks/gpu.py). Writes OUTDIR/gpu_check.json and OUTDIR/gpu_check.log.
 #
 # Each step runs under `timeout`: its cap below, or less when the whole --budget (default 570 s)
 # runs short; a step stopped by its timeout is recorded as timed_out, one that got no time as
@@ -82,7 +82,7 @@ command_of() {
     check) echo "$PY -m attnx check --jobs $jobs --json $scratch/check.json" ;;
     memcheck) echo "$PY scripts/gpu_sanitize_cases.py cuda triton; PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 $PY scripts/gpu_sanitize_cases.py cuda triton" ;;
     racecheck) echo "compute-sanitizer --tool racecheck --error-exitcode 1 $PY scripts/gpu_sanitize_cases.py cuda triton" ;;
-    bench) echo "$PY benchmarks/gpu.py --out $scratch/bench.jsonl --deadline-s \$DEADLINE" ;;
+    bench) echo "timeout 90 $PY benchmarks/gpu_additive_targets.py --repeats 5 --out $outdir/gpu_additive_targets.json; $PY benchmarks/gpu.py --out $scratch/bench.jsonl --deadline-s \$(( \$DEADLINE - 90 ))" ;;
   esac
 }
 

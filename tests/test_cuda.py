@@ -324,7 +324,7 @@ def test_sdpa_opcheck():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lq,lk,a,ev", [(1, 1, 8, 8), (17, 97, 64, 32), (97, 17, 100, 48),
-                                        (33, 65, 256, 256)])
+                                        (33, 65, 256, 256), (20, 130, 33, 100)])
 def test_additive_sizes(dtype, lq, lk, a, ev):
     torch.manual_seed(20)
     check_additive(rand(2, 2, lq, a, dtype=dtype), rand(2, 2, lk, a, dtype=dtype),
@@ -361,6 +361,20 @@ def test_additive_rows_under_a_huge_finite_bias(dtype):
     mask = huge_bias_mask(2, lq, lk, dtype).requires_grad_()
     check_additive(rand(2, 1, lq, a, dtype=dtype), rand(2, 1, lk, a, dtype=dtype),
                    rand(2, 1, lk, 8, dtype=dtype), rand(1, a, dtype=dtype), mask)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_additive_inputs_past_the_exponential_range(dtype):
+    """|q|, |k| > 40, where the kernels' e^{2q} e^{2k} would leave fp32's range, in pairs whose
+    sum q + k is small (tanh anything but +-1): those chunks compute tanh from q + k instead;
+    clamped exponentials would give tanh(0) there, unguarded ones inf * 0 = NaN."""
+    torch.manual_seed(26)
+    lq, lk, a = 19, 70, 40
+    q, k = torch.randn(2, 2, lq, a, dtype=dtype), torch.randn(2, 2, lk, a, dtype=dtype)
+    q[0, 1, :, 3], k[0, 1, :, 3] = 60.0, -59.5  # q + k = 0.5 in the first A chunk of one head
+    q[1, 0, 5, 35], k[1, 0, 7:, 35] = -80.0, 81.0  # one row, in the second chunk of another
+    q, k = (t.to(DEV).requires_grad_() for t in (q, k))
+    check_additive(q, k, rand(2, 2, lk, 24, dtype=dtype), rand(2, a, dtype=dtype))
 
 
 def test_additive_opcheck():

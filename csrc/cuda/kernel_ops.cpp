@@ -328,6 +328,10 @@ std::tuple<Tensor, Tensor, Tensor> additive_fwd(const Target& target, const Tens
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   p.weights = return_weights ? weights.data_ptr() : nullptr;
+  const Tensor weight_max =
+      return_weights ? target.empty({p.B, p.H, p.Lq, additive_key_tiles(p.Lk)}, opts.dtype(at::kFloat))
+                     : Tensor();
+  p.weight_max = return_weights ? weight_max.data_ptr<float>() : nullptr;
   target.check(launch_additive_fwd(p, target.stream()));
   return {out, lse, weights};
 }
@@ -347,7 +351,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
   Tensor dq = target.zeros({p.B, p.H, p.Lq, p.A}, f32);
   Tensor dk = target.zeros({p.B, p.H, p.Lk, p.A}, f32);
   Tensor dvalue = target.zeros({p.B, p.H, p.Lk, p.Ev}, f32);
-  Tensor dv = target.zeros({p.H, p.A}, f32);
+  Tensor dv_parts = target.zeros({int64_t(p.B) * additive_query_tiles(p.Lq), p.H, p.A}, f32);
   const bool want_dmask = mask_grad && p.mask.kind == MaskKind::Additive;
   Tensor dmask =
       want_dmask ? target.zeros({p.B, p.H, p.Lq, p.Lk}, in.q.options()) : in.q.new_empty({0});
@@ -357,7 +361,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
   p.dq = dq.data_ptr<float>();
   p.dk = dk.data_ptr<float>();
   p.dvalue = dvalue.data_ptr<float>();
-  p.dv = dv.data_ptr<float>();
+  p.dv = dv_parts.data_ptr<float>();
   p.dmask = want_dmask ? dmask.data_ptr() : nullptr;
   Tensor dw;
   if (grad_weights.has_value()) {
@@ -369,6 +373,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
   }
   p.dweights = dw.defined() ? dw.data_ptr() : nullptr;
   target.check(launch_additive_bwd(p, target.stream()));
+  // The CTAs' partial sums, added up here rather than by atomics on v's H x A addresses.
+  const Tensor dv = dv_parts.sum(0);
   // v may have been a broadcast (A,) vector: its gradient has v's own (H, A) shape here, the
   // autograd of the expand sums it back.
   return {grad_for(dq, q_in), grad_for(dk, k_in), grad_for(dvalue, value_in), grad_for(dv, v),

@@ -73,8 +73,10 @@ struct AdditiveParams {
   void* out;  // (B, H, Lq, Ev) contiguous
   float* lse;  // (B, H, Lq)
   void* weights;  // (B, H, Lq, Lk) contiguous or null
+  float* weight_max;  // with weights: (B, H, Lq, additive_key_tiles(Lk)) scratch
   // backward (all contiguous): dout (B, H, Lq, Ev); fp32 accumulators, zeroed:
-  // dq (B, H, Lq, A), dk (B, H, Lk, A), dvalue (B, H, Lk, Ev), dv (H, A); dmask as in SDPA;
+  // dq (B, H, Lq, A), dk (B, H, Lk, A), dvalue (B, H, Lk, Ev), dv (B * additive_query_tiles(Lq),
+  // H, A): each CTA's own partial sums of v's gradient, which the host adds up; dmask as in SDPA;
   // delta fp32 (B, H, Lq) = rowsum(dout * out) less grad_lse; dweights (B, H, Lq, Lk) or null.
   const void* dout;
   const void* dweights;
@@ -98,6 +100,10 @@ size_t sdpa_smem_bytes(bool backward, int dim);
 // Each returns the cudaError_t of its launches (cudaSuccess when nothing had to run).
 // Shared memory the additive kernels need for value dim Ev (the host checks it fits).
 size_t additive_smem_bytes(int Ev);
+// The additive kernels' query tiles per (batch, head): the CTAs of their grid's x dim.
+int additive_query_tiles(int Lq);
+// Their key tiles: the weights' scratch of row maxima holds one per query and key tile.
+int additive_key_tiles(int Lk);
 cudaError_t launch_additive_fwd(const AdditiveParams& p, cudaStream_t stream);
 cudaError_t launch_additive_bwd(const AdditiveParams& p, cudaStream_t stream);
 

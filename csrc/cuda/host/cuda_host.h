@@ -81,6 +81,9 @@ inline std::common_type_t<A, B> max(A a, B b) {
 namespace attnx {
 namespace cuda {
 
+// device.cuh's rcp_approx (rcp.approx.ftz.f32), here correctly rounded.
+inline float rcp_approx(float x) { return 1.f / x; }
+
 // The launch of the device code (device.cuh): the grid runs here, through the harness.
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
