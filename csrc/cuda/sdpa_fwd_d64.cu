@@ -1,8 +1,0 @@
-// SDPA forward kernels for head dims up to 64 (fp16 and bf16); see sdpa_fwd.cuh.
-#include "sdpa_fwd.cuh"
-
-namespace attnx {
-namespace cuda {
-template cudaError_t sdpa_fwd_family<64>(const SdpaParams&, cudaStream_t);
-}  // namespace cuda
-}  // namespace attnx
