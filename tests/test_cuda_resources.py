@@ -38,10 +38,12 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cuda
 # cudaDevAttrMaxSharedMemoryPerBlockOptin of each architecture the build targets.
 OPT_IN_SHARED = {"sm_80": 166912, "sm_90": 232448}
 DTYPES = {"6__half": "fp16", "13__nv_bfloat16": "bf16"}
-SDPA_FAMILIES = (64, 128, 256)
+SDPA_FWD_FAMILIES = (32, 64, 96, 128, 160, 192, 256)  # csrc/cuda/launch.h
+SDPA_BWD_FAMILIES = (64, 128, 256)
 # Every kernel csrc/cuda/ compiles, each with the dynamic shared memory its launch requests.
-KERNELS = {f"{op}<{dt}, {d}>": (op, d) for op in ("sdpa_fwd", "sdpa_bwd")
-           for dt in DTYPES.values() for d in SDPA_FAMILIES}
+KERNELS = {f"{op}<{dt}, {d}>": (op, d) for op, families in (("sdpa_fwd", SDPA_FWD_FAMILIES),
+                                                            ("sdpa_bwd", SDPA_BWD_FAMILIES))
+           for dt in DTYPES.values() for d in families}
 KERNELS.update({f"additive_{op}<{dt}>": ("additive", cuda_backend.MAX_ADDITIVE_VALUE_DIM)
                 for op in ("fwd", "bwd") for dt in DTYPES.values()})
 
@@ -204,13 +206,13 @@ def reason(monkeypatch, limit, op, call):
     return cuda_backend._shared_memory_reason(op, call)
 
 
-@pytest.mark.parametrize("e, ev", [(64, 64), (8, 64), (64, 1), (17, 33)])
-def test_99kb_parts_take_the_sdpa_forward_up_to_64(monkeypatch, e, ev):
+@pytest.mark.parametrize("e, ev", [(64, 64), (8, 64), (64, 1), (17, 33), (65, 64), (96, 96)])
+def test_99kb_parts_take_the_sdpa_forward_up_to_96(monkeypatch, e, ev):
     assert reason(monkeypatch, SM86_OPT_IN, "sdpa", sdpa_call(e, ev)) is None
 
 
 @pytest.mark.parametrize("e, ev, grad, kernel", [
-    (64, 64, True, "sdpa_bwd"), (65, 64, False, "sdpa_fwd"), (64, 128, False, "sdpa_fwd"),
+    (64, 64, True, "sdpa_bwd"), (97, 64, False, "sdpa_fwd"), (64, 128, False, "sdpa_fwd"),
     (128, 128, True, "sdpa_bwd"), (256, 256, False, "sdpa_fwd")])
 def test_99kb_parts_refuse_what_does_not_fit(monkeypatch, e, ev, grad, kernel):
     why = reason(monkeypatch, SM86_OPT_IN, "sdpa", sdpa_call(e, ev, grad))
@@ -235,3 +237,74 @@ def test_a100_takes_every_sdpa_call(monkeypatch, e, ev):
     assert reason(monkeypatch, OPT_IN_SHARED["sm_80"], "sdpa", sdpa_call(e, ev, grad=True)) is None
     big = additive_call(cuda_backend.MAX_ADDITIVE_VALUE_DIM, grad=True)
     assert reason(monkeypatch, OPT_IN_SHARED["sm_80"], "additive", big) is None
+
+
+# ------------------------------------------------------------- the forward's FA2 instruction mix
+
+_SASS_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_BRANCH_TARGET = re.compile(r"0x([0-9a-f]+)")
+MIX = ("HMMA.16816", "LDSM", "LDGSTS", "MUFU.EX2", "SHFL", "BAR", "LDS", "STS", "LDG", "STG")
+
+
+def main_loops(sass: str) -> dict:
+    """{(symbol, arch): opcodes of the main loop} from cuobjdump -sass text: the body of the
+    backward branch (target <= branch) whose range holds the most HMMA."""
+    loops, arch, symbol, instrs = {}, None, None, []
+
+    def close():
+        if symbol is None:
+            return
+        best = []
+        for addr, op, rest in instrs:
+            if op.startswith("BRA") and (m := _BRANCH_TARGET.search(rest)):
+                target = int(m[1], 16)
+                if target <= addr:
+                    body = [o for a, o, _ in instrs if target <= a <= addr]
+                    if sum(o.startswith("HMMA") for o in body) > sum(
+                            o.startswith("HMMA") for o in best):
+                        best = body
+        loops[symbol, arch] = best
+
+    for line in sass.splitlines():
+        if line.strip().startswith("arch = "):
+            close()
+            symbol, instrs = None, []
+            arch = line.split("=")[1].strip()
+        elif (m := re.search(r"Function : (\S+)", line)):
+            close()
+            symbol, instrs = m[1], []
+        elif (m := _SASS_INSTR.search(line)):
+            instrs.append((int(m[1], 16), m[3], m[4]))
+    close()
+    return loops
+
+
+def instruction_mix(body: list) -> dict:
+    mix = {op: sum(o == op or o.startswith(op + ".") for o in body) for op in MIX}
+    mix["total"] = len(body)
+    return mix
+
+
+@pytest.fixture(scope="module")
+def forward_loops():
+    tool, lib = cuobjdump(), _ops._C.__file__
+    usage = resource_usage(tool, lib)
+    symbols = sorted({s for s, _ in usage if _SDPA.search(s) and "sdpa_fwd" in s})
+    sass = subprocess.run([tool, "--dump-sass", "--function", ",".join(symbols), lib],
+                          check=True, capture_output=True, text=True).stdout
+    return main_loops(sass)
+
+
+def test_forward_main_loops_are_fa2_instructions(forward_loops):
+    """Every sdpa_fwd kernel's main loop (sm_80 and sm_90 cubins) runs on mma.sync m16n8k16
+    (HMMA.16816), ldmatrix (LDSM) and cp.async (LDGSTS): S, P and O stay in registers."""
+    found = {(kernel_name(s), arch) for s, arch in forward_loops}
+    want = {(f"sdpa_fwd<{dt}, {d}>", arch) for dt in DTYPES.values() for d in SDPA_FWD_FAMILIES
+            for arch in built_archs()}
+    assert want <= found, f"forward kernels missing: {sorted(want - found)}"
+    bad = []
+    for (symbol, arch), body in sorted(forward_loops.items()):
+        mix = instruction_mix(body)
+        if not (mix["HMMA.16816"] and mix["LDSM"] and mix["LDGSTS"]):
+            bad.append(f"{kernel_name(symbol)} {arch}: {mix}")
+    assert not bad, "main loops without HMMA.16816, LDSM and LDGSTS:\n" + "\n".join(bad)
