@@ -171,8 +171,8 @@ def test_sdpa_sizes(dtype, lq, lk):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("e,ev", [(16, 16), (32, 32), (59, 59), (64, 128), (96, 96), (111, 111),
-                                  (128, 128), (192, 64), (256, 256)])
+@pytest.mark.parametrize("e,ev", [(16, 16), (32, 32), (59, 59), (64, 128), (80, 72), (96, 96),
+                                  (111, 111), (128, 128), (150, 160), (192, 64), (256, 256)])
 def test_sdpa_head_dims(dtype, e, ev):
     torch.manual_seed(2)
     check_sdpa(rand(1, 2, 97, e, dtype=dtype), rand(1, 2, 113, e, dtype=dtype),
@@ -290,13 +290,14 @@ def test_sdpa_dropout_matches_reference(p):
     assert torch.equal(a, b)
 
 
-def test_sdpa_scale_and_noncontiguous_inputs():
+@pytest.mark.parametrize("scale", [0.3, -0.25])  # a negative scale cannot be folded into exp2
+def test_sdpa_scale_and_noncontiguous_inputs(scale):
     torch.manual_seed(10)
     # (B, L, H, D) storage viewed as (B, H, L, D), as a projection would produce.
     q = torch.randn(2, 77, 4, 64, device=DEV, dtype=torch.float16).transpose(1, 2).requires_grad_()
     k = torch.randn(2, 91, 4, 64, device=DEV, dtype=torch.float16).transpose(1, 2).requires_grad_()
     v = torch.randn(2, 91, 4, 64, device=DEV, dtype=torch.float16).transpose(1, 2).requires_grad_()
-    check_sdpa(q, k, v, scale=0.3)
+    check_sdpa(q, k, v, scale=scale)
 
 
 def test_sdpa_deterministic_forward():

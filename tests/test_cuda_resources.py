@@ -10,7 +10,9 @@ gives its registers, stack frame and static shared memory. Asserted:
     (attnx._C.cuda_smem_bytes: the kernels' own Config::smem_bytes, the number the cuda
     backend checks per call) within the architecture's opt-in limit per block. sm_90 cubins
     count the 1 KB the system reserves per block as static shared memory; counting it too is
-    conservative by 1 KB.
+    conservative by 1 KB;
+  - the SDPA forward's main loop (the backward branch spanning the most HMMA in its SASS) holds
+    HMMA.16816, LDSM and LDGSTS: mma.sync m16n8k16, ldmatrix and cp.async (FA2's design).
 The table goes to benchmarks/results/cuda-compile.json (rewritten each run, same content for
 the same build).
 
@@ -38,10 +40,12 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cuda
 # cudaDevAttrMaxSharedMemoryPerBlockOptin of each architecture the build targets.
 OPT_IN_SHARED = {"sm_80": 166912, "sm_90": 232448}
 DTYPES = {"6__half": "fp16", "13__nv_bfloat16": "bf16"}
-SDPA_FAMILIES = (64, 128, 256)
+SDPA_FWD_FAMILIES = (32, 64, 96, 128, 160, 192, 256)  # csrc/cuda/launch.h
+SDPA_BWD_FAMILIES = (64, 128, 256)
 # Every kernel csrc/cuda/ compiles, each with the dynamic shared memory its launch requests.
-KERNELS = {f"{op}<{dt}, {d}>": (op, d) for op in ("sdpa_fwd", "sdpa_bwd")
-           for dt in DTYPES.values() for d in SDPA_FAMILIES}
+KERNELS = {f"{op}<{dt}, {d}>": (op, d) for op, families in (("sdpa_fwd", SDPA_FWD_FAMILIES),
+                                                            ("sdpa_bwd", SDPA_BWD_FAMILIES))
+           for dt in DTYPES.values() for d in families}
 KERNELS.update({f"additive_{op}<{dt}>": ("additive", cuda_backend.MAX_ADDITIVE_VALUE_DIM)
                 for op in ("fwd", "bwd") for dt in DTYPES.values()})
 
@@ -119,6 +123,49 @@ def local_traffic(tool: str, lib: str, symbols: list) -> dict:
     return {key: tuple(v) for key, v in traffic.items()}
 
 
+_SASS_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_BRANCH_TARGET = re.compile(r"0x([0-9a-f]+)")
+# Opcodes counted in a forward kernel's main loop (with their variants, e.g. LDSM.16.MT88.4).
+MIX = ("HMMA.16816", "LDSM", "LDGSTS", "MUFU.EX2", "SHFL", "BAR", "LDS", "STS", "LDG", "STG")
+
+
+def main_loops(sass: str) -> dict:
+    """{(symbol, arch): opcodes of its main loop} from cuobjdump SASS: the body of the backward
+    branch (target address <= its own) whose range holds the most HMMA."""
+    loops, arch, symbol, instrs = {}, None, None, []
+
+    def close():
+        if symbol is None:
+            return
+        best, hmma = [], lambda body: sum(o.startswith("HMMA") for o in body)
+        for addr, op, operands in instrs:
+            if op.startswith("BRA") and (m := _BRANCH_TARGET.search(operands)):
+                target = int(m[1], 16)
+                body = [o for a, o, _ in instrs if target <= a <= addr]
+                if target <= addr and hmma(body) > hmma(best):
+                    best = body
+        loops[symbol, arch] = best
+
+    for line in sass.splitlines():
+        if line.strip().startswith("arch = "):
+            close()
+            symbol, instrs, arch = None, [], line.split("=")[1].strip()
+        elif (m := re.search(r"Function : (\S+)", line)):
+            close()
+            symbol, instrs = m[1], []
+        elif (m := _SASS_INSTR.search(line)):
+            instrs.append((int(m[1], 16), m[2], m[3]))
+    close()
+    return loops
+
+
+def instruction_mix(body: list) -> dict:
+    """Counts of the MIX opcodes (static instructions) in a loop body, and its length."""
+    mix = {op: sum(o == op or o.startswith(op + ".") for o in body) for op in MIX}
+    mix["total"] = len(body)
+    return mix
+
+
 def built_archs() -> set:
     """sm_XY of each compute capability in the build's ATTNX_CUDA_ARCHS."""
     archs = _ops.build_info()["cuda_archs"]
@@ -134,6 +181,9 @@ def table():
     # SASS is read (reading all of it takes ~10 s).
     spilling = sorted({s for (s, _), u in usage.items() if u[1] or u[3]})
     traffic = local_traffic(tool, lib, spilling)
+    forward = sorted({s for s, _ in usage if kernel_name(s).startswith("sdpa_fwd<")})
+    loops = main_loops(subprocess.run([tool, "--dump-sass", "--function", ",".join(forward), lib],
+                                      check=True, capture_output=True, text=True).stdout)
     rows = []
     for (symbol, arch), (regs, stack, static, local) in usage.items():
         name = kernel_name(symbol)
@@ -143,12 +193,15 @@ def table():
                          local_bytes=local, spill_store_bytes=stores, spill_load_bytes=loads,
                          static_shared_bytes=static,
                          dynamic_shared_bytes=_ops._C.cuda_smem_bytes(op, dim)))
+        if op == "sdpa_fwd":
+            rows[-1]["main_loop"] = instruction_mix(loops.get((symbol, arch), []))
     rows.sort(key=lambda r: (r["kernel"], r["arch"]))
     version = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
     RESULTS.write_text(json.dumps(dict(
         about="Resources of the CUDA kernels as compiled into attnx._C, read with cuobjdump "
               "(tests/test_cuda_resources.py); dynamic shared memory: what each launch requests, "
-              f"additive at its largest value dim ({cuda_backend.MAX_ADDITIVE_VALUE_DIM})",
+              f"additive at its largest value dim ({cuda_backend.MAX_ADDITIVE_VALUE_DIM}); "
+              "main_loop: static SASS instruction counts of the forward's main loop",
         cuobjdump=re.findall(r"release [\d.]+, V[\d.]+", version),
         build={k: _ops.build_info()[k] for k in ("cuda_version", "cuda_archs")},
         opt_in_shared_bytes=OPT_IN_SHARED,
@@ -204,14 +257,15 @@ def reason(monkeypatch, limit, op, call):
     return cuda_backend._shared_memory_reason(op, call)
 
 
-@pytest.mark.parametrize("e, ev", [(64, 64), (8, 64), (64, 1), (17, 33)])
-def test_99kb_parts_take_the_sdpa_forward_up_to_64(monkeypatch, e, ev):
+@pytest.mark.parametrize("e, ev", [(64, 64), (8, 64), (64, 1), (17, 33), (65, 64), (96, 96),
+                                   (160, 150)])
+def test_99kb_parts_take_the_sdpa_forward_up_to_96_and_129_to_160(monkeypatch, e, ev):
     assert reason(monkeypatch, SM86_OPT_IN, "sdpa", sdpa_call(e, ev)) is None
 
 
 @pytest.mark.parametrize("e, ev, grad, kernel", [
-    (64, 64, True, "sdpa_bwd"), (65, 64, False, "sdpa_fwd"), (64, 128, False, "sdpa_fwd"),
-    (128, 128, True, "sdpa_bwd"), (256, 256, False, "sdpa_fwd")])
+    (64, 64, True, "sdpa_bwd"), (97, 64, False, "sdpa_fwd"), (64, 128, False, "sdpa_fwd"),
+    (128, 128, True, "sdpa_bwd"), (161, 64, False, "sdpa_fwd"), (256, 256, False, "sdpa_fwd")])
 def test_99kb_parts_refuse_what_does_not_fit(monkeypatch, e, ev, grad, kernel):
     why = reason(monkeypatch, SM86_OPT_IN, "sdpa", sdpa_call(e, ev, grad))
     assert why is not None and f"{kernel} kernel needs" in why and str(SM86_OPT_IN) in why
@@ -235,3 +289,11 @@ def test_a100_takes_every_sdpa_call(monkeypatch, e, ev):
     assert reason(monkeypatch, OPT_IN_SHARED["sm_80"], "sdpa", sdpa_call(e, ev, grad=True)) is None
     big = additive_call(cuda_backend.MAX_ADDITIVE_VALUE_DIM, grad=True)
     assert reason(monkeypatch, OPT_IN_SHARED["sm_80"], "additive", big) is None
+
+
+def test_forward_main_loops_are_fa2_instructions(table):
+    """Every sdpa_fwd kernel's main loop (each arch's cubin) runs on mma.sync m16n8k16
+    (HMMA.16816), ldmatrix (LDSM) and cp.async (LDGSTS), with S, P and O in registers."""
+    bad = [f"{r['kernel']} {r['arch']}: {r['main_loop']}" for r in table if "main_loop" in r
+           and not all(r["main_loop"][op] for op in ("HMMA.16816", "LDSM", "LDGSTS"))]
+    assert not bad, "forward main loops without HMMA.16816, LDSM and LDGSTS:\n" + "\n".join(bad)

@@ -190,10 +190,15 @@ Saved read_by_kernels(const Target& target, const Saved& s) {
 }
 
 cudaError_t run_sdpa_fwd(const SdpaParams& p, cudaStream_t stream) {
-  return by_family(
-      family(p.E, p.Ev), [&] { return sdpa_fwd_family<64>(p, stream); },
-      [&] { return sdpa_fwd_family<128>(p, stream); },
-      [&] { return sdpa_fwd_family<256>(p, stream); });
+  switch (sdpa_fwd_family_of(std::max(p.E, p.Ev))) {  // sdpa_params checked E, Ev <= 256
+    case 32: return sdpa_fwd_family<32>(p, stream);
+    case 64: return sdpa_fwd_family<64>(p, stream);
+    case 96: return sdpa_fwd_family<96>(p, stream);
+    case 128: return sdpa_fwd_family<128>(p, stream);
+    case 160: return sdpa_fwd_family<160>(p, stream);
+    case 192: return sdpa_fwd_family<192>(p, stream);
+    default: return sdpa_fwd_family<256>(p, stream);
+  }
 }
 
 // Rows of huge lse (common.cuh): the backward kernel's exp(s - lse) is R_i P_ij there.

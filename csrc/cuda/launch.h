@@ -86,8 +86,17 @@ struct AdditiveParams {
 
 // The SDPA kernels are built for head-dim families: family D serves every E, Ev <= D (the
 // tiles are zero-filled past E and Ev). Each family lives in its own translation unit
-// (sdpa_fwd_d64.cu, ...), so the families compile in parallel.
+// (sdpa_fwd_d64.cu, ...), so the families compile in parallel. kSdpaFamilies are the
+// backward's; the forward (FA2 design) has finer ones, so padding wastes less.
 constexpr int kSdpaFamilies[] = {64, 128, 256};
+constexpr int kSdpaFwdFamilies[] = {32, 64, 96, 128, 160, 192, 256};
+
+// The forward family serving head dims E, Ev up to `dim`, or 0 past the largest.
+constexpr int sdpa_fwd_family_of(int dim) {
+  for (int D : kSdpaFwdFamilies)
+    if (dim <= D) return D;
+  return 0;
+}
 template <int D>
 cudaError_t sdpa_fwd_family(const SdpaParams& p, cudaStream_t stream);
 template <int D>

@@ -1,18 +1,35 @@
-// SDPA forward, FlashAttention-2 style on tensor cores (nvcuda::wmma 16x16x16, fp32 accumulate).
+// SDPA forward on FlashAttention-2's design: mma.sync m16n8k16 (fp32 accumulate) with S, P and O
+// in registers, the online softmax on the accumulator fragments, ldmatrix from shared memory and
+// cp.async double-buffered K/V tiles (mma.cuh documents the primitives and fragment layouts).
 //
-// One CTA of 4 warps per (query tile of BM = 64 rows, query head, batch); warp w owns query
-// rows 16w..16w+15 of the tile. Shared memory holds the Q tile, one K and V tile of BN keys,
-// and per warp its S = Q K^T block (fp32), its P block (input dtype, the operand of P V) and
-// its output accumulator O (fp32). The loop over key tiles keeps, per query row, the running
-// max m and sum l of exp(s - m) (online softmax): each tile rescales O by exp(m_old - m_new)
-// before adding P V. O lives in shared memory rather than in WMMA fragments because the
-// fragment layout is opaque and the rescale is per row. Rows are split over lane pairs: lane
-// 2r + h handles row r, columns [h*BN/2, (h+1)*BN/2) of S and [h*D/2, (h+1)*D/2) of O.
+// One CTA of 8 warps per (query tile of kBM = 128 rows, query head, batch); warp w owns rows
+// 16w..16w+15, and in each m16n8 fragment lane (g = lane / 4, t = lane % 4) holds rows g and g+8,
+// columns 2t and 2t+1 of every 8-column block. Per key tile of BN keys:
+//   S = Q K^T    A: Q from shared memory (ldmatrix.x4), B: K rows (ldmatrix.x4, two 8-key blocks)
+//   softmax      row max over the thread's elements, then its lane quad (shuffles 1, 2); P =
+//                exp2(v c - m c) is one FFMA + MUFU.EX2 per element, with c = scale log2(e)
+//                folding the scale in (v the raw score); with an additive mask, scale <= 0 or
+//                in the row-sums mode v is the scaled score plus the mask and P = exp2((v - m)
+//                log2(e)) (exp_diff)
+//   O = O alpha + P V   P's accumulators repacked in registers as the A operand (the C layout
+//                of two 8-key blocks is the A layout of one 16-key step), V through
+//                ldmatrix.x4.trans
+// The running row sum l stays per thread (each adds its own columns) and is reduced over the
+// quad once at the end. While tile t is computed, tile t+1's K and V are in flight (cp.async,
+// one commit group per tile, two shared-memory stages).
 //
-// Layout assumptions: q, k, v have a contiguous last dim (the host guarantees it); head dims
-// E, Ev <= D; loads are bounds-checked and zero-filled past Lq, Lk, E, Ev, so any sizes work.
-// Tiles outside the band [i + lo, i + hi] are skipped. A row with no admissible key ends with
-// l = 0 and is written as zeros with lse = -inf.
+// Shared memory: Q (kBM x D) and two stages of K and V (BN x D), rows padded to D + 8 elements.
+// D / 8 is even for every family, so a row spans an odd number of 16-byte chunks: the 8 rows an
+// ldmatrix (or 8 lanes' cp.async) touch fall in 8 different bank quads, conflict-free. An XOR
+// swizzle would need 8 chunks per row group, which families 32 and 96 (4 and 12 chunks) lack;
+// the padding costs 16 bytes a row (3-25%) and keeps one addressing rule for all families.
+//
+// Layout assumptions: q, k, v have a contiguous last dim (the host guarantees it); E, Ev <= D;
+// tiles are zero-filled past Lq, Lk, E and Ev (cp.async's zero-fill with 16-byte aligned rows,
+// plain loads otherwise). Key tiles outside the band are skipped; tiles wholly inside it, within
+// Lk and without a mask skip the per-element admissibility test. A row with no admissible key
+// ends with l = 0 and is written as zeros with lse = -inf. Warps whose 16 rows all lie past Lq
+// only help load.
 //
 // Row-sums mode (p.row_sums set; the backward's first pass): the same scores and running m, l
 // without P V, ending with R_i = sum_j exp(s_ij - lse_i) = l exp(m - lse_i) against the saved
@@ -20,175 +37,266 @@
 #pragma once
 
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace attnx {
 namespace cuda {
 namespace sdpa_fwd_impl {
 
-using namespace nvcuda;
-
-constexpr int kBM = 64;
-constexpr int kWarps = 4;
+constexpr int kBM = 128;
+constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
+constexpr float kLog2e = 1.4426950408889634f;
 
 template <int D>
 struct Config {
-  static constexpr int BN = D > 128 ? 32 : 64;  // keeps shared memory under sm80's 163 KB
-  static constexpr int LDH = D + 8;             // 16-bit tiles: padded rows, ldm % 8 == 0
-  static constexpr int LDS = BN + 4;            // fp32 S rows
-  static constexpr int LDP = BN + 8;            // 16-bit P rows
-  static constexpr int LDO = D + 4;             // fp32 O rows
-  static constexpr size_t smem_bytes =
-      2 * (size_t(kBM) * LDH + 2 * size_t(BN) * LDH + size_t(kBM) * LDP) +
-      4 * (size_t(kBM) * LDS + size_t(kBM) * LDO);
+  static_assert(D % 16 == 0 && D <= 256, "families are multiples of 16 up to 256");
+  static constexpr int BN = D > 128 ? 32 : 64;  // registers: O takes D / 2 floats a thread
+  static constexpr int LD = D + 8;              // padded rows (see above)
+  // Two CTAs of 256 threads per SM cap registers at 128: enough for D = 32 only (D = 64 spills
+  // there; ptxas -v, tests/test_cuda_resources.py).
+  static constexpr int kMinBlocks = D <= 32 ? 2 : 1;
+  static constexpr size_t smem_bytes = 2 * (size_t(kBM) * LD + 2 * 2 * size_t(BN) * LD);
 };
 
-// Loads rows [row0, row0 + rows) of a (L, D-padded) tile, zero past `L` rows and `cols` columns;
-// 16 bytes per load when `vec16` (then cols % 8 == 0, so a vector is wholly in or out).
+// Issues the loads of rows [row0, row0 + R) of an (L, cols) matrix into an (R, LD) tile, zero
+// past L rows and `cols` columns, D columns in all: cp.async of 16-byte chunks when `vec16`
+// (cols % 8 == 0, so a chunk is wholly in or out; they land at the thread's cp_async_wait),
+// plain loads otherwise (visible after the next __syncthreads, like the copies after the wait).
+template <typename T, int R, int D, int LD>
+__device__ __forceinline__ void load_tile_async(T* dst, const T* src, int64_t row_stride,
+                                                int row0, int L, int cols, bool vec16) {
+  constexpr int kChunks = D / 8;
+  for (int idx = threadIdx.x; idx < R * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, c = (idx % kChunks) * 8;
+    const int g = row0 + r;
+    const T* s = src + int64_t(g) * row_stride + c;
+    T* d = dst + r * LD + c;
+    if (vec16) {
+      cp_async_16(d, s, g < L && c < cols);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) d[e] = (g < L && c + e < cols) ? s[e] : from_float<T>(0.f);
+    }
+  }
+}
+
+// The synchronous (rows, D) tile load the backward (sdpa_bwd.cuh, WMMA design) reads its tiles
+// with, any block size: zero past L rows and `cols` columns, 16 bytes a load when `vec16`.
 template <typename T, int D, int LD>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stride, int row0,
                                           int rows, int L, int cols, bool vec16) {
   if (vec16) {
     constexpr int V = 16 / sizeof(T);
-    for (int idx = threadIdx.x; idx < rows * (D / V); idx += kThreads) {
+    for (int idx = threadIdx.x; idx < rows * (D / V); idx += blockDim.x) {
       const int r = idx / (D / V), c = (idx % (D / V)) * V;
       const int g = row0 + r;
       uint4 val = make_uint4(0u, 0u, 0u, 0u);
-      if (g < L && c < cols) val = *reinterpret_cast<const uint4*>(src + int64_t(g) * row_stride + c);
+      if (g < L && c < cols)
+        val = *reinterpret_cast<const uint4*>(src + int64_t(g) * row_stride + c);
       *reinterpret_cast<uint4*>(dst + r * LD + c) = val;
     }
     return;
   }
-  for (int idx = threadIdx.x; idx < rows * D; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < rows * D; idx += blockDim.x) {
     const int r = idx / D, c = idx % D;
     const int g = row0 + r;
     dst[r * LD + c] = (g < L && c < cols) ? src[int64_t(g) * row_stride + c] : from_float<T>(0.f);
   }
 }
 
-// At least 2 CTAs per SM: shared memory allows 1-3 anyway, and without the bound ptxas (CUDA 13)
-// aims for fewer registers and spills (tests/test_cuda_resources.py).
+// exp(v - m) in the units of v: with the scale folded in (v raw scores, c = scale log2(e), mc =
+// m c) one FFMA and EX2; else v, m are scaled scores plus the mask, which may be as large as
+// the dtype's finite range (huge-bias rows), where v c would overflow: subtract first.
+__device__ __forceinline__ float exp_diff(bool fold, float v, float m, float c, float mc) {
+  return fold ? exp2f(fmaf(v, c, -mc)) : exp2f((v - m) * kLog2e);
+}
+
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 2) sdpa_fwd_kernel(const SdpaParams p) {
+__global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
+    sdpa_fwd_kernel(const SdpaParams p) {
   using C = Config<D>;
-  constexpr int BN = C::BN;
+  constexpr int BN = C::BN, LD = C::LD;
+  constexpr int NB = BN / 8;  // 8-key blocks of S
+  constexpr int DB = D / 8;   // 8-column blocks of O
   ATTNX_DYNAMIC_SMEM(unsigned char, smem_raw, 128);
-  T* Qs = reinterpret_cast<T*>(smem_raw);
-  T* Ks = Qs + kBM * C::LDH;
-  T* Vs = Ks + BN * C::LDH;
-  T* Ps = Vs + BN * C::LDH;
-  float* Ss = reinterpret_cast<float*>(Ps + kBM * C::LDP);
-  float* Os = Ss + kBM * C::LDS;
+  T* const Qs = reinterpret_cast<T*>(smem_raw);
+  T* const Ks = Qs + kBM * LD;      // stages 0 and 1
+  T* const Vs = Ks + 2 * BN * LD;  // stages 0 and 1
 
   const int i0 = blockIdx.x * kBM, h = blockIdx.y, b = blockIdx.z;
   const int hk = h / (p.Hq / p.Hkv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = warp * 16 + lane / 2, half = lane % 2;  // this lane's row of the tile
-  const int i = i0 + row;
-
-  const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
-  const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h;
-  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h;
-  const uint32_t key_bh = dropout_key_bh(p.drop, uint32_t(int64_t(b) * p.Hq + h));
-
-  load_tile<T, D, C::LDH>(Qs, q, p.sq.l, i0, kBM, p.Lq, p.E, p.sq.vec16);
-  for (int idx = threadIdx.x; idx < kBM * C::LDO; idx += kThreads) Os[idx] = 0.f;
-  __syncthreads();  // Os is read below even when no key tile is visited
-
+  const int g = lane / 4, t = lane % 4;
+  const int64_t bh = int64_t(b) * p.Hq + h;
   const bool sums = p.row_sums != nullptr;
+
   if (sums) {  // every thread reads the tile's lse, so all take the same branch
-    const int64_t rows = (int64_t(b) * p.Hq + h) * p.Lq;
     bool any_huge = false;
-    for (int r = i0; r < min(i0 + kBM, p.Lq); ++r) any_huge = any_huge || huge_lse(p.lse[rows + r]);
+    for (int r = i0; r < min(i0 + kBM, p.Lq); ++r)
+      any_huge = any_huge || huge_lse(p.lse[bh * p.Lq + r]);
     if (!any_huge) {
-      if (i < p.Lq && half == 0) p.row_sums[rows + i] = 1.f;
+      for (int r = threadIdx.x; r < kBM; r += kThreads)
+        if (i0 + r < p.Lq) p.row_sums[bh * p.Lq + i0 + r] = 1.f;
       return;
     }
   }
 
-  float m = -INFINITY, l = 0.f;
+  const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
+  const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h;
+  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h;
+  const uint32_t key_bh = dropout_key_bh(p.drop, uint32_t(bh));
+  const bool fold = p.scale > 0.f && p.mask.kind != MaskKind::Additive && !sums;
+  const float c = p.scale * kLog2e;  // used when fold
+  const bool active = i0 + warp * 16 < p.Lq;  // warp-uniform
+
   int t0, t1;
   key_tile_range(i0, min(i0 + kBM, p.Lq) - 1, p.Lk, p.window_lo, p.window_hi, BN, t0, t1);
-  for (int t = t0; t <= t1; ++t) {
-    const int j0 = t * BN;
-    __syncthreads();  // the previous K, V tiles are no longer read
-    load_tile<T, D, C::LDH>(Ks, k, p.sk.l, j0, BN, p.Lk, p.E, p.sk.vec16);
-    load_tile<T, D, C::LDH>(Vs, v, p.sv.l, j0, BN, p.Lk, p.Ev, p.sv.vec16);
-    __syncthreads();
+  auto load_kv = [&](int tile, int stage) {
+    const int j0 = tile * BN;
+    load_tile_async<T, BN, D, LD>(Ks + stage * BN * LD, k, p.sk.l, j0, p.Lk, p.E, p.sk.vec16);
+    load_tile_async<T, BN, D, LD>(Vs + stage * BN * LD, v, p.sv.l, j0, p.Lk, p.Ev, p.sv.vec16);
+  };
+  if (t0 <= t1) {
+    load_tile_async<T, kBM, D, LD>(Qs, q, p.sq.l, i0, p.Lq, p.E, p.sq.vec16);
+    load_kv(t0, 0);
+  }
+  cp_async_commit();
 
-    // S = Q K^T for this warp's 16 rows. K is row-major (key, dim), i.e. K^T column-major.
-    for (int nt = 0; nt < BN / 16; ++nt) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.f);
-      for (int kt = 0; kt < D / 16; ++kt) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> bf;
-        wmma::load_matrix_sync(a, Qs + warp * 16 * C::LDH + kt * 16, C::LDH);
-        wmma::load_matrix_sync(bf, Ks + nt * 16 * C::LDH + kt * 16, C::LDH);
-        wmma::mma_sync(acc, a, bf, acc);
+  float o[DB][4];
+#pragma unroll
+  for (int db = 0; db < DB; ++db)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[db][e] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8
+
+  // This lane's ldmatrix row addresses (mma.cuh): A of Q's 16x16 blocks, B of two 8-key blocks
+  // of K (matrices keys 0-7 x k 0-7, keys 0-7 x k 8-15, keys 8-15 x ...), B of V .trans (keys
+  // 0-7 x cols 0-7, keys 8-15 x cols 0-7, then cols 8-15).
+  const int lrow = lane % 8, lm = lane / 8;
+  const T* q_row = Qs + (warp * 16 + lrow + (lm & 1) * 8) * LD + (lm >> 1) * 8;
+  const int k_off = (lrow + (lm >> 1) * 8) * LD + (lm & 1) * 8;
+  const int v_off = (lrow + (lm & 1) * 8) * LD + (lm >> 1) * 8;
+
+  for (int tile = t0; tile <= t1; ++tile) {
+    const int stage = (tile - t0) & 1, j0 = tile * BN;
+    if (tile < t1) load_kv(tile + 1, stage ^ 1);  // its stage was released by the last barrier
+    cp_async_commit();
+    cp_async_wait<1>();  // this tile's group has landed (the next one may be in flight)
+    __syncthreads();     // ... and every thread's copies with it
+    const T* Kt = Ks + stage * BN * LD;
+    const T* Vt = Vs + stage * BN * LD;
+
+    if (active) {
+      float s[NB][4];
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nb][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, q_row + kk * 16);
+#pragma unroll
+        for (int nb = 0; nb < NB; nb += 2) {
+          uint32_t kb[4];
+          ldmatrix_x4(kb, Kt + nb * 8 * LD + k_off + kk * 16);
+          const uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
+          mma_m16n8k16<T>(s[nb], a, b0);
+          mma_m16n8k16<T>(s[nb + 1], a, b1);
+        }
       }
-      wmma::store_matrix_sync(Ss + warp * 16 * C::LDS + nt * 16, acc, C::LDS, wmma::mem_row_major);
-    }
-    __syncwarp();
 
-    // Online softmax on this lane's half row.
-    float* srow = Ss + row * C::LDS;
-    float tile_max = -INFINITY;
-    for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
-      const float s = admit<T>(srow[c] * p.scale, p.mask, p.window_lo, p.window_hi, b, h, i,
-                               j0 + c, p.Lq, p.Lk);
-      srow[c] = s;
-      tile_max = fmaxf(tile_max, s);
-    }
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-    const float m_new = fmaxf(m, tile_max);
-    const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no admissible key yet: all p = 0
-    const float alpha = fast_exp(m - m_use);                 // m = -inf gives 0
-    float sum = 0.f;
-    T* prow = Ps + row * C::LDP;
-    for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
-      const float e = fast_exp(srow[c] - m_use);
-      sum += e;
-      const float f = dropout_factor(p.drop, key_bh, uint32_t(i), uint32_t(j0 + c));
-      prow[c] = from_float<T>(e * f);
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    l = l * alpha + sum;
-    m = m_new;
-    if (sums) continue;
-    float* orow = Os + row * C::LDO;
-    for (int c = half * (D / 2); c < (half + 1) * (D / 2); ++c) orow[c] *= alpha;
-    __syncwarp();
-
-    // O += P V for this warp's rows; V is row-major (key, dim).
-    for (int dt = 0; dt < D / 16; ++dt) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      float* o = Os + warp * 16 * C::LDO + dt * 16;
-      wmma::load_matrix_sync(acc, o, C::LDO, wmma::mem_row_major);
-      for (int kt = 0; kt < BN / 16; ++kt) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> bf;
-        wmma::load_matrix_sync(a, Ps + warp * 16 * C::LDP + kt * 16, C::LDP);
-        wmma::load_matrix_sync(bf, Vs + kt * 16 * C::LDH + dt * 16, C::LDH);
-        wmma::mma_sync(acc, a, bf, acc);
+      // v: the raw score (fold) or the scaled score plus the mask; -inf where not admissible.
+      const bool interior = p.mask.kind == MaskKind::None && j0 + BN <= p.Lk &&
+                            int64_t(j0) - (i0 + kBM - 1) >= p.window_lo &&
+                            int64_t(j0 + BN - 1) - i0 <= p.window_hi;
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = fold ? s[nb][e] : s[nb][e] * p.scale;
+          if (!interior) {
+            const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
+            x = admit<T>(x, p.mask, p.window_lo, p.window_hi, b, h, i, j, p.Lq, p.Lk);
+          }
+          s[nb][e] = x;
+          mx[e / 2] = fmaxf(mx[e / 2], x);
+        }
+      float alpha[2], mu[2], mc[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float m_new = fmaxf(m[r], mx[r]);
+        mu[r] = m_new == -INFINITY ? 0.f : m_new;  // no admissible key yet: all p = 0
+        mc[r] = mu[r] * c;
+        alpha[r] = exp_diff(fold, m[r], mu[r], c, mc[r]);  // m = -inf gives 0
+        m[r] = m_new;
+        l[r] *= alpha[r];
       }
-      wmma::store_matrix_sync(o, acc, C::LDO, wmma::mem_row_major);
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pe = exp_diff(fold, s[nb][e], mu[e / 2], c, mc[e / 2]);
+          l[e / 2] += pe;
+          const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
+          s[nb][e] = pe * dropout_factor(p.drop, key_bh, uint32_t(i), uint32_t(j));
+        }
+
+      if (!sums) {
+#pragma unroll
+        for (int db = 0; db < DB; ++db)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[db][e] *= alpha[e / 2];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]),
+                                 pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                 pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                 pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+          for (int db = 0; db < DB; db += 2) {
+            uint32_t vb[4];
+            ldmatrix_x4_trans(vb, Vt + kk * 16 * LD + v_off + db * 8);
+            const uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
+            mma_m16n8k16<T>(o[db], a, b0);
+            mma_m16n8k16<T>(o[db + 1], a, b1);
+          }
+        }
+      }
     }
-    __syncwarp();
+    __syncthreads();  // this stage is read by all before the next iteration's loads refill it
   }
 
-  if (i >= p.Lq) return;
-  const int64_t bh = int64_t(b) * p.Hq + h;
-  if (sums) {
-    const float lse = p.lse[bh * p.Lq + i];
-    if (half == 0) p.row_sums[bh * p.Lq + i] = huge_lse(lse) ? l * expf(m - lse) : 1.f;
-    return;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
   }
-  const float inv_l = l > 0.f ? 1.f / l : 0.f;
-  T* out = static_cast<T*>(p.out) + (bh * p.Lq + i) * p.Ev;
-  const float* orow = Os + row * C::LDO;
-  for (int c = half; c < p.Ev; c += 2) out[c] = from_float<T>(l > 0.f ? orow[c] * inv_l : 0.f);
-  if (half == 0) p.lse[bh * p.Lq + i] = l > 0.f ? m + logf(l) : -INFINITY;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = i0 + warp * 16 + g + 8 * r;
+    if (i >= p.Lq) continue;
+    if (sums) {  // m is the natural-log scaled score here (fold is off)
+      const float lse = p.lse[bh * p.Lq + i];
+      if (t == 0) p.row_sums[bh * p.Lq + i] = huge_lse(lse) ? l[r] * fast_exp(m[r] - lse) : 1.f;
+      continue;
+    }
+    const float inv_l = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    T* out = static_cast<T*>(p.out) + (bh * p.Lq + i) * p.Ev;
+#pragma unroll
+    for (int db = 0; db < DB; ++db)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = db * 8 + 2 * t + e;
+        if (col < p.Ev) out[col] = from_float<T>(o[db][2 * r + e] * inv_l);
+      }
+    const float m_nat = fold ? m[r] * p.scale : m[r];  // the row max of the scaled scores
+    if (t == 0) p.lse[bh * p.Lq + i] = l[r] > 0.f ? m_nat + logf(l[r]) : -INFINITY;
+  }
 }
 
 template <typename T, int D>

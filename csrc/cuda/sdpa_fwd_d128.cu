@@ -1,4 +1,4 @@
-// SDPA forward kernels for head dims up to 128 (fp16 and bf16); see sdpa_fwd.cuh.
+// SDPA forward kernels for the head-dim family 128 (fp16 and bf16); see sdpa_fwd.cuh.
 #include "sdpa_fwd.cuh"
 
 namespace attnx {

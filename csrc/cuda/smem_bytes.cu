@@ -9,20 +9,34 @@ namespace {
 
 static_assert(sizeof(kSdpaFamilies) == 3 * sizeof(int) && kSdpaFamilies[0] == 64 &&
                   kSdpaFamilies[1] == 128 && kSdpaFamilies[2] == 256,
-              "sdpa_smem_bytes has one case per family");
+              "sdpa_smem_bytes has one backward case per family");
+static_assert(sizeof(kSdpaFwdFamilies) == 7 * sizeof(int) && kSdpaFwdFamilies[6] == 256,
+              "sdpa_smem_bytes has one forward case per family");
 
-template <int D>
-size_t family_bytes(bool backward) {
-  return backward ? sdpa_bwd_impl::Config<D>::smem_bytes : sdpa_fwd_impl::Config<D>::smem_bytes;
+size_t fwd_bytes(int dim) {
+  switch (sdpa_fwd_family_of(dim)) {
+    case 32: return sdpa_fwd_impl::Config<32>::smem_bytes;
+    case 64: return sdpa_fwd_impl::Config<64>::smem_bytes;
+    case 96: return sdpa_fwd_impl::Config<96>::smem_bytes;
+    case 128: return sdpa_fwd_impl::Config<128>::smem_bytes;
+    case 160: return sdpa_fwd_impl::Config<160>::smem_bytes;
+    case 192: return sdpa_fwd_impl::Config<192>::smem_bytes;
+    case 256: return sdpa_fwd_impl::Config<256>::smem_bytes;
+    default: return 0;
+  }
+}
+
+size_t bwd_bytes(int dim) {
+  return dim <= 64 ? sdpa_bwd_impl::Config<64>::smem_bytes
+         : dim <= 128 ? sdpa_bwd_impl::Config<128>::smem_bytes
+         : dim <= 256 ? sdpa_bwd_impl::Config<256>::smem_bytes
+                      : 0;
 }
 
 }  // namespace
 
 size_t sdpa_smem_bytes(bool backward, int dim) {
-  return dim <= 64 ? family_bytes<64>(backward)
-         : dim <= 128 ? family_bytes<128>(backward)
-         : dim <= 256 ? family_bytes<256>(backward)
-                      : 0;
+  return backward ? bwd_bytes(dim) : fwd_bytes(dim);
 }
 
 }  // namespace cuda
