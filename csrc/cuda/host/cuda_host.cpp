@@ -28,6 +28,13 @@ struct Fiber {
   ThreadPlace place;
   Wait wait = Wait::None;
   void* slot = nullptr;  // its argument of the warp collective it waits in
+  // cp.async: copies not committed yet, and committed groups oldest first
+  struct Copy {
+    void* dst;
+    const void* src;  // null: zero-fill
+  };
+  std::vector<Copy> uncommitted;
+  std::deque<std::vector<Copy>> groups;
 };
 
 struct Warp {
@@ -111,6 +118,9 @@ void fiber_main() {
   Block& b = *g_block;
   (*b.body)();
   Fiber& f = self();
+  for (const auto& group : f.groups)
+    if (!group.empty()) fail("a thread exited with cp.async copies it never waited for");
+  if (!f.uncommitted.empty()) fail("a thread exited with cp.async copies it never committed");
   f.wait = Wait::Done;
   --b.live;
   Warp& w = b.warps[f.place.warp];
@@ -161,6 +171,41 @@ void run_block(Block& b, dim3 grid, dim3 dim, uint3 idx) {
 const ThreadPlace& place() { return self().place; }
 
 unsigned char* dynamic_smem_base() { return g_block->smem.data(); }
+
+bool in_dynamic_smem(const void* ptr, size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(ptr);
+  const unsigned char* base = g_block->smem.data();
+  return p >= base && p + bytes <= base + g_block->smem.size();
+}
+
+void misuse(const char* message) { fail(message); }
+
+void async_copy(void* dst, const void* src) {
+  if (!in_dynamic_smem(dst, 16) || reinterpret_cast<uintptr_t>(dst) % 16 != 0)
+    fail("cp.async to an address that is not 16-byte aligned dynamic shared memory");
+  if (reinterpret_cast<uintptr_t>(src) % 16 != 0)
+    fail("cp.async from a global address that is not 16-byte aligned");
+  self().uncommitted.push_back({dst, src});
+}
+
+void async_commit() {
+  Fiber& f = self();
+  f.groups.push_back(std::move(f.uncommitted));
+  f.uncommitted.clear();
+}
+
+void async_wait(int n) {
+  Fiber& f = self();
+  while (int(f.groups.size()) > n) {
+    for (const Fiber::Copy& c : f.groups.front()) {
+      if (c.src != nullptr)
+        std::memcpy(c.dst, c.src, 16);
+      else
+        std::memset(c.dst, 0, 16);
+    }
+    f.groups.pop_front();
+  }
+}
 
 void block_barrier() {
   Block& b = *g_block;

@@ -13,6 +13,7 @@
 
 #include "../../op_schemas.h"
 #include "../kernel_ops.h"
+#include "mma_selftest.h"
 #include "scheduler.h"
 
 namespace attnx {
@@ -99,6 +100,42 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> host_additive_bwd(
                       dropout_p, seed, mask_grad, grad_lse, grad_weights);
 }
 
+// The primitives' self-tests (mma_selftest.h) on contiguous CPU tensors, in guarded buffers.
+Tensor guarded_input(const Tensor& t, at::ScalarType dtype, at::IntArrayRef sizes) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.sizes() == sizes, "expected a ", dtype, " tensor of ",
+              sizes, ", got ", t.scalar_type(), " ", t.sizes());
+  return kHost.input(t.contiguous());
+}
+
+Tensor test_tile_products(const Tensor& a, const Tensor& bt, const Tensor& v, int64_t a_rows) {
+  const at::ScalarType dt = a.scalar_type();
+  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16, "a: fp16 or bf16");
+  const Tensor ga = guarded_input(a, dt, {16, 16}), gb = guarded_input(bt, dt, {16, 16}),
+               gv = guarded_input(v, dt, {16, 16});
+  Tensor out = kHost.empty({4, 16, 16}, a.options().dtype(at::kFloat));
+  kHost.check(selftest::tile_products(dt == at::kBFloat16, ga.data_ptr(), gb.data_ptr(),
+                                      gv.data_ptr(), int(a_rows), out.data_ptr<float>()));
+  return out;
+}
+
+Tensor test_mma_fragments(const Tensor& a, const Tensor& b, const Tensor& d, bool bf16) {
+  const Tensor ga = guarded_input(a, at::kInt, {32, 4}), gb = guarded_input(b, at::kInt, {32, 2});
+  Tensor out = kHost.empty({32, 4}, d.options());
+  out.copy_(guarded_input(d, at::kFloat, {32, 4}));
+  kHost.check(selftest::mma_fragments(bf16, reinterpret_cast<const uint32_t*>(ga.data_ptr()),
+                                      reinterpret_cast<const uint32_t*>(gb.data_ptr()),
+                                      out.data_ptr<float>()));
+  return out;
+}
+
+Tensor test_ldmatrix_fragments(const Tensor& m) {
+  const Tensor gm = guarded_input(m, at::kShort, {4, 8, 8});
+  Tensor out = kHost.zeros({4, 32, 4}, m.options().dtype(at::kInt));
+  kHost.check(selftest::ldmatrix_fragments(reinterpret_cast<const uint16_t*>(gm.data_ptr()),
+                                           reinterpret_cast<uint32_t*>(out.data_ptr())));
+  return out;
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace attnx
@@ -118,4 +155,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "attnx's CUDA kernels on the CPU through the host harness (torch.ops.attnx_cuda_host)";
   m.def("set_seed", &attnx::host::set_seed,
         "the seed of the order in which the harness runs blocks and threads");
+  // Self-tests of csrc/cuda/mma.cuh's primitives (tests/test_cuda_mma.py; mma_selftest.h).
+  m.def("test_tile_products", &attnx::cuda::test_tile_products,
+        "(4, 16, 16) fp32: a bt^T and a v through ldmatrix x4/x4.trans, then x2/x2.trans");
+  m.def("test_mma_fragments", &attnx::cuda::test_mma_fragments,
+        "d + the mma_m16n8k16 of per-lane registers a (32, 4) and b (32, 2) (int32)");
+  m.def("test_ldmatrix_fragments", &attnx::cuda::test_ldmatrix_fragments,
+        "(4, 32, 4) int32: the registers of ldmatrix x4, x4.trans, x2, x2.trans of m (4, 8, 8)");
 }

@@ -19,6 +19,11 @@ struct ThreadPlace {
 };
 const ThreadPlace& place();
 unsigned char* dynamic_smem_base();
+// Whether [ptr, ptr + bytes) lies in this block's dynamic shared memory.
+bool in_dynamic_smem(const void* ptr, size_t bytes);
+
+// Stops the launch with `message`, naming the calling thread (misuse of a CUDA construct).
+[[noreturn]] void misuse(const char* message);
 
 // __syncthreads: waits for every thread of the block that has not exited.
 void block_barrier();
@@ -29,6 +34,15 @@ void block_barrier();
 // any lane goes on.
 using WarpWork = std::function<void(void* const* slots)>;
 void warp_collective(const char* what, uintptr_t key, void* slot, const WarpWork& work);
+
+// cp.async of the calling thread (mma_host.h): `async_copy` queues 16 bytes from `src` (or 16
+// zero bytes when src is null) to `dst`; `async_commit` closes the queued copies into a group;
+// `async_wait(n)` performs the copies of all but the newest n groups, which is the only time they
+// land, so reading shared memory a copy targets before its wait reads NaN. A thread that exits
+// with copies not waited for is an error of the launch.
+void async_copy(void* dst, const void* src);
+void async_commit();
+void async_wait(int n);
 
 // Runs `body` as every thread of every block of the grid; returns cudaErrorLaunchFailure with
 // last_error() set when a block deadlocked or a collective was misused.
