@@ -1,7 +1,7 @@
 """The `cuda` backend: the CUDA C++ kernels of `csrc/cuda/`, the default for CUDA tensors.
 
 What the kernels serve (keep in step with csrc/cuda/): float16 and bfloat16; SDPA head dims
-E, Ev up to 256 (kernels are built for the families 64, 128 and 256 and zero-pad below them);
+E, Ev up to 256 (kernels are built for head-dim families and zero-pad below them);
 additive value dims up to 2048 (the output tile lives in shared memory); at most 65535 batches
 and heads (the CUDA grid's y and z dims); a GPU of compute capability 8.0 or more whose opt-in
 shared memory per block holds what the call's kernels request, decided per call.
@@ -10,18 +10,21 @@ The shared memory a launch requests is read from the extension (`attnx._C.cuda_s
 the kernels' own Config::smem_bytes), never restated in code here; the figures below are as of
 this writing (benchmarks/results/cuda-compile.json has them as built). Bytes per block:
 
-  SDPA family (head dims)   forward   backward        additive: 19136 + 64 * Ev
-  64                          71680     108032
-  65-128                     112640     157184
-  129-256                    148480     115456
+  SDPA head dims   forward   backward        additive: 19136 + 64 * Ev
+  1-32               71680      41472
+  33-64              71680      66048
+  65-96             112640      58624
+  97-128            112640      75008
+  129-256           148480     115584
 
+The backward has its own families (csrc/cuda/launch.h kSdpaBwdFamilies: 32, 64, 96, 128 on the
+mma.sync design, 256 on the wmma kernel) and never needs more than the forward of the same dims.
 A100/H100/H200/B200 (163-227 KB) take every call. The 99 KB parts (sm86, sm89, sm120: RTX
-30xx/40xx/50xx, A10, L4; 101376 bytes) take the SDPA forward for head dims up to 64 without
+30xx/40xx/50xx, A10, L4; 101376 bytes) take SDPA for head dims up to 64, with or without
 autograd, and additive for Ev up to 1285; `unsupported` names the kernel and bytes of the rest,
-which go to the triton backend. Smaller tiles for them are not built: tile sizes are
+which go to the triton backend. Smaller forward tiles for them are not built: tile sizes are
 compile-time constants of one instantiation per family, so fitting 99 KB takes a second
-instantiation of each kernel (forward 65-128 at BN = 32 keys: 82944 bytes; backward at
-BM = BN = 32: 41728 up to 64, 66304 for 65-128; at 16: 54656 for 129-256), doubling the
+instantiation of each kernel (forward 65-128 at BN = 32 keys: 82944 bytes), doubling the
 compiled kernels and the build; and the forward for 129-256 does not fit at all (its 64 query
 rows and fp32 output tile alone take 100352 bytes; 125440 at BN = 16).
 
