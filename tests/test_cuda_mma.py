@@ -97,13 +97,14 @@ def test_ldmatrix_fragment_layout():
     out = host().test_ldmatrix_fragments(m)
     lo, hi = halves(out)
     mm = m.long()
-    for i in range(4):
-        # x4: register i = row g, columns 2t, 2t+1 of matrix i; .trans: column g, rows 2t, 2t+1
-        assert torch.equal(lo[0, :, i], mm[i, G, 2 * T]) and torch.equal(hi[0, :, i], mm[i, G, 2 * T + 1])
-        assert torch.equal(lo[1, :, i], mm[i, 2 * T, G]) and torch.equal(hi[1, :, i], mm[i, 2 * T + 1, G])
-    for i in range(2):  # x2: matrices 0 and 1 (lanes 0-15's rows); registers 2, 3 untouched
-        assert torch.equal(lo[2, :, i], mm[i, G, 2 * T]) and torch.equal(hi[2, :, i], mm[i, G, 2 * T + 1])
-        assert torch.equal(lo[3, :, i], mm[i, 2 * T, G]) and torch.equal(hi[3, :, i], mm[i, 2 * T + 1, G])
+    row = lambda i: (mm[i, G, 2 * T], mm[i, G, 2 * T + 1])  # row g, columns 2t, 2t+1
+    col = lambda i: (mm[i, 2 * T, G], mm[i, 2 * T + 1, G])  # column g, rows 2t, 2t+1
+    # variant 0: x4, 1: x4.trans (register i from matrix i); 2: x2, 3: x2.trans (matrices 0, 1
+    # from lanes 0-15's rows; registers 2, 3 untouched)
+    for variant, n, want in ((0, 4, row), (1, 4, col), (2, 2, row), (3, 2, col)):
+        for i in range(n):
+            assert torch.equal(lo[variant, :, i], want(i)[0]), (variant, i)
+            assert torch.equal(hi[variant, :, i], want(i)[1]), (variant, i)
     assert not out[2:, :, 2:].any()
 
 
