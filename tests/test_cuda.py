@@ -321,6 +321,66 @@ def test_sdpa_opcheck():
     torch.library.opcheck(OPS.sdpa_fwd, (q, k, v, None, 0.125, -5, 0, 0.2, seed))
 
 
+# --------------------------------------------------------------------------------- SDPA backward
+# The backward's head-dim families (csrc/cuda/launch.h kSdpaBwdFamilies): 32, 64, 96 and 128 on
+# the mma.sync kernel (sdpa_bwd.cuh), 256 on the wmma kernel; each with every feature at once.
+
+BWD_DIMS = [(32, 32), (59, 64), (96, 80), (128, 111), (160, 160)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("e,ev", BWD_DIMS)
+def test_sdpa_backward_families_masked_banded_gqa(dtype, e, ev):
+    """A float mask with huge-bias rows and a fully masked row (its gradient too), a causal
+    band, GQA (2 query heads per kv head, several query blocks per key block: the staged loads
+    alternate), Lq != Lk, odd sizes."""
+    torch.manual_seed(30)
+    lq, lk = 70, 97
+    mask = huge_bias_mask(1, lq, lk, dtype)
+    mask += torch.randn_like(mask)
+    mask[0, :, 40] = float("-inf")
+    mask.requires_grad_(True)
+    check_sdpa(rand(1, 4, lq, e, dtype=dtype), rand(1, 2, lk, e, dtype=dtype),
+               rand(1, 2, lk, ev, dtype=dtype), mask, window=(None, 0), enable_gqa=True)
+
+
+@pytest.mark.parametrize("e,ev", BWD_DIMS)
+def test_sdpa_backward_families_dropout_window_gqa(e, ev):
+    """Dropout draws the forward's pattern in the backward, through a band and GQA."""
+    torch.manual_seed(31)
+    lq, lk = 100, 70
+    check_sdpa(rand(1, 4, lq, e, dtype=torch.float16), rand(1, 1, lk, e, dtype=torch.float16),
+               rand(1, 1, lk, ev, dtype=torch.float16), dropout_p=0.25, window=(50, 7),
+               enable_gqa=True, seed=77)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sdpa_backward_lse_gradient(dtype):
+    """A loss that takes lse too: grad_lse enters delta in the backward's pre-pass kernel."""
+    torch.manual_seed(32)
+    q, k, v = rand(1, 2, 70, 64, dtype=dtype), rand(1, 2, 90, 64, dtype=dtype), \
+        rand(1, 2, 90, 64, dtype=dtype)
+    mask = torch.rand(70, 90, device=DEV) > 0.2
+    mask[3] = False  # lse = -inf: no gradient through it
+    out, lse = attnx.scaled_dot_product_attention(q, k, v, mask, backend="cuda", return_lse=True)
+    ins64 = [leaf64(t) for t in (q, k, v)]
+    gold, gold_lse = attnx.scaled_dot_product_attention(*ins64, mask, backend="reference",
+                                                        return_lse=True)
+    base_out, base_lse = attnx.scaled_dot_product_attention(q, k, v, mask, backend="reference",
+                                                            return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    finite = torch.isfinite(lse)
+
+    def loss(o, l, cast):
+        return (o * cast(dout)).sum() + (l[finite] * cast(dlse)[finite]).sum()
+
+    got = torch.autograd.grad(loss(out, lse, lambda t: t.to(out.dtype)), (q, k, v))
+    want = torch.autograd.grad(loss(gold, gold_lse, lambda t: t.double()), ins64)
+    bl = torch.autograd.grad(loss(base_out, base_lse, lambda t: t.to(out.dtype)), (q, k, v))
+    for name, g, w, b in zip(("dq", "dk", "dv"), got, want, bl):
+        assert_within(g, w, b, factor=3.0, what=name)
+
+
 # -------------------------------------------------------------------------------------- additive
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -40,17 +40,21 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cuda
 # cudaDevAttrMaxSharedMemoryPerBlockOptin of each architecture the build targets.
 OPT_IN_SHARED = {"sm_80": 166912, "sm_90": 232448}
 DTYPES = {"6__half": "fp16", "13__nv_bfloat16": "bf16"}
-SDPA_FWD_FAMILIES = (32, 64, 96, 128, 160, 192, 256)  # csrc/cuda/launch.h
-SDPA_BWD_FAMILIES = (64, 128, 256)
-# Every kernel csrc/cuda/ compiles, each with the dynamic shared memory its launch requests.
+SDPA_FWD_FAMILIES = (32, 64, 96, 128, 160, 192, 256)  # csrc/cuda/launch.h kSdpaFwdFamilies
+SDPA_BWD_FAMILIES = (32, 64, 96, 128, 256)  # csrc/cuda/launch.h kSdpaBwdFamilies
+SDPA_BWD_MMA_FAMILIES = (32, 64, 96, 128)  # on the mma.sync design (sdpa_bwd.cuh)
+# Every kernel csrc/cuda/ compiles, each with the dynamic shared memory its launch requests
+# (op None: none).
 KERNELS = {f"{op}<{dt}, {d}>": (op, d) for op, families in (("sdpa_fwd", SDPA_FWD_FAMILIES),
                                                             ("sdpa_bwd", SDPA_BWD_FAMILIES))
            for dt in DTYPES.values() for d in families}
+KERNELS.update({f"sdpa_bwd_delta<{dt}>": (None, 0) for dt in DTYPES.values()})
 KERNELS.update({f"additive_{op}<{dt}>": ("additive", cuda_backend.MAX_ADDITIVE_VALUE_DIM)
                 for op in ("fwd", "bwd") for dt in DTYPES.values()})
 
 _SDPA = re.compile(r"(sdpa_fwd|sdpa_bwd)_kernelI(6__half|13__nv_bfloat16)Li(\d+)E")
 _ADDITIVE = re.compile(r"additive_(fwd|bwd)_kernelI(6__half|13__nv_bfloat16)E")
+_DELTA = re.compile(r"sdpa_bwd_delta_kernelI(6__half|13__nv_bfloat16)E")
 _USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _LOCAL_ACCESS = re.compile(r"\b(STL|LDL)((?:\.\w+)*)")
 _ACCESS_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
@@ -81,6 +85,8 @@ def kernel_name(symbol: str) -> str:
         return f"{m[1]}<{DTYPES[m[2]]}, {m[3]}>"
     if m := _ADDITIVE.search(symbol):
         return f"additive_{m[1]}<{DTYPES[m[2]]}>"
+    if m := _DELTA.search(symbol):
+        return f"sdpa_bwd_delta<{DTYPES[m[1]]}>"
     raise AssertionError(f"{symbol}: a kernel this test does not know; add it to KERNELS with "
                          "the dynamic shared memory its launch requests")
 
@@ -192,7 +198,7 @@ def table():
         rows.append(dict(kernel=name, arch=arch, registers=regs, stack_frame_bytes=stack,
                          local_bytes=local, spill_store_bytes=stores, spill_load_bytes=loads,
                          static_shared_bytes=static,
-                         dynamic_shared_bytes=_ops._C.cuda_smem_bytes(op, dim)))
+                         dynamic_shared_bytes=_ops._C.cuda_smem_bytes(op, dim) if op else 0))
         if op == "sdpa_fwd":
             rows[-1]["main_loop"] = instruction_mix(loops.get((symbol, arch), []))
     rows.sort(key=lambda r: (r["kernel"], r["arch"]))
@@ -264,23 +270,23 @@ def test_99kb_parts_take_the_sdpa_forward_up_to_96_and_129_to_160(monkeypatch, e
 
 
 @pytest.mark.parametrize("e, ev, grad, kernel", [
-    (64, 64, True, "sdpa_bwd"), (97, 64, False, "sdpa_fwd"), (64, 128, False, "sdpa_fwd"),
-    (128, 128, True, "sdpa_bwd"), (161, 64, False, "sdpa_fwd"), (256, 256, False, "sdpa_fwd")])
+    (97, 64, False, "sdpa_fwd"), (64, 128, False, "sdpa_fwd"), (128, 128, True, "sdpa_fwd"),
+    (150, 150, True, "sdpa_bwd"), (161, 64, False, "sdpa_fwd"), (256, 256, False, "sdpa_fwd")])
 def test_99kb_parts_refuse_what_does_not_fit(monkeypatch, e, ev, grad, kernel):
     why = reason(monkeypatch, SM86_OPT_IN, "sdpa", sdpa_call(e, ev, grad))
     assert why is not None and f"{kernel} kernel needs" in why and str(SM86_OPT_IN) in why
 
 
-def test_no_backward_is_planned_without_autograd(monkeypatch):
+def test_no_backward_is_planned_without_autograd():
     call = sdpa_call(64, grad=True)
     with torch.no_grad():
-        assert reason(monkeypatch, SM86_OPT_IN, "sdpa", call) is None
-    assert reason(monkeypatch, SM86_OPT_IN, "sdpa", call) is not None
+        assert not cuda_backend._needs_backward("sdpa", call)
+    assert cuda_backend._needs_backward("sdpa", call)
 
 
-def test_99kb_parts_take_additive_up_to_ev_1285(monkeypatch):
-    assert reason(monkeypatch, SM86_OPT_IN, "additive", additive_call(1285, grad=True)) is None
-    why = reason(monkeypatch, SM86_OPT_IN, "additive", additive_call(1286))
+def test_99kb_parts_take_additive_up_to_ev_1157(monkeypatch):
+    assert reason(monkeypatch, SM86_OPT_IN, "additive", additive_call(1157, grad=True)) is None
+    why = reason(monkeypatch, SM86_OPT_IN, "additive", additive_call(1158))
     assert why is not None and "additive kernel needs" in why
 
 
@@ -297,3 +303,40 @@ def test_forward_main_loops_are_fa2_instructions(table):
     bad = [f"{r['kernel']} {r['arch']}: {r['main_loop']}" for r in table if "main_loop" in r
            and not all(r["main_loop"][op] for op in ("HMMA.16816", "LDSM", "LDGSTS"))]
     assert not bad, "forward main loops without HMMA.16816, LDSM and LDGSTS:\n" + "\n".join(bad)
+
+
+# ----------------------------------------------------------------------------- the SDPA backward
+
+def test_99kb_parts_take_the_sdpa_backward_up_to_128():
+    """The mma.sync backward's tiles (BN = 64 keys, BM = 64 or 32 query rows) fit 99 KB parts:
+    their calls are decided by the forward's needs alone."""
+    for dim in range(1, 129):
+        assert _ops._C.cuda_smem_bytes("sdpa_bwd", dim) <= SM86_OPT_IN
+
+
+def sass_mix(symbol: str, arch: str) -> dict:
+    """{opcode: count} of a kernel's SASS for `arch` (opcodes without their modifiers, except
+    HMMA's shape)."""
+    text = subprocess.run([cuobjdump(), "--dump-sass", "--gpu-architecture", arch, "--function",
+                           symbol, _ops._C.__file__], check=True, capture_output=True,
+                          text=True).stdout
+    mix = {}
+    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text):
+        key = "HMMA.16816" if op.startswith("HMMA.16816") else op.split(".")[0]
+        mix[key] = mix.get(key, 0) + 1
+    return mix
+
+
+def test_backward_is_built_on_mma_ldmatrix_and_cp_async(table):
+    """The sdpa backward kernels of the mma.sync design: tensor-core m16n8k16 products
+    (HMMA.16816), ldmatrix (LDSM) and cp.async (LDGSTS) loads, no spills (test_no_spills), for
+    every architecture built."""
+    symbols = {(kernel_name(sym), arch): sym
+               for sym, arch in resource_usage(cuobjdump(), _ops._C.__file__)}
+    wanted = {(f"sdpa_bwd<{dt}, {d}>", a) for dt in DTYPES.values() for d in SDPA_BWD_MMA_FAMILIES
+              for a in built_archs()}
+    assert wanted <= {(r["kernel"], r["arch"]) for r in table}
+    for name, arch in sorted(wanted):
+        mix = sass_mix(symbols[name, arch], arch)
+        missing = [op for op in ("HMMA.16816", "LDSM", "LDGSTS") if not mix.get(op)]
+        assert not missing, f"{name} {arch}: no {missing} in its SASS ({mix})"

@@ -80,18 +80,6 @@ void check_grid(int64_t length, int64_t heads, int64_t batch) {
               "batches, got length ", length, ", ", heads, " heads and ", batch, " batches");
 }
 
-int family(int64_t E, int64_t Ev) {
-  for (int D : kSdpaFamilies)
-    if (E <= D && Ev <= D) return D;
-  TORCH_CHECK(false, "attnx cuda sdpa: head dims up to 256, got (E, Ev) = (", E, ", ", Ev, ")");
-  return 0;
-}
-
-template <typename F64, typename F128, typename F256>
-cudaError_t by_family(int D, F64 f64, F128 f128, F256 f256) {
-  return D == 64 ? f64() : D == 128 ? f128() : f256();
-}
-
 // A gradient in its input's dtype, contiguous whatever the input's strides: what the fake
 // kernels (attnx._ops.contiguous_grads) promise and the CPU and Triton kernels return.
 Tensor grad_for(const Tensor& grad, const Tensor& input) { return grad.to(input.scalar_type()); }
@@ -125,7 +113,8 @@ SdpaParams sdpa_params(const Target& target, SdpaInputs& in, const Tensor& q_in,
   p.Lq = int(Lq);
   p.Hkv = int(Hkv);
   p.Lk = int(Lk);
-  family(E, Ev);  // raises past the largest family: E, Ev fit an int
+  TORCH_CHECK(sdpa_fwd_family_of(int(std::min<int64_t>(std::max(E, Ev), INT_MAX))) != 0,
+              "attnx cuda sdpa: head dims up to 256, got (E, Ev) = (", E, ", ", Ev, ")");
   p.E = int(E);
   p.Ev = int(Ev);
   p.scale = static_cast<float>(scale);
@@ -201,17 +190,31 @@ cudaError_t run_sdpa_fwd(const SdpaParams& p, cudaStream_t stream) {
   }
 }
 
-// Rows of huge lse (common.cuh): the backward kernel's exp(s - lse) is R_i P_ij there.
-// Dividing dO and D by R cancels it: dV = P'^T dO' and dS = P' (dP' - D') with P' = R P,
-// dO' = dO / R, D' = D / R. R comes from the forward kernel's row-sums mode (1 on other rows).
-void divide_out_huge_rows(const Target& target, SdpaParams p, Saved& s) {
-  const Tensor lse = target.input(s.lse);
+// R_i of the rows of huge lse (common.cuh), 1 on the others: the forward kernel's row-sums
+// mode. The backward kernels divide exp(s - lse) by it, which gives those rows'
+// probabilities back.
+Tensor huge_row_sums(const Target& target, SdpaParams p, const Tensor& lse) {
   const Tensor r = target.empty(lse.sizes(), lse.options());
   p.lse = lse.data_ptr<float>();
   p.row_sums = r.data_ptr<float>();
   target.check(run_sdpa_fwd(p, target.stream()));
-  s.dout = (s.dout.to(at::kFloat) / r.unsqueeze(-1)).to(s.dout.scalar_type());
-  s.delta = s.delta / r;
+  return r;
+}
+
+cudaError_t run_sdpa_bwd(const SdpaParams& p, cudaStream_t stream) {
+  for (int D : kSdpaBwdFamilies) {
+    if (p.E > D || p.Ev > D) continue;
+    switch (D) {
+      case 32: return sdpa_bwd_family<32>(p, stream);
+      case 64: return sdpa_bwd_family<64>(p, stream);
+      case 96: return sdpa_bwd_family<96>(p, stream);
+      case 128: return sdpa_bwd_family<128>(p, stream);
+      default: return sdpa_bwd_family<256>(p, stream);
+    }
+  }
+  TORCH_CHECK(false, "attnx cuda sdpa backward: head dims up to 256, got (E, Ev) = (", p.E, ", ",
+              p.Ev, ")");
+  return cudaErrorInvalidValue;
 }
 
 struct AdditiveInputs {
@@ -292,27 +295,41 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
   SdpaInputs in;
   SdpaParams p =
       sdpa_params(target, in, q_in, k_in, v_in, mask, scale, window_lo, window_hi, dropout_p, seed);
-  Saved s = saved(grad_out, in.q, out, lse, grad_lse, {p.B, p.Hq, p.Lq, p.Ev});
-  divide_out_huge_rows(target, p, s);
-  s = read_by_kernels(target, s);
   const auto opts = in.q.options();
+  // grad_out and out in the input dtype (the delta pre-pass reads both, the kernels grad_out),
+  // grad_out 16-byte aligned for the vector loads.
+  Tensor dout = grad_out.to(in.q.scalar_type()).contiguous();
+  const Tensor o = out.to(in.q.scalar_type()).contiguous();
+  check_saved(dout, o, lse, in.q, {p.B, p.Hq, p.Lq, p.Ev});
+  if (reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 != 0) dout = dout.clone();
+  const Tensor lse32 = target.input(lse.to(at::kFloat).contiguous());
+  Tensor glse;
+  if (grad_lse.has_value()) {
+    TORCH_CHECK(grad_lse->sizes() == lse.sizes() && grad_lse->device() == lse.device(),
+                "grad_lse: expected lse's shape ", lse.sizes(), " on its device, got ",
+                grad_lse->sizes());
+    glse = target.input(grad_lse->to(at::kFloat).contiguous());
+  }
+  const Tensor row_sums = huge_row_sums(target, p, lse32);
+  const Tensor dout_in = target.input(dout), o_in = target.input(o);
+  Tensor delta = target.empty({p.B, p.Hq, p.Lq}, opts.dtype(at::kFloat));
   Tensor dq_acc = target.zeros({p.B, p.Hq, p.Lq, p.E}, opts.dtype(at::kFloat));
   Tensor dk = target.empty({p.B, p.Hkv, p.Lk, p.E}, opts);
   Tensor dv = target.empty({p.B, p.Hkv, p.Lk, p.Ev}, opts);
   const bool want_dmask = mask_grad && p.mask.kind == MaskKind::Additive;
   Tensor dmask = want_dmask ? target.zeros({p.B, p.Hq, p.Lq, p.Lk}, opts) : in.q.new_empty({0});
-  p.dout = s.dout.data_ptr();
-  p.lse = s.lse.data_ptr<float>();
-  p.delta = s.delta.data_ptr<float>();
+  p.out = const_cast<void*>(o_in.data_ptr());
+  p.dout = dout_in.data_ptr();
+  p.grad_lse = glse.defined() ? glse.data_ptr<float>() : nullptr;
+  p.lse = lse32.data_ptr<float>();
+  p.row_sums = row_sums.data_ptr<float>();
+  p.delta = delta.data_ptr<float>();
   p.dq_acc = dq_acc.data_ptr<float>();
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
   p.dmask = want_dmask ? dmask.data_ptr() : nullptr;
-  const cudaStream_t stream = target.stream();
-  target.check(by_family(
-      family(p.E, p.Ev), [&] { return sdpa_bwd_family<64>(p, stream); },
-      [&] { return sdpa_bwd_family<128>(p, stream); },
-      [&] { return sdpa_bwd_family<256>(p, stream); }));
+  target.check(sdpa_bwd_delta(p, target.stream()));
+  target.check(run_sdpa_bwd(p, target.stream()));
   return {grad_for(dq_acc, q_in), grad_for(dk, k_in), grad_for(dv, v_in), dmask};
 }
 

@@ -44,18 +44,20 @@ struct SdpaParams {
   Strides4 sq, sk, sv;
   MaskView mask;
   Dropout drop;
-  // forward outputs: out (B, Hq, Lq, Ev) and lse (B, Hq, Lq), both contiguous
+  // forward outputs: out (B, Hq, Lq, Ev) and lse (B, Hq, Lq), both contiguous (backward
+  // inputs too)
   void* out;
   float* lse;
   // The forward kernel's row-sums mode (the backward's first pass), when set: it reads lse
   // instead and writes row_sums (B, Hq, Lq), R_i = sum_j exp(s_ij - lse_i) on rows of huge lse
-  // (common.cuh), 1 on the others, and no out.
+  // (common.cuh), 1 on the others, and no out. The backward kernels read them.
   float* row_sums;
-  // backward input (contiguous): grad_out (B, Hq, Lq, Ev)
+  // backward inputs (contiguous): grad_out (B, Hq, Lq, Ev); grad_lse fp32 (B, Hq, Lq) or null
   const void* dout;
+  const float* grad_lse;
   // backward outputs, contiguous: dq_acc fp32 (B, Hq, Lq, E) zeroed, dk (B, Hkv, Lk, E),
   // dv (B, Hkv, Lk, Ev) in the input dtype; dmask (B, Hq, Lq, Lk) zeroed or null; delta fp32
-  // (B, Hq, Lq) scratch.
+  // (B, Hq, Lq), written by sdpa_bwd_delta and read by the backward kernels.
   float* dq_acc;
   void *dk, *dv, *dmask;
   float* delta;
@@ -86,9 +88,8 @@ struct AdditiveParams {
 
 // The SDPA kernels are built for head-dim families: family D serves every E, Ev <= D (the
 // tiles are zero-filled past E and Ev). Each family lives in its own translation unit
-// (sdpa_fwd_d64.cu, ...), so the families compile in parallel. kSdpaFamilies are the
-// backward's; the forward (FA2 design) has finer ones, so padding wastes less.
-constexpr int kSdpaFamilies[] = {64, 128, 256};
+// (sdpa_fwd_d64.cu, ...), so the families compile in parallel. The forward's and the
+// backward's differ: the backward's dK and dV registers grow with D.
 constexpr int kSdpaFwdFamilies[] = {32, 64, 96, 128, 160, 192, 256};
 
 // The forward family serving head dims E, Ev up to `dim`, or 0 past the largest.
@@ -99,8 +100,13 @@ constexpr int sdpa_fwd_family_of(int dim) {
 }
 template <int D>
 cudaError_t sdpa_fwd_family(const SdpaParams& p, cudaStream_t stream);
+// The backward's families: up to 128 on the mma.sync design (sdpa_bwd.cuh), whose dK and dV
+// registers grow with D; 129-256 on the wmma kernel (sdpa_bwd_wmma.cuh).
+constexpr int kSdpaBwdFamilies[] = {32, 64, 96, 128, 256};
 template <int D>
 cudaError_t sdpa_bwd_family(const SdpaParams& p, cudaStream_t stream);
+// The backward's pre-pass: p.delta from p.dout, p.out and p.grad_lse.
+cudaError_t sdpa_bwd_delta(const SdpaParams& p, cudaStream_t stream);
 
 // Shared memory the forward (backward) SDPA launch requests for head dims E, Ev up to `dim`
 // (the serving family's Config::smem_bytes; 0 past the largest family).

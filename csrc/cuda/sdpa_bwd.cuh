@@ -1,224 +1,349 @@
-// SDPA backward, FlashAttention-2 style on tensor cores (nvcuda::wmma, fp32 accumulate).
+// SDPA backward on FlashAttention-2's design (flash_bwd_kernel.h of Dao-AILab/flash-attention:
+// one CTA per key block looping over query blocks, dK and dV in registers, dQ by atomics), on
+// mma.sync m16n8k16 with fp32 accumulate (mma.cuh), for head dims up to 128.
 //
-// One CTA of 4 warps per (key tile of BN keys, kv head, batch). It keeps its dK and dV tiles in
-// WMMA accumulator fragments (no per-row rescaling is ever needed for them, so the opaque
-// fragment layout is fine) and loops over the query heads of its GQA group and the query tiles
-// of BM rows that can see its keys (the band decides which). Per (head, query tile):
-//   S  = Q K^T,  dPd = dO V^T                      (shared memory, fp32)
-//   P  = exp(scale*S + mask - lse),  Pd = P * z     (z: dropout factor, 0 or 1/(1-p))
-//   dS = P * (dPd * z - delta),  delta = rowsum(dO * O)   (host computes delta)
-//   dV += Pd^T dO,  dK += dS^T Q,  dQ += dS K        (dQ: fp32 atomics into dq_acc; dK and dQ
-//                                                      get the factor `scale` at the end)
-// The gradient of a float mask is dS itself (the mask is added to the scaled scores); it is
-// written for every element of the tiles visited, the host zero-fills the rest.
+// One CTA of 4 warps per (key block of BN = 64 keys, kv head, batch); warp w owns keys
+// 16w..16w+15 of the block and holds their dK and dV rows (16 x D each, fp32) in mma
+// accumulator fragments from the first step to the last. The CTA loops over the query heads of
+// its GQA group (reading q and grad_out of each, nothing copied) and, per head, over the query
+// blocks of BM rows that can see its keys (the band decides which: causal and window tiles
+// outside it are never visited). Per step, with Q and dO of the step in shared memory:
+//   S^T  = K_w Q^T                       warp w's 16 keys x BM queries, registers
+//   P^T  = exp(scale*S^T + mask - lse) / R   (R: 1, or the row sum of a huge-lse row, below)
+//   dV_w += (P^T * z) dO                  P^T's accumulator fragments are the A operand as is
+//   dP^T = V_w dO^T,  dS^T = P^T * (dP^T * z - delta)   (z: dropout factor, 0 or 1/(1-p))
+//   dK_w += dS^T Q                        dS^T from registers again
+//   dQ   += dS K                          dS through shared memory (transposed), all warps;
+//                                         fp32 atomics into dq_acc: other CTAs (key blocks)
+//                                         add to the same rows, in no fixed order
+// dK and dQ get the factor `scale` when written. dQ's atomics make the backward
+// nondeterministic in the last bits of dq; no deterministic mode is offered.
 //
-// Layout assumptions as in sdpa_fwd.cuh (contiguous last dims, E, Ev <= D, bounds-checked
-// zero-filled loads); grad_out, out, dq_acc, dk, dv, dmask, lse and delta are contiguous.
+// Shared memory: K, V of the block once; Q and dO in two stages, the next step's loaded by
+// cp.async while this one computes; dS (BM x BN). All 16-bit tiles have rows padded by 16
+// bytes instead of a swizzle: ldmatrix reads 8 rows of 16 bytes per phase, and a row stride of
+// 16 mod 128 bytes puts those 8 rows in 8 distinct 16-byte bank groups (conflict-free), as
+// does cp.async's 16-byte store of consecutive chunks; it costs 8 / D of the tile.
+//
+// delta = rowsum(dO * O) - grad_lse comes from the pre-pass kernel sdpa_bwd_delta.cu. Rows of
+// huge lse (common.cuh): exp(s - lse) is R_i times the probability there, R_i the row sum the
+// forward kernel's row-sums mode computes (1 on every other row); multiplying by 1/R_i gives
+// the probabilities back, whatever the rounding of lse. A float mask's gradient is dS itself
+// (the mask is added to the scaled scores), written for every element of the visited tiles;
+// the host zero-fills the rest.
+//
+// Layout: q, k, v with contiguous last dims and any other strides; grad_out, out, dq_acc, dk,
+// dv, dmask, lse, delta and row sums contiguous. Loads are bounds-checked and zero-filled past
+// Lq, Lk, E, Ev, so any sizes work; fully masked rows (lse = -inf) give zero gradients.
 #pragma once
 
 #include "common.cuh"
-#include "sdpa_fwd.cuh"
+#include "mma.cuh"
+#include "sdpa_bwd_tiles.cuh"
+#include "sdpa_bwd_wmma.cuh"
 
 namespace attnx {
 namespace cuda {
 namespace sdpa_bwd_impl {
 
-using namespace nvcuda;
-using sdpa_fwd_impl::load_tile;
-
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
+constexpr int kBN = 16 * kWarps;  // keys per CTA: 16 per warp
+constexpr int kDqCols = 32;       // dQ is computed in column chunks of this width
 
 template <int D>
 struct Config {
-  static constexpr int BM = D > 128 ? 32 : 64;  // query rows per step
-  static constexpr int BN = BM;                 // keys per CTA (dQ scratch is reused for dK/dV)
-  static constexpr int LDH = D + 8;
-  static constexpr int LDS = BN + 4;
-  static constexpr int LDP = BN + 8;
-  static constexpr int LDO = D + 4;
-  static constexpr int KV_FRAGS = (BN / 16) * (D / 16) / kWarps;  // dK (and dV) tiles per warp
+  static_assert(D % kDqCols == 0 && D <= 128, "families 32, 64, 96, 128");
+  // Query rows per step: 64 keeps S^T and dP^T at 32 fp32 registers each, which beside the
+  // D fp32 registers of dK and dV fits 255 up to D = 64; 32 rows above.
+  static constexpr int BM = D <= 64 ? 64 : 32;
+  static constexpr int LDH = D + 8;    // 16-bit tile rows, padded (see above)
+  static constexpr int LDS = kBN + 8;  // dS rows
+  static constexpr int kRowValues = 3;  // per query row and stage: lse, delta, 1 / R
   static constexpr size_t smem_bytes =
-      2 * (2 * size_t(BN) * LDH + 2 * size_t(BM) * LDH + 2 * size_t(BM) * LDP) +
-      4 * (2 * size_t(BM) * LDS + size_t(BM) * LDO + 2 * size_t(BM));
-  static_assert((BN / 16) * (D / 16) % kWarps == 0, "dK/dV tiles must split evenly over warps");
+      2 * (2 * size_t(kBN) * LDH + 2 * 2 * size_t(BM) * LDH + size_t(BM) * LDS) +
+      4 * (2 * kRowValues * size_t(BM));
 };
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) sdpa_bwd_kernel(const SdpaParams p) {
-  using C = Config<D>;
-  constexpr int BM = C::BM, BN = C::BN;
-  ATTNX_DYNAMIC_SMEM(unsigned char, smem_raw, 128);
-  T* Ks = reinterpret_cast<T*>(smem_raw);
-  T* Vs = Ks + BN * C::LDH;
-  T* Qs = Vs + BN * C::LDH;
-  T* dOs = Qs + BM * C::LDH;
-  T* Ps = dOs + BM * C::LDH;   // Pd, (BM, BN)
-  T* dSs = Ps + BM * C::LDP;   // dS, (BM, BN)
-  float* Ss = reinterpret_cast<float*>(dSs + BM * C::LDP);
-  float* dPs = Ss + BM * C::LDS;
-  float* dQs = dPs + BM * C::LDS;  // (BM, D) dQ scratch, then the dK and dV tiles
-  float* lse_s = dQs + BM * C::LDO;
-  float* delta_s = lse_s + BM;
+// The A operand (16 x 16) at (row0, col0) of a row-major tile, each lane giving its row's
+// address to ldmatrix x4.
+template <int LD, typename T>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* tile, int row0, int col0,
+                                       int lane) {
+  ldmatrix_x4(a, tile + (row0 + lane % 16) * LD + col0 + (lane / 16) * 8);
+}
 
-  const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
-  const int group = p.Hq / p.Hkv;
-  const int warp = threadIdx.x / 32;
-  // grad_out is contiguous and freshly allocated (aligned): only its row length matters.
-  const bool dout_vec16 = p.Ev % (16 / sizeof(T)) == 0;
+// B operands of two n8 tiles (n0, n0 + 8) over k16 from a tile stored n-major (row n, col k):
+// b[0..1] the first, b[2..3] the second.
+template <int LD, typename T>
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const T* tile, int n0, int k0,
+                                          int lane) {
+  ldmatrix_x4(b, tile + (n0 + lane % 8 + (lane / 16) * 8) * LD + k0 + ((lane / 8) % 2) * 8);
+}
 
-  const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h;
-  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h;
-  load_tile<T, D, C::LDH>(Ks, k, p.sk.l, j0, BN, p.Lk, p.E, p.sk.vec16);
-  load_tile<T, D, C::LDH>(Vs, v, p.sv.l, j0, BN, p.Lk, p.Ev, p.sv.vec16);
+// The same from a tile stored k-major (row k, col n), transposed by ldmatrix.
+template <int LD, typename T>
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const T* tile, int k0, int n0,
+                                          int lane) {
+  ldmatrix_x4_trans(b, tile + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * LD + n0 + (lane / 16) * 8);
+}
 
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> dk_acc[C::KV_FRAGS], dv_acc[C::KV_FRAGS];
+// acc[n], acc[n + 1] += a * (the two n8 tiles of b).
+template <typename T>
+__device__ __forceinline__ void mma_pair(float (&acc0)[4], float (&acc1)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[4]) {
+  const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+  mma_m16n8k16<T>(acc0, a, b0);
+  mma_m16n8k16<T>(acc1, a, b1);
+}
+
+// acc (16 x 8*N) += tile A (rows a_row0.., all D columns) times tile B^T (rows 0..8N-1 of b_tile,
+// n-major): the S^T = K Q^T and dP^T = V dO^T products of a warp.
+template <typename T, int D, int N, int LD>
+__device__ __forceinline__ void product_nt(float (&acc)[N][4], const T* a_tile, int a_row0,
+                                           const T* b_tile, int lane) {
 #pragma unroll
-  for (int f = 0; f < C::KV_FRAGS; ++f) {
-    wmma::fill_fragment(dk_acc[f], 0.f);
-    wmma::fill_fragment(dv_acc[f], 0.f);
-  }
-
-  // Query rows that can see a key of [j0, j0 + BN): j - hi <= i <= j - lo.
-  const int64_t ilo = max(int64_t(0), int64_t(j0) - p.window_hi);
-  const int64_t ihi = min(int64_t(p.Lq) - 1, int64_t(min(j0 + BN, p.Lk) - 1) - p.window_lo);
-  const int qt0 = int(ilo / BM), qt1 = ihi < ilo ? qt0 - 1 : int(ihi / BM);
-
-  for (int g = 0; g < group; ++g) {
-    const int h = hk * group + g;
-    const int64_t bh = int64_t(b) * p.Hq + h;
-    const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
-    const T* dout = static_cast<const T*>(p.dout) + bh * p.Lq * p.Ev;
-    const uint32_t key_bh = dropout_key_bh(p.drop, uint32_t(bh));
-    for (int qt = qt0; qt <= qt1; ++qt) {
-      const int i0 = qt * BM;
-      __syncthreads();  // the previous step's tiles are no longer read
-      load_tile<T, D, C::LDH>(Qs, q, p.sq.l, i0, BM, p.Lq, p.E, p.sq.vec16);
-      load_tile<T, D, C::LDH>(dOs, dout, p.Ev, i0, BM, p.Lq, p.Ev, dout_vec16);
-      for (int r = threadIdx.x; r < BM; r += kThreads) {
-        const bool in = i0 + r < p.Lq;
-        lse_s[r] = in ? p.lse[bh * p.Lq + i0 + r] : -INFINITY;
-        delta_s[r] = in ? p.delta[bh * p.Lq + i0 + r] : 0.f;
-      }
-      __syncthreads();
-
-      // S = Q K^T and dPd = dO V^T; K and V row-major (key, dim) are column-major K^T, V^T.
-      for (int t = warp; t < (BM / 16) * (BN / 16); t += kWarps) {
-        const int it = t / (BN / 16), nt = t % (BN / 16);
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> s_acc, dp_acc;
-        wmma::fill_fragment(s_acc, 0.f);
-        wmma::fill_fragment(dp_acc, 0.f);
-        for (int kt = 0; kt < D / 16; ++kt) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> bf;
-          wmma::load_matrix_sync(a, Qs + it * 16 * C::LDH + kt * 16, C::LDH);
-          wmma::load_matrix_sync(bf, Ks + nt * 16 * C::LDH + kt * 16, C::LDH);
-          wmma::mma_sync(s_acc, a, bf, s_acc);
-          wmma::load_matrix_sync(a, dOs + it * 16 * C::LDH + kt * 16, C::LDH);
-          wmma::load_matrix_sync(bf, Vs + nt * 16 * C::LDH + kt * 16, C::LDH);
-          wmma::mma_sync(dp_acc, a, bf, dp_acc);
-        }
-        wmma::store_matrix_sync(Ss + it * 16 * C::LDS + nt * 16, s_acc, C::LDS, wmma::mem_row_major);
-        wmma::store_matrix_sync(dPs + it * 16 * C::LDS + nt * 16, dp_acc, C::LDS, wmma::mem_row_major);
-      }
-      __syncthreads();
-
-      for (int idx = threadIdx.x; idx < BM * BN; idx += kThreads) {
-        const int r = idx / BN, c = idx % BN;
-        const int i = i0 + r, j = j0 + c;
-        const float s = admit<T>(Ss[r * C::LDS + c] * p.scale, p.mask, p.window_lo,
-                                 p.window_hi, b, h, i, j, p.Lq, p.Lk);
-        const float lse = lse_s[r];
-        const float pr = (s == -INFINITY || lse == -INFINITY) ? 0.f : fast_exp(s - lse);
-        const float z = dropout_factor(p.drop, key_bh, uint32_t(i), uint32_t(j));
-        const float ds = pr * (dPs[r * C::LDS + c] * z - delta_s[r]);
-        Ps[r * C::LDP + c] = from_float<T>(pr * z);
-        dSs[r * C::LDP + c] = from_float<T>(ds);
-        if (p.dmask != nullptr && i < p.Lq && j < p.Lk)
-          static_cast<T*>(p.dmask)[(bh * p.Lq + i) * p.Lk + j] = from_float<T>(ds);
-      }
-      __syncthreads();
-
-      // dV += Pd^T dO and dK += dS^T Q: Pd^T is Pd read column-major.
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[4];
+    load_a<LD>(a, a_tile, a_row0, kk * 16, lane);
 #pragma unroll
-      for (int f = 0; f < C::KV_FRAGS; ++f) {
-        const int t = warp * C::KV_FRAGS + f;
-        const int jt = t / (D / 16), dt = t % (D / 16);
-        // Not unrolled: with the dK, dV accumulators live, unrolling spills (bf16, 255 registers).
-#pragma unroll 1
-        for (int kt = 0; kt < BM / 16; ++kt) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> a;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> bf;
-          wmma::load_matrix_sync(a, Ps + kt * 16 * C::LDP + jt * 16, C::LDP);
-          wmma::load_matrix_sync(bf, dOs + kt * 16 * C::LDH + dt * 16, C::LDH);
-          wmma::mma_sync(dv_acc[f], a, bf, dv_acc[f]);
-          wmma::load_matrix_sync(a, dSs + kt * 16 * C::LDP + jt * 16, C::LDP);
-          wmma::load_matrix_sync(bf, Qs + kt * 16 * C::LDH + dt * 16, C::LDH);
-          wmma::mma_sync(dk_acc[f], a, bf, dk_acc[f]);
-        }
-      }
-      // dQ (tile) = dS K, added into dq_acc with atomics (other key tiles add to the same rows).
-      for (int t = warp; t < (BM / 16) * (D / 16); t += kWarps) {
-        const int it = t / (D / 16), dt = t % (D / 16);
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-        wmma::fill_fragment(acc, 0.f);
-        for (int kt = 0; kt < BN / 16; ++kt) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> bf;
-          wmma::load_matrix_sync(a, dSs + it * 16 * C::LDP + kt * 16, C::LDP);
-          wmma::load_matrix_sync(bf, Ks + kt * 16 * C::LDH + dt * 16, C::LDH);
-          wmma::mma_sync(acc, a, bf, acc);
-        }
-        wmma::store_matrix_sync(dQs + it * 16 * C::LDO + dt * 16, acc, C::LDO, wmma::mem_row_major);
-      }
-      __syncthreads();
-      float* dq = p.dq_acc + bh * p.Lq * p.E;
-      for (int idx = threadIdx.x; idx < BM * p.E; idx += kThreads) {
-        const int r = idx / p.E, c = idx % p.E;
-        if (i0 + r < p.Lq) atomicAdd(dq + int64_t(i0 + r) * p.E + c, dQs[r * C::LDO + c] * p.scale);
-      }
+    for (int n = 0; n < N; n += 2) {
+      uint32_t b[4];
+      load_b_nk<LD>(b, b_tile, n * 8, kk * 16, lane);
+      mma_pair<T>(acc[n], acc[n + 1], a, b);
     }
   }
+}
 
-  // Write dK (times scale) and dV through the dQ scratch (BN == BM rows).
-  const int64_t bhk = int64_t(b) * p.Hkv + hk;
+// acc (16 x D) += X (16 x BM, register fragments x[BM / 8][4] as mma accumulators, taken as the
+// A operand: two n8 accumulator tiles are one k16 A fragment) times tile B (BM x D, k-major):
+// dV += (P^T z) dO and dK += dS^T Q.
+template <typename T, int BM, int D, int LD>
+__device__ __forceinline__ void product_rk(float (&acc)[D / 8][4], const float (&x)[BM / 8][4],
+                                           const T* b_tile, int lane) {
 #pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    __syncthreads();
+  for (int kq = 0; kq < BM / 16; ++kq) {
+    const float(&lo)[4] = x[2 * kq];
+    const float(&hi)[4] = x[2 * kq + 1];
+    const uint32_t a[4] = {pack2<T>(lo[0], lo[1]), pack2<T>(lo[2], lo[3]), pack2<T>(hi[0], hi[1]),
+                           pack2<T>(hi[2], hi[3])};
 #pragma unroll
-    for (int f = 0; f < C::KV_FRAGS; ++f) {
-      const int t = warp * C::KV_FRAGS + f;
-      const int jt = t / (D / 16), dt = t % (D / 16);
-      wmma::store_matrix_sync(dQs + jt * 16 * C::LDO + dt * 16, pass == 0 ? dk_acc[f] : dv_acc[f],
-                              C::LDO, wmma::mem_row_major);
-    }
-    __syncthreads();
-    const int cols = pass == 0 ? p.E : p.Ev;
-    const float mult = pass == 0 ? p.scale : 1.f;
-    T* dst = static_cast<T*>(pass == 0 ? p.dk : p.dv) + bhk * p.Lk * cols;
-    for (int idx = threadIdx.x; idx < BN * cols; idx += kThreads) {
-      const int r = idx / cols, c = idx % cols;
-      if (j0 + r < p.Lk) dst[int64_t(j0 + r) * cols + c] = from_float<T>(dQs[r * C::LDO + c] * mult);
+    for (int n = 0; n < D / 8; n += 2) {
+      uint32_t b[4];
+      load_b_kn<LD>(b, b_tile, kq * 16, n * 8, lane);
+      mma_pair<T>(acc[n], acc[n + 1], a, b);
     }
   }
 }
 
 template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) sdpa_bwd_kernel(const SdpaParams p) {
+  using C = Config<D>;
+  constexpr int BM = C::BM, BN = kBN, LDH = C::LDH, LDS = C::LDS;
+  constexpr int NQ = BM / 8;  // n8 tiles of queries in S^T, dP^T
+  constexpr int ND = D / 8;   // n8 tiles of head dims in dK, dV
+  ATTNX_DYNAMIC_SMEM(unsigned char, smem_raw, 128);
+  T* Ks = reinterpret_cast<T*>(smem_raw);
+  T* Vs = Ks + BN * LDH;
+  T* Qs = Vs + BN * LDH;       // [stage][BM][LDH]
+  T* dOs = Qs + 2 * BM * LDH;  // [stage][BM][LDH]
+  T* dSs = dOs + 2 * BM * LDH;
+  float* row_vals = reinterpret_cast<float*>(dSs + BM * LDS);  // [stage][lse, delta, 1/R][BM]
+
+  const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+  const int group = p.Hq / p.Hkv;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;  // the fragments' row group and column pair
+  const int kr0 = warp * 16;             // this warp's first key in the block
+  // grad_out is contiguous and 16-byte aligned (the host makes it so): only its rows matter.
+  const bool dout_vec16 = p.Ev % (16 / sizeof(T)) == 0;
+
+  // Query rows that can see a key of [j0, j0 + BN): j - hi <= i <= j - lo.
+  const int64_t ilo = max(int64_t(0), int64_t(j0) - p.window_hi);
+  const int64_t ihi = min(int64_t(p.Lq) - 1, int64_t(min(j0 + BN, p.Lk) - 1) - p.window_lo);
+  const int qt0 = int(ilo / BM), nqt = ihi < ilo ? 0 : int(ihi / BM) - qt0 + 1;
+  const int steps = group * nqt;  // (head of the group, query block) pairs
+
+  float dk[ND][4] = {}, dv[ND][4] = {};
+
+  // Step s: query head hk * group + s / nqt, query block qt0 + s % nqt.
+  auto load_step = [&](int s, int stage) {
+    const int h = hk * group + s / nqt, i0 = (qt0 + s % nqt) * BM;
+    const int64_t bh = int64_t(b) * p.Hq + h;
+    const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
+    const T* dout = static_cast<const T*>(p.dout) + bh * p.Lq * p.Ev;
+    load_tile_async<T, D, LDH, kThreads>(Qs + stage * BM * LDH, q, p.sq.l, i0, BM, p.Lq, p.E,
+                                         p.sq.vec16);
+    load_tile_async<T, D, LDH, kThreads>(dOs + stage * BM * LDH, dout, p.Ev, i0, BM, p.Lq, p.Ev,
+                                         dout_vec16);
+    float* vals = row_vals + stage * C::kRowValues * BM;
+    for (int r = threadIdx.x; r < BM; r += kThreads) {
+      const bool in = i0 + r < p.Lq;
+      const int64_t at = bh * p.Lq + i0 + r;
+      vals[r] = in ? p.lse[at] : -INFINITY;
+      vals[BM + r] = in ? p.delta[at] : 0.f;
+      vals[2 * BM + r] = in ? 1.f / p.row_sums[at] : 1.f;
+    }
+  };
+
+  if (steps > 0) {
+    const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h;
+    const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h;
+    load_tile_async<T, D, LDH, kThreads>(Ks, k, p.sk.l, j0, BN, p.Lk, p.E, p.sk.vec16);
+    load_tile_async<T, D, LDH, kThreads>(Vs, v, p.sv.l, j0, BN, p.Lk, p.Ev, p.sv.vec16);
+    load_step(0, 0);
+    cp_async_commit();
+  }
+
+  for (int s = 0; s < steps; ++s) {
+    const int stage = s % 2;
+    // Prefetch the next step into the other stage: its last reader was step s - 1's
+    // products, behind the barrier before step s - 1's dQ.
+    if (s + 1 < steps) load_step(s + 1, stage ^ 1);
+    cp_async_commit();   // possibly empty: the group count stays one per step
+    cp_async_wait<1>();  // this step's group (and K, V) has landed
+    __syncthreads();
+
+    const int h = hk * group + s / nqt, i0 = (qt0 + s % nqt) * BM;
+    const int64_t bh = int64_t(b) * p.Hq + h;
+    const uint32_t key_bh = dropout_key_bh(p.drop, uint32_t(bh));
+    const T* Q = Qs + stage * BM * LDH;
+    const T* dO = dOs + stage * BM * LDH;
+    const float* lse_s = row_vals + stage * C::kRowValues * BM;
+    const float* delta_s = lse_s + BM;
+    const float* inv_r_s = delta_s + BM;
+    // (key, query) of element e of n8 tile n of the S^T fragments, within the tiles
+    auto query_of = [&](int n, int e) { return n * 8 + 2 * t + (e & 1); };
+    auto key_of = [&](int e) { return kr0 + g + (e >= 2 ? 8 : 0); };
+
+    // A block wholly inside the sizes and the band, without a mask, admits every pair: its
+    // scores skip the per-element test (the bulk of a long sequence's blocks).
+    const bool interior = p.mask.kind == MaskKind::None && i0 + BM <= p.Lq && j0 + BN <= p.Lk &&
+                          int64_t(j0) - (i0 + BM - 1) >= p.window_lo &&
+                          int64_t(j0 + BN - 1) - i0 <= p.window_hi;
+
+    // P^T, in the S^T fragments.
+    float pt[NQ][4] = {};
+    product_nt<T, D, NQ, LDH>(pt, Ks, kr0, Q, lane);
+#pragma unroll
+    for (int n = 0; n < NQ; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int il = query_of(n, e);
+        const float sc = interior ? pt[n][e] * p.scale
+                                  : admit<T>(pt[n][e] * p.scale, p.mask, p.window_lo, p.window_hi,
+                                             b, h, i0 + il, j0 + key_of(e), p.Lq, p.Lk);
+        const float lse = lse_s[il];
+        pt[n][e] = (sc == -INFINITY || lse == -INFINITY) ? 0.f : fast_exp(sc - lse) * inv_r_s[il];
+      }
+
+    // dV += (P^T z) dO: the dropped-out probabilities, as the forward multiplied them with V.
+    if (p.drop.on) {
+      float pz[NQ][4];
+#pragma unroll
+      for (int n = 0; n < NQ; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          pz[n][e] = pt[n][e] * dropout_factor(p.drop, key_bh, uint32_t(i0 + query_of(n, e)),
+                                               uint32_t(j0 + key_of(e)));
+      product_rk<T, BM, D, LDH>(dv, pz, dO, lane);
+    } else {
+      product_rk<T, BM, D, LDH>(dv, pt, dO, lane);
+    }
+
+    // dS^T = P^T (dP^T z - delta), in the dP^T fragments; dS to shared memory for dQ.
+    float ds[NQ][4] = {};
+    product_nt<T, D, NQ, LDH>(ds, Vs, kr0, dO, lane);
+#pragma unroll
+    for (int n = 0; n < NQ; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int il = query_of(n, e), jl = key_of(e);
+        const int i = i0 + il, j = j0 + jl;
+        const float z = dropout_factor(p.drop, key_bh, uint32_t(i), uint32_t(j));
+        const float d = pt[n][e] * (ds[n][e] * z - delta_s[il]);
+        ds[n][e] = d;
+        dSs[il * LDS + jl] = from_float<T>(d);
+        if (p.dmask != nullptr && i < p.Lq && j < p.Lk)
+          static_cast<T*>(p.dmask)[(bh * p.Lq + i) * p.Lk + j] = from_float<T>(d);
+      }
+
+    // dK += dS^T Q.
+    product_rk<T, BM, D, LDH>(dk, ds, Q, lane);
+    __syncthreads();  // dS complete
+
+    // dQ (BM x D) += dS K, by tasks of 16 rows x kDqCols columns, added into dq_acc at once.
+    float* dq = p.dq_acc + bh * p.Lq * p.E;
+    constexpr int kChunks = D / kDqCols;
+    for (int task = warp; task < (BM / 16) * kChunks; task += kWarps) {
+      const int r0 = (task / kChunks) * 16, c0 = (task % kChunks) * kDqCols;
+      float acc[kDqCols / 8][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[4];
+        load_a<LDS>(a, dSs, r0, kk * 16, lane);
+#pragma unroll
+        for (int n = 0; n < kDqCols / 8; n += 2) {
+          uint32_t bk[4];
+          load_b_kn<LDH>(bk, Ks, kk * 16, c0 + n * 8, lane);
+          mma_pair<T>(acc[n], acc[n + 1], a, bk);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < kDqCols / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = i0 + r0 + g + (e >= 2 ? 8 : 0), c = c0 + n * 8 + 2 * t + (e & 1);
+          if (i < p.Lq && c < p.E) atomicAdd(dq + int64_t(i) * p.E + c, acc[n][e] * p.scale);
+        }
+    }
+  }
+
+  // dK (times scale) and dV of this warp's keys, straight from the fragments.
+  const int64_t bhk = int64_t(b) * p.Hkv + hk;
+  T* dk_out = static_cast<T*>(p.dk) + bhk * p.Lk * p.E;
+  T* dv_out = static_cast<T*>(p.dv) + bhk * p.Lk * p.Ev;
+#pragma unroll
+  for (int n = 0; n < ND; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = j0 + kr0 + g + (e >= 2 ? 8 : 0), c = n * 8 + 2 * t + (e & 1);
+      if (j >= p.Lk) continue;
+      if (c < p.E) dk_out[int64_t(j) * p.E + c] = from_float<T>(dk[n][e] * p.scale);
+      if (c < p.Ev) dv_out[int64_t(j) * p.Ev + c] = from_float<T>(dv[n][e]);
+    }
+}
+
+template <typename T, int D>
 cudaError_t launch(const SdpaParams& p, cudaStream_t stream) {
-  const dim3 grid(ceil_div(p.Lk, Config<D>::BN), p.Hkv, p.B);
+  const dim3 grid(ceil_div(p.Lk, kBN), p.Hkv, p.B);
   return launch_kernel(sdpa_bwd_kernel<T, D>, grid, dim3(kThreads), Config<D>::smem_bytes, stream,
                        p);
 }
 
 }  // namespace sdpa_bwd_impl
 
-// Instantiated once per family by sdpa_bwd_d<D>.cu. dk and dv of keys no query sees (or every
-// key when Lq == 0) are written as zeros by the kernel, so Lk > 0 always launches.
+// The dynamic shared memory of family D's backward launch.
+template <int D>
+constexpr size_t sdpa_bwd_smem_bytes() {
+  if constexpr (D <= 128)
+    return sdpa_bwd_impl::Config<D>::smem_bytes;
+  else
+    return sdpa_bwd_wmma_impl::Config<D>::smem_bytes;
+}
+
+// Instantiated once per family by sdpa_bwd_d<D>.cu; families above 128 on the wmma kernel.
+// dk and dv of keys no query sees (or every key when Lq == 0) are written as zeros by the
+// kernel, so Lk > 0 always launches. Needs p.delta (sdpa_bwd_delta) and p.row_sums.
 template <int D>
 cudaError_t sdpa_bwd_family(const SdpaParams& p, cudaStream_t stream) {
   if (p.B == 0 || p.Hkv == 0 || p.Lk == 0) return cudaSuccess;
-  return p.dtype == DType::Half ? sdpa_bwd_impl::launch<__half, D>(p, stream)
-                                : sdpa_bwd_impl::launch<__nv_bfloat16, D>(p, stream);
+  if constexpr (D <= 128)
+    return p.dtype == DType::Half ? sdpa_bwd_impl::launch<__half, D>(p, stream)
+                                  : sdpa_bwd_impl::launch<__nv_bfloat16, D>(p, stream);
+  else
+    return p.dtype == DType::Half ? sdpa_bwd_wmma_impl::launch<__half, D>(p, stream)
+                                  : sdpa_bwd_wmma_impl::launch<__nv_bfloat16, D>(p, stream);
 }
 
 }  // namespace cuda

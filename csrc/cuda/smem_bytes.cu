@@ -2,18 +2,20 @@
 // (python_module.cpp) hands it to the cuda backend's per-call check (attnx/_backends/cuda.py)
 // and to tests/test_cuda_resources.py, so the kernels' own Config is the one formula.
 #include "sdpa_bwd.cuh"
+#include "sdpa_fwd.cuh"
 
 namespace attnx {
 namespace cuda {
 namespace {
 
-static_assert(sizeof(kSdpaFamilies) == 3 * sizeof(int) && kSdpaFamilies[0] == 64 &&
-                  kSdpaFamilies[1] == 128 && kSdpaFamilies[2] == 256,
-              "sdpa_smem_bytes has one backward case per family");
 static_assert(sizeof(kSdpaFwdFamilies) == 7 * sizeof(int) && kSdpaFwdFamilies[6] == 256,
-              "sdpa_smem_bytes has one forward case per family");
+              "forward_bytes has one case per family");
+static_assert(sizeof(kSdpaBwdFamilies) == 5 * sizeof(int) && kSdpaBwdFamilies[0] == 32 &&
+                  kSdpaBwdFamilies[1] == 64 && kSdpaBwdFamilies[2] == 96 &&
+                  kSdpaBwdFamilies[3] == 128 && kSdpaBwdFamilies[4] == 256,
+              "backward_bytes has one case per family");
 
-size_t fwd_bytes(int dim) {
+size_t forward_bytes(int dim) {
   switch (sdpa_fwd_family_of(dim)) {
     case 32: return sdpa_fwd_impl::Config<32>::smem_bytes;
     case 64: return sdpa_fwd_impl::Config<64>::smem_bytes;
@@ -26,17 +28,19 @@ size_t fwd_bytes(int dim) {
   }
 }
 
-size_t bwd_bytes(int dim) {
-  return dim <= 64 ? sdpa_bwd_impl::Config<64>::smem_bytes
-         : dim <= 128 ? sdpa_bwd_impl::Config<128>::smem_bytes
-         : dim <= 256 ? sdpa_bwd_impl::Config<256>::smem_bytes
+size_t backward_bytes(int dim) {
+  return dim <= 32    ? sdpa_bwd_smem_bytes<32>()
+         : dim <= 64  ? sdpa_bwd_smem_bytes<64>()
+         : dim <= 96  ? sdpa_bwd_smem_bytes<96>()
+         : dim <= 128 ? sdpa_bwd_smem_bytes<128>()
+         : dim <= 256 ? sdpa_bwd_smem_bytes<256>()
                       : 0;
 }
 
 }  // namespace
 
 size_t sdpa_smem_bytes(bool backward, int dim) {
-  return backward ? bwd_bytes(dim) : fwd_bytes(dim);
+  return backward ? backward_bytes(dim) : forward_bytes(dim);
 }
 
 }  // namespace cuda
