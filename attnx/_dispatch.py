@@ -45,7 +45,7 @@ def backends() -> dict:
 _SERVED = {"kvcache": ("cpu", "reference")}
 # The backends that compute the score modifiers (softcap, alibi_slopes, sinks), by op; a call
 # with one goes to no other (backend=None falls back to these, CUDA tensors to the reference).
-_SERVED_MODIFIERS = {"sdpa": ("reference",), "kvcache": ("reference",)}
+_SERVED_MODIFIERS = {"sdpa": ("cpu", "reference"), "kvcache": ("cpu", "reference")}
 
 
 def _is_empty(op: str, call) -> bool:

@@ -10,15 +10,20 @@ include q, k, v, a float mask and the sinks.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import attnx
-from attnx import _dispatch, _rng, _validate
+from attnx import _dispatch, _ops, _rng, _validate
 from tests._compare import assert_within
 
-BACKENDS = ["reference"]
+HAS_CPU_KERNELS = _ops.has_kernel("sdpa_mod_fwd", "CPU") and _ops.has_kernel("kvcache_mod_fwd", "CPU")
+BACKENDS = ["reference", pytest.param("cpu", marks=pytest.mark.skipif(
+    not HAS_CPU_KERNELS, reason="attnx._C is not built"))]
 FLOORS = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
@@ -342,7 +347,7 @@ def test_auto_picks_a_backend_that_serves_them():
     q = torch.randn(1, 2, 5, 8)
     call = _validate.sdpa_call(q, q, q, None, 0.0, False, None, False, None, None, False,
                                sinks=torch.zeros(2))
-    assert _dispatch.select("sdpa", call) == BACKENDS[-1]
+    assert _dispatch.select("sdpa", call) == ("cpu" if HAS_CPU_KERNELS else "reference")
     plain = _validate.sdpa_call(q, q, q, None, 0.0, False, None, False, None, None, False)
     assert not plain.mods.any()
 
@@ -415,3 +420,71 @@ def test_kvcache(backend, paged, which, lq, mode, dtype=torch.float32):
     assert torch.equal(torch.isinf(lse), torch.isinf(gold_lse))
     assert_within(*(t.float().nan_to_num(neginf=0.0) for t in (lse, gold_lse, base_lse)),
                   factor=3.0, floor=FLOORS[dtype], what="lse")
+
+
+def _rerun_in(env_var: str, probe: str, expect, keys: str):
+    """This file's cpu tests, the -k `keys` of them, in a process with env_var=0."""
+    env = dict(os.environ, **{env_var: "0"})
+    got = subprocess.run([sys.executable, "-c", f"from attnx import _ops; print(_ops.build_info()[{probe!r}])"],
+                         env=env, check=True, capture_output=True, text=True).stdout.strip()
+    assert got in expect
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", f"cpu and ({keys})"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:]
+
+
+@pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")
+def test_blas_engine():
+    """ATTNX_CPU_PANELS=0 runs float32 on the BLAS engine (CPUs without AVX2): its backward
+    recomputes the scores in another order than the forward, so the softcap and sink paths of
+    its probabilities differ from the panels'."""
+    _rerun_in("ATTNX_CPU_PANELS", "cpu_gemm", ("blas",),
+                        "(each_modifier and all) or masks or fully_masked or extreme")
+
+
+@pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")
+def test_avx2_row_operations():
+    """ATTNX_CPU_AVX512=0: the 8-lane row operations and the 256-bit panels, what CPUs without
+    AVX-512 run."""
+    if _ops.build_info()["cpu_vector"] != "avx512":
+        pytest.skip("no AVX-512 here: the main run already tests the 8-lane bodies")
+    _rerun_in("ATTNX_CPU_AVX512", "cpu_vector", ("avx2", "baseline"),
+              "(each_modifier and all) or fully_masked or dropout or (kvcache and 3-mode1)")
+
+
+@pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")
+@pytest.mark.parametrize("mask_kind", [None, "float"])
+def test_opcheck_and_gradcheck(mask_kind):
+    """The _mod ops' schemas, fake kernels and autograd (torch.library.opcheck), and gradcheck
+    of the cpu backend in float64 through softcap, ALiBi, a float mask and the sinks."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 2, 5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, 1, 6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(2, 1, 6, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    mask = None if mask_kind is None else torch.randn(1, 2, 5, 6, dtype=torch.float64,
+                                                       generator=g, requires_grad=True)
+    slopes = torch.rand(2, 2, generator=g)
+    sinks = torch.randn(2, dtype=torch.float64, generator=g, requires_grad=True)
+    view = None if mask is None else mask.expand(2, 2, 5, 6)  # as the validation passes it
+    fwd = (q, k, v, view, 0.3, -5, 3, 0.0, None, 2.0, slopes, sinks)
+    torch.library.opcheck(torch.ops.attnx.sdpa_mod_fwd.default, fwd)
+    out, lse = torch.ops.attnx.sdpa_mod_fwd(*fwd)
+    bwd = (torch.randn_like(out), q.detach(), k.detach(), v.detach(),
+           None if view is None else view.detach(), out.detach(),
+           lse.detach(), 0.3, -5, 3, 0.0, None, mask is not None, torch.randn_like(lse), 2.0,
+           slopes, sinks.detach(), True)
+    torch.library.opcheck(torch.ops.attnx.sdpa_mod_bwd.default, bwd)
+
+    def op(q, k, v, sinks, *mask):
+        return attnx.scaled_dot_product_attention(
+            q, k, v, *mask, enable_gqa=True, window=(5, 3), scale=0.3, softcap=2.0,
+            alibi_slopes=slopes, sinks=sinks, backend="cpu")
+
+    leaves = (q, k, v, sinks) + (() if mask is None else (mask,))
+    assert torch.autograd.gradcheck(op, leaves)
+
+    cache = torch.randn(2, 1, 9, 4, dtype=torch.float64, generator=g)
+    kv = (q.detach(), cache, cache[..., :3], torch.tensor([9, 4], dtype=torch.int32), None, 0.3,
+          -20, 0, 2.0, slopes, sinks.detach())
+    torch.library.opcheck(torch.ops.attnx.kvcache_mod_fwd.default, kv)
