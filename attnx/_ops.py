@@ -26,6 +26,13 @@ def build_info() -> dict:
     return dict(_C.build_info()) if _C is not None else {}
 
 
+def _registered(op: str, key: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"attnx::{op}", key)
+    except RuntimeError:  # an extension built before the op existed does not define it
+        return False
+
+
 # Read once at import: the dispatcher query is not traceable by torch.compile, and which kernels
 # a built extension holds does not change while it runs.
 _KERNELS = frozenset(
@@ -33,7 +40,7 @@ _KERNELS = frozenset(
     for op in ("sdpa_fwd", "sdpa_bwd", "additive_fwd", "additive_bwd", "kvcache_fwd",
                "sdpa_mod_fwd", "kvcache_mod_fwd")
     for key in ("CPU", "CUDA")
-    if _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"attnx::{op}", key))
+    if _C is not None and _registered(op, key))
 
 
 def has_kernel(op: str, dispatch_key: str) -> bool:
