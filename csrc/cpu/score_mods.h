@@ -10,6 +10,11 @@
 
 namespace attnx::cpu {
 
+// s = cap tanh(s / cap) over s[0, n), and dcap = 1 - tanh^2 where dcap is not null (sdpa_tile.cpp:
+// the float version vectorized, within 3e-7 of tanh relative).
+void softcap_row(float* s, int64_t n, float cap, float* dcap);
+void softcap_row(double* s, int64_t n, double cap, double* dcap);
+
 // The score modifiers (csrc/ops.cpp) in a kernel's type. The kernels take them as a template
 // flag too: without it (the plain ops) none of their code is compiled in.
 template <typename T>
@@ -23,14 +28,7 @@ struct Mods {
   // offset), before the mask. dcap (or null) receives the softcap's
   // derivative 1 - tanh^2, which the backward multiplies into dS.
   void apply(T* s, int64_t n, int64_t bh, int64_t i, int64_t j0, T* dcap) const {
-    if (softcap > T(0)) {
-      const T inv = T(1) / softcap;
-      for (int64_t j = 0; j < n; ++j) {
-        const T t = std::tanh(s[j] * inv);
-        s[j] = softcap * t;
-        if (dcap != nullptr) dcap[j] = T(1) - t * t;
-      }
-    }
+    if (softcap > T(0)) softcap_row(s, n, softcap, dcap);
     if (alibi != nullptr) {
       const T slope = static_cast<T>(alibi[bh]);
       for (int64_t j = 0; j < n; ++j) s[j] -= slope * static_cast<T>(std::abs(i - j0 - j));
