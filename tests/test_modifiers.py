@@ -488,3 +488,25 @@ def test_opcheck_and_gradcheck(mask_kind):
     kv = (q.detach(), cache, cache[..., :3], torch.tensor([9, 4], dtype=torch.int32), None, 0.3,
           -20, 0, 2.0, slopes, sinks.detach())
     torch.library.opcheck(torch.ops.attnx.kvcache_mod_fwd.default, kv)
+
+
+@pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")
+def test_compiles_fullgraph(backend="cpu"):
+    """torch.compile traces the modifiers through (fake kernels of the _mod ops), sinks'
+    gradient included."""
+    q, k, v = (torch.randn(2, 4, 21, 16, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(4, requires_grad=True)
+    slopes = torch.rand(4)
+
+    def f(q, k, v, sinks):
+        return attnx.scaled_dot_product_attention(q, k, v, is_causal=True, softcap=5.0,
+                                                  alibi_slopes=slopes, sinks=sinks,
+                                                  backend=backend).sum()
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, sinks)
+    want = f(q, k, v, sinks)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v, sinks)),
+                    torch.autograd.grad(want, (q, k, v, sinks))):
+        torch.testing.assert_close(a, b)
