@@ -7,6 +7,7 @@ model's own KV cache gives the tokens "sdpa" gives.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -232,3 +233,23 @@ def test_import_attnx_does_not_import_transformers():
     code = ("import sys, attnx; attnx.hf.NAME; "
             "sys.exit('transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_bench_case_writes_tokens_per_second(tmp_path, monkeypatch):
+    from attnx.bench import cli, timing
+    monkeypatch.setitem(timing.WARMUP_SECONDS, "cpu", 0.0)
+    monkeypatch.setitem(timing.BLOCK_SECONDS, "cpu", 0.0)
+    threads = torch.get_num_threads()
+    try:  # one thread: a second one waiting on a busy machine's scheduler costs seconds
+        assert cli.main(["--ops", "hf", "--quick", "--repeats", "1", "--threads", "1",
+                         "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    doc = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["pass"], r["provider"]): r for r in doc["results"]}
+    assert sorted(rows) == [(p, i) for p in ("forward", "generate") for i in ("attnx", "sdpa")]
+    assert all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["generate", "attnx"]["same_tokens_as_sdpa"] is True
+    assert rows["forward", "attnx"]["tokens"] == 2 * 32 - 32 // 8  # the real tokens only
+    with pytest.raises(SystemExit):
+        cli.main(["--ops", "hf,sdpa", "--out", str(tmp_path)])
