@@ -52,8 +52,8 @@ def model_config(quick: bool) -> transformers.LlamaConfig:
 def cases(quick: bool) -> list:
     if quick:
         return [ModelCase("forward", 2, 32, 0, True), ModelCase("generate", 2, 16, 4, True)]
-    return [ModelCase("forward", 1, 1024, 0, False), ModelCase("forward", 4, 512, 0, True),
-            ModelCase("generate", 1, 512, 64, False), ModelCase("generate", 4, 256, 64, True)]
+    return [ModelCase("forward", 1, 2048, 0, False), ModelCase("forward", 4, 512, 0, True),
+            ModelCase("generate", 1, 512, 128, False), ModelCase("generate", 4, 256, 64, True)]
 
 
 def inputs(case: ModelCase, vocab: int):

@@ -16,7 +16,7 @@ from .. import _dispatch
 from .._backends import cpu
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq: identity (its padding tensor has no truth value)
 class CompactMask:
     """A layer's mask as attnx takes it (built by `attnx.hf.masks.attnx_mask`).
 
