@@ -189,7 +189,8 @@ def main(argv=None) -> int:
 def _main_hf(args, argv) -> int:
     """`--ops hf`: whole-model timings (attnx.bench.hf_model), a table of their own."""
     if set(args.ops) != {"hf"}:
-        raise SystemExit("--ops: hf runs alone (its results are tokens/s of a model, not a kernel sweep)")
+        raise SystemExit("--ops: hf runs alone (its results are a model's tokens/s, "
+                         "not a kernel sweep)")
     from . import hf_model  # imports transformers
     doc = hf_model.run(args, argv)
     os.makedirs(args.out, exist_ok=True)

@@ -34,7 +34,8 @@ class ModelCase:
 
     def label(self) -> str:
         gen = f" +{self.new_tokens}" if self.task == "generate" else ""
-        return f"{self.task} B{self.batch} L{self.prompt}{gen}{' left-padded' if self.padded else ''}"
+        pad = " left-padded" if self.padded else ""
+        return f"{self.task} B{self.batch} L{self.prompt}{gen}{pad}"
 
 
 def model_config(quick: bool) -> transformers.LlamaConfig:
@@ -98,7 +99,8 @@ def run(args, argv) -> dict:
         "transformers": transformers.__version__,
         "model": {k: getattr(config, k) for k in (
             "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "vocab_size")} | {"class": "LlamaForCausalLM", "dtype": "float32"}})
+            "num_key_value_heads", "vocab_size")}
+        | {"class": "LlamaForCausalLM", "dtype": "float32"}})
     doc["load_average_before"] = machine.load_average()
     results = []
     with torch.inference_mode():
@@ -136,7 +138,9 @@ def table(doc: dict) -> str:
         a, s = rows["attnx"], rows["sdpa"]
 
         def rate(r):
-            return f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else f"error: {r['time']['error']}"
+            if "tokens_per_s" not in r:
+                return f"error: {r['time']['error']}"
+            return f"{r['tokens_per_s']:.0f}"
 
         def spread(r):
             t = r["time"]

@@ -29,7 +29,8 @@ def register() -> str:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as exc:
-        raise ImportError("attnx.hf.register() needs transformers: pip install 'attnx[hf]'") from exc
+        raise ImportError("attnx.hf.register() needs transformers: "
+                          "pip install 'attnx[hf]'") from exc
     from .masks import attnx_mask  # imports transformers' masking code
 
     AttentionInterface.register(NAME, attention_forward)
