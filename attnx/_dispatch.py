@@ -43,6 +43,9 @@ def backends() -> dict:
 
 # The backends of the ops that not every backend has yet (the others' modules never see them).
 _SERVED = {"kvcache": ("cpu", "reference")}
+# The backends that compute the score modifiers (softcap, alibi_slopes, sinks), by op; a call
+# with one goes to no other (backend=None falls back to these, CUDA tensors to the reference).
+_SERVED_MODIFIERS = {"sdpa": ("cpu", "reference"), "kvcache": ("cpu", "reference")}
 
 
 def _is_empty(op: str, call) -> bool:
@@ -53,6 +56,11 @@ def _is_empty(op: str, call) -> bool:
 def _unsupported(name: str, op: str, call):
     if name not in _SERVED.get(op, _MODULES):
         return f"it has no {op} kernel yet (served by: {', '.join(_SERVED[op])})"
+    mods = getattr(call, "mods", None)
+    if mods is not None and mods.any() and name not in _SERVED_MODIFIERS.get(op, ()):
+        served = ", ".join(_SERVED_MODIFIERS.get(op, ())) or "none"
+        return (f"it does not compute {', '.join(mods.names())} in {op} yet "
+                f"(served by: {served})")
     return _module(name).unsupported(op, call)
 
 
@@ -73,24 +81,31 @@ def select(op: str, call) -> str:
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
-                                 window=None, backend=None, return_lse=False):
+                                 window=None, softcap=None, alibi_slopes=None, sinks=None,
+                                 backend=None, return_lse=False):
     """Scaled dot-product attention, as `torch.nn.functional.scaled_dot_product_attention`.
 
     Extra keywords: `window=(left, right)` restricts query i to keys i-left..i+right;
-    `backend` forces "cuda", "triton", "cpu" or "reference"; `return_lse=True` also returns the
-    float32 log-sum-exp of the scaled scores, shape (B, H, Lq). See API.md for the contract.
+    `softcap` caps the scaled scores to softcap * tanh(s / softcap); `alibi_slopes` float32
+    (Hq,) or (B, Hq) adds -slope * |i - j|; `sinks` (Hq,) is a per-head logit in every row's
+    softmax denominator; `backend` forces "cuda", "triton", "cpu" or "reference";
+    `return_lse=True` also returns the float32 log-sum-exp of the scaled scores (the sink
+    included), shape (B, H, Lq). See API.md for the contract.
     """
     return sdpa_seeded(None, query, key, value, attn_mask, dropout_p, is_causal, scale,
-                       enable_gqa, window=window, backend=backend, return_lse=return_lse)
+                       enable_gqa, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                       sinks=sinks, backend=backend, return_lse=return_lse)
 
 
 def sdpa_seeded(seed, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                scale=None, enable_gqa=False, *, window=None, backend=None, return_lse=False):
+                scale=None, enable_gqa=False, *, window=None, softcap=None, alibi_slopes=None,
+                sinks=None, backend=None, return_lse=False):
     """scaled_dot_product_attention with its dropout seed given (None: drawn from torch's
     generator, as the public function does): the nn modules draw it themselves, so that the
     weights they return went through the very dropout the output did."""
     call = _validate.sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                               enable_gqa, window, backend, return_lse, seed)
+                               enable_gqa, window, backend, return_lse, seed, softcap=softcap,
+                               alibi_slopes=alibi_slopes, sinks=sinks)
     call, everything_dropped = _without_total_dropout(call)
     out, lse = _module(select("sdpa", call)).sdpa(call)
     if everything_dropped:
@@ -145,9 +160,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
     `k`, `v` (B, Hkv, Lnew, E), if given, are written into the cache in place at positions
     `cache_seqlens[b]...` before attending; `cache_seqlens` itself is not updated. Query i of
     sequence b attends keys 0 .. cache_seqlens[b] + Lnew - 1, with `is_causal` (the default)
-    only those up to its bottom-right diagonal. An inference op: it runs under torch.no_grad(),
-    so its outputs carry no gradient whatever requires one. softcap, alibi_slopes and sinks
-    are not supported yet (ValueError). See API.md for the contract.
+    only those up to its bottom-right diagonal. softcap, alibi_slopes (aligned bottom-right:
+    -slope * |i + cache_seqlens[b] + Lnew - Lq - j|) and sinks as in scaled_dot_product_attention.
+    An inference op: it runs under torch.no_grad(), so its outputs carry no gradient whatever
+    requires one. See API.md for the contract.
     """
     with torch.no_grad():
         call = _validate.kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table,

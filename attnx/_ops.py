@@ -26,13 +26,21 @@ def build_info() -> dict:
     return dict(_C.build_info()) if _C is not None else {}
 
 
+def _registered(op: str, key: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"attnx::{op}", key)
+    except RuntimeError:  # an extension built before the op existed does not define it
+        return False
+
+
 # Read once at import: the dispatcher query is not traceable by torch.compile, and which kernels
 # a built extension holds does not change while it runs.
 _KERNELS = frozenset(
     (op, key)
-    for op in ("sdpa_fwd", "sdpa_bwd", "additive_fwd", "additive_bwd", "kvcache_fwd")
+    for op in ("sdpa_fwd", "sdpa_bwd", "additive_fwd", "additive_bwd", "kvcache_fwd",
+               "sdpa_mod_fwd", "kvcache_mod_fwd")
     for key in ("CPU", "CUDA")
-    if _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"attnx::{op}", key))
+    if _C is not None and _registered(op, key))
 
 
 def has_kernel(op: str, dispatch_key: str) -> bool:
@@ -184,9 +192,62 @@ def _register_kvcache() -> None:
         return out, q.new_empty((b, h, lq), dtype=torch.float32)
 
 
+def _register_modifiers() -> None:
+    """The fake kernels and autograd of attnx::sdpa_mod_fwd / sdpa_mod_bwd (SDPA with softcap,
+    ALiBi and sinks; CPU kernels only so far), tying in the sinks' gradient, and the fake
+    kernel of attnx::kvcache_mod_fwd (an inference op)."""
+
+    @torch.library.register_fake("attnx::sdpa_mod_fwd")
+    def _fwd_fake(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed, softcap, alibi,
+                  sinks):
+        same_device(q, k, v, mask, alibi, sinks)
+        b, h, lq, _ = q.shape
+        out = q.new_empty((b, h, lq, v.shape[-1]))
+        return out, q.new_empty((b, h, lq), dtype=_sdpa_lse_dtype(q.dtype))
+
+    @torch.library.register_fake("attnx::sdpa_mod_bwd")
+    def _bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi, dropout_p,
+                  seed, mask_grad, grad_lse, softcap, alibi, sinks, sinks_grad):
+        same_device(q, grad_out, k, v, mask, out, lse, grad_lse, alibi, sinks)
+        dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
+        dsinks = sinks.new_empty(sinks.shape) if sinks_grad else _empty_grad(q)
+        return (*contiguous_grads(q, k, v), dmask, dsinks)
+
+    def _setup(ctx, inputs, output):
+        q, k, v, mask, scale, lo, hi, p, seed, softcap, alibi, sinks = inputs
+        out, lse = output
+        ctx.args = (scale, lo, hi, p, softcap)
+        ctx.save_for_backward(q, k, v, mask, out, lse, seed, alibi, sinks)
+
+    def _backward(ctx, grad_out, grad_lse):
+        q, k, v, mask, out, lse, seed, alibi, sinks = ctx.saved_tensors
+        scale, lo, hi, p, softcap = ctx.args
+        want_mask = mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[3]
+        want_sinks = sinks is not None and ctx.needs_input_grad[11]
+        dq, dk, dv, dmask, dsinks = torch.ops.attnx.sdpa_mod_bwd(
+            or_zeros(grad_out, out), q, k, v, mask, out, lse, scale, lo, hi, p, seed, want_mask,
+            grad_lse, softcap, alibi, sinks, want_sinks)
+        return (dq, dk, dv, (dmask if want_mask else None), None, None, None, None, None, None,
+                None, (dsinks if want_sinks else None))
+
+    torch.library.register_autograd("attnx::sdpa_mod_fwd", _backward, setup_context=_setup)
+    torch.library.register_autograd("attnx::sdpa_mod_bwd", no_double_backward)
+
+    def _kvcache_fake(q, k_cache, v_cache, seqlens, block_table, scale, window_lo, window_hi,
+                      softcap, alibi, sinks):
+        same_device(q, k_cache, v_cache, seqlens, block_table, alibi, sinks)
+        b, h, lq, _ = q.shape
+        out = q.new_empty((b, h, lq, v_cache.shape[-1]))
+        return out, q.new_empty((b, h, lq), dtype=torch.float32)
+
+    torch.library.register_fake("attnx::kvcache_mod_fwd", _kvcache_fake)
+
+
 if _C is not None:
     _register("attnx")
     _register_kvcache()
+    if has_kernel("sdpa_mod_fwd", "CPU") and has_kernel("kvcache_mod_fwd", "CPU"):
+        _register_modifiers()  # an extension built before them has no such ops
 
 
 @functools.cache

@@ -24,6 +24,71 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKEND_NAMES = ("auto", "cuda", "triton", "cpu", "reference")
 
 
+@dataclass(frozen=True, eq=False)
+class Modifiers:
+    """The score modifiers of API.md, checked. With s the scaled score of query i and key j:
+    s <- softcap tanh(s / softcap), then s <- s - alibi[b, h] |i + alibi_offset - j| (0 for SDPA's
+    top-left alignment; the KV-cache op aligns bottom-right), then the mask; `sinks[h]` joins
+    every row's softmax denominator."""
+    softcap: Optional[float] = None
+    alibi: Optional[torch.Tensor] = None  # float32 (B, Hq), possibly a stride-0 view of (Hq,)
+    sinks: Optional[torch.Tensor] = None  # (Hq,), float32 or q's dtype; may require grad
+
+    def any(self) -> bool:
+        return self.softcap is not None or self.alibi is not None or self.sinks is not None
+
+    def names(self) -> tuple:
+        """The modifiers given, by their argument names."""
+        return tuple(n for n, x in (("softcap", self.softcap), ("alibi_slopes", self.alibi),
+                                    ("sinks", self.sinks)) if x is not None)
+
+
+NO_MODIFIERS = Modifiers()
+
+
+def _check_softcap(softcap, dtype: torch.dtype) -> Optional[float]:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap: expected None or a float > 0, got {_type_name(softcap)}")
+    c = float(softcap)
+    if not (math.isfinite(c) and c > 0):
+        raise ValueError(f"softcap: expected a finite float > 0, got {softcap}")
+    if dtype != torch.float64 and c > torch.finfo(torch.float32).max:
+        raise ValueError(f"softcap: expected a value float32 can hold for {dtype} inputs, got {softcap}")
+    return c
+
+
+def _check_modifiers(softcap, alibi_slopes, sinks, q: torch.Tensor, b: int, hq: int) -> Modifiers:
+    """The modifiers of a call whose (flattened) batch is b with hq query heads."""
+    cap = _check_softcap(softcap, q.dtype)
+    alibi = None
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes: expected None or a float32 torch.Tensor, got {_type_name(alibi_slopes)}")
+        _check_dense("alibi_slopes", alibi_slopes)
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes: expected dtype torch.float32, got {alibi_slopes.dtype}")
+        if alibi_slopes.device != q.device:
+            raise TypeError(f"alibi_slopes: expected device {q.device} (that of the query), got {alibi_slopes.device}")
+        if tuple(alibi_slopes.shape) not in ((hq,), (b, hq)):
+            raise ValueError(f"alibi_slopes: expected shape ({hq},) or ({b}, {hq}), got {tuple(alibi_slopes.shape)}")
+        alibi = alibi_slopes.detach().expand(b, hq)  # constants: no gradient flows to them
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise TypeError(f"sinks: expected None or a torch.Tensor, got {_type_name(sinks)}")
+        _check_dense("sinks", sinks)
+        if sinks.dtype not in (torch.float32, q.dtype):
+            raise TypeError(f"sinks: expected dtype torch.float32 or {q.dtype} (that of the query), got {sinks.dtype}")
+        if sinks.device != q.device:
+            raise TypeError(f"sinks: expected device {q.device} (that of the query), got {sinks.device}")
+        if tuple(sinks.shape) != (hq,):
+            raise ValueError(f"sinks: expected shape ({hq},), got {tuple(sinks.shape)}")
+    if cap is None and alibi is None and sinks is None:
+        return NO_MODIFIERS
+    return Modifiers(cap, alibi, sinks)
+
+
 @dataclass
 class SdpaCall:
     q: torch.Tensor  # (B, Hq, Lq, E)
@@ -38,6 +103,7 @@ class SdpaCall:
     backend: str
     prefix: tuple  # query.shape[:-2] as the caller gave it: outputs are reshaped back to it
     return_lse: bool
+    mods: Modifiers = NO_MODIFIERS  # score modifiers: softcap, ALiBi (top-left), sinks
 
 
 @dataclass
@@ -185,7 +251,8 @@ def _flatten_lead(x: torch.Tensor, lead: tuple) -> torch.Tensor:
 
 
 def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-              window, backend, return_lse, seed=None) -> SdpaCall:
+              window, backend, return_lse, seed=None, *, softcap=None, alibi_slopes=None,
+              sinks=None) -> SdpaCall:
     """The validated call; `seed` (for 0 < dropout_p < 1) is drawn here unless given."""
     q = _check_tensor("query", query, 2)
     k = _check_tensor("key", key, 2)
@@ -243,8 +310,9 @@ def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     q, k, v = (_flatten_lead(t, lead) for t in (q, k, v))
     if mask is not None:
         mask = _flatten_lead(mask, lead)
+    mods = _check_modifiers(softcap, alibi_slopes, sinks, q, q.shape[0], hq)
     seed = (_rng.draw_seed() if seed is None else seed) if 0 < p < 1 else None
-    return SdpaCall(q, k, v, mask, scale, lo, hi, p, seed, backend, prefix, return_lse)
+    return SdpaCall(q, k, v, mask, scale, lo, hi, p, seed, backend, prefix, return_lse, mods)
 
 
 def additive_call(query, key, value, v, attn_mask, dropout_p, is_causal, window, backend,
@@ -311,6 +379,7 @@ class KvcacheCall:
     window_hi: int
     backend: str
     return_lse: bool
+    mods: Modifiers = NO_MODIFIERS  # ALiBi aligned bottom-right: offset seqlens[b] - Lq
 
 
 def _check_index_tensor(name: str, x, shape: tuple, device) -> torch.Tensor:
@@ -339,18 +408,10 @@ def _check_scale(scale, e: int, dtype: torch.dtype) -> float:
     return float(scale)
 
 
-# Score modifiers the KV-cache op accepts by name (API.md) but no backend computes yet.
-_NOT_YET = ("softcap", "alibi_slopes", "sinks")
-
-
 def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causal, scale,
                  window, softcap, alibi_slopes, sinks, backend, return_lse) -> KvcacheCall:
     """The validated call. Everything, the cache's capacity and the block table's ids included,
     is checked here, before the caller writes k and v into the cache."""
-    for name, value in zip(_NOT_YET, (softcap, alibi_slopes, sinks)):
-        if value is not None:
-            raise ValueError(f"{name}: not yet supported by attention_with_kvcache "
-                             f"(expected None), got {_type_name(value)}")
     q = _check_tensor("q", q, 4, 4)
     k_cache = _check_tensor("k_cache", k_cache, 4, 4)
     v_cache = _check_tensor("v_cache", v_cache, 4, 4)
@@ -419,8 +480,9 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
                              f"have keys, got ids from {int(ids.min())} to {int(ids.max())}")
 
     scale = _check_scale(scale, e, q.dtype)
+    mods = _check_modifiers(softcap, alibi_slopes, sinks, q, b, hq)
     # The band relative to the bottom-right diagonal; unbounded is [-(capacity + Lq), capacity],
     # which holds every j - (i + d) and keeps a kernel's i + d + lo far from overflow.
     lo, hi = _windowed(-capacity - lq, 0 if is_causal else capacity, window)
     return KvcacheCall(q, k_cache, v_cache, cache_seqlens, seqlens, k, v, block_table, scale,
-                       max(lo, -capacity - lq), min(hi, capacity), backend, return_lse)
+                       max(lo, -capacity - lq), min(hi, capacity), backend, return_lse, mods)

@@ -275,9 +275,9 @@ def _bad_calls():
         (ValueError, "v: expected shape", dict(k=k_new, v=v_new[:, :, :1])),
         (TypeError, "block_table.*int32", dict(block_table=torch.zeros(2, 5, dtype=torch.int64))),
         (ValueError, "block_table.*shape", dict(block_table=torch.zeros(3, 5, dtype=torch.int32))),
-        (ValueError, "softcap.*not yet supported", dict(softcap=30.0)),
-        (ValueError, "alibi_slopes.*not yet supported", dict(alibi_slopes=torch.ones(4))),
-        (ValueError, "sinks.*not yet supported", dict(sinks=torch.zeros(4))),
+        (ValueError, "softcap.*> 0", dict(softcap=0.0)),
+        (ValueError, "alibi_slopes.*shape", dict(alibi_slopes=torch.ones(3))),
+        (TypeError, "sinks.*dtype", dict(sinks=torch.zeros(4, dtype=torch.int64))),
         (ValueError, "window", dict(window=(-1, 0))),
         (ValueError, "backend", dict(backend="nope")),
     ], dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=s, k=k_new, v=v_new)

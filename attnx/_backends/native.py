@@ -15,7 +15,8 @@ import torch
 from .. import _ops
 from .._validate import AdditiveCall, KvcacheCall, SdpaCall
 
-OPS = {"sdpa": "sdpa_fwd", "additive": "additive_fwd", "kvcache": "kvcache_fwd"}
+OPS = {"sdpa": "sdpa_fwd", "additive": "additive_fwd", "kvcache": "kvcache_fwd",
+       "sdpa_mod": "sdpa_mod_fwd", "kvcache_mod": "kvcache_mod_fwd"}
 
 
 def missing_kernel(op: str, dispatch_key: str) -> Optional[str]:
@@ -27,6 +28,11 @@ def missing_kernel(op: str, dispatch_key: str) -> Optional[str]:
 
 
 def sdpa(call: SdpaCall, ops=torch.ops.attnx):
+    if call.mods.any():  # the plain op keeps kernels compiled without the modifiers' code
+        mods = call.mods
+        return ops.sdpa_mod_fwd(call.q, call.k, call.v, call.mask, call.scale, call.window_lo,
+                                call.window_hi, call.dropout_p, call.seed, mods.softcap or 0.0,
+                                mods.alibi, mods.sinks)
     return ops.sdpa_fwd(call.q, call.k, call.v, call.mask, call.scale,
                                     call.window_lo, call.window_hi, call.dropout_p, call.seed)
 
@@ -39,6 +45,11 @@ def additive(call: AdditiveCall, ops=torch.ops.attnx):
 
 
 def kvcache(call: KvcacheCall):
+    if call.mods.any():
+        mods = call.mods
+        return torch.ops.attnx.kvcache_mod_fwd(
+            call.q, call.k_cache, call.v_cache, call.seqlens, call.block_table, call.scale,
+            call.window_lo, call.window_hi, mods.softcap or 0.0, mods.alibi, mods.sinks)
     return torch.ops.attnx.kvcache_fwd(call.q, call.k_cache, call.v_cache, call.seqlens,
                                        call.block_table, call.scale, call.window_lo,
                                        call.window_hi)

@@ -7,12 +7,13 @@ not for speed. Half-precision inputs are computed in float32 and rounded once at
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
 from .. import _rng
-from .._validate import AdditiveCall, KvcacheCall, SdpaCall
+from .._validate import AdditiveCall, KvcacheCall, Modifiers, SdpaCall
 
 
 def availability() -> Optional[str]:
@@ -33,10 +34,32 @@ def band(lq: int, lk: int, lo: int, hi: int, device) -> torch.Tensor:
     return (d >= lo) & (d <= hi)
 
 
-def masked_softmax(s: torch.Tensor, mask: Optional[torch.Tensor], lo: int, hi: int):
+def modified(s: torch.Tensor, mods: Modifiers, offset: int = 0) -> torch.Tensor:
+    """Scaled scores (B, H, Lq, Lk) after softcap and ALiBi (aligned so that query i's
+    diagonal is key i + offset); the mask comes after."""
+    if mods.softcap is not None:
+        s = mods.softcap * torch.tanh(s / mods.softcap)
+    if mods.alibi is not None:
+        lq, lk = s.shape[-2:]
+        dist = (torch.arange(lq, device=s.device).view(lq, 1) + offset
+                - torch.arange(lk, device=s.device).view(1, lk)).abs().to(s.dtype)
+        slopes = mods.alibi.to(s.dtype).reshape(mods.alibi.shape + (1, 1))
+        s = s - slopes * dist
+    return s
+
+
+def sink_logits(mods: Modifiers, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The sinks as (H, 1), to broadcast against a (B, H, Lq) row statistic."""
+    return None if mods.sinks is None else mods.sinks.to(dtype).view(-1, 1)
+
+
+def masked_softmax(s: torch.Tensor, mask: Optional[torch.Tensor], lo: int, hi: int,
+                   sink: Optional[torch.Tensor] = None):
     """Softmax over the last dim after the band and mask, with empty rows giving zeros.
 
-    Returns (probabilities, lse) with lse = -inf on rows that admit no key.
+    `sink` (broadcasting to s.shape[:-1]): a logit in each row's denominator that attends to
+    nothing. Returns (probabilities, lse) with lse = -inf on rows that admit no key (the sink
+    where there is one).
     """
     lq, lk = s.shape[-2:]
     allowed = band(lq, lk, lo, hi, s.device)
@@ -46,6 +69,8 @@ def masked_softmax(s: torch.Tensor, mask: Optional[torch.Tensor], lo: int, hi: i
         else:
             s = s + mask.to(s.dtype)
     s = s.masked_fill(~allowed, float("-inf"))
+    if sink is not None:
+        return _softmax_with_sink(s, sink)
     if lk == 0:
         return s, s.new_full(s.shape[:-1], float("-inf"))
     empty = s.amax(dim=-1, keepdim=True) == float("-inf")
@@ -59,6 +84,20 @@ def masked_softmax(s: torch.Tensor, mask: Optional[torch.Tensor], lo: int, hi: i
     lse = lse.masked_fill(empty.squeeze(-1), float("-inf"))
     p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
     return p, lse
+
+
+def _softmax_with_sink(s: torch.Tensor, sink: torch.Tensor):
+    """masked_softmax's rows (refused keys at -inf) with the sink in the denominator:
+    p_ij = exp(s_ij) / (exp(sink) + sum_j exp(s_ij)), lse = log of that denominator."""
+    sink = sink.expand(s.shape[:-1]).unsqueeze(-1)
+    if s.shape[-1] == 0:
+        return s, sink.squeeze(-1)
+    empty = s.amax(dim=-1, keepdim=True) == float("-inf")
+    s = torch.where(empty, torch.zeros_like(s), s)  # as masked_softmax: no exp(-inf - (-inf))
+    m = torch.maximum(s.amax(dim=-1, keepdim=True), sink).detach()
+    e = torch.exp(s - m).masked_fill(empty, 0.0)
+    denom = e.sum(-1, keepdim=True) + torch.exp(sink - m)
+    return e / denom, (m + torch.log(denom)).squeeze(-1)
 
 
 def apply_dropout(p: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor]) -> torch.Tensor:
@@ -76,8 +115,9 @@ def sdpa(call: SdpaCall):
     if groups != 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    s = torch.matmul(q, k.transpose(-2, -1)) * call.scale
-    p, lse = masked_softmax(s, call.mask, call.window_lo, call.window_hi)
+    s = modified(torch.matmul(q, k.transpose(-2, -1)) * call.scale, call.mods)
+    p, lse = masked_softmax(s, call.mask, call.window_lo, call.window_hi,
+                            sink_logits(call.mods, dtype))
     p = apply_dropout(p, call.dropout_p, call.seed)
     out = torch.matmul(p, v)
     return out.to(call.q.dtype), lse.float()
@@ -109,15 +149,20 @@ def kvcache(call: KvcacheCall):
     """One sequence at a time over its gathered keys: slots past its length are never read."""
     dtype = _compute_dtype(call.q.dtype)
     lq = call.q.shape[2]
+    sink = sink_logits(call.mods, dtype)
     outs, lses = [], []
     for b, n in enumerate(call.seqlens.tolist()):
         q = call.q[b].to(dtype)
         k, v = (cached_keys(c, call.block_table, b, n).to(dtype) for c in (call.k_cache, call.v_cache))
         groups = q.shape[0] // k.shape[0]
         k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
-        s = torch.matmul(q, k.transpose(-2, -1)) * call.scale
         offset = n - lq  # bottom-right: query i's diagonal is key i + offset
-        p, lse = masked_softmax(s, None, call.window_lo + offset, call.window_hi + offset)
+        mods = call.mods
+        if mods.alibi is not None:  # this sequence's slopes, as a batch of one
+            mods = dataclasses.replace(mods, alibi=mods.alibi[b:b + 1])
+        s = modified(torch.matmul(q, k.transpose(-2, -1)).unsqueeze(0) * call.scale, mods,
+                     offset).squeeze(0)
+        p, lse = masked_softmax(s, None, call.window_lo + offset, call.window_hi + offset, sink)
         outs.append(torch.matmul(p, v))
         lses.append(lse)
     return torch.stack(outs).to(call.q.dtype), torch.stack(lses).float()

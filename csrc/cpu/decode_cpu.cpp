@@ -23,6 +23,7 @@
 
 #include "decode_vectors.h"
 #include "line_vector.h"
+#include "score_mods.h"
 #include "sdpa_tile.h"
 #include "task_queue.h"
 
@@ -82,10 +83,10 @@ constexpr T neg_inf() {
   return -std::numeric_limits<T>::infinity();
 }
 
-template <typename T>
+template <typename T, bool MODS>
 void run(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& v_cache,
          const std::vector<int64_t>& lens, const Tensor& table, int64_t lo, int64_t hi,
-         const Tensor& out, const Tensor& lse) {
+         const Mods<T>& mods, const Tensor& out, const Tensor& lse) {
   const CacheRows<T> krows = cache_rows<T>(k_cache, table), vrows = cache_rows<T>(v_cache, table);
   // Each sequence's keys that some query admits, cut into slices of about equal length.
   std::vector<Slice> slices;
@@ -166,6 +167,10 @@ void run(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& 
             dot_rows(rows, qr, kp + first, cnt, d.E, sr, k_ahead);
             for (int rr = 0; rr < rows; ++rr) {
               const int64_t row = r[rr];
+              if constexpr (MODS) {  // ALiBi bottom-right: query i's diagonal is key i + diag
+                mods.apply(sr[rr], cnt, sl.b * d.Hq + h * d.G + g + rr, i + diag, j0 + first,
+                           nullptr);
+              }
               const T top = std::max(m[row], row_max(sr[rr], cnt));
               const T sum = exp_sum(sr[rr], cnt, top);
               if (top != m[row]) {  // rescale what earlier blocks added (nothing on the first)
@@ -211,6 +216,15 @@ void run(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& 
             total += w * part_l[row];
             const T* o = part_o.data() + row * d.Ev;
             for (int64_t c = 0; c < d.Ev; ++c) acc[c] += w * o[c];
+          }
+        }
+        if constexpr (MODS) {
+          if (mods.sinks != nullptr) {  // exp(sink) joins the denominator total exp(top)
+            const T sink = mods.sinks[h * d.G + r / d.Lq], joined = std::max(top, sink);
+            const T w = top == neg_inf<T>() ? T(0) : std::exp(top - joined);
+            for (int64_t c = 0; c < d.Ev; ++c) acc[c] *= w;
+            total = total * w + std::exp(sink - joined);
+            top = joined;
           }
         }
         // row r of kv head h's group is row (b, h * G + g, i) of out: (b * Hkv + h) * R + r
@@ -267,27 +281,37 @@ std::vector<int64_t> checked_lengths(const Tensor& seqlens, const Tensor& table,
   return lens;
 }
 
+template <typename T>
+void run_with(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& v_cache,
+              const std::vector<int64_t>& lens, const Tensor& table, int64_t lo, int64_t hi,
+              const ModArgs& mods, const Tensor& out, const Tensor& lse) {
+  if (mods.any()) {
+    run<T, true>(d, qs, k_cache, v_cache, lens, table, lo, hi, mods.view<T>(), out, lse);
+  } else {
+    run<T, false>(d, qs, k_cache, v_cache, lens, table, lo, hi, Mods<T>{}, out, lse);
+  }
+}
+
 std::tuple<Tensor, Tensor> attend(const Shape& d, const Tensor& q, const Tensor& k_cache,
                                   const Tensor& v_cache, const std::vector<int64_t>& lens,
-                                  const Tensor& table, double scale, int64_t lo, int64_t hi) {
+                                  const Tensor& table, double scale, int64_t lo, int64_t hi,
+                                  const ModArgs& mods) {
   // q scaled once, rows of a kv head's group consecutive: (B, Hkv, G * Lq, E) is q's own order.
   const Tensor qs = (q.contiguous() * scale).contiguous();
   Tensor out = at::empty({d.B, d.Hq, d.Lq, d.Ev}, q.options());
   Tensor lse = at::empty({d.B, d.Hq, d.Lq}, q.options());
   if (q.scalar_type() == at::kDouble) {
-    run<double>(d, qs, k_cache, v_cache, lens, table, lo, hi, out, lse);
+    run_with<double>(d, qs, k_cache, v_cache, lens, table, lo, hi, mods, out, lse);
   } else {
-    run<float>(d, qs, k_cache, v_cache, lens, table, lo, hi, out, lse);
+    run_with<float>(d, qs, k_cache, v_cache, lens, table, lo, hi, mods, out, lse);
   }
   return {out, lse.to(at::kFloat)};
 }
 
-}  // namespace
-
-std::tuple<Tensor, Tensor> kvcache_fwd(const Tensor& q, const Tensor& k_cache_in,
-                                       const Tensor& v_cache_in, const Tensor& seqlens,
-                                       const std::optional<Tensor>& block_table, double scale,
-                                       int64_t window_lo, int64_t window_hi) {
+std::tuple<Tensor, Tensor> decode(const Tensor& q, const Tensor& k_cache_in,
+                                  const Tensor& v_cache_in, const Tensor& seqlens,
+                                  const std::optional<Tensor>& block_table, double scale,
+                                  int64_t window_lo, int64_t window_hi, const ModArgs& mods) {
   const Tensor table = block_table.has_value() ? block_table->contiguous() : Tensor();
   check_inputs(q, k_cache_in, v_cache_in, seqlens, table);
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
@@ -305,17 +329,40 @@ std::tuple<Tensor, Tensor> kvcache_fwd(const Tensor& q, const Tensor& k_cache_in
   Shape d{q.size(0), q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1), lq, q.size(3),
           v_cache.size(3), 0};
   d.R = d.G * d.Lq;
-  auto [out, lse] = attend(d, q, k_cache, v_cache, lens, table, scale, lo, hi);
+  auto [out, lse] = attend(d, q, k_cache, v_cache, lens, table, scale, lo, hi, mods);
   if (q.scalar_type() == at::kFloat && !(at::isfinite(out).all().item<bool>() &&
                                          !at::isnan(lse).any().item<bool>() &&
                                          !at::isposinf(lse).any().item<bool>())) {
     // float32 overflowed (scores past its range) or the inputs hold non-finite values; float64
     // holds every product of float32 values, and keeps the inputs' own non-finite values.
     auto [out64, lse64] = attend(d, q.to(at::kDouble), k_cache.to(at::kDouble),
-                                 v_cache.to(at::kDouble), lens, table, scale, lo, hi);
+                                 v_cache.to(at::kDouble), lens, table, scale, lo, hi, mods);
     return {out64.to(at::kFloat), lse64};
   }
   return {out, lse};
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> kvcache_fwd(const Tensor& q, const Tensor& k_cache,
+                                       const Tensor& v_cache, const Tensor& seqlens,
+                                       const std::optional<Tensor>& block_table, double scale,
+                                       int64_t window_lo, int64_t window_hi) {
+  return decode(q, k_cache, v_cache, seqlens, block_table, scale, window_lo, window_hi,
+                ModArgs{});
+}
+
+std::tuple<Tensor, Tensor> kvcache_mod_fwd(const Tensor& q, const Tensor& k_cache,
+                                           const Tensor& v_cache, const Tensor& seqlens,
+                                           const std::optional<Tensor>& block_table,
+                                           double scale, int64_t window_lo, int64_t window_hi,
+                                           double softcap,
+                                           const std::optional<Tensor>& alibi_slopes,
+                                           const std::optional<Tensor>& sinks) {
+  TORCH_CHECK(q.dim() == 4, "attnx::kvcache_mod_fwd: expected a 4-D q");
+  const ModArgs mods = mod_args("attnx::kvcache_mod_fwd", softcap, alibi_slopes, sinks,
+                                q.size(0), q.size(1));
+  return decode(q, k_cache, v_cache, seqlens, block_table, scale, window_lo, window_hi, mods);
 }
 
 }  // namespace attnx::cpu

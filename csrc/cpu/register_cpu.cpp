@@ -8,7 +8,10 @@
 TORCH_LIBRARY_IMPL(attnx, CPU, m) {
   m.impl("sdpa_fwd", &attnx::cpu::sdpa_fwd);
   m.impl("sdpa_bwd", &attnx::cpu::sdpa_bwd);
+  m.impl("sdpa_mod_fwd", &attnx::cpu::sdpa_mod_fwd);
+  m.impl("sdpa_mod_bwd", &attnx::cpu::sdpa_mod_bwd);
   m.impl("additive_fwd", &attnx::cpu::additive_fwd);
   m.impl("additive_bwd", &attnx::cpu::additive_bwd);
   m.impl("kvcache_fwd", &attnx::cpu::kvcache_fwd);
+  m.impl("kvcache_mod_fwd", &attnx::cpu::kvcache_mod_fwd);
 }

@@ -27,6 +27,7 @@
 #include "float64_rerun.h"
 #include "huge_lse.h"
 #include "kept_buffer.h"
+#include "score_mods.h"
 #include "sdpa_mask.h"
 #include "sdpa_products.h"
 #include "sdpa_tile.h"
@@ -140,9 +141,10 @@ int non_finite(T x) {
 // past it (the row's max +inf, or its sum NaN), every admitted score fallen to -inf (l = 0
 // though the mask and band admit keys), or an output past the range (the unnormalized sum
 // P V). The caller then reruns in float64, which holds every product and sum of float32 values.
-template <typename T, typename Products>
+template <typename T, typename Products, bool MODS>
 bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T scale,
-                    Band band, const Dropout& drop, T* out, T* lse, const Dims& d) {
+                    Band band, const Dropout& drop, const Mods<T>& mods, T* out, T* lse,
+                    const Dims& d) {
   const int64_t BQ = fwd_query_block(d.Lq), BK = FWD_KEY_BLOCK;
   const int64_t nqt = (d.Lq + BQ - 1) / BQ;
   const T inv_keep = static_cast<T>(drop.inv_keep);
@@ -194,6 +196,7 @@ bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
             const int64_t i = i0 + r;
             T* sr = s + r * BK;
             const int64_t a = band.first(i, j0, nk), e = std::max(a, band.last(i, j0, nk));
+            if constexpr (MODS) mods.apply(sr + a, e - a, bh, i, j0 + a, nullptr);
             const T mnew = std::max(m[r], mask.present() && e > a
                                               ? mask.apply(sr + a, b, h, i, j0 + a, e - a)
                                               : row_max(sr + a, e - a));
@@ -221,13 +224,23 @@ bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
           });
         }
         for (int64_t r = 0; r < mq; ++r) {
-          const T inv = l[r] > T(0) ? T(1) / l[r] : T(0);  // no admitted key: zeros
+          T inv = l[r] > T(0) ? T(1) / l[r] : T(0);  // no admitted key: zeros
+          lp[r] = l[r] > T(0) ? m[r] + std::log(l[r]) : neg_inf<T>();
+          if constexpr (MODS) {
+            if (mods.sinks != nullptr) {  // exp(sink) joins the denominator l exp(m)
+              const T sink = mods.sinks[h];
+              const T top = l[r] > T(0) ? std::max(m[r], sink) : sink;
+              const T keys = l[r] > T(0) ? l[r] * std::exp(m[r] - top) : T(0);
+              const T denom = keys + std::exp(sink - top);
+              inv = l[r] > T(0) ? std::exp(m[r] - top) / denom : T(0);
+              lp[r] = top + std::log(denom);
+            }
+          }
           int bad = 0;
           for (int64_t c = 0; c < d.Ev; ++c) {
             op[r * d.Ev + c] = o[r * ldo + c] * inv;
             bad |= non_finite(op[r * d.Ev + c]);
           }
-          lp[r] = l[r] > T(0) ? m[r] + std::log(l[r]) : neg_inf<T>();
           over = over || bad || std::isnan(l[r]) || m[r] == std::numeric_limits<T>::infinity() ||
                  (l[r] == T(0) && band.admits_any(mask, b, h, i0 + r, d.Lk));
         }
@@ -263,6 +276,7 @@ struct BwdOut {
   void* dk;  // (B, Hq, Lk, E): per query head, summed over the GQA group afterwards
   void* dv;
   void* dmask;  // (B, Hq, Lq, Lk) or null
+  void* dsinks;  // (B, Hq): each head's sum over its rows, or null
 };
 
 // n values from src to dst; returns whether one was not finite.
@@ -279,11 +293,11 @@ bool copy_checked(const T* src, int64_t n, T* dst) {
 // Returns whether T overflowed: scores that may pass its range (scores_may_overflow), a saved
 // lse the forward could not have given from T's own range (NaN, +inf, or -inf on a row that
 // admits keys: the forward's float64 rerun), or a gradient past the range.
-template <typename T, typename Grads>
+template <typename T, typename Grads, bool MODS>
 bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T* out,
                      const T* lse, const MaskRows& mask, T scale, Band band,
-                     const Dropout& drop, const T* grad_lse, const BwdOut& res,
-                     const Dims& d) {
+                     const Dropout& drop, const Mods<T>& mods, const T* grad_lse,
+                     const BwdOut& res, const Dims& d) {
   T* dq = static_cast<T*>(res.dq);
   T* dk = static_cast<T*>(res.dk);
   T* dv = static_cast<T*>(res.dv);
@@ -303,6 +317,9 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
     Grads g(d);
     const int64_t ldq = g.q_stride(), ldv = g.v_stride();
     line_vector<T> pbuf(BQ * BK), dsbuf(BQ * BK), pdbuf(drop.on ? BQ * BK : 0);
+    // the softcap's derivative per score of the tile (1 outside the band, where dS is 0)
+    line_vector<T> dcapbuf(MODS && mods.softcap > T(0) ? BQ * BK : 0);
+    T* dcap = dcapbuf.size() > 0 ? dcapbuf.data() : nullptr;
     line_vector<T> dq_acc(d.Lq * ldq), dk_acc(d.Lk * ldq), dv_acc(d.Lk * ldv);
     std::vector<T> dsum(d.Lq), renorm(d.Lq);
     std::vector<T> base(d.Lq);
@@ -317,14 +334,18 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
       g.load(q + bh * d.Lq * d.E, k + bhk * d.Lk * d.E, v + bhk * d.Lk * d.Ev, doh);
       // Row i of the tile in p (scores of the key block at j0) becomes exp(s - base_i) inside
       // the band and 0 outside, base_i its lse, or for a huge row its own max (below).
-      const auto probs_row = [&](int64_t i, T* pr, int64_t j0, int64_t nk) {
+      const auto probs_row = [&](int64_t i, T* pr, int64_t j0, int64_t nk, T* dcr) {
         const int64_t a = band.first(i, j0, nk), e = std::max(a, band.last(i, j0, nk));
         std::fill(pr, pr + a, T(0));
         std::fill(pr + e, pr + nk, T(0));
+        if constexpr (MODS) {
+          if (dcr != nullptr) std::fill(dcr, dcr + nk, T(1));
+        }
         if (lh[i] == neg_inf<T>()) {
           std::fill(pr + a, pr + e, T(0));
           return;
         }
+        if constexpr (MODS) mods.apply(pr + a, e - a, bh, i, j0 + a, dcr ? dcr + a : nullptr);
         if (mask.present() && e > a) mask.apply(pr + a, b, h, i, j0 + a, e - a);
         // exp_sum needs x <= base: true of the forward's own scores, but a score BLAS sums in
         // another order may land above (by a rounding, or far more under cancellation).
@@ -357,6 +378,7 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
             const int64_t i = i0 + r, a = band.first(i, j0, nk), e = band.last(i, j0, nk);
             if (!huge_row[i] || e <= a) continue;
             T* pr = p + r * BK + a;
+            if constexpr (MODS) mods.apply(pr, e - a, bh, i, j0 + a, nullptr);
             const T mt =
                 mask.present() ? mask.apply(pr, b, h, i, j0 + a, e - a) : row_max(pr, e - a);
             if (!(mt > base[i])) continue;  // also -inf: nothing admitted in this block
@@ -372,8 +394,17 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
         }
       }
       for (int64_t i = 0; huge && i < d.Lq; ++i) {
+        if (!huge_row[i]) continue;
+        if constexpr (MODS) {
+          if (mods.sinks != nullptr) {  // the sink joins the recomputed sum as it did the lse
+            const T sink = mods.sinks[h], top = std::max(base[i], sink);
+            renorm[i] = (base[i] == neg_inf<T>() ? T(0) : renorm[i] * std::exp(base[i] - top)) +
+                        std::exp(sink - top);
+            base[i] = top;
+          }
+        }
         // the sum holds exp(m - m) = 1 for the row's largest score m, unless the scores overflowed
-        if (huge_row[i]) renorm[i] = renorm[i] > T(0) ? T(1) / renorm[i] : T(0);
+        renorm[i] = renorm[i] > T(0) ? T(1) / renorm[i] : T(0);
       }
       std::fill(dq_acc.begin(), dq_acc.end(), T(0));
       std::fill(dk_acc.begin(), dk_acc.end(), T(0));
@@ -387,6 +418,19 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
         // less the lse gradient, if any (csrc/ops.cpp)
         dsum[i] = grad_lse == nullptr ? acc : acc - grad_lse[bh * d.Lq + i];
       }
+      if constexpr (MODS) {
+        // d lse_i / d sink = P_sink,i and d O_i / d sink = -P_sink,i O_i: the sink's gradient
+        // is -sum_i P_sink,i dsum_i (one split of the head sums it; all see the same rows)
+        if (res.dsinks != nullptr && split == 0) {
+          T acc = 0;
+          const T sink = mods.sinks[h];
+          for (int64_t i = 0; i < d.Lq; ++i) {
+            if (!(base[i] > neg_inf<T>())) continue;
+            acc -= std::exp(sink - base[i]) * (huge_row[i] ? renorm[i] : T(1)) * dsum[i];
+          }
+          static_cast<T*>(res.dsinks)[bh] = acc;
+        }
+      }
       const uint32_t key_bh = drop.on ? drop.key_bh(bh) : 0;
       for_split_blocks(split, [&](int64_t jb) {
         const int64_t j0 = jb * BK, nk = std::min(BK, d.Lk - j0);
@@ -395,7 +439,7 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
           if (!band.touches(i0, mq, j0, nk)) continue;
           g.scores(i0, mq, j0, nk, scale, p, BK);
           for (int64_t r = 0; r < mq; ++r) {
-            probs_row(i0 + r, p + r * BK, j0, nk);
+            probs_row(i0 + r, p + r * BK, j0, nk, dcap ? dcap + r * BK : nullptr);
             if (huge_row[i0 + r]) scale_row(p + r * BK, nk, renorm[i0 + r]);
           }
           // ds <- dP of the dropped probabilities = dO V^T
@@ -420,6 +464,11 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
           if (dmask != nullptr) {
             for (int64_t r = 0; r < mq; ++r) {
               std::copy(ds + r * BK, ds + r * BK + nk, dmask + (bh * d.Lq + i0 + r) * d.Lk + j0);
+            }
+          }
+          if constexpr (MODS) {  // dS of the scores before the softcap
+            for (int64_t r = 0; dcap != nullptr && r < mq; ++r) {
+              for (int64_t j = 0; j < nk; ++j) ds[r * BK + j] *= dcap[r * BK + j];
             }
           }
           g.add_dq(i0, mq, j0, nk, scale, ds, BK, dq_acc.data());
@@ -478,22 +527,35 @@ Dims check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor
   return d;
 }
 
+// forward_kernel with the modifiers compiled in only when the call has some.
+template <typename T, typename Products>
+bool forward_with(const T* q, const T* k, const T* v, const MaskRows& rows, T scale, Band band,
+                  const Dropout& drop, const ModArgs& mods, T* out, T* lse, const Dims& d) {
+  if (mods.any()) {
+    return forward_kernel<T, Products, true>(q, k, v, rows, scale, band, drop, mods.view<T>(),
+                                             out, lse, d);
+  }
+  return forward_kernel<T, Products, false>(q, k, v, rows, scale, band, drop, Mods<T>{}, out,
+                                            lse, d);
+}
+
 // The forward's out and lse in float64, on float64 copies of q, k, v.
 std::tuple<Tensor, Tensor> forward_double(const Tensor& q, const Tensor& k, const Tensor& v,
                                           const MaskRows& rows, double scale, Band band,
-                                          const Dropout& drop, const Dims& d) {
+                                          const Dropout& drop, const ModArgs& mods,
+                                          const Dims& d) {
   const auto opts = q.options().dtype(at::kDouble);
   const Tensor qc = prepared(q, at::kDouble), kc = prepared(k, at::kDouble),
                vc = prepared(v, at::kDouble);
   Tensor out = at::empty({d.B, d.Hq, d.Lq, d.Ev}, opts), lse = at::empty({d.B, d.Hq, d.Lq}, opts);
-  forward_kernel<double, BlasProducts<double>>(
+  forward_with<double, BlasProducts<double>>(
       qc.data_ptr<double>(), kc.data_ptr<double>(), vc.data_ptr<double>(), rows, scale, band,
-      drop, out.data_ptr<double>(), lse.data_ptr<double>(), d);
+      drop, mods, out.data_ptr<double>(), lse.data_ptr<double>(), d);
   return {out, lse};
 }
 
 struct GradResult {
-  Tensor dq, dk, dv, dmask;
+  Tensor dq, dk, dv, dmask, dsinks;
   bool overflow = false;
 };
 
@@ -501,20 +563,27 @@ struct GradResult {
 template <typename T, typename Engine>
 GradResult backward_in(const Tensor& doc, const Tensor& qc, const Tensor& kc, const Tensor& vc,
                        const Tensor& oc, const Tensor& lc, const MaskRows& rows, double scale,
-                       Band band, const Dropout& drop, const Tensor& glc, bool mask_grad,
-                       const Dims& d) {
+                       Band band, const Dropout& drop, const ModArgs& mods, const Tensor& glc,
+                       bool mask_grad, bool sinks_grad, const Dims& d) {
   const auto opts = qc.options();
   const int64_t splits = backward_key_splits(d);
   Tensor dq = at::empty({splits, d.B, d.Hq, d.Lq, d.E}, opts);
   Tensor dk = at::empty({d.B, d.Hq, d.Lk, d.E}, opts);
   Tensor dv = at::empty({d.B, d.Hq, d.Lk, d.Ev}, opts);
   Tensor dmask = mask_grad ? at::zeros({d.B, d.Hq, d.Lq, d.Lk}, opts) : Tensor();
+  Tensor dsinks = sinks_grad ? at::zeros({d.B, d.Hq}, opts) : Tensor();
   const BwdOut res{dq.data_ptr(), splits, dk.data_ptr(), dv.data_ptr(),
-                   mask_grad ? dmask.data_ptr() : nullptr};
-  const bool overflow = backward_kernel<T, Engine>(
-      doc.data_ptr<T>(), qc.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), oc.data_ptr<T>(),
-      lc.data_ptr<T>(), rows, static_cast<T>(scale), band, drop,
-      glc.defined() ? glc.data_ptr<T>() : nullptr, res, d);
+                   mask_grad ? dmask.data_ptr() : nullptr, sinks_grad ? dsinks.data_ptr() : nullptr};
+  const T* gl = glc.defined() ? glc.data_ptr<T>() : nullptr;
+  const bool overflow =
+      mods.any() ? backward_kernel<T, Engine, true>(
+                       doc.data_ptr<T>(), qc.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(),
+                       oc.data_ptr<T>(), lc.data_ptr<T>(), rows, static_cast<T>(scale), band,
+                       drop, mods.view<T>(), gl, res, d)
+                 : backward_kernel<T, Engine, false>(
+                       doc.data_ptr<T>(), qc.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(),
+                       oc.data_ptr<T>(), lc.data_ptr<T>(), rows, static_cast<T>(scale), band,
+                       drop, Mods<T>{}, gl, res, d);
   // Partial sums in float64: parts checked finite may still sum past float32's range, and in
   // opposite directions (inf - inf) unless the sum is exact enough.
   const auto sum = [](const Tensor& t, int64_t dim) {
@@ -525,61 +594,62 @@ GradResult backward_in(const Tensor& doc, const Tensor& qc, const Tensor& kc, co
     dk = sum(dk.view({d.B, d.Hkv, d.group(), d.Lk, d.E}), 2);
     dv = sum(dv.view({d.B, d.Hkv, d.group(), d.Lk, d.Ev}), 2);
   }
-  return {dq, dk, dv, dmask, overflow};
+  if (sinks_grad) dsinks = sum(dsinks, 0);  // (Hq): a head's sink serves every batch
+  return {dq, dk, dv, dmask, dsinks, overflow};
 }
 
-}  // namespace
-
-std::tuple<Tensor, Tensor> sdpa_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                    const std::optional<Tensor>& mask, double scale,
-                                    int64_t window_lo, int64_t window_hi, double dropout_p,
-                                    const std::optional<Tensor>& seed) {
-  const Dims d = check_inputs("attnx::sdpa_fwd", q, k, v, mask, dropout_p);
+std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const std::optional<Tensor>& mask, double scale,
+                                   int64_t window_lo, int64_t window_hi, double dropout_p,
+                                   const std::optional<Tensor>& seed, const Dims& d,
+                                   const ModArgs& mods) {
   const Dropout drop(dropout_p, seed);
   const MaskRows rows(mask);
   const Band band = clamped_band(window_lo, window_hi, d);
   // lse in the accumulation dtype: float64 inputs keep a float64 lse so that their backward
   // recomputes probabilities to float64 accuracy.
   if (compute_type(q.scalar_type()) == at::kDouble) {
-    return forward_double(q, k, v, rows, scale, band, drop, d);
+    return forward_double(q, k, v, rows, scale, band, drop, mods, d);
   }
   const Tensor qc = prepared(q, at::kFloat), kc = prepared(k, at::kFloat),
                vc = prepared(v, at::kFloat);
   const auto opts = q.options().dtype(at::kFloat);
   Tensor out = at::empty({d.B, d.Hq, d.Lq, d.Ev}, opts), lse = at::empty({d.B, d.Hq, d.Lq}, opts);
-  const auto kernel = panels_available() ? forward_kernel<float, PanelProducts>
-                                         : forward_kernel<float, BlasProducts<float>>;
+  const auto kernel = panels_available() ? forward_with<float, PanelProducts>
+                                         : forward_with<float, BlasProducts<float>>;
   const bool overflow =
       kernel(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), rows,
-             static_cast<float>(scale), band, drop, out.data_ptr<float>(), lse.data_ptr<float>(),
-             d);
+             static_cast<float>(scale), band, drop, mods, out.data_ptr<float>(),
+             lse.data_ptr<float>(), d);
   if (overflow && finite_inputs({q, k, v}, mask)) {
-    std::tie(out, lse) = forward_double(q, k, v, rows, scale, band, drop, d);
+    std::tie(out, lse) = forward_double(q, k, v, rows, scale, band, drop, mods, d);
     lse = lse.to(at::kFloat);  // past float32's range: +-inf, as rounding gives
   }
   return {out.to(q.scalar_type()), lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
-    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-    const std::optional<Tensor>& mask, const Tensor& out, const Tensor& lse, double scale,
-    int64_t window_lo, int64_t window_hi, double dropout_p, const std::optional<Tensor>& seed,
-    bool mask_grad, const std::optional<Tensor>& grad_lse) {
-  const Dims d = check_inputs("attnx::sdpa_bwd", q, k, v, mask, dropout_p);
+GradResult backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const std::optional<Tensor>& mask, const Tensor& out, const Tensor& lse,
+                    double scale, int64_t window_lo, int64_t window_hi, double dropout_p,
+                    const std::optional<Tensor>& seed, bool mask_grad,
+                    const std::optional<Tensor>& grad_lse, const Dims& d, const ModArgs& mods,
+                    bool sinks_grad) {
+  const char* op = "attnx::sdpa_bwd";
   const std::vector<int64_t> out_shape{d.B, d.Hq, d.Lq, d.Ev};
-  TORCH_CHECK(grad_out.sizes() == out_shape && out.sizes() == out_shape, "attnx::sdpa_bwd: ",
-              "expected grad_out and out of shape (B, Hq, Lq, Ev), got ", grad_out.sizes(),
+  TORCH_CHECK(grad_out.sizes() == out_shape && out.sizes() == out_shape, op,
+              ": expected grad_out and out of shape (B, Hq, Lq, Ev), got ", grad_out.sizes(),
               " and ", out.sizes());
   TORCH_CHECK(grad_out.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "attnx::sdpa_bwd: grad_out and out must have q's dtype");
+              op, ": grad_out and out must have q's dtype");
   TORCH_CHECK(lse.scalar_type() == compute_type(q.scalar_type()) &&
                   lse.sizes() == std::vector<int64_t>({d.B, d.Hq, d.Lq}),
-              "attnx::sdpa_bwd: expected a (B, Hq, Lq) lse of the forward's dtype, got ",
+              op, ": expected a (B, Hq, Lq) lse of the forward's dtype, got ",
               lse.scalar_type(), " ", lse.sizes());
-  TORCH_CHECK(!mask_grad || (mask.has_value() && mask->scalar_type() != at::kBool),
-              "attnx::sdpa_bwd: mask_grad needs a float mask");
+  TORCH_CHECK(!mask_grad || (mask.has_value() && mask->scalar_type() != at::kBool), op,
+              ": mask_grad needs a float mask");
+  TORCH_CHECK(!sinks_grad || mods.sinks_f.defined(), op, ": sinks_grad needs sinks");
   TORCH_CHECK(!grad_lse.has_value() || (grad_lse->sizes() == lse.sizes() && grad_lse->is_cpu()),
-              "attnx::sdpa_bwd: expected a CPU grad_lse of lse's shape ", lse.sizes());
+              op, ": expected a CPU grad_lse of lse's shape ", lse.sizes());
   const Dropout drop(dropout_p, seed);
   const MaskRows rows(mask);
   const Band band = clamped_band(window_lo, window_hi, d);
@@ -590,28 +660,75 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
   const auto double_grads = [&](const Tensor& o64, const Tensor& l64) {
     return backward_in<double, BlasGrads<double>>(
         in(grad_out, at::kDouble), in(q, at::kDouble), in(k, at::kDouble), in(v, at::kDouble),
-        o64, l64, rows, scale, band, drop, in(gl, at::kDouble), mask_grad, d);
+        o64, l64, rows, scale, band, drop, mods, in(gl, at::kDouble), mask_grad, sinks_grad, d);
   };
-  GradResult g;
   if (compute_type(q.scalar_type()) == at::kDouble) {
-    g = double_grads(in(out, at::kDouble), lse.contiguous());
-  } else {
-    // The engine the forward used (panels_available() does not change), so the scores match.
-    const auto backward = panels_available() ? backward_in<float, PanelGrads>
-                                             : backward_in<float, BlasGrads<float>>;
-    g = backward(in(grad_out, at::kFloat), in(q, at::kFloat), in(k, at::kFloat),
-                 in(v, at::kFloat), in(out, at::kFloat), lse.contiguous(), rows, scale, band,
-                 drop, in(gl, at::kFloat), mask_grad, d);
-    // The float32 forward's overflow rows come back with an lse rounded out of range, or the
-    // gradients overflow: float64 from the forward on, as the forward itself fell back.
-    if (g.overflow && finite_inputs({grad_out, q, k, v, gl}, mask)) {
-      const auto [o64, l64] = forward_double(q, k, v, rows, scale, band, drop, d);
-      g = double_grads(o64, l64);
-    }
+    return double_grads(in(out, at::kDouble), lse.contiguous());
   }
+  // The engine the forward used (panels_available() does not change), so the scores match.
+  const auto run = panels_available() ? backward_in<float, PanelGrads>
+                                      : backward_in<float, BlasGrads<float>>;
+  GradResult g = run(in(grad_out, at::kFloat), in(q, at::kFloat), in(k, at::kFloat),
+                     in(v, at::kFloat), in(out, at::kFloat), lse.contiguous(), rows, scale, band,
+                     drop, mods, in(gl, at::kFloat), mask_grad, sinks_grad, d);
+  // The float32 forward's overflow rows come back with an lse rounded out of range, or the
+  // gradients overflow: float64 from the forward on, as the forward itself fell back.
+  if (g.overflow && finite_inputs({grad_out, q, k, v, gl}, mask)) {
+    const auto [o64, l64] = forward_double(q, k, v, rows, scale, band, drop, mods, d);
+    g = double_grads(o64, l64);
+  }
+  return g;
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> sdpa_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const std::optional<Tensor>& mask, double scale,
+                                    int64_t window_lo, int64_t window_hi, double dropout_p,
+                                    const std::optional<Tensor>& seed) {
+  const Dims d = check_inputs("attnx::sdpa_fwd", q, k, v, mask, dropout_p);
+  return forward(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed, d, ModArgs{});
+}
+
+std::tuple<Tensor, Tensor> sdpa_mod_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const std::optional<Tensor>& mask, double scale,
+                                        int64_t window_lo, int64_t window_hi, double dropout_p,
+                                        const std::optional<Tensor>& seed, double softcap,
+                                        const std::optional<Tensor>& alibi_slopes,
+                                        const std::optional<Tensor>& sinks) {
+  const Dims d = check_inputs("attnx::sdpa_mod_fwd", q, k, v, mask, dropout_p);
+  const ModArgs mods = mod_args("attnx::sdpa_mod_fwd", softcap, alibi_slopes, sinks, d.B, d.Hq);
+  return forward(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed, d, mods);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+    const std::optional<Tensor>& mask, const Tensor& out, const Tensor& lse, double scale,
+    int64_t window_lo, int64_t window_hi, double dropout_p, const std::optional<Tensor>& seed,
+    bool mask_grad, const std::optional<Tensor>& grad_lse) {
+  const Dims d = check_inputs("attnx::sdpa_bwd", q, k, v, mask, dropout_p);
+  const GradResult g = backward(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi,
+                                dropout_p, seed, mask_grad, grad_lse, d, ModArgs{}, false);
   const auto dt = q.scalar_type();
   return {g.dq.to(dt), g.dk.to(dt), g.dv.to(dt),
           mask_grad ? g.dmask.to(dt) : at::empty({0}, q.options())};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sdpa_mod_bwd(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+    const std::optional<Tensor>& mask, const Tensor& out, const Tensor& lse, double scale,
+    int64_t window_lo, int64_t window_hi, double dropout_p, const std::optional<Tensor>& seed,
+    bool mask_grad, const std::optional<Tensor>& grad_lse, double softcap,
+    const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+    bool sinks_grad) {
+  const Dims d = check_inputs("attnx::sdpa_mod_bwd", q, k, v, mask, dropout_p);
+  const ModArgs mods = mod_args("attnx::sdpa_mod_bwd", softcap, alibi_slopes, sinks, d.B, d.Hq);
+  const GradResult g = backward(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi,
+                                dropout_p, seed, mask_grad, grad_lse, d, mods, sinks_grad);
+  const auto dt = q.scalar_type();
+  return {g.dq.to(dt), g.dk.to(dt), g.dv.to(dt),
+          mask_grad ? g.dmask.to(dt) : at::empty({0}, q.options()),
+          sinks_grad ? g.dsinks.to(sinks->scalar_type()) : at::empty({0}, q.options())};
 }
 
 }  // namespace attnx::cpu

@@ -21,4 +21,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_bwd(
     const std::optional<at::Tensor>& seed, bool mask_grad,
     const std::optional<at::Tensor>& grad_lse);
 
+// The same with the score modifiers (csrc/ops.cpp): softcap (0: none), alibi_slopes float32
+// (B, Hq), sinks (Hq); the backward also returns the sinks' gradient (Hq) when sinks_grad.
+std::tuple<at::Tensor, at::Tensor> sdpa_mod_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& mask, double scale, int64_t window_lo, int64_t window_hi,
+    double dropout_p, const std::optional<at::Tensor>& seed, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_mod_bwd(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& mask, const at::Tensor& out, const at::Tensor& lse,
+    double scale, int64_t window_lo, int64_t window_hi, double dropout_p,
+    const std::optional<at::Tensor>& seed, bool mask_grad,
+    const std::optional<at::Tensor>& grad_lse, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    bool sinks_grad);
+
 }  // namespace attnx::cpu

@@ -1,0 +1,80 @@
+// The score modifiers softcap, ALiBi and sinks as the CPU kernels apply them (API.md).
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+
+namespace attnx::cpu {
+
+// The score modifiers (csrc/ops.cpp) in a kernel's type. The kernels take them as a template
+// flag too: without it (the plain ops) none of their code is compiled in.
+template <typename T>
+struct Mods {
+  T softcap = 0;                 // 0: none
+  const float* alibi = nullptr;  // (B * Hq) slopes, or null
+  const T* sinks = nullptr;      // (Hq), or null
+
+  // The scaled scores s of keys j0 .. j0 + n - 1 of row i of head bh = b * Hq + h, soft-capped
+  // and ALiBi subtracted (query i's diagonal is key i: a bottom-right caller passes i + its
+  // offset), before the mask. dcap (or null) receives the softcap's
+  // derivative 1 - tanh^2, which the backward multiplies into dS.
+  void apply(T* s, int64_t n, int64_t bh, int64_t i, int64_t j0, T* dcap) const {
+    if (softcap > T(0)) {
+      const T inv = T(1) / softcap;
+      for (int64_t j = 0; j < n; ++j) {
+        const T t = std::tanh(s[j] * inv);
+        s[j] = softcap * t;
+        if (dcap != nullptr) dcap[j] = T(1) - t * t;
+      }
+    }
+    if (alibi != nullptr) {
+      const T slope = static_cast<T>(alibi[bh]);
+      for (int64_t j = 0; j < n; ++j) s[j] -= slope * static_cast<T>(std::abs(i - j0 - j));
+    }
+  }
+};
+
+// The modifier arguments of an op (softcap 0: none; alibi_slopes float32 (B, Hq); sinks (Hq)),
+// checked, held as the tensors the kernels read.
+struct ModArgs {
+  double softcap = 0;
+  at::Tensor alibi;             // float32 (B * Hq), contiguous, or undefined
+  at::Tensor sinks_f, sinks_d;  // (Hq) as float32 and as float64, or undefined
+
+  bool any() const { return softcap > 0 || alibi.defined() || sinks_f.defined(); }
+  template <typename T>
+  Mods<T> view() const {
+    Mods<T> m;
+    m.softcap = static_cast<T>(softcap);
+    m.alibi = alibi.defined() ? alibi.data_ptr<float>() : nullptr;
+    const at::Tensor& sinks = std::is_same_v<T, double> ? sinks_d : sinks_f;
+    m.sinks = sinks.defined() ? sinks.data_ptr<T>() : nullptr;
+    return m;
+  }
+};
+
+inline ModArgs mod_args(const char* op, double softcap, const std::optional<at::Tensor>& alibi,
+                        const std::optional<at::Tensor>& sinks, int64_t b, int64_t hq) {
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, op, ": expected softcap >= 0 (0: none)");
+  ModArgs m;
+  m.softcap = softcap;
+  if (alibi.has_value()) {
+    TORCH_CHECK(alibi->scalar_type() == at::kFloat && alibi->is_cpu() && alibi->dim() == 2 &&
+                    alibi->size(0) == b && alibi->size(1) == hq,
+                op, ": expected float32 CPU alibi_slopes of shape (B, Hq), got ", alibi->sizes());
+    m.alibi = alibi->contiguous();
+  }
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->is_cpu() && sinks->dim() == 1 && sinks->size(0) == hq, op,
+                ": expected CPU sinks of shape (Hq,), got ", sinks->sizes());
+    m.sinks_f = sinks->to(at::kFloat).contiguous();
+    m.sinks_d = sinks->to(at::kDouble).contiguous();
+  }
+  return m;
+}
+
+}  // namespace attnx::cpu

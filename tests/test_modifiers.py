@@ -1,0 +1,490 @@
+"""The score modifiers softcap, alibi_slopes and sinks (API.md, "Score modifiers").
+
+The golden value is the contract's formula written out here in float64 with plain torch ops
+(not the reference backend): scores scaled, soft-capped, ALiBi subtracted, the mask added (or
+applied), the band applied, the sink column joining the softmax. Errors are bounded by a small
+multiple of what the same formula makes in the tested dtype (tests/_compare.py). Gradients
+include q, k, v, a float mask and the sinks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import attnx
+from attnx import _dispatch, _ops, _rng, _validate
+from tests._compare import assert_within
+
+HAS_CPU_KERNELS = _ops.has_kernel("sdpa_mod_fwd", "CPU") and _ops.has_kernel("kvcache_mod_fwd", "CPU")
+BACKENDS = ["reference", pytest.param("cpu", marks=pytest.mark.skipif(
+    not HAS_CPU_KERNELS, reason="attnx._C is not built"))]
+FLOORS = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def golden_attention(q, k, v, mask=None, *, is_causal=False, window=None, scale=None,
+                     softcap=None, slopes=None, sinks=None, keep=None, dropout_p=0.0,
+                     offset=0):
+    """(out, lse) of the formula in q's dtype. q (B, Hq, Lq, E), k/v (B, Hkv, Lk, *); query i's
+    diagonal is key i + offset (0: SDPA's top-left alignment); keep: the dropout mask."""
+    b, hq, lq, e = q.shape
+    lk = k.shape[2]
+    groups = hq // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    s = q @ k.transpose(-1, -2) * (1 / math.sqrt(e) if scale is None else scale)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    diag = torch.arange(lq).view(lq, 1) + offset
+    j = torch.arange(lk).view(1, lk)
+    if slopes is not None:
+        s = s - slopes.to(s.dtype).reshape(-1, hq, 1, 1) * (diag - j).abs().to(s.dtype)
+    allowed = torch.ones(lq, lk, dtype=torch.bool)
+    if is_causal:
+        allowed = allowed & (j <= diag)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            allowed = allowed & (j >= diag - left)
+        if right is not None:
+            allowed = allowed & (j <= diag + right)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            allowed = allowed & mask
+        else:
+            s = s + mask
+    s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype).view(1, hq, 1, 1).expand(b, hq, lq, 1)], -1)
+    # A row without any admissible term is all -inf: zeros for it, lse -inf, and no
+    # exp(-inf - -inf) in the forward or the backward
+    empty = (s == float("-inf")).all(-1, keepdim=True)
+    s = s.masked_fill(empty, 0.0)
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    p = torch.exp(s - lse).masked_fill(empty, 0.0)[..., :lk]
+    if keep is not None:
+        p = p * keep / (1 - dropout_p)
+    return p @ v, lse.masked_fill(empty, float("-inf")).squeeze(-1)
+
+
+def _inputs(b, hq, hkv, lq, lk, e, ev, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, lq, e, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, lk, e, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hkv, lk, ev, generator=g, dtype=torch.float64)
+    dout = torch.randn(b, hq, lq, ev, generator=g, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def _modifiers(hq, b, which, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    mods = {}
+    if "softcap" in which:
+        mods["softcap"] = 1.5  # small enough that tanh bends the scores of randn inputs
+    if "alibi" in which:
+        mods["alibi_slopes"] = torch.rand(hq, generator=g) * 0.5
+    if "alibi_batch" in which:
+        mods["alibi_slopes"] = torch.rand(b, hq, generator=g) * 0.5
+    if "sinks" in which:
+        mods["sinks"] = torch.randn(hq, generator=g, dtype=torch.float64) * 2
+    return mods
+
+
+NAMES = ("out", "lse", "dq", "dk", "dv", "dmask", "dsinks")
+
+
+def _grads(out, lse, dout, leaves, dlse):
+    (out * dout).sum().backward(retain_graph=True) if dlse is None else (
+        (out * dout).sum() + (lse.nan_to_num(neginf=0.0) * dlse).sum()).backward()
+    return [t.grad if t is not None else None for t in leaves]
+
+
+def _leaves(dtype, q, k, v, mask, mods):
+    qkv = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    m = mask
+    if mask is not None and mask.dtype != torch.bool:
+        m = mask.detach().to(dtype).requires_grad_()
+    mods = dict(mods)
+    if "sinks" in mods:
+        mods["sinks"] = mods["sinks"].detach().to(dtype).requires_grad_()
+    return qkv, m, mods
+
+
+def _golden(dtype, q, k, v, dout, mask, mods, kw, dlse, seed):
+    (ql, kl, vl), m, md = _leaves(dtype, q, k, v, mask, mods)
+    keep = None
+    if kw.get("dropout_p", 0.0) > 0:
+        torch.manual_seed(seed)
+        keep = _rng.keep_mask(_rng.draw_seed(), q.shape[0], q.shape[1], q.shape[2], k.shape[2],
+                              kw["dropout_p"], q.device)
+    out, lse = golden_attention(ql, kl, vl, m, is_causal=kw.get("is_causal", False),
+                                window=kw.get("window"), scale=kw.get("scale"),
+                                softcap=md.get("softcap"), slopes=md.get("alibi_slopes"),
+                                sinks=md.get("sinks"), keep=keep,
+                                dropout_p=kw.get("dropout_p", 0.0))
+    grads = _grads(out, lse, dout.to(dtype), [ql, kl, vl, m, md.get("sinks")],
+                   None if dlse is None else dlse.to(dtype))
+    return [out.detach(), lse.detach(), *grads]
+
+
+def _actual(backend, dtype, q, k, v, dout, mask, mods, kw, dlse, seed):
+    (ql, kl, vl), m, md = _leaves(dtype, q, k, v, mask, mods)
+    torch.manual_seed(seed)
+    out, lse = attnx.scaled_dot_product_attention(
+        ql, kl, vl, attn_mask=m, enable_gqa=q.shape[1] != k.shape[1], backend=backend,
+        return_lse=True, **md, **kw)
+    grads = _grads(out, lse, dout.to(dtype), [ql, kl, vl, m, md.get("sinks")],
+                   None if dlse is None else dlse.to(dtype))
+    return [out.detach(), lse.detach(), *grads]
+
+
+def check(backend, dtype, q, k, v, dout, mask=None, mods=None, dlse=None, factor=3.0, **kw):
+    """The backend in `dtype` against the float64 formula, bounded by the formula's own error
+    in `dtype`; returns the backend's (out, lse, dq, dk, dv, dmask, dsinks)."""
+    mods = mods or {}
+    seed = 11
+    golden = _golden(torch.float64, q, k, v, dout, mask, mods, kw, dlse, seed)
+    baseline = _golden(dtype, q, k, v, dout, mask, mods, kw, dlse, seed)
+    actual = _actual(backend, dtype, q, k, v, dout, mask, mods, kw, dlse, seed)
+    for name, a, g, bl in zip(NAMES, actual, golden, baseline):
+        if g is None:
+            assert a is None, name
+            continue
+        if name == "lse":  # -inf on empty rows must match exactly
+            assert torch.equal(torch.isinf(a), torch.isinf(g)), name
+            a, g, bl = (t.float().nan_to_num(neginf=0.0) for t in (a, g, bl))
+        assert_within(a, g, bl, factor=factor, floor=FLOORS[dtype], what=name)
+    return actual
+
+
+SHAPES = [  # b, hq, hkv, lq, lk, e, ev
+    (1, 1, 1, 1, 1, 16, 16),
+    (2, 3, 3, 17, 97, 16, 16),
+    (1, 2, 2, 97, 17, 32, 24),
+    (1, 4, 2, 33, 45, 20, 12),  # GQA, Ev != E, dims off the 16-wide panels
+]
+WHICH = {
+    "softcap": ("softcap",),
+    "alibi": ("alibi",),
+    "alibi_batch": ("alibi_batch",),
+    "sinks": ("sinks",),
+    "all": ("softcap", "alibi", "sinks"),
+}
+MODES = {
+    "none": {},
+    "causal": dict(is_causal=True),
+    "window": dict(window=(7, 3)),
+    "causal_window": dict(is_causal=True, window=(5, None), scale=0.3),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("which", list(WHICH))
+def test_each_modifier_and_all(backend, shape, which):
+    q, k, v, dout = _inputs(*shape)
+    check(backend, torch.float32, q, k, v, dout, mods=_modifiers(shape[1], shape[0], WHICH[which]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("which", ["softcap", "alibi", "sinks", "all"])
+def test_with_causal_and_window(backend, mode, which):
+    q, k, v, dout = _inputs(2, 4, 2, 37, 53, 16, 16)
+    check(backend, torch.float32, q, k, v, dout, mods=_modifiers(4, 2, WHICH[which]),
+          **MODES[mode])
+
+
+def _mask(kind, b, h, lq, lk):
+    g = torch.Generator().manual_seed(1)
+    shape = (b, h, lq, lk) if kind.endswith("full") else (lq, lk)
+    if kind.startswith("bool"):
+        return torch.rand(shape, generator=g) > 0.3
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["bool_full", "bool_row", "float_full", "float_row"])
+def test_with_masks_and_lse_gradient(backend, kind):
+    b, h, lq, lk = 2, 3, 29, 41
+    q, k, v, dout = _inputs(b, h, h, lq, lk, 16, 16)
+    dlse = torch.randn(b, h, lq, dtype=torch.float64)
+    check(backend, torch.float32, q, k, v, dout, mask=_mask(kind, b, h, lq, lk),
+          mods=_modifiers(h, b, WHICH["all"]), dlse=dlse)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("which", ["alibi", "sinks", "all"])
+def test_float64(backend, which):
+    q, k, v, dout = _inputs(1, 2, 1, 23, 31, 8, 8)
+    mask = _mask("float_row", 1, 2, 23, 31)
+    check(backend, torch.float64, q, k, v, dout, mask=mask, mods=_modifiers(2, 1, WHICH[which]),
+          is_causal=False, window=(4, 9))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_reproducible(backend):
+    """Dropout draws the same hash mask as the formula's (attnx/_rng.py), seeded alike."""
+    q, k, v, dout = _inputs(1, 2, 2, 31, 40, 16, 16)
+    mods = _modifiers(2, 1, WHICH["all"])
+    first = check(backend, torch.float32, q, k, v, dout, mods=mods, dropout_p=0.3)
+    again = _actual(backend, torch.float32, q, k, v, dout, None, mods, dict(dropout_p=0.3),
+                    None, 11)
+    for name, a, b in zip(NAMES, first, again):
+        assert a is None and b is None or torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no_sinks", "sinks"])
+def test_fully_masked_rows(backend, with_sinks):
+    """Rows with no admissible key give zeros and zero gradients; their lse is -inf, or the
+    sink with sinks."""
+    b, h, lq, lk = 1, 2, 9, 13
+    q, k, v, dout = _inputs(b, h, h, lq, lk, 16, 16)
+    mask = torch.rand(b, h, lq, lk, generator=torch.Generator().manual_seed(4)) > 0.5
+    mask[:, :, 2] = False
+    mask[:, 1, 5] = False
+    which = ("softcap", "alibi", "sinks") if with_sinks else ("softcap", "alibi")
+    mods = _modifiers(h, b, which)
+    out, lse, dq, *_ , dsinks = check(backend, torch.float32, q, k, v, dout, mask=mask,
+                                      mods=mods, dlse=torch.randn(b, h, lq, dtype=torch.float64))
+    assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
+    assert torch.equal(dq[:, :, 2], torch.zeros_like(dq[:, :, 2]))
+    if with_sinks:
+        torch.testing.assert_close(lse[:, :, 2], mods["sinks"].float().expand(b, h))
+        assert dsinks is not None and torch.isfinite(dsinks).all()
+    else:
+        assert (lse[:, :, 2] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_nan_from_extreme_finite_inputs(backend):
+    """A huge sink, huge scores under a small softcap, a -1e30 float mask: finite everywhere."""
+    q, k, v, dout = _inputs(1, 2, 2, 9, 11, 8, 8)
+    q = q * 1e3
+    mask = torch.zeros(9, 11, dtype=torch.float64)
+    mask[3] = -1e30
+    sinks = torch.tensor([500.0, -500.0], dtype=torch.float64)
+    check(backend, torch.float32, q, k, v, dout, mask=mask,
+          mods=dict(softcap=2.0, sinks=sinks, alibi_slopes=torch.tensor([0.5, 100.0])))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_and_sinks_in_float32(backend):
+    """bfloat16 inputs with float32 sinks (a model's float32 parameter): its gradient comes back
+    in float32."""
+    q, k, v, dout = _inputs(1, 2, 2, 17, 19, 16, 16)
+    mods = _modifiers(2, 1, WHICH["all"])
+    (ql, kl, vl), _, _ = _leaves(torch.bfloat16, q, k, v, None, {})
+    sinks = mods.pop("sinks").float().requires_grad_()
+    out = attnx.scaled_dot_product_attention(ql, kl, vl, sinks=sinks, backend=backend, **mods)
+    out.float().mul(dout.float()).sum().backward()
+    assert out.dtype == torch.bfloat16 and sinks.grad.dtype == torch.float32
+    golden, _ = golden_attention(q, k, v, sinks=sinks.detach().double(), **{
+        "softcap": mods["softcap"], "slopes": mods["alibi_slopes"]})
+    assert (out.double() - golden).abs().max() < 3e-2
+
+
+def test_leading_dims_and_broadcast_heads():
+    """3-D inputs (one head, no batch) and 5-D ones: slopes of shape (Hq,) or (prod(batch), Hq)."""
+    q, k, v, _ = _inputs(2, 3, 3, 5, 7, 8, 8)
+    mods = dict(softcap=2.0, alibi_slopes=torch.rand(2, 3),
+                sinks=torch.randn(3, dtype=torch.float64))
+    out = attnx.scaled_dot_product_attention(q.view(2, 1, 3, 5, 8), k.view(2, 1, 3, 7, 8),
+                                             v.view(2, 1, 3, 7, 8), **mods)
+    golden, _ = golden_attention(q, k, v, softcap=2.0, slopes=mods["alibi_slopes"],
+                                 sinks=mods["sinks"])
+    torch.testing.assert_close(out.view(2, 3, 5, 8), golden)
+    out = attnx.scaled_dot_product_attention(q[0, 0], k[0, 0], v[0, 0], sinks=mods["sinks"][:1])
+    golden, _ = golden_attention(q[:1, :1], k[:1, :1], v[:1, :1], sinks=mods["sinks"][:1])
+    torch.testing.assert_close(out, golden[0, 0])
+
+
+def _bad_modifiers():
+    return [
+        (ValueError, "softcap.*> 0", dict(softcap=0.0)),
+        (ValueError, "softcap.*> 0", dict(softcap=-1.0)),
+        (ValueError, "softcap.*> 0", dict(softcap=float("nan"))),
+        (ValueError, "softcap.*> 0", dict(softcap=float("inf"))),
+        (TypeError, "softcap.*bool", dict(softcap=True)),
+        (TypeError, "softcap.*str", dict(softcap="30")),
+        (TypeError, "alibi_slopes.*float32", dict(alibi_slopes=torch.ones(4, dtype=torch.float64))),
+        (TypeError, "alibi_slopes.*Tensor", dict(alibi_slopes=[0.5] * 4)),
+        (ValueError, "alibi_slopes.*shape", dict(alibi_slopes=torch.ones(3))),
+        (ValueError, "alibi_slopes.*shape", dict(alibi_slopes=torch.ones(3, 4))),
+        (TypeError, "alibi_slopes.*device", dict(alibi_slopes=torch.ones(4, device="meta"))),
+        (TypeError, "sinks.*dtype", dict(sinks=torch.zeros(4, dtype=torch.int64))),
+        (TypeError, "sinks.*dtype", dict(sinks=torch.zeros(4, dtype=torch.float64))),
+        (ValueError, "sinks.*shape", dict(sinks=torch.zeros(2, 4))),
+        (ValueError, "sinks.*shape", dict(sinks=torch.zeros(5))),
+        (TypeError, "sinks.*device", dict(sinks=torch.zeros(4, device="meta"))),
+        (TypeError, "sinks.*Tensor", dict(sinks=1.0)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_modifiers())))
+def test_bad_modifiers_name_the_argument(case):
+    exc, pattern, kwargs = _bad_modifiers()[case]
+    q = torch.randn(2, 4, 5, 8)
+    with pytest.raises(exc, match=pattern):
+        attnx.scaled_dot_product_attention(q, q, q, **kwargs)
+
+
+@pytest.mark.parametrize("forced", ["cuda", "triton"])
+def test_backends_without_modifiers_refuse_them(forced):
+    q = torch.randn(1, 2, 5, 8)
+    for kwargs in (dict(softcap=5.0), dict(alibi_slopes=torch.ones(2)), dict(sinks=torch.zeros(2))):
+        with pytest.raises(attnx.BackendUnavailableError,
+                           match=f"does not compute {next(iter(kwargs))}"):
+            attnx.scaled_dot_product_attention(q, q, q, backend=forced, **kwargs)
+
+
+def test_auto_picks_a_backend_that_serves_them():
+    q = torch.randn(1, 2, 5, 8)
+    call = _validate.sdpa_call(q, q, q, None, 0.0, False, None, False, None, None, False,
+                               sinks=torch.zeros(2))
+    assert _dispatch.select("sdpa", call) == ("cpu" if HAS_CPU_KERNELS else "reference")
+    plain = _validate.sdpa_call(q, q, q, None, 0.0, False, None, False, None, None, False)
+    assert not plain.mods.any()
+
+
+# attention_with_kvcache: ALiBi aligned bottom-right, query i's diagonal at key i + n - Lq.
+
+def _cache(b, hkv, lmax, e, ev, lengths, paged, dtype, block_size=8, seed=5):
+    """(k_cache, v_cache, block_table, keys (B, Hkv, Lmax, E), values) with every slot no
+    sequence uses NaN, so that a read of one shows."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(b, hkv, lmax, e, generator=g, dtype=torch.float64)
+    values = torch.randn(b, hkv, lmax, ev, generator=g, dtype=torch.float64)
+    for i, n in enumerate(lengths):
+        keys[i, :, n:] = float("nan")
+        values[i, :, n:] = float("nan")
+    if not paged:
+        return keys.to(dtype), values.to(dtype), None, keys, values
+    per_seq = -(-lmax // block_size)
+    order = torch.randperm(b * per_seq + 2, generator=g)[: b * per_seq]
+    table = order.view(b, per_seq).to(torch.int32)
+    pad = per_seq * block_size - lmax
+    kc = torch.full((b * per_seq + 2, hkv, block_size, e), float("nan"), dtype=dtype)
+    vc = torch.full((b * per_seq + 2, hkv, block_size, ev), float("nan"), dtype=dtype)
+    for i in range(b):
+        for blk in range(per_seq):
+            span = slice(blk * block_size, (blk + 1) * block_size)
+            kc[table[i, blk]] = torch.nn.functional.pad(keys[i], (0, 0, 0, pad))[:, span].to(dtype)
+            vc[table[i, blk]] = torch.nn.functional.pad(values[i], (0, 0, 0, pad))[:, span].to(dtype)
+    return kc, vc, table, keys, values
+
+
+def _kvcache_golden(q, keys, values, lengths, dtype, *, is_causal, window, mods):
+    outs, lses = [], []
+    for i, n in enumerate(lengths):
+        slopes = mods.get("alibi_slopes")
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[i]
+        out, lse = golden_attention(
+            q[i:i + 1].to(dtype), keys[i:i + 1, :, :n].to(dtype), values[i:i + 1, :, :n].to(dtype),
+            is_causal=is_causal, window=window, softcap=mods.get("softcap"), slopes=slopes,
+            sinks=mods.get("sinks"), offset=n - q.shape[2])
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("which", ["softcap", "alibi", "alibi_batch", "sinks", "all"])
+@pytest.mark.parametrize("lq,mode", [(1, {}), (3, dict(window=(6, None))),
+                                     (5, dict(is_causal=False))])
+def test_kvcache(backend, paged, which, lq, mode, dtype=torch.float32):
+    b, hq, hkv, e, ev, lmax = 3, 4, 2, 16, 12, 45
+    lengths = [1, 17, 40]  # keys attended, the new ones included
+    lnew = min(lq, 1)
+    kc, vc, table, keys, values = _cache(b, hkv, lmax, e, ev, lengths, paged, dtype)
+    q = torch.randn(b, hq, lq, e, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    mods = _modifiers(hq, b, WHICH[which])
+    if "sinks" in mods:
+        mods["sinks"] = mods["sinks"].to(dtype)
+    cached = torch.tensor(lengths, dtype=torch.int32) - lnew
+    new = [t[torch.arange(b), :, cached.long()].unsqueeze(2).to(dtype) for t in (keys, values)]
+    kw = dict(is_causal=mode.get("is_causal", True), window=mode.get("window"))
+    out, lse = attnx.attention_with_kvcache(q.to(dtype), kc, vc, cached, *new, block_table=table,
+                                            backend=backend, return_lse=True, **kw, **mods)
+    gold_out, gold_lse = _kvcache_golden(q, keys, values, lengths, torch.float64, mods=mods, **kw)
+    base_out, base_lse = _kvcache_golden(q, keys, values, lengths, dtype, mods=mods, **kw)
+    assert_within(out, gold_out, base_out, factor=3.0, floor=FLOORS[dtype])
+    # the first sequence's first queries (1 key, bottom-right) admit none: lse -inf
+    assert torch.equal(torch.isinf(lse), torch.isinf(gold_lse))
+    assert_within(*(t.float().nan_to_num(neginf=0.0) for t in (lse, gold_lse, base_lse)),
+                  factor=3.0, floor=FLOORS[dtype], what="lse")
+
+
+def _rerun_in(env_var: str, probe: str, expect, keys: str):
+    """This file's cpu tests, the -k `keys` of them, in a process with env_var=0."""
+    env = dict(os.environ, **{env_var: "0"})
+    got = subprocess.run([sys.executable, "-c", f"from attnx import _ops; print(_ops.build_info()[{probe!r}])"],
+                         env=env, check=True, capture_output=True, text=True).stdout.strip()
+    assert got in expect
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", f"cpu and ({keys})"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:]
+
+
+@pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")
+def test_blas_engine():
+    """ATTNX_CPU_PANELS=0 runs float32 on the BLAS engine (CPUs without AVX2): its backward
+    recomputes the scores in another order than the forward, so the softcap and sink paths of
+    its probabilities differ from the panels'."""
+    _rerun_in("ATTNX_CPU_PANELS", "cpu_gemm", ("blas",),
+                        "(each_modifier and all) or masks or fully_masked or extreme")
+
+
+@pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")
+def test_avx2_row_operations():
+    """ATTNX_CPU_AVX512=0: the 8-lane row operations and the 256-bit panels, what CPUs without
+    AVX-512 run."""
+    if _ops.build_info()["cpu_vector"] != "avx512":
+        pytest.skip("no AVX-512 here: the main run already tests the 8-lane bodies")
+    _rerun_in("ATTNX_CPU_AVX512", "cpu_vector", ("avx2", "baseline"),
+              "(each_modifier and all) or fully_masked or dropout or (kvcache and 3-mode1)")
+
+
+@pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")
+@pytest.mark.parametrize("mask_kind", [None, "float"])
+def test_opcheck_and_gradcheck(mask_kind):
+    """The _mod ops' schemas, fake kernels and autograd (torch.library.opcheck), and gradcheck
+    of the cpu backend in float64 through softcap, ALiBi, a float mask and the sinks."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 2, 5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, 1, 6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(2, 1, 6, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    mask = None if mask_kind is None else torch.randn(1, 2, 5, 6, dtype=torch.float64,
+                                                       generator=g, requires_grad=True)
+    slopes = torch.rand(2, 2, generator=g)
+    sinks = torch.randn(2, dtype=torch.float64, generator=g, requires_grad=True)
+    view = None if mask is None else mask.expand(2, 2, 5, 6)  # as the validation passes it
+    fwd = (q, k, v, view, 0.3, -5, 3, 0.0, None, 2.0, slopes, sinks)
+    torch.library.opcheck(torch.ops.attnx.sdpa_mod_fwd.default, fwd)
+    out, lse = torch.ops.attnx.sdpa_mod_fwd(*fwd)
+    bwd = (torch.randn_like(out), q.detach(), k.detach(), v.detach(),
+           None if view is None else view.detach(), out.detach(),
+           lse.detach(), 0.3, -5, 3, 0.0, None, mask is not None, torch.randn_like(lse), 2.0,
+           slopes, sinks.detach(), True)
+    torch.library.opcheck(torch.ops.attnx.sdpa_mod_bwd.default, bwd)
+
+    def op(q, k, v, sinks, *mask):
+        return attnx.scaled_dot_product_attention(
+            q, k, v, *mask, enable_gqa=True, window=(5, 3), scale=0.3, softcap=2.0,
+            alibi_slopes=slopes, sinks=sinks, backend="cpu")
+
+    leaves = (q, k, v, sinks) + (() if mask is None else (mask,))
+    assert torch.autograd.gradcheck(op, leaves)
+
+    cache = torch.randn(2, 1, 9, 4, dtype=torch.float64, generator=g)
+    kv = (q.detach(), cache, cache[..., :3], torch.tensor([9, 4], dtype=torch.int32), None, 0.3,
+          -20, 0, 2.0, slopes, sinks.detach())
+    torch.library.opcheck(torch.ops.attnx.kvcache_mod_fwd.default, kv)
