@@ -34,11 +34,27 @@ def _config(name: str):
                                        n_positions=64, bos_token_id=None, eos_token_id=None)
     if name == "bert":
         return transformers.BertConfig(**TINY)
+    # layers alternate sliding (5 keys) and full attention; initializer_range 0.2 makes scores
+    # large enough for a soft cap of 1 to bend them and for the sinks to matter
+    if name == "gemma2":
+        return transformers.Gemma2Config(**TINY, num_key_value_heads=2, head_dim=16,
+                                         sliding_window=5, attn_logit_softcapping=1.0,
+                                         query_pre_attn_scalar=16, initializer_range=0.2)
+    if name == "gpt_oss":
+        config = transformers.GptOssConfig(**TINY, num_key_value_heads=2, head_dim=16,
+                                           sliding_window=5, num_local_experts=4,
+                                           num_experts_per_tok=2, initializer_range=0.2)
+        config._experts_implementation = "eager"  # the grouped-GEMM experts take no float64
+        return config
     raise KeyError(name)
 
 
 _CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM"}
+            "gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM",
+            "gemma2": "Gemma2ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+# the window each layer's band has (left, right): bottom-right causal, offset 0 in one forward
+_WINDOWS = {"llama": [(None, 0)] * 2, "mistral": [(4, 0)] * 2, "gpt2": [(None, 0)] * 2,
+            "bert": [None] * 2, "gemma2": [(4, 0), (None, 0)], "gpt_oss": [(4, 0), (None, 0)]}
 
 
 def _model(name: str, dtype=torch.float32):
@@ -101,7 +117,7 @@ def _logits_and_grads(model, impl: str, ids, mask, one_row_at_a_time: bool = Fal
     return logits.detach(), grads
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2", "bert"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2", "bert", "gemma2", "gpt_oss"])
 def test_logits_and_gradients_match_eager(name, sdpa_calls):
     """Left-padded batch on attnx against each sequence alone on eager, float64 and float32."""
     ids, mask = _inputs()
@@ -114,27 +130,24 @@ def test_logits_and_gradients_match_eager(name, sdpa_calls):
     assert_within(got[1], golden[1], baseline[1], factor=3, floor=1e-7, what=f"{name} gradients")
     # every layer ran on attnx with the padding as a broadcast (B, 1, 1, Lk) vector (causality
     # and windows as a band), and GQA's key/value heads were not repeated
-    assert len(sdpa_calls) == 2
-    hq, hkv = (4, 2) if name in ("llama", "mistral") else (4, 4)
-    for q_heads, k_heads, mask_shape, window, _ in sdpa_calls:
-        assert (q_heads, k_heads, mask_shape) == (hq, hkv, (3, 1, 1, 13))
-        if name == "bert":
-            assert window is None
-        else:  # bottom-right causal (offset 0 here); Mistral's window is 5 keys
-            assert window == ((4 if name == "mistral" else None), 0)
+    hkv = 4 if name in ("gpt2", "bert") else 2
+    assert [c[:3] for c in sdpa_calls] == [(4, hkv, (3, 1, 1, 13))] * 2
+    assert [c[3] for c in sdpa_calls] == _WINDOWS[name]
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2"])
-def test_greedy_generate_matches_sdpa(name):
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2", "gemma2", "gpt_oss"])
+def test_greedy_generate_matches_sdpa_or_eager(name):
+    """(eager for the models with soft-capping or sinks, which transformers' sdpa refuses)"""
     ids, mask = _inputs(length=9)
     model = _model(name)
+    reference = "eager" if name in ("gemma2", "gpt_oss") else "sdpa"
     tokens = {}
-    for impl in ("sdpa", "attnx"):
+    for impl in (reference, "attnx"):
         model.set_attn_implementation(impl)
         tokens[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
                                       do_sample=False, pad_token_id=0)
     assert tokens["attnx"].shape == (3, 17)
-    assert torch.equal(tokens["attnx"], tokens["sdpa"])
+    assert torch.equal(tokens["attnx"], tokens[reference])
 
 
 def test_unpadded_decoding_runs_on_the_decode_kernel(monkeypatch):
