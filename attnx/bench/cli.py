@@ -30,7 +30,9 @@ def parser() -> argparse.ArgumentParser:
         "Time attnx's kernels against torch's SDPA kernels, FlexAttention, the naive formulas "
         "and flash-attn/xformers when installed. Prints a table and writes results.json and "
         "PNG plots to --out."))
-    p.add_argument("--ops", type=_csv(str), default=("sdpa", "additive"), help="sdpa,additive")
+    p.add_argument("--ops", type=_csv(str), default=("sdpa", "additive"),
+                   help="sdpa,additive; or hf alone: a small Llama-style transformers model, "
+                        "attn_implementation attnx against sdpa (forward, generate; tokens/s)")
     p.add_argument("--seqlens", type=_csv(int), help="sequence lengths (Lq = Lk), e.g. 512,1024")
     p.add_argument("--head-dims", type=_csv(int), help="SDPA head dims, e.g. 64,128")
     p.add_argument("--attn-dims", type=_csv(int), help="additive attention dims A, e.g. 256")
@@ -169,6 +171,8 @@ def run(args, argv) -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
+    if "hf" in args.ops:
+        return _main_hf(args, argv)
     doc = run(args, argv)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "results.json")
@@ -179,4 +183,20 @@ def main(argv=None) -> int:
     print()
     print(report.summary(doc))
     print(f"wrote {path}" + "".join(f"\nwrote {p}" for p in pngs))
+    return 0
+
+
+def _main_hf(args, argv) -> int:
+    """`--ops hf`: whole-model timings (attnx.bench.hf_model), a table of their own."""
+    if set(args.ops) != {"hf"}:
+        raise SystemExit("--ops: hf runs alone (its results are a model's tokens/s, "
+                         "not a kernel sweep)")
+    from . import hf_model  # imports transformers
+    doc = hf_model.run(args, argv)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "results.json")
+    report.write_json(path, doc)
+    print(hf_model.header(doc))
+    print(hf_model.table(doc))
+    print(f"wrote {path}")
     return 0

@@ -1,0 +1,113 @@
+"""The attention function attnx registers with transformers, and the compact mask it takes.
+
+Nothing here imports transformers: the function only receives what a model's attention layer
+passes (`attention_interface(self, query, key, value, attention_mask, dropout=..., scaling=...,
+**kwargs)`) and maps it onto attnx's ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import _dispatch
+from .._backends import cpu
+
+
+@dataclass(frozen=True, eq=False)  # eq: identity (its padding tensor has no truth value)
+class CompactMask:
+    """A layer's mask as attnx takes it (built by `attnx.hf.masks.attnx_mask`).
+
+    Query i (of `q_length`) may attend key j (of `kv_length`) iff `padding[b, j]` (every key
+    when `padding` is None) and, when `causal`, `j <= i + kv_length - q_length` (the queries
+    are the last positions of the keys, as with transformers' dynamic caches: bottom-right), and
+    with a `sliding_window` W also `j > i + kv_length - q_length - W` (W keys, the query's own
+    included: transformers' convention). The kernels take the causal and window parts as a band
+    of keys (whole tiles outside it are skipped) and the padding as a (B, 1, 1, Lk) mask
+    broadcast without a copy, where "sdpa" gets a materialised (B, 1, Lq, Lk) tensor.
+    """
+
+    padding: Optional[torch.Tensor]  # (B, kv_length) bool, True: a token that may be attended
+    causal: bool
+    sliding_window: Optional[int]
+    batch_size: int
+    q_length: int
+    kv_length: int
+
+    # generate() builds a step's masks ahead for compileable caches and passes them back in as
+    # the model's attention_mask; transformers tells such a finished mask from a 2-D padding
+    # mask by its rank (and attnx_mask returns it as it is)
+    ndim = 4
+
+    @property
+    def shape(self) -> tuple:
+        return (self.batch_size, 1, self.q_length, self.kv_length)
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask, dropout: float = 0.0,
+                      scaling: Optional[float] = None, is_causal: Optional[bool] = None,
+                      softcap: Optional[float] = None, s_aux: Optional[torch.Tensor] = None,
+                      **kwargs):
+    """transformers' attention-function contract: query (B, Hq, Lq, E), key and value
+    (B, Hkv, Lk, E/Ev), a mask (a CompactMask, a tensor, or None); returns the
+    (B, Lq, Hq, Ev) output and no weights.
+
+    `scaling` is attnx's `scale`, `softcap` its `softcap`, `s_aux` (gpt-oss) its `sinks`;
+    `dropout` is what the layer passes (its rate in training, 0 in eval). GQA runs without
+    copying the key/value heads. `sliding_window`, which some layers also pass, is already in
+    the mask, as for "sdpa".
+    """
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("position_bias: not supported by attn_implementation='attnx' "
+                         "(T5-style relative position biases); use 'sdpa' or 'eager'")
+    modifiers = {name: x for name, x in (("softcap", softcap), ("sinks", s_aux)) if x is not None}
+    gqa = key.shape[1] != query.shape[1]
+    if isinstance(attention_mask, CompactMask):
+        out = _with_compact_mask(attention_mask, query, key, value, dropout, scaling, gqa,
+                                 modifiers)
+    else:
+        # A tensor mask (one transformers materialised, or the user's own 4-D mask) is the whole
+        # truth; without one a causal layer is causal, top-left, as in transformers' sdpa path.
+        causal = attention_mask is None and query.shape[2] > 1 and (
+            is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        out = _dispatch.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal,
+            scale=scaling, enable_gqa=gqa, **modifiers)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _with_compact_mask(mask: CompactMask, q, k, v, dropout, scale, gqa, modifiers):
+    lq, lk = q.shape[2], k.shape[2]
+    if (lq, lk) != (mask.q_length, mask.kv_length):
+        raise ValueError(f"attention_mask: a CompactMask for (Lq, Lk) = ({mask.q_length}, "
+                         f"{mask.kv_length}), got query and key lengths ({lq}, {lk})")
+    padding, window = mask.padding, None
+    if mask.causal:
+        offset, w = lk - lq, mask.sliding_window  # query i sits at key position i + offset
+        if w is not None and offset > w - 1:
+            # keys before the first query's window are never attended: drop them, so that the
+            # window's left edge (i + offset - (w - 1)) is expressible relative to i
+            k, v = k[:, :, offset - (w - 1):], v[:, :, offset - (w - 1):]
+            padding = None if padding is None else padding[:, offset - (w - 1):]
+            offset = w - 1
+        window = (None if w is None else w - 1 - offset, offset)
+        if lq == 1 and padding is None and _decode_kernel_serves(q, k, v, dropout, modifiers):
+            return _dispatch.attention_with_kvcache(
+                q, k, v, k.shape[2], scale=scale,
+                window=None if w is None else (w - 1, None))
+    attn_mask = None if padding is None else padding[:, None, None, :]
+    return _dispatch.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout, scale=scale, enable_gqa=gqa,
+        window=window, **modifiers)
+
+
+def _decode_kernel_serves(q, k, v, dropout, modifiers) -> bool:
+    """Whether a one-query step can run on the CPU decoding kernel (split over the keys; it
+    reads the cache where it lies), which is faster there than the SDPA kernel for one query
+    row. It is an inference op: no dropout, no gradient, no score modifiers yet."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return (not needs_grad and dropout == 0 and not modifiers and q.device.type == "cpu"
+            and q.dtype in cpu.KVCACHE_DTYPES and cpu.availability() is None)
