@@ -68,3 +68,18 @@ def test_the_variants_cover_each_dtype_head_dim_and_flag(results):
     assert {"fp32", "fp16", "bf16", "d16", "d64", "d96", "d128", "d256", "bool-mask",
             "float-mask", "dropout", "gqa", "weights"} <= parts
 
+
+
+def test_the_forward_in_band_loop_has_no_mask_arithmetic(results):
+    """Issue 18 item 10, on the compiled PTX: key blocks inside the band run a loop without
+    band, bounds or mask arithmetic, exp2 fed by one FMA per score. The loop the forward had
+    before (a runtime branch per tile, exp after a separate scale and subtract; sm_90 fp16 d64)
+    is refused."""
+    from triton_compile import checks
+
+    concerned = [r for r in results["units"] if checks.in_band_applies(r) and not r["error"]]
+    assert {r["arch"] for r in concerned} == {80, 90}
+    assert [checks.in_band_broken(r) for r in concerned] == [None] * len(concerned)
+    before = dict(concerned[0], in_band_loop={"instructions": 398, "setp/selp": 28, "fma": 2,
+                                              "ex2": 34, "mma": 13})
+    assert checks.in_band_broken(before)

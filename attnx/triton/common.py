@@ -83,6 +83,12 @@ def length_bucket(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
+# exp(x) = exp2(x * LOG2E): the kernels fold LOG2E into the score scale, so one FMA per score
+# feeds the exp2 instruction (tl.exp lowers to a multiply and ex2 anyway).
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
 def head_block(d: int) -> int:
     """The padded (power-of-two, >= 16 for tl.dot) block for a head dim; loads mask the rest."""
     return max(16, triton.next_power_of_2(d))
@@ -187,6 +193,55 @@ def dot(a, b, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def dot_acc(a, b, acc, DOT_PREC: tl.constexpr):
+    """acc + a @ b, the sum made by the tensor cores' accumulator (no separate add)."""
+    if DOT_PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def offsets(rows, cols, sr, sc):
+    """The int64 element offsets of a (rows, cols) tile with strides (sr, sc): a tile's offsets
+    relative to its block's first element are loop-invariant, so int64 costs nothing per step,
+    and no product of an index and a stride can wrap at 2^31 (issue 18 item 6)."""
+    return rows.to(tl.int64)[:, None] * sr + cols.to(tl.int64)[None, :] * sc
+
+
+@triton.jit
+def load_tile(ptrs, rows, cols, R, C, CHECK_R: tl.constexpr, CHECK_C: tl.constexpr):
+    """tl.load of a (rows, cols) tile, masked (zeros) only on the axes that may pass their bound
+    R / C: blocks wholly inside the sequence and unpadded head dims load without a mask."""
+    if CHECK_R:
+        if CHECK_C:
+            x = tl.load(ptrs, mask=(rows[:, None] < R) & (cols[None, :] < C), other=0.0)
+        else:
+            x = tl.load(ptrs, mask=rows[:, None] < R, other=0.0)
+    else:
+        if CHECK_C:
+            x = tl.load(ptrs, mask=cols[None, :] < C, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def inner_range(m0, Lq, Lk, start, end, window_lo, window_hi, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """[lo, hi): the key blocks of [start, end) (BLOCK_N-aligned from start) wholly inside the
+    band and the keys for query rows m0.. (those < Lq): they need no band, bounds or mask
+    arithmetic; [start, lo) and [hi, end) are the edge blocks. Rows past Lq are never stored,
+    so their scores need no mask. Operands of // stay >= 0 (C and numpy round negatives
+    differently)."""
+    last = tl.minimum(m0 + BLOCK_M, Lq) - 1
+    lo = tl.cdiv(tl.maximum(last + window_lo, 0), BLOCK_N) * BLOCK_N
+    lo = tl.minimum(tl.maximum(lo, start), end)
+    hi = (tl.maximum(tl.minimum(m0 + window_hi + 1, Lk), 0) // BLOCK_N) * BLOCK_N
+    return lo, tl.maximum(tl.minimum(hi, end), lo)
+
+
+@triton.jit
 def admit(s, m_ptr, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
           MASK_KIND: tl.constexpr):
     """Scores with inadmissible keys set to -inf (band, bounds, bool mask), float mask added."""
@@ -286,7 +341,7 @@ def store_rows(o_base, lse_base, m_i, l_i, acc, offs_m, offs_dv, Lq, Ev, som, so
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
     out = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
-    tl.store(o_base + offs_m[:, None] * som + offs_dv[None, :] * sod,
+    tl.store(o_base + offsets(offs_m, offs_dv, som, sod),
              out.to(o_base.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Ev))
     tl.store(lse_base + offs_m, tl.where(has, m_i + tl.log(l_safe), float("-inf")),
              mask=offs_m < Lq)

@@ -17,8 +17,9 @@ import triton.language as tl
 
 from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device
 from . import common
-from .common import (admit_block, dot, huge_rows, key_range, query_range, score_grad,
-                     softmax_start, softmax_step, store_rows, tile_and_head)
+from .common import (LN2, LOG2E, admit_block, dot, dot_acc, huge_rows, inner_range, key_range,
+                     load_tile, offsets, query_range, score_grad, softmax_start, store_rows,
+                     tile_and_head)
 from .rng import keep, rng_words, row_keys
 
 # Pruned per launch by common.pruner; the small configs are what fits wide fp32 heads on
@@ -80,13 +81,71 @@ def _query_program(H, Lq, GROUPS, BLOCK_M: tl.constexpr):
     m0, bh = tile_and_head(Lq, BLOCK_M)
     b = (bh // H).to(tl.int64)
     h = bh % H
-    return m0, bh, b, h, (h // GROUPS).to(tl.int64)
+    return m0, bh, b, h.to(tl.int64), (h // GROUPS).to(tl.int64)
 
 
 @triton.jit
 def _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh):
     """Where the keys, values (kv head hk) and mask (query head h) of batch b start."""
     return K + b * skb + hk * skh, V + b * svb + hk * svh, M + b * smb + h * smh
+
+
+@triton.jit
+def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, m_base, kt_off, v_off, m_off, lo, hi,
+                offs_m, row_ok, offs_d, offs_dv, Lk, E, Ev, skn, svn, smn, sc, window_lo,
+                window_hi, key_row, threshold, inv_keep,
+                EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                DOT_PREC: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax over key blocks [lo, hi). EDGE blocks reach past the band or the keys:
+    they mask scores and loads; the others carry no band or bounds arithmetic (and no masked
+    load unless the head dim is padded). Without a float mask the running max m_i is in log2
+    units: one FMA per score (qk * scale * LOG2E - m) feeds exp2. A float mask's rows may hold
+    finfo.min biases, which times LOG2E would overflow to -inf: there scores and m_i stay in
+    natural units, and exp2 takes (s - m) * LOG2E."""
+    qk_scale = sc * LOG2E
+    cols = tl.arange(0, BLOCK_N)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + cols
+        n = tl.cast(n0, tl.int64)
+        kt = load_tile(k_base + n * skn + kt_off, offs_d, offs_n, E, Lk, PAD_D, EDGE)
+        qk = dot(q, kt, DOT_PREC)
+        if EDGE:
+            diff = offs_n[None, :] - offs_m[:, None]
+            ok = (row_ok[:, None] & (offs_n[None, :] < Lk) & (diff >= window_lo)
+                  & (diff <= window_hi))
+        else:
+            ok = row_ok[:, None]  # only read by the mask loads
+        if MASK_KIND == 2:
+            bias = tl.load(m_base + n * smn + m_off, mask=ok, other=0.0).to(tl.float32)
+            s = qk * sc + bias
+            if EDGE:
+                s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with nothing admissible so far keeps max -inf; subtracting 0 instead keeps
+            # exp(-inf - -inf) = NaN out.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
+            alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
+        else:
+            if MASK_KIND == 1:
+                ok = ok & (tl.load(m_base + n * smn + m_off, mask=ok, other=0) != 0)
+            if EDGE or MASK_KIND == 1:
+                t = tl.where(ok, qk * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(t, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.math.exp2(t - m_safe[:, None])
+            else:
+                m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+                m_safe = m_new
+                p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            p = tl.where(keep(key_row, offs_n, threshold), p * inv_keep, 0.0)
+        v = load_tile(v_base + n * svn + v_off, offs_n, offs_dv, Lk, Ev, EDGE, PAD_D)
+        acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.autotune(configs=_FWD, key=_KEY,
@@ -98,34 +157,48 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
                 H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
                 LQ_BUCKET, LK_BUCKET,
                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                PAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = m0 + rows
+    row_ok = offs_m < Lq
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    m = m0.to(tl.int64)
     k_base, v_base, m_base = _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh)
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < E), other=0.0)
+    q = load_tile(Q + b * sqb + h * sqh + m * sqm + offsets(rows, offs_d, sqm, sqd), offs_m,
+                  offs_d, Lq, E, True, PAD_D)
+    # scale * (q . k) = |scale| * (-q . k): exp2's FMA needs a positive scale for the row max.
+    if scale < 0:
+        q = -q
+    sc = tl.abs(scale)
     key_row, threshold = None, None
     if DROPOUT:
         key_row, threshold = row_keys(RNG, bh, offs_m)
-
+    m_base = m_base + m * smm
+    kt_off = offsets(offs_d, tl.arange(0, BLOCK_N), skd, skn)
+    v_off = offsets(tl.arange(0, BLOCK_N), offs_dv, svn, svd)
+    m_off = offsets(rows, tl.arange(0, BLOCK_N), smm, smn)
     m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_DV)
     start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd,
-                     mask=(offs_n[None, :] < Lk) & (offs_d[:, None] < E), other=0.0)
-        s = dot(q, kt, DOT_PREC) * scale
-        s = admit_block(s, m_base, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
-                        MASK_KIND, BLOCK_M, BLOCK_N)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                    mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < Ev), other=0.0)
-        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, key_row, threshold, offs_n, inv_keep,
-                                     DROPOUT, DOT_PREC)
-    store_rows(O + b * sob + h * soh, LSE + bh.to(tl.int64) * Lq, m_i, l_i, acc, offs_m, offs_dv,
-               Lq, Ev, som, sod)
+    lo, hi = inner_range(m0, Lq, Lk, start, end, window_lo, window_hi, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, m_base, kt_off, v_off, m_off,
+                                start, lo, offs_m, row_ok, offs_d, offs_dv, Lk, E, Ev, skn, svn,
+                                smn, sc, window_lo, window_hi, key_row, threshold, inv_keep,
+                                True, MASK_KIND, DROPOUT, DOT_PREC, PAD_D, BLOCK_N)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, m_base, kt_off, v_off, m_off,
+                                lo, hi, offs_m, row_ok, offs_d, offs_dv, Lk, E, Ev, skn, svn,
+                                smn, sc, window_lo, window_hi, key_row, threshold, inv_keep,
+                                False, MASK_KIND, DROPOUT, DOT_PREC, PAD_D, BLOCK_N)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, m_base, kt_off, v_off, m_off,
+                                hi, end, offs_m, row_ok, offs_d, offs_dv, Lk, E, Ev, skn, svn,
+                                smn, sc, window_lo, window_hi, key_row, threshold, inv_keep,
+                                True, MASK_KIND, DROPOUT, DOT_PREC, PAD_D, BLOCK_N)
+    if MASK_KIND != 2:
+        m_i = m_i * LN2  # back to natural units (-inf stays -inf)
+    store_rows(O + b * sob + h * soh + m * som, LSE + bh.to(tl.int64) * Lq + m0, m_i, l_i, acc,
+               rows, offs_dv, Lq - m0, Ev, som, sod)
 
 
 @triton.jit
@@ -181,7 +254,7 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
                  H, Hkv, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
                  LQ_BUCKET, LK_BUCKET,
                  MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
-                 DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 DOT_PREC: tl.constexpr, PAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     n0, bhk = tile_and_head(Lk, BLOCK_N)
     b = (bhk // Hkv).to(tl.int64)
@@ -243,7 +316,7 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
                H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
                LQ_BUCKET, LK_BUCKET,
                MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               PAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -291,6 +364,7 @@ def _common_args(q, k, v, mask, dropout_p, seed):
     consts = dict(MASK_KIND=common.mask_kind(mask), DROPOUT=dropout_p > 0,
                   DOT_PREC=common.dot_precision(q.dtype),
                   BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev),
+                  PAD_D=common.head_block(e) != e or common.head_block(ev) != ev,
                   LQ_BUCKET=common.length_bucket(lq), LK_BUCKET=common.length_bucket(lk))
     inv_keep = 1.0 / (1.0 - dropout_p)
     return m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep
