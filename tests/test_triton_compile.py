@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-KERNELS = {"sdpa._fwd_kernel", "sdpa._row_sums_kernel", "sdpa._dkdv_kernel", "sdpa._dq_kernel",
+KERNELS = {"sdpa._fwd_kernel", "sdpa._prep_kernel", "sdpa._dkdv_kernel", "sdpa._dq_kernel",
            "additive._fwd_kernel", "additive._weights_kernel", "additive._row_sums_kernel",
            "additive._dk_kernel", "additive._dq_kernel"}
 
@@ -65,7 +65,7 @@ def test_every_kernel_and_config_is_compiled_on_both_archs(results):
 def test_the_variants_cover_each_dtype_head_dim_and_flag(results):
     names = {v for r in results["units"] for v in r["variants"]}
     parts = {p for n in names for p in n.split("/")}
-    assert {"fp32", "fp16", "bf16", "d16", "d64", "d96", "d128", "d256", "bool-mask",
+    assert {"fp32", "fp16", "bf16", "d16", "d64", "d96", "d128", "d192", "d256", "bool-mask",
             "float-mask", "dropout", "gqa", "weights"} <= parts
 
 
@@ -83,3 +83,21 @@ def test_the_forward_in_band_loop_has_no_mask_arithmetic(results):
     before = dict(concerned[0], in_band_loop={"instructions": 398, "setp/selp": 28, "fma": 2,
                                               "ex2": 34, "mma": 13})
     assert checks.in_band_broken(before)
+
+
+def test_the_backward_transposes_no_computed_tile(results):
+    """Issue 18 item 9: the dK/dV kernel works in key-major tiles (K Q^T, V dO^T: q and dO read
+    transposed), so no probability or score-gradient tile is transposed in registers. The
+    detector refuses the transposes the kernel had (trans(p.to(fp16)) each step)."""
+    from triton_compile import aot
+
+    dkdv = [r for r in results["units"] if r["kernel"] == "sdpa._dkdv_kernel" and not r["error"]]
+    assert dkdv and all(r["computed_transposes"] == [] for r in dkdv)
+    before = """
+    %do = tt.load %ptrs, %mask, %cst : tensor<32x64x!tt.ptr<f16>>
+    %pf = arith.truncf %p : tensor<32x64xf32> to tensor<32x64xf16>
+    %pt = tt.trans %pf {order = array<i32: 1, 0>} : tensor<32x64xf16> -> tensor<64x32xf16>
+    %dot = tt.trans %do {order = array<i32: 1, 0>} : tensor<32x64xf16> -> tensor<64x32xf16>
+    """
+    assert [line.split(" =")[0] for line in aot.computed_transposes(before)] == ["%pt"]
+

@@ -60,6 +60,24 @@ def loops(ptx: str) -> list[dict]:
     return out
 
 
+_DEF = re.compile(r"^\s*(%[\w#$.-]+) = ([\w.]+)\s*(.*)$")
+def computed_transposes(ttir: str) -> list[str]:
+    """The tt.trans in the TTIR whose operand is not a tile loaded from memory: a transpose of
+    computed values (probabilities, score gradients) through registers and shared memory each
+    step (issue 18 item 9); a loaded tile's transpose is only another view of its staging."""
+    op_of = {}
+    out = []
+    for line in ttir.splitlines():
+        m = _DEF.match(re.sub(r"\s+loc\(.*\)$", "", line))
+        if not m:
+            continue
+        name, op, rest = m.groups()
+        op_of[name] = op
+        if op == "tt.trans" and op_of.get(rest.split()[0]) != "tt.load":
+            out.append(m.group(0).strip())
+    return out
+
+
 def in_band_loop(ptx: str) -> dict | None:
     """The leanest loop body with tensor-core instructions (fewest selects and compares): the
     forward's in-band key loop, or None."""
@@ -106,5 +124,6 @@ def compile_unit(unit) -> dict:
                registers=int(regs.group(1)) if regs else None,
                spill_bytes=int(spill.group(1)) + int(spill.group(2)) if spill else None,
                stack_bytes=int(stack.group(1)) if stack else None,
-               wgmma="wgmma" in kernel.asm["ptx"], in_band_loop=in_band_loop(kernel.asm["ptx"]))
+               wgmma="wgmma" in kernel.asm["ptx"], in_band_loop=in_band_loop(kernel.asm["ptx"]),
+               computed_transposes=computed_transposes(kernel.asm["ttir"]))
     return row

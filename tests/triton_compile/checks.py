@@ -17,11 +17,11 @@ SPILL_EXCEPTIONS: dict[tuple[str, str, int], str] = {
 }
 
 # wgmma multiplies 64 rows per warpgroup: an sm_90 SDPA config whose dots all have fewer rows
-# (BLOCK_M, and BLOCK_N for dK/dV's transposed dots) runs mma.sync. Such configs are kept for
+# (BLOCK_M; BLOCK_N for the key-major dots of dK/dV) runs mma.sync. Such configs are kept for
 # heads over 128 and fp32, where larger tiles do not fit; every config with a 64-row dot must
 # use wgmma.
-WGMMA_ROWS = {"sdpa._fwd_kernel": ("BLOCK_M",), "sdpa._row_sums_kernel": ("BLOCK_M",),
-              "sdpa._dq_kernel": ("BLOCK_M",), "sdpa._dkdv_kernel": ("BLOCK_M", "BLOCK_N")}
+WGMMA_ROWS = {"sdpa._fwd_kernel": ("BLOCK_M",), "sdpa._prep_kernel": ("BLOCK_M",),
+              "sdpa._dq_kernel": ("BLOCK_M",), "sdpa._dkdv_kernel": ("BLOCK_N",)}
 
 
 # The in-band key loop of the fp16/bf16 SDPA forward without mask or dropout (issue 18 item 10):
@@ -60,9 +60,11 @@ def _dtype_and_dim(row) -> tuple[str, int]:
 def failures(rows: list[dict]) -> list[str]:
     """One line per broken bound: a compile error; shared memory over the arch's opt-in limit
     or over the pruning rule's estimate; spills of a fp16/bf16 unit at head dim <= 128 (less
-    SPILL_EXCEPTIONS); an sm_90 fp16/bf16 SDPA kernel without wgmma though its config has a
-    64-row dot (WGMMA_ROWS); an fp16/bf16 SDPA forward without mask or dropout whose in-band
-    loop does mask arithmetic or does not feed exp2 with FMAs (in_band_broken)."""
+    SPILL_EXCEPTIONS);
+    an SDPA kernel transposing computed tiles (aot.computed_transposes); an sm_90 fp16/bf16
+    SDPA kernel without wgmma though its config has a 64-row dot (WGMMA_ROWS); an fp16/bf16
+    SDPA forward without mask or dropout whose in-band loop does mask arithmetic or does not
+    feed exp2 with FMAs (in_band_broken)."""
     out = []
     for r in rows:
         what = f"{r['kernel']} {r['variant']} {r['config']} sm_{r['arch']}"
@@ -82,6 +84,8 @@ def failures(rows: list[dict]) -> list[str]:
         if (low and dim <= 128 and r["spill_bytes"]
                 and (r["kernel"], r["variant"], r["arch"]) not in SPILL_EXCEPTIONS):
             out.append(f"{what}: {r['spill_bytes']} spill bytes")
+        if r["kernel"].startswith("sdpa.") and r.get("computed_transposes"):
+            out.append(f"{what}: computed tiles transposed: {r['computed_transposes'][:2]}")
         why = in_band_broken(r)
         if why:
             out.append(f"{what}: {why}")
