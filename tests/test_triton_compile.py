@@ -85,6 +85,26 @@ def test_the_forward_in_band_loop_has_no_mask_arithmetic(results):
     assert checks.in_band_broken(before)
 
 
+def test_no_index_product_is_32_bit(results):
+    """Issue 18 item 6: every product of an index and a stride or a length is int64 in every
+    compiled kernel (a per-head mask at H=32, L=8192 already has h * stride past 2^31). The
+    detector finds the products the kernels had (TTIR of `offs_m[:, None] * smm` before)."""
+    from triton_compile import aot
+
+    assert all(r["narrow_products"] == [] for r in results["units"] if not r["error"])
+    before = """
+    %h = arith.remsi %bh, %H : i32
+    %p = arith.muli %h, %smh : i32 loc(#loc12)
+    %q_34 = tt.expand_dims %offs_m {axis = 1 : i32} : tensor<128xi32> -> tensor<128x1xi32>
+    %q_35 = tt.splat %sqm : i32 -> tensor<128x1xi32>
+    %q_36 = arith.muli %q_34, %q_35 : tensor<128x1xi32>
+    %c128_i32 = arith.constant 128 : i32
+    %m0 = arith.muli %tile, %c128_i32 : i32
+    %wide = arith.muli %h64, %smh64 : i64
+    """
+    assert [line.split(" =")[0] for line in aot.narrow_products(before)] == ["%p", "%q_36"]
+
+
 def test_the_backward_transposes_no_computed_tile(results):
     """Issue 18 item 9: the dK/dV kernel works in key-major tiles (K Q^T, V dO^T: q and dO read
     transposed), so no probability or score-gradient tile is transposed in registers. The

@@ -61,6 +61,31 @@ def loops(ptx: str) -> list[dict]:
 
 
 _DEF = re.compile(r"^\s*(%[\w#$.-]+) = ([\w.]+)\s*(.*)$")
+_CONSTANT_OF = ("tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape")
+
+
+def narrow_products(ttir: str) -> list[str]:
+    """The 32-bit integer multiplies in the TTIR of two values neither of which is a constant:
+    an index times a stride or a length, which wraps past 2^31 elements (issue 18 item 6).
+    Products by a constant (tile sizes, the dropout hash) are exempt."""
+    constant = set()
+    out = []
+    for line in ttir.splitlines():
+        line = re.sub(r"\s+loc\(.*\)$", "", line)
+        m = _DEF.match(line)
+        if not m:
+            continue
+        name, op, rest = m.groups()
+        operands = re.findall(r"%[\w#$.-]+", rest.split(":")[0])
+        if op == "arith.constant" or (op in _CONSTANT_OF and operands
+                                      and all(o in constant for o in operands)):
+            constant.add(name)
+        elif op == "arith.muli" and re.search(r"\bi32\b|xi32>", rest.rsplit(":", 1)[-1]):
+            if not any(o in constant for o in operands):
+                out.append(line.strip())
+    return out
+
+
 def computed_transposes(ttir: str) -> list[str]:
     """The tt.trans in the TTIR whose operand is not a tile loaded from memory: a transpose of
     computed values (probabilities, score gradients) through registers and shared memory each
@@ -125,5 +150,6 @@ def compile_unit(unit) -> dict:
                spill_bytes=int(spill.group(1)) + int(spill.group(2)) if spill else None,
                stack_bytes=int(stack.group(1)) if stack else None,
                wgmma="wgmma" in kernel.asm["ptx"], in_band_loop=in_band_loop(kernel.asm["ptx"]),
+               narrow_products=narrow_products(kernel.asm["ttir"]),
                computed_transposes=computed_transposes(kernel.asm["ttir"]))
     return row

@@ -60,7 +60,7 @@ def _dtype_and_dim(row) -> tuple[str, int]:
 def failures(rows: list[dict]) -> list[str]:
     """One line per broken bound: a compile error; shared memory over the arch's opt-in limit
     or over the pruning rule's estimate; spills of a fp16/bf16 unit at head dim <= 128 (less
-    SPILL_EXCEPTIONS);
+    SPILL_EXCEPTIONS); a 32-bit product of two runtime integers in the TTIR (aot.narrow_products);
     an SDPA kernel transposing computed tiles (aot.computed_transposes); an sm_90 fp16/bf16
     SDPA kernel without wgmma though its config has a 64-row dot (WGMMA_ROWS); an fp16/bf16
     SDPA forward without mask or dropout whose in-band loop does mask arithmetic or does not
@@ -84,6 +84,9 @@ def failures(rows: list[dict]) -> list[str]:
         if (low and dim <= 128 and r["spill_bytes"]
                 and (r["kernel"], r["variant"], r["arch"]) not in SPILL_EXCEPTIONS):
             out.append(f"{what}: {r['spill_bytes']} spill bytes")
+        if r.get("narrow_products"):
+            out.append(f"{what}: 32-bit products of indices and strides or lengths (wrap past "
+                       f"2^31 elements): {r['narrow_products'][:3]}")
         if r["kernel"].startswith("sdpa.") and r.get("computed_transposes"):
             out.append(f"{what}: computed tiles transposed: {r['computed_transposes'][:2]}")
         why = in_band_broken(r)
