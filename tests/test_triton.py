@@ -140,14 +140,14 @@ def test_sdpa_odd_sizes_and_head_dims(lq, lk, e, ev):
     check_sdpa(f32, 1, 2, 2, lq, lk, e, ev)
 
 
-@pytest.mark.parametrize("e,ev", [(48, 96), (96, 80), (160, 192), (200, 40)])
+@pytest.mark.parametrize("e,ev", [(160, 192), (200, 40)])
 def test_sdpa_head_dims_in_two_chunks(e, ev):
-    """Head dims of two power-of-two chunks (common.head_blocks: 32+16, 64+32, 64+16, 128+32,
-    128+64), unpadded and padded (40 = 32+16 less 8, 200 = 128+128 less 56); the backward
-    takes chunks over 128 (sdpa._bwd_head_blocks)."""
-    from attnx.triton import common
+    """Head dims over 128 in two power-of-two chunks (sdpa._head_blocks: 128+32, 128+64),
+    unpadded and padded (200 = 128+128 less 56; 40 is one 64 block)."""
+    from attnx.triton import sdpa as ts
 
-    assert common.head_blocks(96) == (64, 32) and common.head_blocks(192) == (128, 64)
+    assert ts._head_blocks(160) == (128, 32) and ts._head_blocks(192) == (128, 64)
+    assert ts._head_blocks(96) == (128, 0)
     check_sdpa(f16, 1, 2, 2, 17, 33, e, ev, is_causal=True)
 
 

@@ -67,12 +67,13 @@ def _prep_tiles(m):
 def _dkdv_tiles(m):
     """q^T and dO staged; k, v, p^T and ds^T through shared memory; dk, dv and six score-sized
     fp32 tiles in registers (p^T, dp^T, ds^T, the band's compares and the three loops' live
-    ranges; four more for the dropout hash and kept p, one for a mask, five for a GQA group's
-    loop: the compile test's spill figures), k and v held. Head dims count both chunks
-    (common.head_blocks)."""
+    ranges; four more for the dropout hash and kept p, one for a bool mask, three for a float
+    mask and its gradient's store, five for a GQA group's loop: the compile test's spill
+    figures, 16x64 8-warp with a float mask spilled 12 B at d128 on sm_80 counting it as one),
+    k and v held. Head dims count both chunks (_head_blocks)."""
     mm, n = m["BLOCK_M"], m["BLOCK_N"]
     d, dv = m["BLOCK_D"] + m["BLOCK_D2"], m["BLOCK_DV"] + m["BLOCK_DV2"]
-    tiles = 6 + 4 * bool(m["DROPOUT"]) + bool(m["MASK_KIND"]) + 5 * (m["GROUPS"] > 1)
+    tiles = 6 + 4 * bool(m["DROPOUT"]) + (0, 1, 3)[m["MASK_KIND"]] + 5 * (m["GROUPS"] > 1)
     return dict(staged=mm * (d + dv), mask=mm * n, resident=n * (d + dv + 2 * mm),
                 acc=n * (d + dv) + tiles * mm * n, held=n * (d + dv))
 
@@ -606,8 +607,8 @@ def _common_args(q, k, v, mask, dropout_p, seed):
     consts = dict(MASK_KIND=common.mask_kind(mask), DROPOUT=dropout_p > 0,
                   DOT_PREC=common.dot_precision(q.dtype),
                   LQ_BUCKET=common.length_bucket(lq), LK_BUCKET=common.length_bucket(lk))
-    # Head dims as one or two power-of-two chunks (common.head_blocks).
-    (d1, d2), (dv1, dv2) = common.head_blocks(e), common.head_blocks(ev)
+    # Head dims as one or two power-of-two chunks (_head_blocks).
+    (d1, d2), (dv1, dv2) = _head_blocks(e), _head_blocks(ev)
     consts.update(BLOCK_D=d1, BLOCK_D2=d2, BLOCK_DV=dv1, BLOCK_DV2=dv2,
                   PAD_D=d1 + d2 != e or dv1 + dv2 != ev)
     inv_keep = 1.0 / (1.0 - dropout_p)
@@ -650,12 +651,6 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         MASK_KIND=consts["MASK_KIND"], HAS_GLSE=grad_lse is not None,
         DOT_PREC=consts["DOT_PREC"], PAD_D=common.head_block(e) != e or common.head_block(ev) != ev,
         BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
-    # Head dims up to 128 are padded to a power of two here: in two chunks (96 = 64 + 32) the
-    # dK/dV and dQ kernels spill in configs that the padded width keeps spill-free (the compile
-    # test, sm_80 and sm_90); wider heads spill in any case and save 25-40% as chunks.
-    (d1, d2), (dv1, dv2) = _bwd_head_blocks(e), _bwd_head_blocks(ev)
-    consts.update(BLOCK_D=d1, BLOCK_D2=d2, BLOCK_DV=dv1, BLOCK_DV2=dv2,
-                  PAD_D=d1 + d2 != e or dv1 + dv2 != ev)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     split = _gqa_split(h // hkv, lk, b * hkv)
     if split == 1:
@@ -681,8 +676,12 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     return dq, dk, dv, dmask
 
 
-def _bwd_head_blocks(d: int) -> tuple[int, int]:
-    """The backward's head-dim chunks: common.head_blocks over 128, one power of two up to it."""
+def _head_blocks(d: int) -> tuple[int, int]:
+    """The kernels' head-dim chunks: common.head_blocks over 128 (160 = 128 + 32 and 192 =
+    128 + 64 unpadded, where one block padded them to 256), one power of two up to 128. In two
+    chunks (96 = 64 + 32) the kernels spilled on sm_80 in configs that the padded 128 keeps
+    spill-free (the compile test: forward 64x64 4-warp 24 B, dK/dV 32x32 1.5 KB, dQ 64x32 8 B),
+    and zero spills is the bound there; over 128 they spill in any case."""
     return common.head_blocks(d) if d > 128 else (common.head_block(d), 0)
 
 
