@@ -140,6 +140,17 @@ def test_sdpa_odd_sizes_and_head_dims(lq, lk, e, ev):
     check_sdpa(f32, 1, 2, 2, lq, lk, e, ev)
 
 
+@pytest.mark.parametrize("e,ev", [(160, 192), (200, 40)])
+def test_sdpa_head_dims_in_two_chunks(e, ev):
+    """Head dims over 128 in two power-of-two chunks (sdpa._head_blocks: 128+32, 128+64),
+    unpadded and padded (200 = 128+128 less 56; 40 is one 64 block)."""
+    from attnx.triton import sdpa as ts
+
+    assert ts._head_blocks(160) == (128, 32) and ts._head_blocks(192) == (128, 64)
+    assert ts._head_blocks(96) == (128, 0)
+    check_sdpa(f16, 1, 2, 2, 17, 33, e, ev, is_causal=True)
+
+
 @pytest.mark.parametrize("dtype", [f32, f16])
 def test_sdpa_causal_lq_ne_lk(dtype):
     check_sdpa(dtype, 1, 2, 2, 33, 17, 24, is_causal=True)
@@ -517,6 +528,20 @@ def test_grids_stay_within_cudas_axis_caps():
             grid = [grid]
         for g in grid:
             assert g[0] < 2**31 and all(n <= 65535 for n in g[1:]), (launch.kernel, g)
+
+
+def test_gqa_backward_fills_the_gpu(monkeypatch):
+    """The dK/dV grid counts slices of each GQA group's query heads (partial sums added up on
+    the host), so MQA launches at least two programs per SM, where one program per kv head
+    and key block left most SMs idle (issue 18 item 9)."""
+    from attnx.triton import common, sdpa as ts
+
+    monkeypatch.setattr(common, "multiprocessors", lambda: 132)
+    n = max(c.kwargs["BLOCK_N"] for c in ts._DKDV)
+    assert ts._gqa_split(1, 32 * n, 8) == 1     # no groups: nothing to split
+    assert ts._gqa_split(32, 128 * n, 1) == 4   # 128 key blocks x 4 slices >= 264
+    assert ts._gqa_split(8, 32 * n, 1) == 8     # 32 key blocks: one slice per query head
+    assert ts._gqa_split(4, 64 * n, 32) == 1    # 64 x 32 programs already
 
 
 def _autotune_keys(lq, lk):

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device, weights_grads
 from . import common
-from .common import (admit, dot, huge_rows, key_range, query_range, score_grad,
+from .common import (admit, dot, huge_rows, key_range, offsets, query_range, score_grad,
                      softmax_start, softmax_step, split_tile, store_rows, tile_and_head)
 from .rng import keep, rng_words, row_keys
 
@@ -46,11 +46,11 @@ def _tanh(x):
 def _chunk(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A, sqm, sqa, skn, ska, swa):
     """tanh(q[i, a] + k[j, a]) as (BLOCK_M, BLOCK_N, BLOCK_A) and w[a], both fp32 (0 past A)."""
     a_ok = offs_a < A
-    qa = tl.load(q_base + offs_m[:, None] * sqm + offs_a[None, :] * sqa,
+    qa = tl.load(q_base + offsets(offs_m, offs_a, sqm, sqa),
                  mask=(offs_m[:, None] < Lq) & a_ok[None, :], other=0.0).to(tl.float32)
-    ka = tl.load(k_base + offs_n[:, None] * skn + offs_a[None, :] * ska,
+    ka = tl.load(k_base + offsets(offs_n, offs_a, skn, ska),
                  mask=(offs_n[:, None] < Lk) & a_ok[None, :], other=0.0).to(tl.float32)
-    wa = tl.load(w_base + offs_a * swa, mask=a_ok, other=0.0).to(tl.float32)
+    wa = tl.load(w_base + offs_a.to(tl.int64) * swa, mask=a_ok, other=0.0).to(tl.float32)
     return _tanh(qa[:, None, :] + ka[None, :, :]), wa
 
 
@@ -93,7 +93,7 @@ def _fwd_kernel(Q, K, VAL, W, M, O, LSE, RNG,
         s = _scores(q_base, k_base, w_base, offs_m, offs_n, Lq, Lk, A, sqm, sqa, skn, ska, swa,
                     BLOCK_M, BLOCK_N, BLOCK_A)
         s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
-        val = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+        val = tl.load(v_base + offsets(offs_n, offs_dv, svn, svd),
                       mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < Ev), other=0.0)
         m_i, l_i, acc = softmax_step(s, val, m_i, l_i, acc, key_row, threshold, offs_n, inv_keep,
                                      DROPOUT, DOT_PREC)
@@ -201,8 +201,8 @@ def _dk_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DK, DVAL, DW, DM,
     w_base = W + h * swh
     m_base = M + b * smb + h * smh
     val_mask = (offs_n[:, None] < Lk) & (offs_dv[None, :] < Ev)
-    val_t = tl.trans(tl.load(VAL + b * svb + h * svh + offs_n[:, None] * svn
-                             + offs_dv[None, :] * svd, mask=val_mask, other=0.0))
+    val_t = tl.trans(tl.load(VAL + b * svb + h * svh + offsets(offs_n, offs_dv, svn, svd),
+                             mask=val_mask, other=0.0))
     dk_rows = DK + (bh * Lk + offs_n[:, None]) * A  # fp32 scratch, zeroed, owned here
     dw_slot = DW + (bh * tl.cdiv(Lk, BLOCK_N) + n0 // BLOCK_N) * A
     dval = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
@@ -213,7 +213,7 @@ def _dk_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DK, DVAL, DW, DM,
         p = _probs(q_base, k_base, w_base, m_base, LSE, bh, offs_m, offs_n, Lq, Lk, A,
                    sqm, sqa, skn, ska, swa, smm, smn, window_lo, window_hi,
                    MASK_KIND, BLOCK_M, BLOCK_N, BLOCK_A)
-        do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd,
+        do = tl.load(DO + b * sdb + h * sdh + offsets(offs_m, offs_dv, sdm, sdd),
                      mask=row_ok[:, None] & (offs_dv[None, :] < Ev), other=0.0)
         delta = tl.load(DELTA + bh * Lq + offs_m, mask=row_ok, other=0.0)
         dweights = _dweights(DWEIGHTS, bh, offs_m, offs_n, Lq, Lk, HAS_DWEIGHTS, BLOCK_M,
@@ -261,7 +261,7 @@ def _dq_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DQ,
     v_base = VAL + b * svb + h * svh
     w_base = W + h * swh
     m_base = M + b * smb + h * smh
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd,
+    do = tl.load(DO + b * sdb + h * sdh + offsets(offs_m, offs_dv, sdm, sdd),
                  mask=row_ok[:, None] & (offs_dv[None, :] < Ev), other=0.0)
     delta = tl.load(DELTA + bh * Lq + offs_m, mask=row_ok, other=0.0)
     dq_rows = DQ + (bh * Lq + offs_m[:, None]) * A  # fp32 scratch, zeroed, owned here
@@ -271,7 +271,7 @@ def _dq_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DQ,
         p = _probs(q_base, k_base, w_base, m_base, LSE, bh, offs_m, offs_n, Lq, Lk, A,
                    sqm, sqa, skn, ska, swa, smm, smn, window_lo, window_hi,
                    MASK_KIND, BLOCK_M, BLOCK_N, BLOCK_A)
-        val_t = tl.load(v_base + offs_n[None, :] * svn + offs_dv[:, None] * svd,
+        val_t = tl.load(v_base + offsets(offs_dv, offs_n, svd, svn),
                         mask=(offs_n[None, :] < Lk) & (offs_dv[:, None] < Ev), other=0.0)
         dweights = _dweights(DWEIGHTS, bh, offs_m, offs_n, Lq, Lk, HAS_DWEIGHTS, BLOCK_M,
                                BLOCK_N)

@@ -39,8 +39,9 @@ def launcher(kernel):
 
 
 # Rows whose |lse| exceeds this may have lost log(l) to rounding (csrc/cpu/huge_lse.h): a
-# row-sums kernel finds r_i = sum_j exp(s_ij - lse_i) there (1 elsewhere), and the backward
-# runs on dO / r, which is exact since dV = P^T dO and dS = P (dP - D) are linear in dO.
+# row-sums pass (in sdpa, the backward's pre-pass) finds r_i = sum_j exp(s_ij - lse_i) there
+# (1 elsewhere), and the backward runs on dO / r, which is exact since dV = P^T dO and
+# dS = P (dP - D) are linear in dO.
 HUGE_LSE = 256.0
 
 
@@ -83,9 +84,28 @@ def length_bucket(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
+# exp(x) = exp2(x * LOG2E): the kernels fold LOG2E into the score scale, so one FMA per score
+# feeds the exp2 instruction (tl.exp lowers to a multiply and ex2 anyway).
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
 def head_block(d: int) -> int:
     """The padded (power-of-two, >= 16 for tl.dot) block for a head dim; loads mask the rest."""
     return max(16, triton.next_power_of_2(d))
+
+
+def head_blocks(d: int) -> tuple[int, int]:
+    """A head dim as one or two power-of-two chunks (the second 0 for none), so that 48, 80, 96,
+    160 and 192 are computed unpadded where one power-of-two block pads 96 to 128 and 160/192
+    to 256: the largest power of two <= d, then the rest rounded up (>= 16 for tl.dot). The
+    padding is at most 25% from d = 40 up (worst just past 1.5 x a power of two), 31% for
+    d = 33-39 and 47% for d = 17-23 (one 32 block; two chunks of 16 would not be smaller)."""
+    if d <= 32:
+        return head_block(d), 0
+    first = 1 << (d.bit_length() - 1)
+    rest = head_block(d - first) if d > first else 0
+    return (2 * first, 0) if rest == first else (first, rest)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -126,6 +146,21 @@ def shared_memory_limit() -> int:
 def _device_shared_limit(device: int) -> int:
     from triton.runtime import driver
     return driver.active.utils.get_device_properties(device)["max_shared_mem"]
+
+
+def multiprocessors() -> int:
+    """SMs of the current CUDA device; under the interpreter a nominal 2, so the tests' small
+    grids reach every GQA split of the dK/dV kernel (sdpa._gqa_split)."""
+    if interpreting():
+        return 2
+    from triton.runtime import driver
+    return _device_sms(driver.active.get_current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sms(device: int) -> int:
+    from triton.runtime import driver
+    return driver.active.utils.get_device_properties(device)["multiprocessor_count"]
 
 
 # Registers (32-bit words per thread) a config's register tiles may take, of 255: the rest
@@ -169,7 +204,9 @@ def pruner(tiles):
         # times every config that fits (spilling, bigger tiles may win), as it does where no
         # config keeps within the registers. A device with less shared memory than sm_80's gets
         # the least hungry config, which the estimate's margin may still let launch.
-        if max(kwargs["BLOCK_D"], kwargs.get("BLOCK_DV", 0)) > 128 or not kept:
+        wide = max(kwargs["BLOCK_D"] + kwargs.get("BLOCK_D2", 0),
+                   kwargs.get("BLOCK_DV", 0) + kwargs.get("BLOCK_DV2", 0))
+        if wide > 128 or not kept:
             kept = fit
         return kept or [min(configs_, key=lambda c: needs(c, named_args, **kwargs))]
 
@@ -187,6 +224,55 @@ def dot(a, b, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def dot_acc(a, b, acc, DOT_PREC: tl.constexpr):
+    """acc + a @ b, the sum made by the tensor cores' accumulator (no separate add)."""
+    if DOT_PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def offsets(rows, cols, sr, sc):
+    """The int64 element offsets of a (rows, cols) tile with strides (sr, sc): a tile's offsets
+    relative to its block's first element are loop-invariant, so int64 costs nothing per step,
+    and no product of an index and a stride can wrap at 2^31 (issue 18 item 6)."""
+    return rows.to(tl.int64)[:, None] * sr + cols.to(tl.int64)[None, :] * sc
+
+
+@triton.jit
+def load_tile(ptrs, rows, cols, R, C, CHECK_R: tl.constexpr, CHECK_C: tl.constexpr):
+    """tl.load of a (rows, cols) tile, masked (zeros) only on the axes that may pass their bound
+    R / C: blocks wholly inside the sequence and unpadded head dims load without a mask."""
+    if CHECK_R:
+        if CHECK_C:
+            x = tl.load(ptrs, mask=(rows[:, None] < R) & (cols[None, :] < C), other=0.0)
+        else:
+            x = tl.load(ptrs, mask=rows[:, None] < R, other=0.0)
+    else:
+        if CHECK_C:
+            x = tl.load(ptrs, mask=cols[None, :] < C, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def inner_range(m0, Lq, Lk, start, end, window_lo, window_hi, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """[lo, hi): the key blocks of [start, end) (BLOCK_N-aligned from start) wholly inside the
+    band and the keys for query rows m0.. (those < Lq): they need no band, bounds or mask
+    arithmetic; [start, lo) and [hi, end) are the edge blocks. Rows past Lq are never stored,
+    so their scores need no mask. Operands of // stay >= 0 (C and numpy round negatives
+    differently)."""
+    last = tl.minimum(m0 + BLOCK_M, Lq) - 1
+    lo = tl.cdiv(tl.maximum(last + window_lo, 0), BLOCK_N) * BLOCK_N
+    lo = tl.minimum(tl.maximum(lo, start), end)
+    hi = (tl.maximum(tl.minimum(m0 + window_hi + 1, Lk), 0) // BLOCK_N) * BLOCK_N
+    return lo, tl.maximum(tl.minimum(hi, end), lo)
+
+
+@triton.jit
 def admit(s, m_ptr, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
           MASK_KIND: tl.constexpr):
     """Scores with inadmissible keys set to -inf (band, bounds, bool mask), float mask added."""
@@ -194,27 +280,12 @@ def admit(s, m_ptr, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
     diff = offs_n[None, :] - offs_m[:, None]
     ok = inb & (diff >= window_lo) & (diff <= window_hi)
     if MASK_KIND == 1:
-        allowed = tl.load(m_ptr + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=inb, other=0)
+        allowed = tl.load(m_ptr + offsets(offs_m, offs_n, smm, smn), mask=inb, other=0)
         ok = ok & (allowed != 0)
     if MASK_KIND == 2:
-        s = s + tl.load(m_ptr + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=inb,
+        s = s + tl.load(m_ptr + offsets(offs_m, offs_n, smm, smn), mask=inb,
                         other=0.0).to(tl.float32)
     return tl.where(ok, s, float("-inf"))
-
-
-@triton.jit
-def admit_block(s, m_ptr, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
-                MASK_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`admit` for the tile at (m0, n0), skipped for unmasked tiles wholly inside the band and
-    the bounds, where it would change nothing (most tiles of long sequences)."""
-    if MASK_KIND == 0:
-        inside = ((m0 + BLOCK_M <= Lq) & (n0 + BLOCK_N <= Lk)
-                  & (n0 - (m0 + BLOCK_M - 1) >= window_lo) & (n0 + BLOCK_N - 1 - m0 <= window_hi))
-        if not inside:
-            s = admit(s, m_ptr, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
-    else:
-        s = admit(s, m_ptr, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
-    return s
 
 
 def tiles_grid(length: int, block: int, heads: int) -> tuple[int]:
@@ -280,14 +351,33 @@ def softmax_step(s, v, m_i, l_i, acc, key_row, threshold, offs_n, inv_keep,
 
 
 @triton.jit
+def second_chunk(BLOCK: tl.constexpr, BLOCK2: tl.constexpr):
+    """Column offsets of a head dim's second chunk (common.head_blocks), after the first BLOCK;
+    without one (BLOCK2 = 0) a 1-wide placeholder that only constexpr-guarded code reads."""
+    if BLOCK2 > 0:
+        offs = BLOCK + tl.arange(0, BLOCK2)
+    else:
+        offs = tl.full([1], BLOCK, tl.int32)
+    return offs
+
+
+@triton.jit
+def store_out(o_base, l_i, acc, offs_m, offs_dv, Lq, Ev, som, sod):
+    """Normalises and stores output columns offs_dv of the rows: 0 on rows that admitted no
+    key."""
+    has = l_i > 0.0
+    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    tl.store(o_base + offsets(offs_m, offs_dv, som, sod), out.to(o_base.dtype.element_ty),
+             mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Ev))
+
+
+@triton.jit
 def store_rows(o_base, lse_base, m_i, l_i, acc, offs_m, offs_dv, Lq, Ev, som, sod):
     """Normalises and stores the output rows and their lse: 0 and -inf on rows that admitted
     no key."""
+    store_out(o_base, l_i, acc, offs_m, offs_dv, Lq, Ev, som, sod)
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
-    out = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
-    tl.store(o_base + offs_m[:, None] * som + offs_dv[None, :] * sod,
-             out.to(o_base.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Ev))
     tl.store(lse_base + offs_m, tl.where(has, m_i + tl.log(l_safe), float("-inf")),
              mask=offs_m < Lq)
 

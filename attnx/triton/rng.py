@@ -44,3 +44,10 @@ def row_keys(rng_ptr, bh, offs_m):
 def keep(key_row, offs_n, threshold):
     """Bool (BLOCK_M, BLOCK_N): True where element (i, j) survives dropout."""
     return mix32(key_row[:, None] ^ offs_n.to(tl.uint32)[None, :]) >= threshold
+
+
+@triton.jit
+def keep_t(key_row, offs_n, threshold):
+    """`keep` transposed, (BLOCK_N, BLOCK_M), for key-major tiles: computed in that layout, not
+    transposed in registers."""
+    return mix32(key_row[None, :] ^ offs_n.to(tl.uint32)[:, None]) >= threshold

@@ -1,10 +1,13 @@
 """Scaled dot-product attention in Triton, FlashAttention-2 style.
 
 Forward: one program per (query block, b * Hq + h) streams the key blocks of its band with an
-online softmax and saves the row log-sum-exp. Backward recomputes the probabilities from it:
-one kernel per (key block, b * Hkv + kv head) accumulates dK and dV over the query heads of its
-GQA group (no atomics, K/V never copied) and writes the float-mask gradient; a second kernel
-per query block accumulates dQ.
+online softmax (exp2, the scale folded into one FMA per score) and saves the row log-sum-exp;
+key blocks wholly inside the band run a loop without mask arithmetic, the edge blocks another.
+Backward: one pre-pass per query block gives delta = rowsum(dO * O) and dO / r (common.HUGE_LSE);
+one kernel per (key block, b * Hkv + kv head, slice of its GQA group) accumulates dK and dV in
+key-major tiles (K Q^T, as Triton's fused-attention tutorial does: nothing transposed in
+registers) over the query heads of its slice (no atomics, K/V never copied) and writes the
+float-mask gradient; a third kernel per query block accumulates dQ.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import triton.language as tl
 
 from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device
 from . import common
-from .common import (admit_block, dot, huge_rows, key_range, query_range, score_grad,
-                     softmax_start, softmax_step, store_rows, tile_and_head)
-from .rng import keep, rng_words, row_keys
+from .common import (LN2, LOG2E, admit, dot, dot_acc, huge_rows, inner_range, key_range,
+                     load_tile, offsets, query_range, second_chunk, softmax_start, store_out,
+                     store_rows, tile_and_head)
+from .rng import keep, keep_t, rng_words, row_keys
 
 # Pruned per launch by common.pruner; the small configs are what fits wide fp32 heads on
 # sm_80, the 8-warp ones what fits 128-wide heads in registers.
@@ -36,42 +40,52 @@ _DQ = common.configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64,
 _SUMS = common.configs([(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (32, 16, 4, 2)],
                       small=(16, 16))
 # Tuned once per power-of-two bucket of the lengths (common.length_bucket), not per length.
-_KEY = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "BLOCK_DV", "MASK_KIND", "DROPOUT", "GROUPS"]
+_KEY = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "BLOCK_D2", "BLOCK_DV", "BLOCK_DV2", "MASK_KIND",
+        "DROPOUT", "GROUPS"]
 _JIT = triton.jit(do_not_specialize=["LQ_BUCKET", "LK_BUCKET"])  # read by the autotuner only
 
 
 # What each kernel's tiles take, for common.pruner (element counts of a config).
 def _fwd_tiles(m):
     """K^T and V staged; q and p through shared memory; acc and s/p fp32 in registers (and the
-    mask or dropout's tile where there is one), q held."""
-    mm, n, d, dv = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"], m["BLOCK_DV"]
+    mask or dropout's tile where there is one), q held. Head dims count both chunks."""
+    mm, n = m["BLOCK_M"], m["BLOCK_N"]
+    d, dv = m["BLOCK_D"] + m["BLOCK_D2"], m["BLOCK_DV"] + m["BLOCK_DV2"]
     tiles = 1 + m["MASK_KIND"] + bool(m["DROPOUT"])  # a float mask: its load and fp32 copy
     return dict(staged=n * (d + dv), mask=mm * n, resident=mm * (d + n), acc=mm * (dv + tiles * n),
                 held=mm * d)
 
 
-def _sums_tiles(m):
-    """K^T staged; q through shared memory; s fp32 in registers, q held."""
-    mm, n, d = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"]
-    return dict(staged=n * d, mask=mm * n, resident=mm * (d + n), acc=mm * n, held=mm * d)
+def _prep_tiles(m):
+    """K^T staged (rows of huge lse only); q and s through shared memory; s and the O and dO
+    rows fp32 in registers, q held."""
+    mm, n, d, dv = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"], m["BLOCK_DV"]
+    return dict(staged=n * d, mask=mm * n, resident=mm * (d + n), acc=mm * (n + 2 * dv),
+                held=mm * d)
 
 
 def _dkdv_tiles(m):
-    """q and dO staged; k, v, p^T and ds^T through shared memory; dk, dv and six score-sized
-    fp32 tiles in registers (p, dp, ds, their transposes; four more for the dropout hash and
-    kept p, one for a mask, five for a GQA group's loop), k and v held."""
-    mm, n, d, dv = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"], m["BLOCK_DV"]
-    tiles = 6 + 4 * bool(m["DROPOUT"]) + bool(m["MASK_KIND"]) + 5 * (m["GROUPS"] > 1)
+    """q^T and dO staged; k, v, p^T and ds^T through shared memory; dk, dv and six score-sized
+    fp32 tiles in registers (p^T, dp^T, ds^T, the band's compares and the three loops' live
+    ranges; four more for the dropout hash and kept p, one for a bool mask, three for a float
+    mask and its gradient's store, five for a GQA group's loop: the compile test's spill
+    figures, 16x64 8-warp with a float mask spilled 12 B at d128 on sm_80 counting it as one),
+    k and v held. Head dims count both chunks (_head_blocks)."""
+    mm, n = m["BLOCK_M"], m["BLOCK_N"]
+    d, dv = m["BLOCK_D"] + m["BLOCK_D2"], m["BLOCK_DV"] + m["BLOCK_DV2"]
+    tiles = 6 + 4 * bool(m["DROPOUT"]) + (0, 1, 3)[m["MASK_KIND"]] + 5 * (m["GROUPS"] > 1)
     return dict(staged=mm * (d + dv), mask=mm * n, resident=n * (d + dv + 2 * mm),
                 acc=n * (d + dv) + tiles * mm * n, held=n * (d + dv))
 
 
 def _dq_tiles(m):
-    """k and v^T staged; q, dO and ds through shared memory; dq and p, dp, ds fp32 in registers,
-    q and dO held."""
-    mm, n, d, dv = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"], m["BLOCK_DV"]
+    """k^T and v^T staged; q, dO and ds through shared memory; dq and seven score-sized fp32
+    tiles in registers (p, dp, ds and the three loops' live ranges: 64x64 with 8 warps at head
+    dim 64 spills 220 B on sm_80 when counted as three), q and dO held."""
+    mm, n = m["BLOCK_M"], m["BLOCK_N"]
+    d, dv = m["BLOCK_D"] + m["BLOCK_D2"], m["BLOCK_DV"] + m["BLOCK_DV2"]
     return dict(staged=n * (d + dv), mask=mm * n, resident=mm * (d + dv + n),
-                acc=mm * d + 3 * mm * n, held=mm * (d + dv))
+                acc=mm * d + 7 * mm * n, held=mm * (d + dv))
 
 
 @triton.jit
@@ -80,13 +94,85 @@ def _query_program(H, Lq, GROUPS, BLOCK_M: tl.constexpr):
     m0, bh = tile_and_head(Lq, BLOCK_M)
     b = (bh // H).to(tl.int64)
     h = bh % H
-    return m0, bh, b, h, (h // GROUPS).to(tl.int64)
+    return m0, bh, b, h.to(tl.int64), (h // GROUPS).to(tl.int64)
 
 
 @triton.jit
 def _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh):
     """Where the keys, values (kv head hk) and mask (query head h) of batch b start."""
     return K + b * skb + hk * skh, V + b * svb + hk * svh, M + b * smb + h * smh
+
+
+@triton.jit
+def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs_m, row_ok,
+                offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc,
+                window_lo, window_hi, key_row, threshold, inv_keep,
+                EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                DOT_PREC: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D2: tl.constexpr, BLOCK_DV2: tl.constexpr):
+    """The online softmax over key blocks [lo, hi). EDGE blocks reach past the band or the keys:
+    they mask scores and loads; the others carry no band or bounds arithmetic (and no masked
+    load unless the head dim is padded). Without a float mask the running max m_i is in log2
+    units: one FMA per score (qk * scale * LOG2E - m) feeds exp2. A float mask's rows may hold
+    finfo.min biases, which times LOG2E would overflow to -inf: there scores and m_i stay in
+    natural units, and exp2 takes (s - m) * LOG2E. Head dims in two chunks (common.head_blocks)
+    take a second dot each for the scores (q2, k2) and the output (acc2, v2)."""
+    qk_scale = sc * LOG2E
+    cols = tl.arange(0, BLOCK_N)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + cols
+        kt = load_tile(k_base + offsets(offs_d, offs_n, skd, skn), offs_d, offs_n, E, Lk, PAD_D,
+                       EDGE)
+        qk = dot(q, kt, DOT_PREC)
+        if BLOCK_D2 > 0:
+            kt2 = load_tile(k_base + offsets(offs_d2, offs_n, skd, skn), offs_d2, offs_n, E, Lk,
+                            PAD_D, EDGE)
+            qk = dot_acc(q2, kt2, qk, DOT_PREC)
+        if EDGE:
+            diff = offs_n[None, :] - offs_m[:, None]
+            ok = (row_ok[:, None] & (offs_n[None, :] < Lk) & (diff >= window_lo)
+                  & (diff <= window_hi))
+        else:
+            ok = row_ok[:, None]  # only read by the mask loads
+        if MASK_KIND == 2:
+            bias = tl.load(m_base + offsets(offs_m, offs_n, smm, smn), mask=ok,
+                           other=0.0).to(tl.float32)
+            s = qk * sc + bias
+            if EDGE:
+                s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with nothing admissible so far keeps max -inf; subtracting 0 instead keeps
+            # exp(-inf - -inf) = NaN out.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
+            alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
+        else:
+            if MASK_KIND == 1:
+                ok = ok & (tl.load(m_base + offsets(offs_m, offs_n, smm, smn), mask=ok,
+                                   other=0) != 0)
+            if EDGE or MASK_KIND == 1:
+                t = tl.where(ok, qk * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(t, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.math.exp2(t - m_safe[:, None])
+            else:
+                m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+                m_safe = m_new
+                p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            p = tl.where(keep(key_row, offs_n, threshold), p * inv_keep, 0.0)
+        v = load_tile(v_base + offsets(offs_n, offs_dv, svn, svd), offs_n, offs_dv, Lk, Ev, EDGE,
+                      PAD_D)
+        p = p.to(v.dtype)
+        acc = dot_acc(p, v, acc * alpha[:, None], DOT_PREC)
+        if BLOCK_DV2 > 0:
+            v2 = load_tile(v_base + offsets(offs_n, offs_dv2, svn, svd), offs_n, offs_dv2, Lk, Ev,
+                           EDGE, PAD_D)
+            acc2 = dot_acc(p, v2, acc2 * alpha[:, None], DOT_PREC)
+        m_i = m_new
+    return acc, acc2, l_i, m_i
 
 
 @triton.autotune(configs=_FWD, key=_KEY,
@@ -98,78 +184,206 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
                 H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
                 LQ_BUCKET, LK_BUCKET,
                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                PAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
+                BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = m0 + rows
+    row_ok = offs_m < Lq
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_d2 = second_chunk(BLOCK_D, BLOCK_D2)
+    offs_dv2 = second_chunk(BLOCK_DV, BLOCK_DV2)
+    m = m0.to(tl.int64)
+    k_base, v_base, m_base = _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh)
+    q_base = Q + b * sqb + h * sqh + m * sqm
+    q = load_tile(q_base + offsets(rows, offs_d, sqm, sqd), offs_m, offs_d, Lq, E, True, PAD_D)
+    q2 = q  # read only with a second chunk
+    if BLOCK_D2 > 0:
+        q2 = load_tile(q_base + offsets(rows, offs_d2, sqm, sqd), offs_m, offs_d2, Lq, E, True,
+                       PAD_D)
+    # scale * (q . k) = |scale| * (-q . k): exp2's FMA needs a positive scale for the row max.
+    if scale < 0:
+        q = -q
+        q2 = -q2
+    sc = tl.abs(scale)
+    key_row, threshold = None, None
+    if DROPOUT:
+        key_row, threshold = row_keys(RNG, bh, offs_m)
+    m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_DV)
+    acc2 = tl.zeros([BLOCK_M, offs_dv2.shape[0]], tl.float32)
+    start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
+    lo, hi = inner_range(m0, Lq, Lk, start, end, window_lo, window_hi, BLOCK_M, BLOCK_N)
+    acc, acc2, l_i, m_i = _fwd_blocks(
+        acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, start, lo, offs_m, row_ok, offs_d,
+        offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc, window_lo,
+        window_hi, key_row, threshold, inv_keep, True, MASK_KIND, DROPOUT, DOT_PREC, PAD_D,
+        BLOCK_N, BLOCK_D2, BLOCK_DV2)
+    acc, acc2, l_i, m_i = _fwd_blocks(
+        acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs_m, row_ok, offs_d,
+        offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc, window_lo,
+        window_hi, key_row, threshold, inv_keep, False, MASK_KIND, DROPOUT, DOT_PREC, PAD_D,
+        BLOCK_N, BLOCK_D2, BLOCK_DV2)
+    acc, acc2, l_i, m_i = _fwd_blocks(
+        acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, hi, end, offs_m, row_ok, offs_d,
+        offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc, window_lo,
+        window_hi, key_row, threshold, inv_keep, True, MASK_KIND, DROPOUT, DOT_PREC, PAD_D,
+        BLOCK_N, BLOCK_D2, BLOCK_DV2)
+    if MASK_KIND != 2:
+        m_i = m_i * LN2  # back to natural units (-inf stays -inf)
+    o_base = O + b * sob + h * soh + m * som
+    store_rows(o_base, LSE + bh.to(tl.int64) * Lq + m0, m_i, l_i, acc, rows, offs_dv, Lq - m0,
+               Ev, som, sod)
+    if BLOCK_DV2 > 0:
+        store_out(o_base, l_i, acc2, rows, offs_dv2, Lq - m0, Ev, som, sod)
+
+
+@triton.jit
+def _probs(qk, ok, m_ptrs, lse, sc, EDGE: tl.constexpr, MASK_KIND: tl.constexpr):
+    """Probabilities of a score tile qk (q . k, unscaled) from the saved lse, broadcast to the
+    tile's shape (+inf on empty rows, so they come out 0). ok: admissible pairs on EDGE tiles,
+    else where the mask may be read. Without a float mask one FMA per score feeds exp2; a float
+    mask's huge biases stay in natural units (see _fwd_blocks)."""
+    if MASK_KIND == 2:
+        s = qk * sc + tl.load(m_ptrs, mask=ok, other=0.0).to(tl.float32)
+        if EDGE:
+            s = tl.where(ok, s, float("-inf"))
+        p = tl.math.exp2((s - lse) * LOG2E)
+    else:
+        t = qk * (sc * LOG2E)
+        if MASK_KIND == 1:
+            ok = ok & (tl.load(m_ptrs, mask=ok, other=0) != 0)
+        if EDGE or MASK_KIND == 1:
+            t = tl.where(ok, t, float("-inf"))
+        p = tl.math.exp2(t - lse * LOG2E)
+    return p
+
+
+@triton.jit
+def _band(offs_i, offs_j, window_lo, window_hi):
+    """Where key j - query i lies in the band (offsets broadcast by the caller: query-major or
+    key-major tiles)."""
+    diff = offs_j - offs_i
+    return (diff >= window_lo) & (diff <= window_hi)
+
+
+@triton.jit
+def _row_stats(lse_base, delta_base, offs_m, row_ok):
+    """(lse with empty rows at +inf, so their probabilities come out 0; delta) of rows offs_m."""
+    lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse), delta
+
+
+@triton.autotune(configs=_SUMS, key=["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "BLOCK_DV", "MASK_KIND",
+                                     "GROUPS"],
+                 prune_configs_by={"early_config_prune": common.pruner(_prep_tiles)})
+@_JIT
+def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS,
+                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, smb, smh, smm, smn,
+                 sob, soh, som, sod, sdb, sdh, sdm, sdd,
+                 H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, huge_lse,
+                 LQ_BUCKET, LK_BUCKET,
+                 MASK_KIND: tl.constexpr, HAS_GLSE: tl.constexpr, DOT_PREC: tl.constexpr,
+                 PAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The backward's one pre-pass over the query rows: DELTA = (rowsum(dO * O) - grad_lse) / r
+    and DOS = dO / r in dO's dtype (contiguous), r = sum_j exp(s_ij - lse_i) on rows of huge
+    |lse| (common.HUGE_LSE), 1 elsewhere; programs without such rows read no keys."""
     m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_base, v_base, m_base = _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh)
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < E), other=0.0)
-    key_row, threshold = None, None
-    if DROPOUT:
-        key_row, threshold = row_keys(RNG, bh, offs_m)
-
-    m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_DV)
-    start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd,
-                     mask=(offs_n[None, :] < Lk) & (offs_d[:, None] < E), other=0.0)
-        s = dot(q, kt, DOT_PREC) * scale
-        s = admit_block(s, m_base, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
-                        MASK_KIND, BLOCK_M, BLOCK_N)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                    mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < Ev), other=0.0)
-        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, key_row, threshold, offs_n, inv_keep,
-                                     DROPOUT, DOT_PREC)
-    store_rows(O + b * sob + h * soh, LSE + bh.to(tl.int64) * Lq, m_i, l_i, acc, offs_m, offs_dv,
-               Lq, Ev, som, sod)
-
-
-@triton.jit
-def _probs(q, kt, m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, scale, window_lo,
-           window_hi, MASK_KIND: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr):
-    """Softmax probabilities of a tile recomputed from the saved lse (+inf on empty rows, so
-    they come out 0)."""
-    s = dot(q, kt, DOT_PREC) * scale
-    s = admit_block(s, m_base, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
-                    MASK_KIND, BLOCK_M, BLOCK_N)
-    return tl.exp(s - lse[:, None])
-
-
-@triton.autotune(configs=_SUMS, key=["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "MASK_KIND", "GROUPS"],
-                 prune_configs_by={"early_config_prune": common.pruner(_sums_tiles)})
-@_JIT
-def _row_sums_kernel(Q, K, M, LSE, R, sqb, sqh, sqm, sqd, skb, skh, skn, skd, smb, smh, smm, smn,
-                     H, Lq, Lk, E, GROUPS, scale, window_lo, window_hi, huge_lse,
-                     LQ_BUCKET, LK_BUCKET,
-                     MASK_KIND: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """R = sum_j exp(s_ij - lse_i) on rows of huge |lse| (common.HUGE_LSE), 1 on the others;
-    blocks without such rows read nothing but their lse."""
-    m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < Lq
-    lse = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=0.0)
+    rows = bh.to(tl.int64) * Lq + offs_m
+    lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
     huge = huge_rows(lse, huge_lse)
     k_base, _, m_base = _head_bases(K, K, M, b, h, hk, skb, skh, skb, skh, smb, smh)
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
+    q = load_tile(Q + b * sqb + h * sqh + offsets(offs_m, offs_d, sqm, sqd), offs_m, offs_d, Lq,
+                  E, True, PAD_D)
     start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
     end = tl.where(tl.max(huge.to(tl.int32), 0) > 0, end, start)
     total = tl.zeros([BLOCK_M], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd,
-                     mask=(offs_n[None, :] < Lk) & (offs_d[:, None] < E), other=0.0)
-        total += tl.sum(_probs(q, kt, m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn,
-                               scale, window_lo, window_hi, MASK_KIND, DOT_PREC, BLOCK_M,
-                               BLOCK_N), 1)
-    tl.store(R + bh.to(tl.int64) * Lq + offs_m, tl.where(huge, total, 1.0), mask=row_ok)
+        kt = load_tile(k_base + offsets(offs_d, offs_n, skd, skn), offs_d, offs_n, E, Lk, PAD_D,
+                       True)
+        s = admit(dot(q, kt, DOT_PREC) * scale, m_base, offs_m, offs_n, Lq, Lk, smm, smn,
+                  window_lo, window_hi, MASK_KIND)
+        total += tl.sum(tl.math.exp2((s - lse[:, None]) * LOG2E), 1)
+    r = tl.where(huge, total, 1.0)
+    o = load_tile(O + b * sob + h * soh + offsets(offs_m, offs_dv, som, sod), offs_m, offs_dv,
+                  Lq, Ev, True, PAD_D).to(tl.float32)
+    do = load_tile(DO + b * sdb + h * sdh + offsets(offs_m, offs_dv, sdm, sdd), offs_m, offs_dv,
+                   Lq, Ev, True, PAD_D).to(tl.float32)
+    delta = tl.sum(do * o, 1)
+    # With dropout D_i = sum_j P_ij dP_ij still equals rowsum(dO * O): O is built from the
+    # dropped P, and dP of the dropped P differs from dP by the same keep / (1 - p) factor.
+    if HAS_GLSE:  # d lse_i / d s_ij = P_ij: the lse gradient only shifts D_i
+        delta -= tl.load(GLSE + rows, mask=row_ok, other=0.0)
+    tl.store(DELTA + rows, delta / r, mask=row_ok)
+    tl.store(DOS + rows.to(tl.int64)[:, None] * Ev + offs_dv[None, :],
+             (do / r[:, None]).to(DOS.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < Ev))
+
+
+@triton.jit
+def _dkdv_blocks(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, LSE, DELTA,
+                 RNG, bh, lo, hi, offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk, E,
+                 Ev, sqm, sqd, sdm, sdd, smm, smn, sc,
+                 window_lo, window_hi, inv_keep,
+                 EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                 MASK_GRAD: tl.constexpr, DOT_PREC: tl.constexpr, PAD_D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV2: tl.constexpr):
+    """dK and dV of one key block over query blocks [lo, hi) of head bh, in key-major tiles
+    (K Q^T, V dO^T): q and dO are read transposed from memory, so no probability or score
+    gradient tile is transposed in registers. EDGE blocks reach past the band or the rows.
+    Second head-dim chunks (common.head_blocks) add a dot to each product."""
+    rows = tl.arange(0, BLOCK_M)
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + rows
+        qt = load_tile(q_base + offsets(offs_d, offs_m, sqd, sqm), offs_d, offs_m, E, Lq, PAD_D,
+                       EDGE)
+        do = load_tile(do_base + offsets(offs_m, offs_dv, sdm, sdd), offs_m, offs_dv, Lq, Ev, EDGE,
+                       PAD_D)
+        qkt = dot(k, qt, DOT_PREC)
+        dpt = dot(v, tl.trans(do), DOT_PREC)
+        if BLOCK_D2 > 0:
+            qt2 = load_tile(q_base + offsets(offs_d2, offs_m, sqd, sqm), offs_d2, offs_m, E, Lq,
+                            PAD_D, EDGE)
+            qkt = dot_acc(k2, qt2, qkt, DOT_PREC)
+        if BLOCK_DV2 > 0:
+            do2 = load_tile(do_base + offsets(offs_m, offs_dv2, sdm, sdd), offs_m, offs_dv2, Lq, Ev,
+                            EDGE, PAD_D)
+            dpt = dot_acc(v2, tl.trans(do2), dpt, DOT_PREC)
+        lse, delta = _row_stats(LSE, DELTA, offs_m, offs_m < Lq)
+        if EDGE:
+            ok = (col_ok[:, None] & (offs_m[None, :] < Lq)
+                  & _band(offs_m[None, :], offs_n[:, None], window_lo, window_hi))
+        else:
+            ok = col_ok[:, None]  # only read by the mask loads
+        pt = _probs(qkt, ok, m_base + offsets(offs_n, offs_m, smn, smm), lse[None, :], sc, EDGE,
+                    MASK_KIND)
+        if DROPOUT:
+            key_row, threshold = row_keys(RNG, bh, offs_m)
+            kept = keep_t(key_row, offs_n, threshold)
+            pu = tl.where(kept, pt * inv_keep, 0.0).to(do.dtype)
+            dpt = tl.where(kept, dpt * inv_keep, 0.0)
+        else:
+            pu = pt.to(do.dtype)
+        dv = dot_acc(pu, do, dv, DOT_PREC)
+        if BLOCK_DV2 > 0:
+            dv2 = dot_acc(pu, do2, dv2, DOT_PREC)
+        dst = pt * (dpt - delta[None, :])
+        if MASK_GRAD:
+            tl.store(dm_base + offsets(offs_n, offs_m, 1, Lk), dst.to(dm_base.dtype.element_ty),
+                     mask=col_ok[:, None] & (offs_m[None, :] < Lq))
+        dst = dst.to(qt.dtype)
+        dk = dot_acc(dst, tl.trans(qt), dk, DOT_PREC)
+        if BLOCK_D2 > 0:
+            dk2 = dot_acc(dst, tl.trans(qt2), dk2, DOT_PREC)
+    return dk, dk2, dv, dv2
 
 
 @triton.autotune(configs=_DKDV, key=_KEY,
@@ -178,60 +392,140 @@ def _row_sums_kernel(Q, K, M, LSE, R, sqb, sqh, sqm, sqd, skb, skh, skn, skd, sm
 def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                  smb, smh, smm, smn, sdb, sdh, sdm, sdd,
-                 H, Hkv, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
+                 H, Hkv, Lq, Lk, E, Ev, GROUPS, SPLIT, scale, window_lo, window_hi, inv_keep,
                  LQ_BUCKET, LK_BUCKET,
                  MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
-                 DOT_PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 DOT_PREC: tl.constexpr, PAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    n0, bhk = tile_and_head(Lk, BLOCK_N)
+    """One program per (key block, b * Hkv + kv head, slice of its GQA group): the group's
+    GROUPS / SPLIT query heads in turn. SPLIT > 1 (sdpa_bwd: where b * Hkv key blocks would
+    leave SMs idle) writes fp32 partial sums, one per slice, that the host adds up: no
+    atomics, deterministic."""
+    n0, prog = tile_and_head(Lk, BLOCK_N)
+    part = prog % SPLIT
+    bhk = prog // SPLIT
     b = (bhk // Hkv).to(tl.int64)
     hk = (bhk % Hkv).to(tl.int64)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N)
+    offs_n = n0 + cols
+    col_ok = offs_n < Lk
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_mask = (offs_n[:, None] < Lk) & (offs_d[None, :] < E)
-    v_mask = (offs_n[:, None] < Lk) & (offs_dv[None, :] < Ev)
-    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
-                mask=k_mask, other=0.0)
-    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                mask=v_mask, other=0.0)
-    kt = tl.trans(k)
-    vt = tl.trans(v)
+    offs_d2 = second_chunk(BLOCK_D, BLOCK_D2)
+    offs_dv2 = second_chunk(BLOCK_DV, BLOCK_DV2)
+    n = n0.to(tl.int64)
+    k_base = K + b * skb + hk * skh + n * skn
+    v_base = V + b * svb + hk * svh + n * svn
+    k = load_tile(k_base + offsets(cols, offs_d, skn, skd), offs_n, offs_d, Lk, E, True, PAD_D)
+    v = load_tile(v_base + offsets(cols, offs_dv, svn, svd), offs_n, offs_dv, Lk, Ev, True,
+                  PAD_D)
+    k2, v2 = k, v  # read only with second chunks
+    if BLOCK_D2 > 0:
+        k2 = load_tile(k_base + offsets(cols, offs_d2, skn, skd), offs_n, offs_d2, Lk, E, True,
+                       PAD_D)
+    if BLOCK_DV2 > 0:
+        v2 = load_tile(v_base + offsets(cols, offs_dv2, svn, svd), offs_n, offs_dv2, Lk, Ev,
+                       True, PAD_D)
+    if scale < 0:  # as in the forward: exp2's FMA wants a positive scale
+        k = -k
+        k2 = -k2
+    sc = tl.abs(scale)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    dk2 = tl.zeros([BLOCK_N, offs_d2.shape[0]], tl.float32)
+    dv2 = tl.zeros([BLOCK_N, offs_dv2.shape[0]], tl.float32)
     start, end = query_range(n0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
-    for g in range(GROUPS):
-        h = hk * GROUPS + g
+    # Query blocks wholly inside the band for these keys: inner_range with queries and keys
+    # swapped (i - j in [-window_hi, -window_lo]).
+    lo, hi = inner_range(n0, Lk, Lq, start, end, -window_hi, -window_lo, BLOCK_N, BLOCK_M)
+    per = GROUPS // SPLIT
+    for g in range(per):
+        h = hk * GROUPS + part.to(tl.int64) * per + g
         bh = b * H + h
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdb + h * sdh
         m_base = M + b * smb + h * smh
-        for m0 in range(start, end, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            row_ok = offs_m < Lq
-            q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                        mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * sdm + offs_dv[None, :] * sdd,
-                         mask=row_ok[:, None] & (offs_dv[None, :] < Ev), other=0.0)
-            lse = tl.load(LSE + bh * Lq + offs_m, mask=row_ok, other=float("inf"))
-            lse = tl.where(lse == float("-inf"), float("inf"), lse)
-            delta = tl.load(DELTA + bh * Lq + offs_m, mask=row_ok, other=0.0)
-            p = _probs(q, kt, m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, scale,
-                       window_lo, window_hi, MASK_KIND, DOT_PREC, BLOCK_M, BLOCK_N)
-            ds, p_used = score_grad(p, do, vt, 0.0, delta, RNG, bh, offs_m, offs_n, inv_keep,
-                                    DROPOUT, DOT_PREC)
-            dv += dot(tl.trans(p_used.to(do.dtype)), do, DOT_PREC)
-            if MASK_GRAD:
-                tl.store(DM + bh * Lq * Lk + offs_m[:, None] * Lk + offs_n[None, :],
-                         ds.to(DM.dtype.element_ty),
-                         mask=row_ok[:, None] & (offs_n[None, :] < Lk))
-            dk += dot(tl.trans(ds.to(q.dtype)), q, DOT_PREC)
-    # dK and dV are contiguous, shaped like K and V.
-    base = bhk.to(tl.int64) * Lk
-    tl.store(DK + (base + offs_n[:, None]) * E + offs_d[None, :],
-             (dk * scale).to(DK.dtype.element_ty), mask=k_mask)
-    tl.store(DV + (base + offs_n[:, None]) * Ev + offs_dv[None, :],
-             dv.to(DV.dtype.element_ty), mask=v_mask)
+        dm_base = DM + bh * Lq * Lk
+        lse_base = LSE + bh * Lq
+        delta_base = DELTA + bh * Lq
+        dk, dk2, dv, dv2 = _dkdv_blocks(
+            dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, lse_base,
+            delta_base, RNG, bh, start, lo,
+            offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk, E, Ev, sqm, sqd, sdm, sdd,
+            smm, smn, sc,
+            window_lo, window_hi, inv_keep, True, MASK_KIND, DROPOUT, MASK_GRAD, DOT_PREC, PAD_D,
+            BLOCK_M, BLOCK_D2, BLOCK_DV2)
+        dk, dk2, dv, dv2 = _dkdv_blocks(
+            dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, lse_base,
+            delta_base, RNG, bh, lo, hi,
+            offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk, E, Ev, sqm, sqd, sdm, sdd,
+            smm, smn, sc,
+            window_lo, window_hi, inv_keep, False, MASK_KIND, DROPOUT, MASK_GRAD, DOT_PREC, PAD_D,
+            BLOCK_M, BLOCK_D2, BLOCK_DV2)
+        dk, dk2, dv, dv2 = _dkdv_blocks(
+            dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, lse_base,
+            delta_base, RNG, bh, hi, end,
+            offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk, E, Ev, sqm, sqd, sdm, sdd,
+            smm, smn, sc,
+            window_lo, window_hi, inv_keep, True, MASK_KIND, DROPOUT, MASK_GRAD, DOT_PREC, PAD_D,
+            BLOCK_M, BLOCK_D2, BLOCK_DV2)
+    # dK and dV (or their slices' partial sums) are contiguous: (programs' heads, Lk, E).
+    base = prog.to(tl.int64) * Lk + n
+    _store_cols(DK + base * E, dk * scale, cols, offs_d, col_ok, E)
+    _store_cols(DV + base * Ev, dv, cols, offs_dv, col_ok, Ev)
+    if BLOCK_D2 > 0:
+        _store_cols(DK + base * E, dk2 * scale, cols, offs_d2, col_ok, E)
+    if BLOCK_DV2 > 0:
+        _store_cols(DV + base * Ev, dv2, cols, offs_dv2, col_ok, Ev)
+
+
+@triton.jit
+def _store_cols(base, x, rows, offs_d, row_ok, D):
+    """x into columns offs_d of the contiguous rows (width D) of base."""
+    tl.store(base + offsets(rows, offs_d, D, 1), x.to(base.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, lo, hi, offs_m,
+               row_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm,
+               smn, sc, window_lo, window_hi, key_row, threshold,
+               inv_keep, EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+               DOT_PREC: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D2: tl.constexpr, BLOCK_DV2: tl.constexpr):
+    """dQ of one query block over key blocks [lo, hi) (EDGE: past the band or the keys)."""
+    cols = tl.arange(0, BLOCK_N)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + cols
+        kt = load_tile(k_base + offsets(offs_d, offs_n, skd, skn), offs_d, offs_n, E, Lk, PAD_D,
+                       EDGE)
+        vt = load_tile(v_base + offsets(offs_dv, offs_n, svd, svn), offs_dv, offs_n, Ev, Lk,
+                       PAD_D, EDGE)
+        qk = dot(q, kt, DOT_PREC)
+        dp = dot(do, vt, DOT_PREC)
+        if BLOCK_D2 > 0:
+            kt2 = load_tile(k_base + offsets(offs_d2, offs_n, skd, skn), offs_d2, offs_n, E, Lk,
+                            PAD_D, EDGE)
+            qk = dot_acc(q2, kt2, qk, DOT_PREC)
+        if BLOCK_DV2 > 0:
+            vt2 = load_tile(v_base + offsets(offs_dv2, offs_n, svd, svn), offs_dv2, offs_n, Ev, Lk,
+                            PAD_D, EDGE)
+            dp = dot_acc(do2, vt2, dp, DOT_PREC)
+        if EDGE:
+            ok = (row_ok[:, None] & (offs_n[None, :] < Lk)
+                  & _band(offs_m[:, None], offs_n[None, :], window_lo, window_hi))
+        else:
+            ok = row_ok[:, None]
+        p = _probs(qk, ok, m_base + offsets(offs_m, offs_n, smm, smn), lse[:, None], sc, EDGE,
+                   MASK_KIND)
+        if DROPOUT:
+            dp = tl.where(keep(key_row, offs_n, threshold), dp * inv_keep, 0.0)
+        ds = (p * (dp - delta[:, None])).to(kt.dtype)
+        dq = dot_acc(ds, tl.trans(kt), dq, DOT_PREC)
+        if BLOCK_D2 > 0:
+            dq2 = dot_acc(ds, tl.trans(kt2), dq2, DOT_PREC)
+    return dq, dq2
 
 
 @triton.autotune(configs=_DQ, key=_KEY,
@@ -243,41 +537,63 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
                H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
                LQ_BUCKET, LK_BUCKET,
                MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               PAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
+               BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = m0 + rows
+    row_ok = offs_m < Lq
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < Lq
-    q_mask = row_ok[:, None] & (offs_d[None, :] < E)
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=q_mask, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :] * sdd,
-                 mask=row_ok[:, None] & (offs_dv[None, :] < Ev), other=0.0)
-    lse = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    delta = tl.load(DELTA + bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=0.0)
+    offs_d2 = second_chunk(BLOCK_D, BLOCK_D2)
+    offs_dv2 = second_chunk(BLOCK_DV, BLOCK_DV2)
+    m = m0.to(tl.int64)
+    q_base = Q + b * sqb + h * sqh + m * sqm
+    do_base = DO + b * sdb + h * sdh + m * sdm
+    q = load_tile(q_base + offsets(rows, offs_d, sqm, sqd), offs_m, offs_d, Lq, E, True, PAD_D)
+    do = load_tile(do_base + offsets(rows, offs_dv, sdm, sdd), offs_m, offs_dv, Lq, Ev, True,
+                   PAD_D)
+    q2, do2 = q, do  # read only with second chunks
+    if BLOCK_D2 > 0:
+        q2 = load_tile(q_base + offsets(rows, offs_d2, sqm, sqd), offs_m, offs_d2, Lq, E, True,
+                       PAD_D)
+    if BLOCK_DV2 > 0:
+        do2 = load_tile(do_base + offsets(rows, offs_dv2, sdm, sdd), offs_m, offs_dv2, Lq, Ev,
+                        True, PAD_D)
+    if scale < 0:  # as in the forward
+        q = -q
+        q2 = -q2
+    sc = tl.abs(scale)
+    bh64 = bh.to(tl.int64)
+    lse, delta = _row_stats(LSE + bh64 * Lq, DELTA + bh64 * Lq, offs_m, row_ok)
+    key_row, threshold = None, None
     if DROPOUT:
         key_row, threshold = row_keys(RNG, bh, offs_m)
     k_base, v_base, m_base = _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq2 = tl.zeros([BLOCK_M, offs_d2.shape[0]], tl.float32)
     start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd,
-                    mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < E), other=0.0)
-        vt = tl.load(v_base + offs_n[None, :] * svn + offs_dv[:, None] * svd,
-                     mask=(offs_n[None, :] < Lk) & (offs_dv[:, None] < Ev), other=0.0)
-        p = _probs(q, tl.trans(k), m_base, lse, m0, n0, offs_m, offs_n, Lq, Lk, smm, smn, scale,
-                   window_lo, window_hi, MASK_KIND, DOT_PREC, BLOCK_M, BLOCK_N)
-        dp = dot(do, vt, DOT_PREC)
-        if DROPOUT:
-            dp = tl.where(keep(key_row, offs_n, threshold), dp * inv_keep, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += dot(ds.to(k.dtype), k, DOT_PREC)
-    tl.store(DQ + (bh.to(tl.int64) * Lq + offs_m[:, None]) * E + offs_d[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+    lo, hi = inner_range(m0, Lq, Lk, start, end, window_lo, window_hi, BLOCK_M, BLOCK_N)
+    dq, dq2 = _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, start, lo,
+                         offs_m, row_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd,
+                         svn, svd, smm, smn, sc, window_lo, window_hi, key_row, threshold,
+                         inv_keep, True, MASK_KIND, DROPOUT, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2,
+                         BLOCK_DV2)
+    dq, dq2 = _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, lo, hi,
+                         offs_m, row_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd,
+                         svn, svd, smm, smn, sc, window_lo, window_hi, key_row, threshold,
+                         inv_keep, False, MASK_KIND, DROPOUT, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2,
+                         BLOCK_DV2)
+    dq, dq2 = _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, hi, end,
+                         offs_m, row_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd,
+                         svn, svd, smm, smn, sc, window_lo, window_hi, key_row, threshold,
+                         inv_keep, True, MASK_KIND, DROPOUT, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2,
+                         BLOCK_DV2)
+    out = DQ + (bh64 * Lq + m) * E
+    _store_cols(out, dq * scale, rows, offs_d, row_ok, E)
+    if BLOCK_D2 > 0:
+        _store_cols(out, dq2 * scale, rows, offs_d2, row_ok, E)
 
 
 def _common_args(q, k, v, mask, dropout_p, seed):
@@ -290,8 +606,11 @@ def _common_args(q, k, v, mask, dropout_p, seed):
     strides = (*q.stride(), *k.stride(), *v.stride(), *m_strides)
     consts = dict(MASK_KIND=common.mask_kind(mask), DROPOUT=dropout_p > 0,
                   DOT_PREC=common.dot_precision(q.dtype),
-                  BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev),
                   LQ_BUCKET=common.length_bucket(lq), LK_BUCKET=common.length_bucket(lk))
+    # Head dims as one or two power-of-two chunks (_head_blocks).
+    (d1, d2), (dv1, dv2) = _head_blocks(e), _head_blocks(ev)
+    consts.update(BLOCK_D=d1, BLOCK_D2=d2, BLOCK_DV=dv1, BLOCK_DV2=dv2,
+                  PAD_D=d1 + d2 != e or dv1 + dv2 != ev)
     inv_keep = 1.0 / (1.0 - dropout_p)
     return m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep
 
@@ -321,32 +640,61 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     window_lo, window_hi = common.clamped_band(window_lo, window_hi, q.shape[2], k.shape[2])
     m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep = _common_args(
         q, k, v, mask, dropout_p, seed)
-    r = torch.empty_like(lse)
-    common.launcher(_row_sums_kernel)[lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)](
-        q, k, m, lse, r, *strides[:8], *strides[12:], h, lq, lk, e, h // hkv, scale, window_lo,
+    delta = torch.empty_like(lse)
+    # dO / r (common.HUGE_LSE), in dO's dtype: what the dK/dV and dQ kernels read as dO.
+    dos = grad_out.new_empty((b, h, lq, ev))
+    glse = grad_lse.float().contiguous() if grad_lse is not None else lse
+    common.launcher(_prep_kernel)[lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)](
+        q, k, m, out, grad_out, glse, lse, delta, dos, *strides[:8], *strides[12:],
+        *out.stride(), *grad_out.stride(), h, lq, lk, e, ev, h // hkv, scale, window_lo,
         window_hi, common.HUGE_LSE, consts["LQ_BUCKET"], consts["LK_BUCKET"],
-        MASK_KIND=consts["MASK_KIND"], DOT_PREC=consts["DOT_PREC"], BLOCK_D=consts["BLOCK_D"])
-    grad_out = common.divide_rows(grad_out, r)
-    # With dropout D_i = sum_j P_ij dP_ij still equals rowsum(dO * O): O is built from the
-    # dropped P, and dP of the dropped P differs from dP by the same keep / (1 - p) factor.
-    delta = (grad_out.float() * out.float()).sum(-1)
-    if grad_lse is not None:  # d lse_i / d s_ij = P_ij: the lse gradient only shifts D_i,
-        delta = delta - grad_lse.float() / r  # scaled as dO was
+        MASK_KIND=consts["MASK_KIND"], HAS_GLSE=grad_lse is not None,
+        DOT_PREC=consts["DOT_PREC"], PAD_D=common.head_block(e) != e or common.head_block(ev) != ev,
+        BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    split = _gqa_split(h // hkv, lk, b * hkv)
+    if split == 1:
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    else:  # fp32 partial sums of each slice of a group's query heads
+        dk = k.new_empty((b, hkv, split, lk, e), dtype=torch.float32)
+        dv = v.new_empty((b, hkv, split, lk, ev), dtype=torch.float32)
     # Only in-band entries are written: the rest of dmask stays zero.
     dmask = q.new_zeros((b, h, lq, lk)) if mask_grad else q.new_empty((0,))
-    sizes = (lq, lk, e, ev, h // hkv, scale, window_lo, window_hi, inv_keep)
+    sizes = (lq, lk, e, ev, h // hkv)
+    band = (scale, window_lo, window_hi, inv_keep)
     common.launcher(_dkdv_kernel)[
-        lambda meta: common.tiles_grid(lk, meta["BLOCK_N"], b * hkv)](
-        q, k, v, m, grad_out, lse, delta, rng, dk, dv, dmask, *strides, *grad_out.stride(),
-        h, hkv, *sizes, MASK_GRAD=mask_grad, **consts)
+        lambda meta: common.tiles_grid(lk, meta["BLOCK_N"], b * hkv * split)](
+        q, k, v, m, dos, lse, delta, rng, dk, dv, dmask, *strides, *dos.stride(),
+        h, hkv, *sizes, split, *band, MASK_GRAD=mask_grad, **consts)
+    if split > 1:
+        dk, dv = dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype)
     common.launcher(_dq_kernel)[
         lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)](
-        q, k, v, m, grad_out, lse, delta, rng, dq, *strides, *grad_out.stride(),
-        h, *sizes, **consts)
+        q, k, v, m, dos, lse, delta, rng, dq, *strides, *dos.stride(),
+        h, *sizes, *band, **consts)
     return dq, dk, dv, dmask
+
+
+def _head_blocks(d: int) -> tuple[int, int]:
+    """The kernels' head-dim chunks: common.head_blocks over 128 (160 = 128 + 32 and 192 =
+    128 + 64 unpadded, where one block padded them to 256), one power of two up to 128. In two
+    chunks (96 = 64 + 32) the kernels spilled on sm_80 in configs that the padded 128 keeps
+    spill-free (the compile test: forward 64x64 4-warp 24 B, dK/dV 32x32 1.5 KB, dQ 64x32 8 B),
+    and zero spills is the bound there; over 128 they spill in any case."""
+    return common.head_blocks(d) if d > 128 else (common.head_block(d), 0)
+
+
+def _gqa_split(groups: int, lk: int, kv_heads: int) -> int:
+    """Into how many slices the dK/dV kernel cuts each GQA group of query heads: the fewest
+    (a divisor of groups) that give at least two programs per SM, counting key blocks of the
+    largest BLOCK_N; one program per kv head left most SMs idle under MQA."""
+    tiles = triton.cdiv(lk, max(c.kwargs["BLOCK_N"] for c in _DKDV)) * kv_heads
+    want = 2 * common.multiprocessors()
+    for split in range(1, groups + 1):
+        if groups % split == 0 and tiles * split >= want:
+            return split
+    return groups
 
 
 # Shape-only versions: triton_op derives them itself on a GPU, custom_op (the interpreter's

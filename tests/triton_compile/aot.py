@@ -9,6 +9,7 @@ temporary folder).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import re
@@ -26,6 +27,87 @@ SHARED_LIMIT = {80: 166912, 90: 232448}
 _PTXAS = re.compile(r"Used (\d+) registers.*?(?:\n|$)", re.S)
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _STACK = re.compile(r"(\d+) bytes stack frame")
+
+_LABEL = re.compile(r"^\s*(\$L__BB\d+_\d+):")
+_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+# What the loop counts break down: the exponentials, multiply/FMA, selects and compares (the
+# mask arithmetic), global loads, tensor-core instructions.
+_KINDS = {"ex2": r"^ex2", "fma": r"^fma", "mul": r"^mul\.", "add/sub": r"^(add|sub)\.",
+          "setp/selp": r"^(setp|selp)", "ld.global": r"^ld\.global", "cp.async": r"^cp\.async",
+          "mma": r"^(mma|wgmma)", "mov": r"^mov"}
+
+
+def loops(ptx: str) -> list[dict]:
+    """Each backward branch's body (label .. branch): its instruction count and kinds."""
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    where = {}
+    out = []
+    for i, ln in enumerate(lines):
+        m = _LABEL.match(ln)
+        if m:
+            where[m.group(1)] = i
+        b = _BRANCH.search(ln)
+        if b and b.group(1) in where:  # a label seen before: a loop back edge
+            ops = [x.split()[1] if x.startswith("@") else x.split()[0]  # @%p predicated
+                   for x in lines[where[b.group(1)] + 1:i + 1]
+                   if x and not x.startswith(("$", "//", "{", "}", "."))]
+            kinds = collections.Counter()
+            for op in ops:
+                for name, pat in _KINDS.items():
+                    if re.match(pat, op):
+                        kinds[name] += 1
+            out.append(dict(instructions=len(ops), **kinds))
+    return out
+
+
+_DEF = re.compile(r"^\s*(%[\w#$.-]+) = ([\w.]+)\s*(.*)$")
+_CONSTANT_OF = ("tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape")
+
+
+def narrow_products(ttir: str) -> list[str]:
+    """The 32-bit integer multiplies in the TTIR of two values neither of which is a constant:
+    an index times a stride or a length, which wraps past 2^31 elements (issue 18 item 6).
+    Products by a constant (tile sizes, the dropout hash) are exempt."""
+    constant = set()
+    out = []
+    for line in ttir.splitlines():
+        line = re.sub(r"\s+loc\(.*\)$", "", line)
+        m = _DEF.match(line)
+        if not m:
+            continue
+        name, op, rest = m.groups()
+        operands = re.findall(r"%[\w#$.-]+", rest.split(":")[0])
+        if op == "arith.constant" or (op in _CONSTANT_OF and operands
+                                      and all(o in constant for o in operands)):
+            constant.add(name)
+        elif op == "arith.muli" and re.search(r"\bi32\b|xi32>", rest.rsplit(":", 1)[-1]):
+            if not any(o in constant for o in operands):
+                out.append(line.strip())
+    return out
+
+
+def computed_transposes(ttir: str) -> list[str]:
+    """The tt.trans in the TTIR whose operand is not a tile loaded from memory: a transpose of
+    computed values (probabilities, score gradients) through registers and shared memory each
+    step (issue 18 item 9); a loaded tile's transpose is only another view of its staging."""
+    op_of = {}
+    out = []
+    for line in ttir.splitlines():
+        m = _DEF.match(re.sub(r"\s+loc\(.*\)$", "", line))
+        if not m:
+            continue
+        name, op, rest = m.groups()
+        op_of[name] = op
+        if op == "tt.trans" and op_of.get(rest.split()[0]) != "tt.load":
+            out.append(m.group(0).strip())
+    return out
+
+
+def in_band_loop(ptx: str) -> dict | None:
+    """The leanest loop body with tensor-core instructions (fewest selects and compares): the
+    forward's in-band key loop, or None."""
+    dots = [lp for lp in loops(ptx) if lp.get("mma")]
+    return min(dots, key=lambda lp: lp.get("setp/selp", 0)) if dots else None
 
 
 def prepare(unit):
@@ -67,5 +149,7 @@ def compile_unit(unit) -> dict:
                registers=int(regs.group(1)) if regs else None,
                spill_bytes=int(spill.group(1)) + int(spill.group(2)) if spill else None,
                stack_bytes=int(stack.group(1)) if stack else None,
-               wgmma="wgmma" in kernel.asm["ptx"])
+               wgmma="wgmma" in kernel.asm["ptx"], in_band_loop=in_band_loop(kernel.asm["ptx"]),
+               narrow_products=narrow_products(kernel.asm["ttir"]),
+               computed_transposes=computed_transposes(kernel.asm["ttir"]))
     return row

@@ -149,30 +149,37 @@ def _units_of(launch: Launch, v: Variant, arch: int) -> list[Unit]:
         grid = launch.grid(args) if callable(launch.grid) else launch.grid
         # The tile sizes a config picks (the head blocks follow from the variant).
         blocks = {k: args[k] for k in args
-                  if k.startswith("BLOCK_") and k not in ("BLOCK_D", "BLOCK_DV")}
+                  if k.startswith("BLOCK_") and k not in ("BLOCK_D", "BLOCK_D2", "BLOCK_DV",
+                                                          "BLOCK_DV2")}
         name = f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"  # sdpa._fwd_kernel
         units.append(Unit(name, v, fn, args, opts, {**blocks, **opts}, tuple(grid), arch,
                           estimate))
     return units
 
 
+# SMs of the A100 and the H100 SXM: the launches' GQA split (sdpa._gqa_split) counts them.
+SMS = {80: 108, 90: 132}
+
+
 @contextlib.contextmanager
 def _device_limit(arch: int):
-    """The autotuners prune for sm_<arch>'s shared memory (common.shared_memory_limit)."""
+    """The ops and autotuners see sm_<arch>'s shared memory (common.shared_memory_limit) and
+    SM count (common.multiprocessors)."""
     from .aot import SHARED_LIMIT
-    real = common.shared_memory_limit
+    real = common.shared_memory_limit, common.multiprocessors
     common.shared_memory_limit = lambda: SHARED_LIMIT[arch]
+    common.multiprocessors = lambda: SMS[arch]
     try:
         yield
     finally:
-        common.shared_memory_limit = real
+        common.shared_memory_limit, common.multiprocessors = real
 
 
 def units(v: Variant, arch: int) -> list[Unit]:
     """The compile units of one variant for sm_<arch>: every launch x every config its
     autotuner may pick there."""
     launches: list[Launch] = []
-    with recording(launches), torch.no_grad():
+    with recording(launches), torch.no_grad(), _device_limit(arch):
         _run_variant(v)
     with _device_limit(arch):
         return [u for launch in launches for u in _units_of(launch, v, arch)]

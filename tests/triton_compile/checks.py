@@ -17,11 +17,39 @@ SPILL_EXCEPTIONS: dict[tuple[str, str, int], str] = {
 }
 
 # wgmma multiplies 64 rows per warpgroup: an sm_90 SDPA config whose dots all have fewer rows
-# (BLOCK_M, and BLOCK_N for dK/dV's transposed dots) runs mma.sync. Such configs are kept for
+# (BLOCK_M; BLOCK_N for the key-major dots of dK/dV) runs mma.sync. Such configs are kept for
 # heads over 128 and fp32, where larger tiles do not fit; every config with a 64-row dot must
 # use wgmma.
-WGMMA_ROWS = {"sdpa._fwd_kernel": ("BLOCK_M",), "sdpa._row_sums_kernel": ("BLOCK_M",),
-              "sdpa._dq_kernel": ("BLOCK_M",), "sdpa._dkdv_kernel": ("BLOCK_M", "BLOCK_N")}
+WGMMA_ROWS = {"sdpa._fwd_kernel": ("BLOCK_M",), "sdpa._prep_kernel": ("BLOCK_M",),
+              "sdpa._dq_kernel": ("BLOCK_M",), "sdpa._dkdv_kernel": ("BLOCK_N",)}
+
+
+# The in-band key loop of the fp16/bf16 SDPA forward without mask or dropout (issue 18 item 10):
+# no band, bounds or mask arithmetic (the loop's own control and the pipeline's predicates take
+# about 7 compares and selects; a masked loop takes 130-200), and every exp2 fed by one FMA of
+# the scaled score and the row max (a separate scale and subtract per score makes no FMA).
+IN_BAND_SELECTS = 16
+
+
+def in_band_applies(row) -> bool:
+    """Whether item 10's structure is asked of the unit: fp16/bf16 SDPA forwards without mask
+    or dropout."""
+    parts = row["variant"].split("/")
+    return (row["kernel"] == "sdpa._fwd_kernel" and parts[1] != "fp32"
+            and not any(p.endswith("-mask") or p == "dropout" for p in parts))
+
+
+def in_band_broken(row) -> str | None:
+    """Why the unit's forward in-band loop breaks item 10's structure, or None (also for rows
+    it does not concern)."""
+    if not in_band_applies(row):
+        return None
+    loop = row.get("in_band_loop")
+    if loop is None:
+        return "no loop with tensor-core instructions"
+    if loop.get("setp/selp", 0) > IN_BAND_SELECTS or loop.get("fma", 0) < loop.get("ex2", 0):
+        return f"in-band loop not lean: {loop}"
+    return None
 
 
 def _dtype_and_dim(row) -> tuple[str, int]:
@@ -32,8 +60,11 @@ def _dtype_and_dim(row) -> tuple[str, int]:
 def failures(rows: list[dict]) -> list[str]:
     """One line per broken bound: a compile error; shared memory over the arch's opt-in limit
     or over the pruning rule's estimate; spills of a fp16/bf16 unit at head dim <= 128 (less
-    SPILL_EXCEPTIONS); an sm_90 fp16/bf16 SDPA kernel without wgmma though its config has a
-    64-row dot (WGMMA_ROWS)."""
+    SPILL_EXCEPTIONS); a 32-bit product of two runtime integers in the TTIR (aot.narrow_products);
+    an SDPA kernel transposing computed tiles (aot.computed_transposes); an sm_90 fp16/bf16
+    SDPA kernel without wgmma though its config has a 64-row dot (WGMMA_ROWS); an fp16/bf16
+    SDPA forward without mask or dropout whose in-band loop does mask arithmetic or does not
+    feed exp2 with FMAs (in_band_broken)."""
     out = []
     for r in rows:
         what = f"{r['kernel']} {r['variant']} {r['config']} sm_{r['arch']}"
@@ -53,6 +84,14 @@ def failures(rows: list[dict]) -> list[str]:
         if (low and dim <= 128 and r["spill_bytes"]
                 and (r["kernel"], r["variant"], r["arch"]) not in SPILL_EXCEPTIONS):
             out.append(f"{what}: {r['spill_bytes']} spill bytes")
+        if r.get("narrow_products"):
+            out.append(f"{what}: 32-bit products of indices and strides or lengths (wrap past "
+                       f"2^31 elements): {r['narrow_products'][:3]}")
+        if r["kernel"].startswith("sdpa.") and r.get("computed_transposes"):
+            out.append(f"{what}: computed tiles transposed: {r['computed_transposes'][:2]}")
+        why = in_band_broken(r)
+        if why:
+            out.append(f"{what}: {why}")
         rows = WGMMA_ROWS.get(r["kernel"], ())
         if (low and r["arch"] == 90 and any(r["config"][b] >= 64 for b in rows)
                 and not r["wgmma"]):

@@ -6,7 +6,7 @@ import itertools
 
 from .capture import Variant
 
-HEAD_DIMS = (16, 64, 96, 128, 256)
+HEAD_DIMS = (16, 64, 96, 128, 192, 256)
 DTYPES = ("fp32", "fp16", "bf16")
 
 # The CI set: each dtype, each head-dim family and each constexpr flag at least once per op
@@ -19,6 +19,9 @@ CI = (
     Variant("sdpa", "fp16", 256, mask="float", dropout=True),
     Variant("sdpa", "bf16", 16, gqa=True, dropout=True),
     Variant("sdpa", "fp32", 256),
+    # head dims in two chunks (attnx/triton/common.py head_blocks): 64 + 32, 128 + 64
+    Variant("sdpa", "fp16", 96, mask="bool"),
+    Variant("sdpa", "bf16", 192, gqa=True),
     Variant("additive", "fp32", 64, weights=True),
     Variant("additive", "fp16", 128, mask="bool", dropout=True),
     Variant("additive", "bf16", 256, mask="float", weights=True),
