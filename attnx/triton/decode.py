@@ -36,24 +36,26 @@ def _split_kernel(Q, K, V, LENS, TABLE, O_PART, LSE_PART,
     tiles = tl.cdiv(rows_total, BLOCK_M)
     pid = tl.program_id(0)
     split = tl.program_id(1)
+    # every product with a stride or a length in int64: a cache passes 2^31 elements early
     bg, tile = pid // tiles, pid % tiles
-    b, g = (bg // Hkv).to(tl.int64), bg % Hkv
+    b, g = (bg // Hkv).to(tl.int64), (bg % Hkv).to(tl.int64)
+    split64 = split.to(tl.int64)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < rows_total
     h = g * GROUP + rows // Lq
-    i = rows % Lq
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    i = (rows % Lq).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    offs_dv = tl.arange(0, BLOCK_DV).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
 
-    q_rows = b * sqb + h.to(tl.int64) * sqh + i * sqm
+    q_rows = b * sqb + h * sqh + i * sqm
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :] * sqd,
                 mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
     n = tl.load(LENS + b)
     d = n - Lq  # bottom-right: query i's diagonal is key i + d
     # The keys this split holds that some row's band reaches: [start, end)
-    start = tl.maximum(split * split_len, d + window_lo)
-    end = tl.minimum(tl.minimum((split + 1) * split_len, n), d + Lq - 1 + window_hi + 1)
+    start = tl.maximum(split64 * split_len, d + window_lo)
+    end = tl.minimum(tl.minimum((split64 + 1) * split_len, n), d + Lq - 1 + window_hi + 1)
     start = tl.maximum(start, 0) // BLOCK_N * BLOCK_N  # still within the split: S % BLOCK_N == 0
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -67,8 +69,8 @@ def _split_kernel(Q, K, V, LENS, TABLE, O_PART, LSE_PART,
             k_base = block * skb + (j % page) * skn
             v_base = block * svb + (j % page) * svn
         else:
-            k_base = b * skb + j.to(tl.int64) * skn
-            v_base = b * svb + j.to(tl.int64) * svn
+            k_base = b * skb + j * skn
+            v_base = b * svb + j * svn
         k = tl.load(K + g * skh + k_base[None, :] + offs_d[:, None] * skd,
                     mask=valid[None, :] & (offs_d[:, None] < E), other=0.0)
         s = common.dot(q, k, DOT_PREC) * scale
@@ -88,7 +90,7 @@ def _split_kernel(Q, K, V, LENS, TABLE, O_PART, LSE_PART,
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
     # partials: O_PART (B, Hq, Lq, splits, Ev), LSE_PART (B, Hq, Lq, splits), contiguous
-    part = ((b * (Hkv * GROUP) + h) * Lq + i) * splits + split
+    part = ((b * Hkv * GROUP + h) * Lq + i) * splits + split64
     tl.store(O_PART + part[:, None] * Ev + offs_dv[None, :],
              tl.where(has[:, None], acc / l_safe[:, None], 0.0),
              mask=row_ok[:, None] & (offs_dv[None, :] < Ev))
