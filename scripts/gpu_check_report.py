@@ -121,8 +121,9 @@ def read_jsonl(path) -> list:
 
 
 def _run(cmd) -> str | None:
+    # 120 s: importing torch, Triton and attnx took over 30 s on a loaded 2-core machine
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.SubprocessError):
         return None
     return res.stdout.strip() if res.returncode == 0 else None
