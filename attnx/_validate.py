@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant
@@ -24,8 +24,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKEND_NAMES = ("auto", "cuda", "triton", "cpu", "reference")
 
 
-@dataclass(frozen=True, eq=False)
-class Modifiers:
+class Modifiers(NamedTuple):  # a tuple: torch.compile traces it on every supported torch
     """The score modifiers of API.md, checked. With s the scaled score of query i and key j:
     s <- softcap tanh(s / softcap), then s <- s - alibi[b, h] |i + alibi_offset - j| (0 for SDPA's
     top-left alignment; the KV-cache op aligns bottom-right), then the mask; `sinks[h]` joins

@@ -7,7 +7,6 @@ not for speed. Half-precision inputs are computed in float32 and rounded once at
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -159,7 +158,7 @@ def kvcache(call: KvcacheCall):
         offset = n - lq  # bottom-right: query i's diagonal is key i + offset
         mods = call.mods
         if mods.alibi is not None:  # this sequence's slopes, as a batch of one
-            mods = dataclasses.replace(mods, alibi=mods.alibi[b:b + 1])
+            mods = mods._replace(alibi=mods.alibi[b:b + 1])
         s = modified(torch.matmul(q, k.transpose(-2, -1)).unsqueeze(0) * call.scale, mods,
                      offset).squeeze(0)
         p, lse = masked_softmax(s, None, call.window_lo + offset, call.window_hi + offset, sink)

@@ -14,6 +14,13 @@ SPILL_EXCEPTIONS: dict[tuple[str, str, int], str] = {
        "register rule adds their costs; together they cost more): the autotuner also keeps "
        "(16, 32, 4, 2) and (16, 16, 4, 1), which do not spill. Found by the --full run."
        for dtype in ("fp16", "bf16")},
+    # Triton 3.6 only (CI's torch 2.11 stage); Triton 3.8 compiles these without spills
+    ("sdpa._dkdv_kernel", "sdpa/fp16/d64", 80):
+        "12 B with Triton 3.6 (torch 2.11) in the (32, 64, 8, 3) config; Triton 3.8 compiles the "
+        "same config without spills",
+    ("sdpa._fwd_kernel", "sdpa/fp16/d64", 90):
+        "128 B with Triton 3.6 (torch 2.11) in the (128, 128, 8, 3) config; Triton 3.8 compiles "
+        "the same config without spills",
 }
 
 # wgmma multiplies 64 rows per warpgroup: an sm_90 SDPA config whose dots all have fewer rows
