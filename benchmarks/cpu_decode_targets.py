@@ -22,16 +22,13 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 
 import torch
 import torch.nn.functional as F
 
 import attnx
-from attnx.bench.machine import cpu_kernels, device_name
-from cpu_sdpa_targets import summary, timed
+from cpu_sdpa_targets import machine, summary, timed
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 SPEEDUP_TARGET, BANDWIDTH_TARGET, PAGED_TARGET = 1.5, 0.70, 1.10
@@ -89,17 +86,6 @@ def case(b: int, n: int, lq: int, repeats: int, sink: torch.Tensor) -> dict:
     return row
 
 
-def lscpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return device_name("cpu")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK}")
@@ -133,9 +119,7 @@ def main() -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
     result = {
         "benchmark": "cpu_decode_targets", "quick": args.quick, "date": now.isoformat(),
-        "machine": {"cpu": lscpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-                    "platform": platform.platform(), "load_avg": os.getloadavg(),
-                    "attnx_cpu_kernels": cpu_kernels()},
+        "machine": machine(),
         "torch": torch.__version__, "attnx": attnx.__version__, "repeats": repeats,
         "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "dtype": "float32", "paged_block_size": BLOCK},
         "targets": {"speedup": SPEEDUP_TARGET, "bandwidth_fraction": BANDWIDTH_TARGET,

@@ -43,6 +43,13 @@ def summary(ts: list) -> dict:
     return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "runs": len(ts)}
 
 
+def machine() -> dict:
+    """What a CPU results file records of the machine (the CPU's model name is lscpu's)."""
+    return {"cpu": device_name("cpu"), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "platform": platform.platform(), "load_avg": os.getloadavg(),
+            "attnx_cpu_kernels": cpu_kernels()}
+
+
 def sgemm_gflops(repeats: int) -> dict:
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
@@ -138,9 +145,7 @@ def main() -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
     result = {
         "benchmark": "cpu_sdpa_targets", "quick": args.quick, "date": now.isoformat(),
-        "machine": {"cpu": device_name("cpu"), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-                    "platform": platform.platform(), "load_avg": os.getloadavg(),
-                    "attnx_cpu_kernels": cpu_kernels()},
+        "machine": machine(),
         "torch": torch.__version__, "attnx": attnx.__version__, "repeats": repeats,
         "sgemm_2048": gemm, "fma_peak": peak, "cases": rows,
     }

@@ -19,15 +19,12 @@ import argparse
 import datetime
 import json
 import os
-import platform
 
 import torch
 import torch.nn.functional as F
 
 import attnx
-from attnx.bench.machine import cpu_kernels
-from cpu_decode_targets import lscpu_model
-from cpu_sdpa_targets import summary, timed
+from cpu_sdpa_targets import machine, summary, timed
 
 LENGTHS = [2048, 1536, 1024, 1024, 768, 512, 384, 256, 256, 128, 128, 64, 64]  # 8192 tokens
 H, D = 8, 64
@@ -104,9 +101,7 @@ def main() -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
     result = {
         "benchmark": "cpu_varlen_targets", "date": now.isoformat(),
-        "machine": {"cpu": lscpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-                    "platform": platform.platform(), "load_avg": os.getloadavg(),
-                    "attnx_cpu_kernels": cpu_kernels()},
+        "machine": machine(),
         "torch": torch.__version__, "attnx": attnx.__version__, "repeats": args.repeats,
         "shape": {"lengths": LENGTHS, "H": H, "D": D, "dtype": "float32"},
         "target_speedup": TARGET, "cases": rows,
