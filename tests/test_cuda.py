@@ -467,3 +467,28 @@ def test_sdpa_many_heads_and_batches():
     b, h = gpu_or_cpu((16, 16), (5, 7))
     check_sdpa(rand(b, h, 64, 32, dtype=torch.float16), rand(b, h, 64, 32, dtype=torch.float16),
                rand(b, h, 64, 32, dtype=torch.float16), grads=False)
+
+
+def test_sdpa_output_offsets_past_2_31_elements():
+    """The forward's output offset (row of batch x head, times the head dim) passes 2**31
+    elements here: computed in int (review bug 3) it wraps and the last batch's rows land
+    elsewhere (or fault). Inputs are stride-0 views of one batch, so only the output is big
+    (4 GiB); through the harness only the last CTA runs (`set_last_blocks`)."""
+    torch.manual_seed(25)
+    b, h, lq, lk, e = 16385, 2, 1024, 17, 64  # (b - 1) * h * lq * e == 2**31
+    q1, k1, v1 = (torch.randn(1, h, n, e, device=DEV, dtype=torch.float16) for n in (lq, lk, lk))
+    q, k, v = (t.expand(b, -1, -1, -1) for t in (q1, k1, v1))
+    host = None
+    if ON_CPU:
+        from attnx import _cuda_host as host
+        host.set_last_blocks(1)  # the CTA of rows 896..1023, head 1, batch b - 1
+    try:
+        out, lse = OPS.sdpa_fwd(q, k, v, None, e ** -0.5, -4096, 4096, 0.0, None)
+    finally:
+        if host is not None:
+            host.set_last_blocks(0)
+    rows = slice(lq - 128, lq)
+    golden, golden_lse = OPS.sdpa_fwd(q1[:, 1:, rows], k1[:, 1:], v1[:, 1:], None, e ** -0.5,
+                                      -4096, 4096, 0.0, None)
+    torch.testing.assert_close(out[-1:, 1:, rows], golden, rtol=0, atol=0)
+    torch.testing.assert_close(lse[-1:, 1:, rows], golden_lse, rtol=0, atol=0)

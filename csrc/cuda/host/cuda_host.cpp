@@ -75,6 +75,7 @@ thread_local Block* g_block = nullptr;
 thread_local std::vector<Stack> g_stacks;
 thread_local std::string g_last_error;
 uint64_t g_seed = 0;
+uint64_t g_last_blocks = 0;  // 0: every block (set_last_blocks)
 thread_local uint64_t g_launches = 0;
 
 Fiber& self() { return g_block->fibers[g_block->current]; }
@@ -269,6 +270,8 @@ cudaError_t run(dim3 grid, dim3 block, size_t smem, const std::function<void()>&
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) blocks.push_back(uint3{x, y, z});
+  if (g_last_blocks > 0 && blocks.size() > g_last_blocks)
+    blocks.erase(blocks.begin(), blocks.end() - ptrdiff_t(g_last_blocks));
   std::shuffle(blocks.begin(), blocks.end(), b.rng);
   Block* outer = g_block;
   g_block = &b;
@@ -287,6 +290,8 @@ cudaError_t run(dim3 grid, dim3 block, size_t smem, const std::function<void()>&
 const char* last_error() { return g_last_error.c_str(); }
 
 void set_seed(uint64_t seed) { g_seed = seed; }
+
+void set_last_blocks(uint64_t n) { g_last_blocks = n; }
 
 }  // namespace host
 }  // namespace attnx

@@ -155,6 +155,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "attnx's CUDA kernels on the CPU through the host harness (torch.ops.attnx_cuda_host)";
   m.def("set_seed", &attnx::host::set_seed,
         "the seed of the order in which the harness runs blocks and threads");
+  m.def("set_last_blocks", &attnx::host::set_last_blocks,
+        "run only each launch's last n blocks (0: all); for tests of far offsets");
   // Self-tests of csrc/cuda/mma.cuh's primitives (tests/test_cuda_mma.py; mma_selftest.h).
   m.def("test_tile_products", &attnx::cuda::test_tile_products,
         "(4, 16, 16) fp32: a bt^T and a v through ldmatrix x4/x4.trans, then x2/x2.trans");

@@ -52,6 +52,10 @@ const char* last_error();
 // The launch order's seed (blocks and threads are shuffled from it and the launch's count).
 void set_seed(uint64_t seed);
 
+// Test-only: with n > 0 a launch runs only the grid's last n blocks (highest z, then y, then x),
+// so that a test can reach offsets past 2^31 elements without computing the blocks before them.
+void set_last_blocks(uint64_t n);
+
 }  // namespace host
 }  // namespace attnx
 
