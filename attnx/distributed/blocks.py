@@ -67,34 +67,37 @@ class Kernels(NamedTuple):
     bwd: object
 
 
-def _native(upcast: bool) -> Kernels:
-    """`upcast`: bfloat16 operands go in as float32, which the CPU kernels compute in anyway,
-    so that each block's output and gradients come back unrounded: a ring sums W of them,
-    and rounding each to bfloat16 would add W roundings where the single call makes one."""
-    def up(t):
-        return t.float() if upcast and t.dtype == torch.bfloat16 else t
+def _ops(ops, softcap: Optional[float], up=lambda t: t) -> Kernels:
+    """The kernels of an ops family with the schemas of attnx::sdpa_fwd/bwd and, for
+    soft-capping, attnx::sdpa_mod_fwd/bwd (torch.ops.attnx; attnx.triton.sdpa mirrors them).
+    The plain ops run without softcap: they keep kernels compiled without the modifiers' code."""
+    if softcap is None:
+        def fwd(q, k, v, scale, lo, hi):
+            return ops.sdpa_fwd(up(q), up(k), up(v), None, scale, lo, hi, 0.0, None)
+
+        def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
+            dq, dk, dv, _ = ops.sdpa_bwd(up(dout), up(q), up(k), up(v), None, up(out), lse,
+                                         scale, lo, hi, 0.0, None, False, grad_lse)
+            return dq, dk, dv
+        return Kernels(fwd, bwd)
 
     def fwd(q, k, v, scale, lo, hi):
-        return torch.ops.attnx.sdpa_fwd(up(q), up(k), up(v), None, scale, lo, hi, 0.0, None)
+        return ops.sdpa_mod_fwd(up(q), up(k), up(v), None, scale, lo, hi, 0.0, None, softcap,
+                                None, None)
 
     def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
-        dq, dk, dv, _ = torch.ops.attnx.sdpa_bwd(up(dout), up(q), up(k), up(v), None, up(out),
-                                                 lse, scale, lo, hi, 0.0, None, False, grad_lse)
+        dq, dk, dv, _, _ = ops.sdpa_mod_bwd(up(dout), up(q), up(k), up(v), None, up(out), lse,
+                                            scale, lo, hi, 0.0, None, False, grad_lse, softcap,
+                                            None, None, False)
         return dq, dk, dv
     return Kernels(fwd, bwd)
 
 
-def _triton() -> Kernels:
-    from ..triton import sdpa as tk  # imports Triton only when asked for
-
-    def fwd(q, k, v, scale, lo, hi):
-        return tk.sdpa_fwd(q, k, v, None, scale, lo, hi, 0.0, None)
-
-    def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
-        dq, dk, dv, _ = tk.sdpa_bwd(dout, q, k, v, None, out, lse, scale, lo, hi, 0.0, None,
-                                    False, grad_lse)
-        return dq, dk, dv
-    return Kernels(fwd, bwd)
+def _upcast(t):
+    """bfloat16 operands go in as float32, which the CPU kernels compute in anyway, so that
+    each block's output and gradients come back unrounded: a ring sums W of them, and rounding
+    each to bfloat16 would add W roundings where the single call makes one."""
+    return t.float() if t.dtype == torch.bfloat16 else t
 
 
 def _scores(q, k, scale, softcap):
@@ -144,10 +147,13 @@ def _reference(softcap: Optional[float]) -> Kernels:
 
 
 def kernels(backend: str, softcap: Optional[float]) -> Kernels:
+    """The block kernels of `backend`, the one attnx._dispatch.select chose for the call (so
+    it serves `softcap`)."""
     if backend == "reference":
         return _reference(softcap)
     if backend == "triton":
-        return _triton()
+        from ..triton import sdpa as triton_ops  # imports Triton only when asked for
+        return _ops(triton_ops, softcap)
     # cpu and cuda: the same dispatcher ops, by the tensors' device (the CUDA kernels compute
     # half precision natively: their block results stay in it)
-    return _native(upcast=backend == "cpu")
+    return _ops(torch.ops.attnx, softcap, _upcast if backend == "cpu" else lambda t: t)
