@@ -126,7 +126,7 @@ def test_split_keys_with_global_lse_match_one_call(backend, softcap):
     (bands shifted to each part) merged by lse give its one call's out and lse, and its
     backward on each part given the GLOBAL out and lse gives the one call's gradients. GQA, an
     lse gradient, rows that see no key of one part (causal), soft-capping where the backend
-    serves it."""
+    serves it; the parts' lse and its gradient given as strided views."""
     status = attnx.backends()[backend]
     if not status.usable:
         pytest.skip(f"backend {backend} is not usable here: {status.reason}")
@@ -148,11 +148,14 @@ def test_split_keys_with_global_lse_match_one_call(backend, softcap):
     torch.testing.assert_close(merged[0], out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(merged[1], lse, rtol=1e-5, atol=1e-6)
     whole = kern.bwd(dout, q, k, v, out, lse, 0.4, lo, hi, dlse)
+
+    def strided(t):  # the same values in a view of a wider tensor, as the ring's row slices
+        return torch.cat([t, t], -1)[..., :t.shape[-1]]
     dq = torch.zeros_like(q)
     dk, dv = [], []
     for keys, at in parts:
-        gq, gk, gv = kern.bwd(dout, q, k[:, :, keys], v[:, :, keys], out, lse, 0.4, lo - at,
-                              hi - at, dlse)
+        gq, gk, gv = kern.bwd(dout, q, k[:, :, keys], v[:, :, keys], out, strided(lse), 0.4,
+                              lo - at, hi - at, strided(dlse))
         dq = dq + gq
         dk.append(gk)
         dv.append(gv)

@@ -67,18 +67,17 @@ class Kernels(NamedTuple):
     bwd: object
 
 
-def _ops(ops, softcap: Optional[float], up=lambda t: t) -> Kernels:
-    """The kernels of an ops family with the schemas of attnx::sdpa_fwd/bwd and, for
-    soft-capping, attnx::sdpa_mod_fwd/bwd (torch.ops.attnx; attnx.triton.sdpa mirrors them).
-    The plain ops run without softcap: they keep kernels compiled without the modifiers' code."""
+def _native(softcap: Optional[float], up) -> Kernels:
+    """The dispatcher's ops: attnx::sdpa_fwd/bwd, or with soft-capping attnx::sdpa_mod_fwd/bwd
+    (the plain ops keep kernels compiled without the modifiers' code)."""
+    ops = torch.ops.attnx
     if softcap is None:
         def fwd(q, k, v, scale, lo, hi):
             return ops.sdpa_fwd(up(q), up(k), up(v), None, scale, lo, hi, 0.0, None)
 
         def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
-            dq, dk, dv, _ = ops.sdpa_bwd(up(dout), up(q), up(k), up(v), None, up(out), lse,
-                                         scale, lo, hi, 0.0, None, False, grad_lse)
-            return dq, dk, dv
+            return ops.sdpa_bwd(up(dout), up(q), up(k), up(v), None, up(out), lse, scale, lo, hi,
+                                0.0, None, False, grad_lse)[:3]
         return Kernels(fwd, bwd)
 
     def fwd(q, k, v, scale, lo, hi):
@@ -86,10 +85,28 @@ def _ops(ops, softcap: Optional[float], up=lambda t: t) -> Kernels:
                                 None, None)
 
     def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
-        dq, dk, dv, _, _ = ops.sdpa_mod_bwd(up(dout), up(q), up(k), up(v), None, up(out), lse,
-                                            scale, lo, hi, 0.0, None, False, grad_lse, softcap,
-                                            None, None, False)
-        return dq, dk, dv
+        return ops.sdpa_mod_bwd(up(dout), up(q), up(k), up(v), None, up(out), lse, scale, lo,
+                                hi, 0.0, None, False, grad_lse, softcap, None, None, False)[:3]
+    return Kernels(fwd, bwd)
+
+
+def _triton(softcap: Optional[float]) -> Kernels:
+    """attnx/triton's ops, whose modifiers are trailing keywords of the plain ones (given only
+    when set: the backend is chosen for softcap only where its kernels take it). Gradients:
+    the first three outputs, whatever else the backward returns (dmask, dsinks)."""
+    from ..triton import sdpa as tk  # imports Triton only when asked for
+    mods = {} if softcap is None else {"softcap": softcap}
+
+    def fwd(q, k, v, scale, lo, hi):
+        return tk.sdpa_fwd(q, k, v, None, scale, lo, hi, 0.0, None, **mods)
+
+    def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
+        # The block's rows of the global lse are a strided view, and the Triton backward reads
+        # lse and its gradient by row index, ignoring strides (its own are always contiguous).
+        lse = lse.contiguous()
+        grad_lse = None if grad_lse is None else grad_lse.contiguous()
+        return tk.sdpa_bwd(dout, q, k, v, None, out, lse, scale, lo, hi, 0.0, None, False,
+                           grad_lse, **mods)[:3]
     return Kernels(fwd, bwd)
 
 
@@ -152,8 +169,7 @@ def kernels(backend: str, softcap: Optional[float]) -> Kernels:
     if backend == "reference":
         return _reference(softcap)
     if backend == "triton":
-        from ..triton import sdpa as triton_ops  # imports Triton only when asked for
-        return _ops(triton_ops, softcap)
+        return _triton(softcap)
     # cpu and cuda: the same dispatcher ops, by the tensors' device (the CUDA kernels compute
     # half precision natively: their block results stay in it)
-    return _ops(torch.ops.attnx, softcap, _upcast if backend == "cpu" else lambda t: t)
+    return _native(softcap, _upcast if backend == "cpu" else lambda t: t)
