@@ -151,3 +151,37 @@ def test_table_lists_errors_and_spread():
 def test_unknown_provider_is_a_clear_error():
     with pytest.raises(SystemExit, match="unknown"):
         main(["--quick", "--providers", "nope", "--out", "/nonexistent"])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--world", "0"], "at least 1"),
+    (["--world", "2", "--seqlens", "30"], "multiple of 2 x world = 4"),
+    (["--world", "2", "--providers", "naive"], "without --providers"),
+    (["--world", "2", "--ops", "hf"], "without --ops"),
+    (["--world", "2", "--device", "cuda"], "without --device cuda"),
+    (["--world", "2", "--head-dims", "32,64"], "one head dim"),
+])
+def test_ring_world_rejects_what_it_cannot_run_before_spawning(argv, words):
+    with pytest.raises(SystemExit, match=words):
+        main(argv + ["--out", "/nonexistent"])
+
+
+def test_ring_world_two_tiny_run_writes_table_json_and_plot(tmp_path, capsys):
+    """`attnx bench --world 2`: two gloo ranks, both layouts, timed against the single call."""
+    assert main(["--world", "2", "--seqlens", "32", "--head-dims", "8", "--repeats", "1",
+                 "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["device"]["type"] == "cpu" and doc["device"]["name"] == doc["cpu"]
+    assert doc["software"]["torch"] == torch.__version__
+    assert doc["shape"] == {"batch": 1, "heads": 1, "head_dim": 8}
+    assert [(r["world"], r["length"], r["layout"]) for r in doc["rows"]] == [
+        (2, 32, "zigzag"), (2, 32, "contiguous")]
+    for r in doc["rows"]:
+        assert len(r["ring_s"]) == len(r["ring_cpu_s"]) == len(r["compute_s"]) == 2
+        assert min(r["ring_s"]) > 0 and r["single_s"] > 0
+        assert r["ideal_s"] == pytest.approx(r["single_s"] / 2)
+        assert r["speedup"] == pytest.approx(r["single_s"] / max(r["ring_s"]))
+        assert all(0 <= s <= 1 for s in r["comm_share"])
+    out = capsys.readouterr().out
+    assert " 2     32     zigzag" in out and "results.json" in out
+    assert (tmp_path / "ring_scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import attnx
+from attnx import _dispatch
 from attnx._backends import reference
 from attnx.distributed import blocks, layout, merge
 
@@ -68,6 +69,10 @@ def test_gloo_world(world):
             # scores in the hundreds: |lse| > 256, where the kernels' backward renormalizes a
             # row by its own sum (csrc/cpu/huge_lse.h), which a block of the ring is not
             ("ring_matches", dict(layout="zigzag", is_causal=True, dtype=F64, huge_lse=True)),
+            # soft-capping on the cpu kernels (forced: no fallback to the reference), GQA
+            ("ring_matches", dict(layout="zigzag", is_causal=True, softcap=1.5, backend="cpu")),
+            ("ring_matches", dict(layout="contiguous", is_causal=True, softcap=1.5,
+                                  backend="cpu")),
             ("shard_roundtrip", dict(layout="zigzag")),
             ("bad_input_everywhere", {}),
             ("softcap_matches", dict(layout="zigzag")),
@@ -75,6 +80,12 @@ def test_gloo_world(world):
             ("context_parallel_matches", {})],
         3: [("ring_matches", dict(layout="zigzag", is_causal=True, window=(5, 0))),
             ("ring_matches", dict(layout="contiguous", is_causal=True, hq=6, hk=2, e=7, ev=3)),
+            ("ring_matches", dict(layout="zigzag", is_causal=True, hq=6, hk=2, softcap=0.8,
+                                  backend="cpu")),
+            ("ring_matches", dict(layout="contiguous", is_causal=True, softcap=0.8, e=7,
+                                  backend="cpu")),
+            ("ring_matches", dict(layout="zigzag", softcap=0.8, dtype=F64,
+                                  backend="reference")),
             ("shard_roundtrip", dict(layout="contiguous"))],
         4: [("ring_matches", dict(layout="zigzag", is_causal=True, hq=4, hk=1, e=11, ev=5)),
             # a window shorter than a shard: shards stop after one hop
@@ -108,22 +119,26 @@ def test_merge_matches_attention_over_the_union_and_keeps_empty_rows_zero():
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
 
 
+@pytest.mark.parametrize("softcap", [None, 1.5])
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
-def test_split_keys_with_global_lse_match_one_call(backend):
+def test_split_keys_with_global_lse_match_one_call(backend, softcap):
     """What each ring step relies on, per backend: a backend's kernels on a split of the keys
     (bands shifted to each part) merged by lse give its one call's out and lse, and its
     backward on each part given the GLOBAL out and lse gives the one call's gradients. GQA, an
-    lse gradient, and rows that see no key of one part (causal)."""
+    lse gradient, rows that see no key of one part (causal), soft-capping where the backend
+    serves it; the parts' lse and its gradient given as strided views."""
     status = attnx.backends()[backend]
     if not status.usable:
         pytest.skip(f"backend {backend} is not usable here: {status.reason}")
     if backend == "triton" and not _triton_interpreting():
         pytest.skip("CUDA tensors are for the GPU machines; here Triton runs interpreted")
+    if softcap is not None and backend not in _dispatch._SERVED_MODIFIERS["sdpa"]:
+        pytest.skip(f"backend {backend} does not compute softcap (attnx._dispatch)")
     g = torch.Generator().manual_seed(0)
     q, dout = torch.randn(1, 4, 6, 5, generator=g), torch.randn(1, 4, 6, 3, generator=g)
     k, v = torch.randn(1, 2, 10, 5, generator=g), torch.randn(1, 2, 10, 3, generator=g)
     dlse = torch.randn(1, 4, 6, generator=g)
-    kern, lo, hi, split = blocks.kernels(backend, None), -8, 1, 4
+    kern, lo, hi, split = blocks.kernels(backend, softcap), -8, 1, 4
     out, lse = kern.fwd(q, k, v, 0.4, lo, hi)
     parts = [(slice(0, split), 0), (slice(split, 10), split)]
     merged = None
@@ -133,11 +148,14 @@ def test_split_keys_with_global_lse_match_one_call(backend):
     torch.testing.assert_close(merged[0], out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(merged[1], lse, rtol=1e-5, atol=1e-6)
     whole = kern.bwd(dout, q, k, v, out, lse, 0.4, lo, hi, dlse)
+
+    def strided(t):  # the same values in a view of a wider tensor, as the ring's row slices
+        return torch.cat([t, t], -1)[..., :t.shape[-1]]
     dq = torch.zeros_like(q)
     dk, dv = [], []
     for keys, at in parts:
-        gq, gk, gv = kern.bwd(dout, q, k[:, :, keys], v[:, :, keys], out, lse, 0.4, lo - at,
-                              hi - at, dlse)
+        gq, gk, gv = kern.bwd(dout, q, k[:, :, keys], v[:, :, keys], out, strided(lse), 0.4,
+                              lo - at, hi - at, strided(dlse))
         dq = dq + gq
         dk.append(gk)
         dv.append(gv)

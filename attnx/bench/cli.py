@@ -44,6 +44,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
+    p.add_argument("--world", type=int, metavar="N",
+                   help="instead of the kernel sweep: ring_attention's strong scaling on N gloo "
+                        "CPU processes of 1 thread each against the single-process kernel "
+                        "(causal fp32 forward, both layouts; --seqlens, --head-dims (one), "
+                        "--repeats; default L 8192,16384,32768, --quick 1024)")
     p.add_argument("--out", default="bench-results", help="folder for results.json and plots")
     return p
 
@@ -171,6 +176,8 @@ def run(args, argv) -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
+    if args.world is not None:
+        return _main_ring(args, argv)
     if "hf" in args.ops:
         return _main_hf(args, argv)
     doc = run(args, argv)
@@ -199,4 +206,36 @@ def _main_hf(args, argv) -> int:
     print(hf_model.header(doc))
     print(hf_model.table(doc))
     print(f"wrote {path}")
+    return 0
+
+
+# The kernel sweep's options that mean nothing to the ring's strong scaling.
+_NOT_RING = ("ops", "attn_dims", "dtypes", "providers", "passes", "threads", "no_memory")
+
+
+def _main_ring(args, argv) -> int:
+    """`--world N`: ring attention's strong scaling (attnx.bench.ring_scaling) on N processes."""
+    from . import ring_scaling
+    given = [f"--{name.replace('_', '-')}" for name in _NOT_RING
+             if getattr(args, name) != parser().get_default(name)]
+    if given or args.device == "cuda":
+        raise SystemExit(f"--world: runs ring_attention on CPU processes of 1 thread each, "
+                         f"without {', '.join(given or ['--device cuda'])}")
+    if args.head_dims and len(args.head_dims) != 1:
+        raise SystemExit(f"--head-dims: --world takes one head dim, got {list(args.head_dims)}")
+    lengths = args.seqlens or ((1024,) if args.quick else (8192, 16384, 32768))
+    try:
+        ring_scaling.check(lengths, [args.world])
+    except ValueError as exc:
+        raise SystemExit(f"--world/--seqlens: {exc}")
+    result = ring_scaling.measure(lengths, [args.world], dim=(args.head_dims or (64,))[0],
+                                  repeats=args.repeats or 2)
+    result["settings"] = {"argv": list(argv)}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "results.json")
+    report.write_json(path, result)
+    png = os.path.join(args.out, "ring_scaling.png")
+    ring_scaling.plot(result, png)
+    print(ring_scaling.table(result))
+    print(f"wrote {path}\nwrote {png}")
     return 0

@@ -67,34 +67,54 @@ class Kernels(NamedTuple):
     bwd: object
 
 
-def _native(upcast: bool) -> Kernels:
-    """`upcast`: bfloat16 operands go in as float32, which the CPU kernels compute in anyway,
-    so that each block's output and gradients come back unrounded: a ring sums W of them,
-    and rounding each to bfloat16 would add W roundings where the single call makes one."""
-    def up(t):
-        return t.float() if upcast and t.dtype == torch.bfloat16 else t
+def _native(softcap: Optional[float], up) -> Kernels:
+    """The dispatcher's ops: attnx::sdpa_fwd/bwd, or with soft-capping attnx::sdpa_mod_fwd/bwd
+    (the plain ops keep kernels compiled without the modifiers' code)."""
+    ops = torch.ops.attnx
+    if softcap is None:
+        def fwd(q, k, v, scale, lo, hi):
+            return ops.sdpa_fwd(up(q), up(k), up(v), None, scale, lo, hi, 0.0, None)
+
+        def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
+            return ops.sdpa_bwd(up(dout), up(q), up(k), up(v), None, up(out), lse, scale, lo, hi,
+                                0.0, None, False, grad_lse)[:3]
+        return Kernels(fwd, bwd)
 
     def fwd(q, k, v, scale, lo, hi):
-        return torch.ops.attnx.sdpa_fwd(up(q), up(k), up(v), None, scale, lo, hi, 0.0, None)
+        return ops.sdpa_mod_fwd(up(q), up(k), up(v), None, scale, lo, hi, 0.0, None, softcap,
+                                None, None)
 
     def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
-        dq, dk, dv, _ = torch.ops.attnx.sdpa_bwd(up(dout), up(q), up(k), up(v), None, up(out),
-                                                 lse, scale, lo, hi, 0.0, None, False, grad_lse)
-        return dq, dk, dv
+        return ops.sdpa_mod_bwd(up(dout), up(q), up(k), up(v), None, up(out), lse, scale, lo,
+                                hi, 0.0, None, False, grad_lse, softcap, None, None, False)[:3]
     return Kernels(fwd, bwd)
 
 
-def _triton() -> Kernels:
+def _triton(softcap: Optional[float]) -> Kernels:
+    """attnx/triton's ops, whose modifiers are trailing keywords of the plain ones (given only
+    when set: the backend is chosen for softcap only where its kernels take it). Gradients:
+    the first three outputs, whatever else the backward returns (dmask, dsinks)."""
     from ..triton import sdpa as tk  # imports Triton only when asked for
+    mods = {} if softcap is None else {"softcap": softcap}
 
     def fwd(q, k, v, scale, lo, hi):
-        return tk.sdpa_fwd(q, k, v, None, scale, lo, hi, 0.0, None)
+        return tk.sdpa_fwd(q, k, v, None, scale, lo, hi, 0.0, None, **mods)
 
     def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
-        dq, dk, dv, _ = tk.sdpa_bwd(dout, q, k, v, None, out, lse, scale, lo, hi, 0.0, None,
-                                    False, grad_lse)
-        return dq, dk, dv
+        # The block's rows of the global lse are a strided view, and the Triton backward reads
+        # lse and its gradient by row index, ignoring strides (its own are always contiguous).
+        lse = lse.contiguous()
+        grad_lse = None if grad_lse is None else grad_lse.contiguous()
+        return tk.sdpa_bwd(dout, q, k, v, None, out, lse, scale, lo, hi, 0.0, None, False,
+                           grad_lse, **mods)[:3]
     return Kernels(fwd, bwd)
+
+
+def _upcast(t):
+    """bfloat16 operands go in as float32, which the CPU kernels compute in anyway, so that
+    each block's output and gradients come back unrounded: a ring sums W of them, and rounding
+    each to bfloat16 would add W roundings where the single call makes one."""
+    return t.float() if t.dtype == torch.bfloat16 else t
 
 
 def _scores(q, k, scale, softcap):
@@ -144,10 +164,12 @@ def _reference(softcap: Optional[float]) -> Kernels:
 
 
 def kernels(backend: str, softcap: Optional[float]) -> Kernels:
+    """The block kernels of `backend`, the one attnx._dispatch.select chose for the call (so
+    it serves `softcap`)."""
     if backend == "reference":
         return _reference(softcap)
     if backend == "triton":
-        return _triton()
+        return _triton(softcap)
     # cpu and cuda: the same dispatcher ops, by the tensors' device (the CUDA kernels compute
     # half precision natively: their block results stay in it)
-    return _native(upcast=backend == "cpu")
+    return _native(softcap, _upcast if backend == "cpu" else lambda t: t)

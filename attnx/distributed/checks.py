@@ -58,7 +58,7 @@ def _from_bits(b: int) -> float:
     return struct.unpack("<d", struct.pack("<q", b))[0]
 
 
-def local_spec(call, world: int, is_causal, window, layout, softcap, backend: str) -> Spec:
+def local_spec(call, world: int, is_causal, window, layout, backend: str) -> Spec:
     """This rank's Spec, raising ValueError/TypeError for what is wrong with its own input
     (the rest of the checks: attnx._validate.sdpa_call, which made `call`)."""
     layout = check_layout(layout)
@@ -73,6 +73,7 @@ def local_spec(call, world: int, is_causal, window, layout, softcap, backend: st
                          f"full sequence must divide into {2 * world}), got {lq}")
     check_divisible("query", lq * world, world, layout)
     total = lq * world
+    softcap = call.mods.softcap
     lo, hi = _validate._band(total, total, is_causal, None, window)
     return Spec(b, hq, hk, lq, e, ev, _DTYPES.index(call.q.dtype), int(is_causal),
                 _LAYOUTS.index(layout), lo, hi, _bits(call.scale),

@@ -12,10 +12,7 @@ sends and receives always pair up.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -218,29 +215,6 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def _check_softcap(softcap) -> Optional[float]:
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap: expected None or a float > 0, got {type(softcap).__name__}")
-    if not (math.isfinite(float(softcap)) and softcap > 0):
-        raise ValueError(f"softcap: expected None or a finite float > 0, got {softcap}")
-    return float(softcap)
-
-
-def _backend(call, softcap) -> str:
-    """The backend for the blocks. Soft-capping runs on the reference backend only (the fused
-    kernels do not take it yet); `backend=None` goes there by itself, as the dispatcher falls
-    back to the reference for what no fused kernel serves."""
-    if softcap is not None:
-        if call.backend not in ("auto", "reference"):
-            raise _dispatch.BackendUnavailableError(
-                f"backend: {call.backend!r} cannot run this call: soft-capping in ring "
-                "attention runs on the 'reference' backend only")
-        return "reference"
-    return _dispatch.select("sdpa", call)
-
-
 def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="zigzag",
                    window=None, softcap=None, backend=None, return_lse=False):
     """Attention of this rank's shard of the queries to the whole sequence, whose K/V shards
@@ -253,10 +227,11 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     rank, world = checks.group_info(group)
     try:
         call = _validate.sdpa_call(q, k, v, None, 0.0, False, scale, True, None, backend,
-                                   return_lse)
-        softcap = _check_softcap(softcap)
-        name = _backend(call, softcap)
-        spec = checks.local_spec(call, world, is_causal, window, layout, softcap, name)
+                                   return_lse, softcap=softcap)
+        # The dispatcher's choice for the whole shard is the blocks' too: a backend that serves
+        # the call (softcap included) with its lse serves every block of it.
+        name = _dispatch.select("sdpa", call)
+        spec = checks.local_spec(call, world, is_causal, window, layout, name)
         error = None
     except (TypeError, ValueError) as exc:  # told to every rank before this one raises it
         spec, error = None, exc
