@@ -45,7 +45,8 @@ def backends() -> dict:
 _SERVED = {"kvcache": ("cpu", "triton", "reference"), "varlen": ("cpu", "reference")}
 # The backends that compute the score modifiers (softcap, alibi_slopes, sinks), by op; a call
 # with one goes to no other (backend=None falls back to these, CUDA tensors to the reference).
-_SERVED_MODIFIERS = {"sdpa": ("cpu", "reference"), "kvcache": ("cpu", "reference")}
+_SERVED_MODIFIERS = {"sdpa": ("cpu", "reference"), "kvcache": ("cpu", "reference"),
+                     "varlen": ("cpu", "reference")}
 
 
 def _is_empty(op: str, call) -> bool:
@@ -183,8 +184,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     k (total_k, Hkv, E), v (total_k, Hkv, Ev); sequence n is rows cu_seqlens[n]:cu_seqlens[n+1]
     (int32 prefix sums) and attends only to itself, `is_causal` and `window` aligned
     bottom-right in each sequence. Returns (total_q, Hq, Ev), and with `return_lse=True` also
-    lse (Hq, total_q) float32. softcap, alibi_slopes and sinks are not supported yet
-    (ValueError). See API.md for the contract.
+    lse (Hq, total_q) float32. softcap and sinks as in scaled_dot_product_attention;
+    alibi_slopes (Hq,) or (N, Hq) aligned bottom-right in each sequence. See API.md.
     """
     call = _validate.varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  dropout_p, is_causal, scale, window, softcap, alibi_slopes, sinks,

@@ -38,7 +38,7 @@ def _registered(op: str, key: str) -> bool:
 _KERNELS = frozenset(
     (op, key)
     for op in ("sdpa_fwd", "sdpa_bwd", "additive_fwd", "additive_bwd", "kvcache_fwd",
-               "varlen_fwd", "varlen_bwd", "sdpa_mod_fwd", "kvcache_mod_fwd")
+               "varlen_fwd", "varlen_bwd", "sdpa_mod_fwd", "kvcache_mod_fwd", "varlen_mod_fwd")
     for key in ("CPU", "CUDA")
     if _C is not None and _registered(op, key))
 
@@ -227,6 +227,46 @@ def _register_varlen() -> None:
     torch.library.register_autograd("attnx::varlen_bwd", no_double_backward)
 
 
+def _register_varlen_modifiers() -> None:
+    """The fake kernels and autograd of attnx::varlen_mod_fwd / varlen_mod_bwd (packed
+    sequences with softcap, ALiBi and sinks), tying in the sinks' gradient."""
+
+    @torch.library.register_fake("attnx::varlen_mod_fwd")
+    def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, window_lo, window_hi, dropout_p,
+                  seed, softcap, alibi, sinks):
+        same_device(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sinks)
+        total_q, hq, _ = q.shape
+        out = q.new_empty((total_q, hq, v.shape[-1]))
+        return out, q.new_empty((hq, total_q), dtype=_sdpa_lse_dtype(q.dtype))
+
+    @torch.library.register_fake("attnx::varlen_mod_bwd")
+    def _bwd_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale, window_lo,
+                  window_hi, dropout_p, seed, grad_lse, softcap, alibi, sinks, sinks_grad):
+        same_device(q, grad_out, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse, alibi,
+                    sinks)
+        dsinks = sinks.new_empty(sinks.shape) if sinks_grad else _empty_grad(q)
+        return (*contiguous_grads(q, k, v), dsinks)
+
+    def _setup(ctx, inputs, output):
+        q, k, v, cu_q, cu_k, scale, lo, hi, p, seed, softcap, alibi, sinks = inputs
+        out, lse = output
+        ctx.args = (scale, lo, hi, p, softcap)
+        ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse, seed, alibi, sinks)
+
+    def _backward(ctx, grad_out, grad_lse):
+        q, k, v, cu_q, cu_k, out, lse, seed, alibi, sinks = ctx.saved_tensors
+        scale, lo, hi, p, softcap = ctx.args
+        want_sinks = sinks is not None and ctx.needs_input_grad[12]
+        dq, dk, dv, dsinks = torch.ops.attnx.varlen_mod_bwd(
+            or_zeros(grad_out, out), q, k, v, cu_q, cu_k, out, lse, scale, lo, hi, p, seed,
+            grad_lse, softcap, alibi, sinks, want_sinks)
+        return (dq, dk, dv, None, None, None, None, None, None, None, None, None,
+                (dsinks if want_sinks else None))
+
+    torch.library.register_autograd("attnx::varlen_mod_fwd", _backward, setup_context=_setup)
+    torch.library.register_autograd("attnx::varlen_mod_bwd", no_double_backward)
+
+
 def _register_modifiers() -> None:
     """The fake kernels and autograd of attnx::sdpa_mod_fwd / sdpa_mod_bwd (SDPA with softcap,
     ALiBi and sinks; CPU kernels only so far), tying in the sinks' gradient, and the fake
@@ -285,6 +325,8 @@ if _C is not None:
         _register_varlen()  # an extension built before them has no such ops
     if has_kernel("sdpa_mod_fwd", "CPU") and has_kernel("kvcache_mod_fwd", "CPU"):
         _register_modifiers()  # an extension built before them has no such ops
+    if has_kernel("varlen_mod_fwd", "CPU"):
+        _register_varlen_modifiers()  # an extension built before them has no such ops
 
 
 @functools.cache

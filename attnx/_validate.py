@@ -506,6 +506,7 @@ class VarlenCall:
     seed: Optional[torch.Tensor]
     backend: str
     return_lse: bool
+    mods: Modifiers = NO_MODIFIERS  # alibi (N, Hq): one row per sequence, aligned bottom-right
 
 
 def _check_cu_seqlens(name: str, cu, total: int, device) -> list:
@@ -545,10 +546,6 @@ def _check_max_seqlen(name: str, hint, lens: list) -> None:
 def varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                 is_causal, scale, window, softcap, alibi_slopes, sinks, backend,
                 return_lse) -> VarlenCall:
-    for name, value in (("softcap", softcap), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if value is not None:
-            raise ValueError(f"{name}: not yet supported by varlen_attention "
-                             f"(expected None), got {_type_name(value)}")
     q = _check_tensor("q", q, 3, 3)
     k = _check_tensor("k", k, 3, 3)
     v = _check_tensor("v", v, 3, 3)
@@ -574,10 +571,12 @@ def varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     _check_max_seqlen("max_seqlen_q", max_seqlen_q, lens_q)
     _check_max_seqlen("max_seqlen_k", max_seqlen_k, lens_k)
     scale = _check_scale(scale, e, q.dtype)
+    mods = _check_modifiers(softcap, alibi_slopes, sinks, q, len(lens_q), hq)
     # The band relative to each sequence's bottom-right diagonal; unbounded is
     # [-(Lk + Lq), Lk] of the longest, which holds every j - (i + d).
     lq_max, lk_max = max(lens_q, default=0), max(lens_k, default=0)
     lo, hi = _windowed(-lk_max - lq_max, 0 if is_causal else lk_max, window)
     seed = _rng.draw_seed() if 0 < p < 1 else None
     return VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, tuple(zip(lens_q, lens_k)), scale,
-                      max(lo, -lk_max - lq_max), min(hi, lk_max), p, seed, backend, return_lse)
+                      max(lo, -lk_max - lq_max), min(hi, lk_max), p, seed, backend, return_lse,
+                      mods)

@@ -67,4 +67,17 @@ TORCH_LIBRARY(attnx, m) {
       "varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, Tensor out, Tensor lse, float scale, int window_lo, int window_hi, "
       "float dropout_p, Tensor? seed, Tensor? grad_lse=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // The same with the score modifiers of sdpa_mod_fwd: alibi_slopes float32 (N, Hq), one row
+  // per sequence, aligned bottom-right in each (-alibi_slopes[n, h] |i + d - j|); sinks (Hq).
+  // A sequence without keys gives its rows lse = the sink. The backward returns dsinks (Hq) in
+  // sinks' dtype when sinks_grad, else empty.
+  m.def(
+      "varlen_mod_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "float scale, int window_lo, int window_hi, float dropout_p, Tensor? seed, float softcap, "
+      "Tensor? alibi_slopes, Tensor? sinks) -> (Tensor out, Tensor lse)");
+  m.def(
+      "varlen_mod_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, Tensor out, Tensor lse, float scale, int window_lo, int window_hi, "
+      "float dropout_p, Tensor? seed, Tensor? grad_lse, float softcap, Tensor? alibi_slopes, "
+      "Tensor? sinks, bool sinks_grad) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
 }

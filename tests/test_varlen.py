@@ -52,18 +52,31 @@ def allowed(lq, lk, is_causal, window):
     return ok
 
 
-def golden(q, k, v, lens, is_causal=False, window=None, scale=None, dtype=torch.float64):
-    """Per-sequence torch SDPA in `dtype` (output, lse); empty rows give zeros and -inf."""
+def golden(q, k, v, lens, is_causal=False, window=None, scale=None, dtype=torch.float64,
+           softcap=None, alibi=None, sinks=None):
+    """Per-sequence attention in `dtype` (output, lse); empty rows give zeros and -inf (the
+    sink, with sinks). The modifiers as API.md words them: softcap, then -slope |i + Lk - Lq - j|
+    (alibi (N, Hq), a row per sequence), then the band; the sink in every row's denominator."""
     hq, hkv = q.shape[1], k.shape[1]
     q, k, v = (t.to(dtype) for t in (q, k, v))
     outs, lses, q0, k0 = [], [], 0, 0
-    for lq, lk in lens:
+    for n, (lq, lk) in enumerate(lens):
         qs = q[q0:q0 + lq].transpose(0, 1)
         ks, vs = (t[k0:k0 + lk].transpose(0, 1).repeat_interleave(hq // hkv, 0) for t in (k, v))
         ok = allowed(lq, lk, is_causal, window)
         sc = scale if scale is not None else q.shape[-1] ** -0.5
-        s = (qs @ ks.transpose(-1, -2) * sc).masked_fill(~ok, float("-inf"))
-        lse = torch.logsumexp(s, -1) if lk else torch.full((hq, lq), float("-inf"), dtype=dtype)
+        s = qs @ ks.transpose(-1, -2) * sc
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        if alibi is not None:
+            dist = (torch.arange(lq).view(lq, 1) + lk - lq - torch.arange(lk).view(1, lk)).abs()
+            s = s - alibi[n].to(dtype).view(hq, 1, 1) * dist.to(dtype)
+        s = s.masked_fill(~ok, float("-inf"))
+        if sinks is not None:
+            sink = sinks.to(dtype).view(hq, 1, 1).expand(hq, lq, 1)
+            lse = torch.logsumexp(torch.cat([s, sink], -1), -1)
+        else:
+            lse = torch.logsumexp(s, -1) if lk else torch.full((hq, lq), float("-inf"), dtype=dtype)
         p = torch.where(ok, torch.exp(s - lse.unsqueeze(-1)), torch.zeros_like(s))
         outs.append((p @ vs).transpose(0, 1))
         lses.append(lse)
@@ -181,7 +194,11 @@ BAD = [
     (dict(cu_seqlens_k=torch.tensor([0, 2, 3, 5], dtype=torch.int32)), ValueError, "expected 3 entries"),
     (dict(cu_seqlens_q=[0, 3, 5]), TypeError, "cu_seqlens_q: expected an int32 torch.Tensor"),
     (dict(max_seqlen_q=2), ValueError, "max_seqlen_q: expected at least"),
-    (dict(softcap=30.0), ValueError, "softcap: not yet supported"),
+    (dict(softcap=0.0), ValueError, "softcap: expected a finite float > 0"),
+    (dict(alibi_slopes=torch.ones(3, 2)), ValueError, "alibi_slopes: expected shape \\(2,\\) or \\(2, 2\\)"),
+    (dict(alibi_slopes=torch.ones(2, dtype=torch.float64)), TypeError, "alibi_slopes: expected dtype torch.float32"),
+    (dict(sinks=torch.zeros(3)), ValueError, "sinks: expected shape \\(2,\\)"),
+    (dict(sinks=torch.zeros(2, dtype=torch.float64)), TypeError, "sinks: expected dtype"),
     (dict(q=torch.randn(1, 5, 2, 8)), ValueError, "q: expected 3 dimensions"),
     (dict(k=torch.randn(5, 3, 8), v=torch.randn(5, 3, 4)), ValueError,
      "k: expected a head count dividing 2"),
@@ -199,3 +216,95 @@ def test_bad_input(change, error, message):
     args.update(change)
     with pytest.raises(error, match=message):
         attnx.varlen_attention(**args)
+
+
+HAS_CPU_MODS = _ops.has_kernel("varlen_mod_fwd", "CPU")
+MOD_BACKENDS = ["reference", pytest.param("cpu", marks=pytest.mark.skipif(
+    not HAS_CPU_MODS, reason="attnx._C is not built with varlen_mod_fwd"))]
+# (Lq, Lk) per sequence: Lq != Lk both ways (ALiBi's bottom-right alignment shows), lengths 0
+# and 1, a sequence without keys (its rows: lse = the sink), causal rows with no key (Lq > Lk)
+MOD_LENS = [(17, 17), (1, 1), (5, 0), (3, 40), (40, 3), (0, 4), (9, 23)]
+MODS = {
+    "softcap": dict(softcap=1.5),
+    "alibi": dict(alibi_slopes=torch.tensor([[0.5, 0.25, 0.125, 1.0]] * 7) * torch.arange(
+        1, 8, dtype=torch.float32).view(7, 1) / 4),
+    "alibi_per_head": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 1.0])),
+    "sinks": dict(sinks=torch.tensor([0.3, -1.0, 2.0, 0.0])),
+    "all": dict(softcap=2.0, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 1.0]),
+                sinks=torch.tensor([0.3, -1.0, 2.0, 0.0])),
+}
+
+
+def _golden_mods(kw):
+    alibi = kw.get("alibi_slopes")
+    if alibi is not None and alibi.dim() == 1:
+        alibi = alibi.expand(len(MOD_LENS), -1)
+    return dict(softcap=kw.get("softcap"), alibi=alibi, sinks=kw.get("sinks"))
+
+
+@pytest.mark.parametrize("backend", MOD_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("mod", list(MODS))
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_modifiers_match_golden(backend, dtype, mod, is_causal):
+    """Output, lse and gradients (q, k, v, sinks) with the modifiers vs the float64 formula."""
+    kw = MODS[mod]
+    q, k, v, cu_q, cu_k = pack(MOD_LENS, 4, 2, 16, 8, dtype, seed=4)
+    g = torch.randn(q.shape[0], 4, 8, generator=torch.Generator().manual_seed(5))
+    gl = torch.randn(4, q.shape[0], generator=torch.Generator().manual_seed(6))
+
+    def run(fn, sinks_dtype):
+        x, y, z = (t.detach().requires_grad_() for t in (q, k, v))
+        sinks = kw.get("sinks")
+        sinks = None if sinks is None else sinks.detach().to(sinks_dtype).clone().requires_grad_()
+        out, lse = fn(x, y, z, sinks)
+        ok = torch.isfinite(lse)
+        (out * g.to(out.dtype)).sum().add((lse.where(ok, 0) * gl.to(lse.dtype)).sum()).backward()
+        grads = (x.grad, y.grad, z.grad) + ((sinks.grad,) if sinks is not None else ())
+        return (out.detach(), lse.detach()), grads
+
+    sdtype = torch.float32 if dtype == torch.bfloat16 else dtype
+    (out, lse), got = run(lambda x, y, z, s: attnx.varlen_attention(
+        x, y, z, cu_q, cu_k, is_causal=is_causal, backend=backend, return_lse=True,
+        **dict(kw, sinks=s)), sdtype)
+    gm = _golden_mods(kw)
+    (want, want_lse), want_g = run(lambda x, y, z, s: golden(
+        x, y, z, MOD_LENS, is_causal, **dict(gm, sinks=s)), torch.float64)
+    (base, _), base_g = run(lambda x, y, z, s: golden(
+        x, y, z, MOD_LENS, is_causal, dtype=dtype, **dict(gm, sinks=s)), sdtype)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_within(out, want, base, floor=TOL[dtype])
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    fin = torch.isfinite(want_lse)
+    assert_within(lse[fin], want_lse[fin].float(), want_lse[fin].float(), floor=1e-5, what="lse")
+    for name, a, w, b in zip(("dq", "dk", "dv", "dsinks"), got, want_g, base_g):
+        assert_within(a, w, b, factor=3.0, floor=TOL[dtype], what=name)
+
+
+@pytest.mark.parametrize("backend", MOD_BACKENDS)
+def test_modifiers_float64_gradcheck(backend):
+    lens = [(3, 5), (1, 1), (4, 2), (2, 0)]
+    q, k, v, cu_q, cu_k = pack(lens, 2, 1, 4, 3, torch.float64)
+    sinks = torch.tensor([0.5, -0.25], dtype=torch.float64)
+    inputs = tuple(t.requires_grad_() for t in (q, k, v, sinks))
+    slopes = torch.tensor([[0.5, 0.25], [1.0, 0.1], [0.3, 0.2], [0.0, 1.0]])
+
+    def fn(x, y, z, s):
+        return attnx.varlen_attention(x, y, z, cu_q, cu_k, is_causal=True, softcap=1.25,
+                                      alibi_slopes=slopes, sinks=s, backend=backend)
+    assert torch.autograd.gradcheck(fn, inputs)  # (lse is float32: its gradient is checked above)
+
+
+def test_modifiers_auto_picks_cpu_and_opcheck():
+    if not HAS_CPU_MODS:
+        pytest.skip("attnx._C is not built with varlen_mod_fwd")
+    from attnx import _dispatch, _validate
+    q, k, v, cu_q, cu_k = pack(MOD_LENS, 4, 2, 16, 8, torch.float32)
+    sinks = MODS["sinks"]["sinks"].clone().requires_grad_()
+    call = _validate.varlen_call(q, k, v, cu_q, cu_k, None, None, 0.0, True, None, None, 2.0,
+                                 None, sinks, None, False)
+    assert _dispatch.select("varlen", call) == "cpu"
+    q.requires_grad_()
+    slopes = MODS["alibi"]["alibi_slopes"]
+    torch.library.opcheck(torch.ops.attnx.varlen_mod_fwd,
+                          (q, k, v, cu_q, cu_k, 0.25, -200, 0, 0.0, None, 2.0, slopes, sinks))

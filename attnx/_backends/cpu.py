@@ -26,6 +26,6 @@ def unsupported(op: str, call) -> Optional[str]:
         return f"the cpu backend takes float32, float64 and bfloat16, got {call.q.dtype}"
     if op == "kvcache" and call.q.dtype not in KVCACHE_DTYPES:
         return f"the cpu backend's kvcache kernel takes float32 and float64, got {call.q.dtype}"
-    if op in ("sdpa", "kvcache") and call.mods.any():
+    if op in ("sdpa", "kvcache", "varlen") and call.mods.any():
         return native.missing_kernel(op + "_mod", "CPU")
     return native.missing_kernel(op, "CPU")

@@ -17,7 +17,7 @@ from .._validate import AdditiveCall, KvcacheCall, SdpaCall, VarlenCall
 
 OPS = {"sdpa": "sdpa_fwd", "additive": "additive_fwd", "kvcache": "kvcache_fwd",
        "varlen": "varlen_fwd", "sdpa_mod": "sdpa_mod_fwd",
-       "kvcache_mod": "kvcache_mod_fwd"}
+       "kvcache_mod": "kvcache_mod_fwd", "varlen_mod": "varlen_mod_fwd"}
 
 
 def missing_kernel(op: str, dispatch_key: str) -> Optional[str]:
@@ -57,5 +57,10 @@ def kvcache(call: KvcacheCall):
 
 
 def varlen(call: VarlenCall):
+    if call.mods.any():
+        mods = call.mods
+        return torch.ops.attnx.varlen_mod_fwd(
+            call.q, call.k, call.v, call.cu_q, call.cu_k, call.scale, call.window_lo,
+            call.window_hi, call.dropout_p, call.seed, mods.softcap or 0.0, mods.alibi, mods.sinks)
     return torch.ops.attnx.varlen_fwd(call.q, call.k, call.v, call.cu_q, call.cu_k, call.scale,
                                       call.window_lo, call.window_hi, call.dropout_p, call.seed)

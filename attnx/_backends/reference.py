@@ -179,9 +179,14 @@ def varlen(call: VarlenCall):
         q = call.q[q0:q0 + lq].transpose(0, 1).to(dtype)  # (Hq, Lq, E)
         k, v = (t[k0:k0 + lk].transpose(0, 1).to(dtype).repeat_interleave(groups, dim=0)
                 for t in (call.k, call.v))
-        s = torch.matmul(q, k.transpose(-2, -1)) * call.scale
         d = lk - lq  # bottom-right: query i's diagonal is key i + d
-        p, lse = masked_softmax(s, None, call.window_lo + d, call.window_hi + d)
+        mods = call.mods
+        if mods.alibi is not None:  # this sequence's slopes, as a batch of one
+            mods = mods._replace(alibi=mods.alibi[n:n + 1])
+        s = modified(torch.matmul(q, k.transpose(-2, -1)).unsqueeze(0) * call.scale, mods,
+                     d).squeeze(0)
+        p, lse = masked_softmax(s, None, call.window_lo + d, call.window_hi + d,
+                                sink_logits(mods, dtype))
         seed = None if call.seed is None else _rng.sequence_seed(call.seed, n)
         p = apply_dropout(p.unsqueeze(0), call.dropout_p, seed).squeeze(0)
         outs.append(torch.matmul(p, v).transpose(0, 1))

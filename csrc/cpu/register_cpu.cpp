@@ -17,4 +17,6 @@ TORCH_LIBRARY_IMPL(attnx, CPU, m) {
   m.impl("kvcache_mod_fwd", &attnx::cpu::kvcache_mod_fwd);
   m.impl("varlen_fwd", &attnx::cpu::varlen_fwd);
   m.impl("varlen_bwd", &attnx::cpu::varlen_bwd);
+  m.impl("varlen_mod_fwd", &attnx::cpu::varlen_mod_fwd);
+  m.impl("varlen_mod_bwd", &attnx::cpu::varlen_mod_bwd);
 }

@@ -22,16 +22,18 @@ struct Mods {
   T softcap = 0;                 // 0: none
   const float* alibi = nullptr;  // (B * Hq) slopes, or null
   const T* sinks = nullptr;      // (Hq), or null
+  int64_t alibi_offset = 0;      // query i's diagonal is key i + alibi_offset
 
   // The scaled scores s of keys j0 .. j0 + n - 1 of row i of head bh = b * Hq + h, soft-capped
-  // and ALiBi subtracted (query i's diagonal is key i: a bottom-right caller passes i + its
-  // offset), before the mask. dcap (or null) receives the softcap's
+  // and ALiBi subtracted (query i's diagonal is key i + alibi_offset: a bottom-right caller
+  // passes i + its offset instead), before the mask. dcap (or null) receives the softcap's
   // derivative 1 - tanh^2, which the backward multiplies into dS.
   void apply(T* s, int64_t n, int64_t bh, int64_t i, int64_t j0, T* dcap) const {
     if (softcap > T(0)) softcap_row(s, n, softcap, dcap);
     if (alibi != nullptr) {
       const T slope = static_cast<T>(alibi[bh]);
-      for (int64_t j = 0; j < n; ++j) s[j] -= slope * static_cast<T>(std::abs(i - j0 - j));
+      const int64_t diag = i + alibi_offset - j0;
+      for (int64_t j = 0; j < n; ++j) s[j] -= slope * static_cast<T>(std::abs(diag - j));
     }
   }
 };
@@ -42,6 +44,7 @@ struct ModArgs {
   double softcap = 0;
   at::Tensor alibi;             // float32 (B * Hq), contiguous, or undefined
   at::Tensor sinks_f, sinks_d;  // (Hq) as float32 and as float64, or undefined
+  int64_t alibi_offset = 0;     // Mods::alibi_offset (varlen: each sequence's Lk - Lq)
 
   bool any() const { return softcap > 0 || alibi.defined() || sinks_f.defined(); }
   template <typename T>
@@ -51,6 +54,7 @@ struct ModArgs {
     m.alibi = alibi.defined() ? alibi.data_ptr<float>() : nullptr;
     const at::Tensor& sinks = std::is_same_v<T, double> ? sinks_d : sinks_f;
     m.sinks = sinks.defined() ? sinks.data_ptr<T>() : nullptr;
+    m.alibi_offset = alibi_offset;
     return m;
   }
 };

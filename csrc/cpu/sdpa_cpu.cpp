@@ -701,6 +701,14 @@ std::tuple<Tensor, Tensor> sdpa_mod_fwd(const Tensor& q, const Tensor& k, const 
   return forward(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed, d, mods);
 }
 
+std::tuple<Tensor, Tensor> sdpa_fwd_modified(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             double scale, int64_t window_lo, int64_t window_hi,
+                                             double dropout_p, const std::optional<Tensor>& seed,
+                                             const ModArgs& mods) {
+  const Dims d = check_inputs("attnx::varlen_mod_fwd", q, k, v, std::nullopt, dropout_p);
+  return forward(q, k, v, std::nullopt, scale, window_lo, window_hi, dropout_p, seed, d, mods);
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
     const std::optional<Tensor>& mask, const Tensor& out, const Tensor& lse, double scale,
@@ -729,6 +737,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sdpa_mod_bwd(
   return {g.dq.to(dt), g.dk.to(dt), g.dv.to(dt),
           mask_grad ? g.dmask.to(dt) : at::empty({0}, q.options()),
           sinks_grad ? g.dsinks.to(sinks->scalar_type()) : at::empty({0}, q.options())};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd_modified(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, double scale, int64_t window_lo, int64_t window_hi, double dropout_p,
+    const std::optional<Tensor>& seed, const std::optional<Tensor>& grad_lse,
+    const ModArgs& mods, bool sinks_grad) {
+  const Dims d = check_inputs("attnx::varlen_mod_bwd", q, k, v, std::nullopt, dropout_p);
+  const GradResult g = backward(grad_out, q, k, v, std::nullopt, out, lse, scale, window_lo,
+                                window_hi, dropout_p, seed, false, grad_lse, d, mods, sinks_grad);
+  const auto dt = q.scalar_type();
+  // dsinks in float64 (sequences add theirs up; the caller casts to the sinks' dtype)
+  return {g.dq.to(dt), g.dk.to(dt), g.dv.to(dt),
+          sinks_grad ? g.dsinks.to(at::kDouble) : at::empty({0}, q.options())};
 }
 
 }  // namespace attnx::cpu

@@ -5,6 +5,8 @@
 #include <optional>
 #include <tuple>
 
+#include "score_mods.h"
+
 namespace attnx::cpu {
 
 std::tuple<at::Tensor, at::Tensor> sdpa_fwd(const at::Tensor& q, const at::Tensor& k,
@@ -37,5 +39,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_mod_
     const std::optional<at::Tensor>& grad_lse, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
     bool sinks_grad);
+
+// The same without a mask, the modifiers given as checked ModArgs (varlen_cpu.cpp: one
+// sequence's slopes and its ALiBi offset Lk - Lq). The backward returns (dq, dk, dv, dsinks in
+// float64, or empty without sinks_grad).
+std::tuple<at::Tensor, at::Tensor> sdpa_fwd_modified(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+    int64_t window_lo, int64_t window_hi, double dropout_p,
+    const std::optional<at::Tensor>& seed, const ModArgs& mods);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_bwd_modified(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double scale, int64_t window_lo,
+    int64_t window_hi, double dropout_p, const std::optional<at::Tensor>& seed,
+    const std::optional<at::Tensor>& grad_lse, const ModArgs& mods, bool sinks_grad);
 
 }  // namespace attnx::cpu

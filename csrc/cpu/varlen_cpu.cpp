@@ -65,6 +65,14 @@ std::optional<Tensor> seed_of(const std::optional<Tensor>& seed, int64_t n) {
   return s;
 }
 
+// The modifiers of sequence n: its row of the slopes, its ALiBi aligned bottom-right.
+ModArgs sequence_mods(const ModArgs& all, const Sequence& s, int64_t n) {
+  ModArgs m = all;
+  if (all.alibi.defined()) m.alibi = all.alibi.narrow(0, n, 1);
+  m.alibi_offset = s.lk - s.lq;
+  return m;
+}
+
 void check_packed(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op,
               ": expected 3-D q, k, v (total, heads, dim), got ", q.sizes(), ", ", k.sizes(),
@@ -73,39 +81,46 @@ void check_packed(const char* op, const Tensor& q, const Tensor& k, const Tensor
               ": k or v has the wrong shape");
 }
 
-}  // namespace
-
-std::tuple<Tensor, Tensor> varlen_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                      const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
-                                      double scale, int64_t window_lo, int64_t window_hi,
-                                      double dropout_p, const std::optional<Tensor>& seed) {
-  const char* op = "attnx::varlen_fwd";
+std::tuple<Tensor, Tensor> forward(const char* op, const Tensor& q, const Tensor& k,
+                                   const Tensor& v, const Tensor& cu_seqlens_q,
+                                   const Tensor& cu_seqlens_k, double scale, int64_t window_lo,
+                                   int64_t window_hi, double dropout_p,
+                                   const std::optional<Tensor>& seed, const ModArgs& mods) {
   check_packed(op, q, k, v);
   const auto seqs = sequences(op, cu_seqlens_q, cu_seqlens_k, q.size(0), k.size(0));
   const int64_t hq = q.size(1);
   const auto lse_type = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  // Rows of empty sequences (no keys) keep these: zero output, lse -inf.
+  // Rows of sequences without keys keep these: zero output, lse -inf (the sink, with sinks).
   Tensor out = at::zeros({q.size(0), hq, v.size(2)}, q.options());
-  Tensor lse = at::full({hq, q.size(0)}, -INFINITY, q.options().dtype(lse_type));
+  Tensor lse = mods.sinks_d.defined()
+                   ? mods.sinks_d.to(lse_type).view({hq, 1}).expand({hq, q.size(0)}).contiguous()
+                   : at::full({hq, q.size(0)}, -INFINITY, q.options().dtype(lse_type));
   for (size_t n = 0; n < seqs.size(); ++n) {
     const Sequence& s = seqs[n];
     if (s.lq == 0 || s.lk == 0) continue;
     const auto [lo, hi] = band_of(s, window_lo, window_hi);
-    const auto [o, l] = sdpa_fwd(as_batch(q, s.q0, s.lq), as_batch(k, s.k0, s.lk),
-                                 as_batch(v, s.k0, s.lk), std::nullopt, scale, lo, hi,
-                                 dropout_p, seed_of(seed, int64_t(n)));
+    const Tensor qs = as_batch(q, s.q0, s.lq), ks = as_batch(k, s.k0, s.lk),
+                 vs = as_batch(v, s.k0, s.lk);
+    const auto [o, l] =
+        mods.any() ? sdpa_fwd_modified(qs, ks, vs, scale, lo, hi, dropout_p,
+                                       seed_of(seed, int64_t(n)), sequence_mods(mods, s, n))
+                   : sdpa_fwd(qs, ks, vs, std::nullopt, scale, lo, hi, dropout_p,
+                              seed_of(seed, int64_t(n)));
     out.narrow(0, s.q0, s.lq).copy_(o[0].transpose(0, 1));
     lse.narrow(1, s.q0, s.lq).copy_(l[0]);
   }
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> varlen_bwd(
-    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-    const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k, const Tensor& out, const Tensor& lse,
-    double scale, int64_t window_lo, int64_t window_hi, double dropout_p,
-    const std::optional<Tensor>& seed, const std::optional<Tensor>& grad_lse) {
-  const char* op = "attnx::varlen_bwd";
+struct Grads {
+  Tensor dq, dk, dv, dsinks;
+};
+
+Grads backward(const char* op, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+               const Tensor& v, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+               const Tensor& out, const Tensor& lse, double scale, int64_t window_lo,
+               int64_t window_hi, double dropout_p, const std::optional<Tensor>& seed,
+               const std::optional<Tensor>& grad_lse, const ModArgs& mods, bool sinks_grad) {
   check_packed(op, q, k, v);
   TORCH_CHECK(grad_out.sizes() == out.sizes() && out.dim() == 3 && out.size(0) == q.size(0) &&
                   out.size(1) == q.size(1) && out.size(2) == v.size(2),
@@ -114,25 +129,92 @@ std::tuple<Tensor, Tensor, Tensor> varlen_bwd(
               ": expected lse of shape (Hq, total_q)");
   TORCH_CHECK(!grad_lse.has_value() || grad_lse->sizes() == lse.sizes(), op,
               ": expected grad_lse of lse's shape");
+  TORCH_CHECK(!sinks_grad || mods.sinks_d.defined(), op, ": sinks_grad needs sinks");
   const auto seqs = sequences(op, cu_seqlens_q, cu_seqlens_k, q.size(0), k.size(0));
-  Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options()),
-         dv = at::zeros(v.sizes(), v.options());
+  Grads g{at::zeros(q.sizes(), q.options()), at::zeros(k.sizes(), k.options()),
+          at::zeros(v.sizes(), v.options()), Tensor()};
+  if (sinks_grad) g.dsinks = at::zeros({q.size(1)}, q.options().dtype(at::kDouble));
   for (size_t n = 0; n < seqs.size(); ++n) {
     const Sequence& s = seqs[n];
-    if (s.lq == 0 || s.lk == 0) continue;
-    const auto [lo, hi] = band_of(s, window_lo, window_hi);
+    if (s.lq == 0) continue;
     std::optional<Tensor> gl;
     if (grad_lse.has_value()) gl = grad_lse->narrow(1, s.q0, s.lq).unsqueeze(0);
-    const auto [gq, gk, gv, unused] = sdpa_bwd(
-        as_batch(grad_out, s.q0, s.lq), as_batch(q, s.q0, s.lq), as_batch(k, s.k0, s.lk),
-        as_batch(v, s.k0, s.lk), std::nullopt, as_batch(out, s.q0, s.lq),
-        lse.narrow(1, s.q0, s.lq).unsqueeze(0), scale, lo, hi, dropout_p,
-        seed_of(seed, int64_t(n)), false, gl);
-    dq.narrow(0, s.q0, s.lq).copy_(gq[0].transpose(0, 1));
-    dk.narrow(0, s.k0, s.lk).copy_(gk[0].transpose(0, 1));
-    dv.narrow(0, s.k0, s.lk).copy_(gv[0].transpose(0, 1));
+    if (s.lk == 0) {  // lse = the sink, out = 0: d lse / d sink = 1 on every row
+      if (sinks_grad && gl.has_value()) g.dsinks += (*gl)[0].to(at::kDouble).sum(1);
+      continue;
+    }
+    const auto [lo, hi] = band_of(s, window_lo, window_hi);
+    const Tensor go = as_batch(grad_out, s.q0, s.lq), qs = as_batch(q, s.q0, s.lq),
+                 ks = as_batch(k, s.k0, s.lk), vs = as_batch(v, s.k0, s.lk),
+                 os = as_batch(out, s.q0, s.lq), ls = lse.narrow(1, s.q0, s.lq).unsqueeze(0);
+    Tensor gq, gk, gv;
+    if (mods.any()) {
+      Tensor gs;
+      std::tie(gq, gk, gv, gs) =
+          sdpa_bwd_modified(go, qs, ks, vs, os, ls, scale, lo, hi, dropout_p,
+                            seed_of(seed, int64_t(n)), gl, sequence_mods(mods, s, n), sinks_grad);
+      if (sinks_grad) g.dsinks += gs;
+    } else {
+      std::tie(gq, gk, gv, std::ignore) =
+          sdpa_bwd(go, qs, ks, vs, std::nullopt, os, ls, scale, lo, hi, dropout_p,
+                   seed_of(seed, int64_t(n)), false, gl);
+    }
+    g.dq.narrow(0, s.q0, s.lq).copy_(gq[0].transpose(0, 1));
+    g.dk.narrow(0, s.k0, s.lk).copy_(gk[0].transpose(0, 1));
+    g.dv.narrow(0, s.k0, s.lk).copy_(gv[0].transpose(0, 1));
   }
-  return {dq, dk, dv};
+  return g;
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> varlen_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                      double scale, int64_t window_lo, int64_t window_hi,
+                                      double dropout_p, const std::optional<Tensor>& seed) {
+  return forward("attnx::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, scale, window_lo,
+                 window_hi, dropout_p, seed, ModArgs{});
+}
+
+std::tuple<Tensor, Tensor> varlen_mod_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                          double scale, int64_t window_lo, int64_t window_hi,
+                                          double dropout_p, const std::optional<Tensor>& seed,
+                                          double softcap,
+                                          const std::optional<Tensor>& alibi_slopes,
+                                          const std::optional<Tensor>& sinks) {
+  const char* op = "attnx::varlen_mod_fwd";
+  const ModArgs mods = mod_args(op, softcap, alibi_slopes, sinks, cu_seqlens_q.numel() - 1,
+                                q.dim() == 3 ? q.size(1) : -1);
+  return forward(op, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, window_lo, window_hi,
+                 dropout_p, seed, mods);
+}
+
+std::tuple<Tensor, Tensor, Tensor> varlen_bwd(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k, const Tensor& out, const Tensor& lse,
+    double scale, int64_t window_lo, int64_t window_hi, double dropout_p,
+    const std::optional<Tensor>& seed, const std::optional<Tensor>& grad_lse) {
+  const Grads g = backward("attnx::varlen_bwd", grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                           out, lse, scale, window_lo, window_hi, dropout_p, seed, grad_lse,
+                           ModArgs{}, false);
+  return {g.dq, g.dk, g.dv};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_mod_bwd(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k, const Tensor& out, const Tensor& lse,
+    double scale, int64_t window_lo, int64_t window_hi, double dropout_p,
+    const std::optional<Tensor>& seed, const std::optional<Tensor>& grad_lse, double softcap,
+    const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+    bool sinks_grad) {
+  const char* op = "attnx::varlen_mod_bwd";
+  const ModArgs mods = mod_args(op, softcap, alibi_slopes, sinks, cu_seqlens_q.numel() - 1,
+                                q.dim() == 3 ? q.size(1) : -1);
+  const Grads g = backward(op, grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale,
+                           window_lo, window_hi, dropout_p, seed, grad_lse, mods, sinks_grad);
+  return {g.dq, g.dk, g.dv,
+          sinks_grad ? g.dsinks.to(sinks->scalar_type()) : at::empty({0}, q.options())};
 }
 
 }  // namespace attnx::cpu
