@@ -334,7 +334,7 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS,
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < Lq
     rows = bh.to(tl.int64) * Lq + offs_m
-    lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + rows, mask=row_ok, other=float("inf"))  # not huge, no sink term
     huge = huge_rows(lse, huge_lse)
     k_base, _, m_base = _head_bases(K, K, M, b, h, hk, skb, skh, skb, skh, smb, smh)
     q = load_tile(Q + b * sqb + h * sqh + offsets(offs_m, offs_d, sqm, sqd), offs_m, offs_d, Lq,
