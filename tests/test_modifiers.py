@@ -579,3 +579,35 @@ def test_compiles_fullgraph(backend="cpu"):
     for a, b in zip(torch.autograd.grad(got, (q, k, v, sinks)),
                     torch.autograd.grad(want, (q, k, v, sinks))):
         torch.testing.assert_close(a, b)
+
+
+FAKE_ONLY = ("test_schema", "test_faketensor")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason=_dispatch.backends()["triton"].reason)
+def test_triton_ops_opcheck():
+    """The triton ops' schemas with the modifiers, fake kernels and the forward's autograd
+    registration as torch.library checks them (not its aot_dispatch check, which reruns the
+    op many times in the interpreter; check() covers the gradients)."""
+    from attnx.triton import decode, sdpa  # noqa: F401  (registers the ops)
+    dev = device("triton")
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 2, 5, 16, generator=g).to(dev).requires_grad_()
+    k = torch.randn(2, 1, 6, 16, generator=g).to(dev).requires_grad_()
+    v = torch.randn(2, 1, 6, 16, generator=g).to(dev).requires_grad_()
+    slopes = torch.rand(2, generator=g).to(dev).expand(2, 2)  # as the validation passes them
+    sinks = torch.randn(2, generator=g).to(dev).requires_grad_()
+    fwd = (q, k, v, None, 0.3, -5, 3, 0.0, None, 2.0, slopes, sinks)
+    torch.library.opcheck(torch.ops.attnx.triton_sdpa_fwd.default, fwd,
+                          test_utils=FAKE_ONLY + ("test_autograd_registration",))
+    out, lse = torch.ops.attnx.triton_sdpa_fwd(*fwd)
+    plain = tuple(t.detach() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.attnx.triton_sdpa_bwd.default,
+                          (torch.randn_like(out), *plain, None, out.detach(), lse.detach(), 0.3,
+                           -5, 3, 0.0, None, False, torch.randn_like(lse), 2.0, slopes,
+                           sinks.detach()), test_utils=FAKE_ONLY)
+    cache = torch.randn(2, 1, 9, 16, generator=g).to(dev)
+    torch.library.opcheck(torch.ops.attnx.triton_kvcache_fwd.default,
+                          (plain[0], cache, cache, torch.tensor([9, 4], dtype=torch.int32,
+                                                                device=dev),
+                           None, 0.3, -20, 0, 2.0, slopes, sinks.detach()), test_utils=FAKE_ONLY)

@@ -349,8 +349,8 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS,
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kt = load_tile(k_base + offsets(offs_d, offs_n, skd, skn), offs_d, offs_n, E, Lk, PAD_D,
                        True)
-        s, _ = modified(dot(q, kt, DOT_PREC) * scale, cap, slope, offs_m[:, None],
-                        offs_n[None, :], SOFTCAP, ALIBI)
+        s = modified(dot(q, kt, DOT_PREC) * scale, cap, slope, offs_m[:, None],
+                     offs_n[None, :], SOFTCAP, ALIBI)[0]
         s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
         total += tl.sum(tl.math.exp2((s - lse[:, None]) * LOG2E), 1)
     r = tl.where(huge, total, 1.0)

@@ -14,6 +14,10 @@ SPILL_EXCEPTIONS: dict[tuple[str, str, int], str] = {
        "register rule adds their costs; together they cost more): the autotuner also keeps "
        "(16, 32, 4, 2) and (16, 16, 4, 1), which do not spill. Found by the --full run."
        for dtype in ("fp16", "bf16")},
+    ("sdpa._dkdv_kernel", "sdpa/fp16/d64/float-mask/sinks", 80):
+        "42 B in the (32, 64, 8, 3) config (255 registers), as the plain sdpa/fp16/d64/float-mask "
+        "variant (not in the CI set) spills at main's 04cac0f: sinks do not change the dK/dV "
+        "kernel (the committed --full results, older, had it at 251 registers, no spills)",
     # Triton 3.6 only (CI's torch 2.11 stage); Triton 3.8 compiles these without spills
     ("sdpa._dkdv_kernel", "sdpa/fp16/d64", 80):
         "12 B with Triton 3.6 (torch 2.11) in the (32, 64, 8, 3) config; Triton 3.8 compiles the "
