@@ -21,8 +21,8 @@ import triton.language as tl
 from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device
 from . import common
 from .common import (LN2, LOG2E, admit, dot, dot_acc, huge_rows, inner_range, key_range,
-                     load_tile, modified, offsets, query_range, second_chunk, softmax_start, store_out,
-                     store_rows, tile_and_head)
+                     load_tile, modified, offsets, query_range, second_chunk, softmax_start,
+                     store_out, store_rows, tile_and_head)
 from .rng import keep, keep_t, rng_words, row_keys
 
 # Pruned per launch by common.pruner; the small configs are what fits wide fp32 heads on
