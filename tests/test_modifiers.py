@@ -5,10 +5,15 @@ The golden value is the contract's formula written out here in float64 with plai
 applied), the band applied, the sink column joining the softmax. Errors are bounded by a small
 multiple of what the same formula makes in the tested dtype (tests/_compare.py). Gradients
 include q, k, v, a float mask and the sinks.
+
+The triton backend runs a few representative cases of each test (TRITON_CASES): in Triton's
+interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU), which
+runs every program in Python, or on CUDA tensors with a GPU.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -22,9 +27,32 @@ from attnx import _dispatch, _ops, _rng, _validate
 from tests._compare import assert_within
 
 HAS_CPU_KERNELS = _ops.has_kernel("sdpa_mod_fwd", "CPU") and _ops.has_kernel("kvcache_mod_fwd", "CPU")
-BACKENDS = ["reference", pytest.param("cpu", marks=pytest.mark.skipif(
-    not HAS_CPU_KERNELS, reason="attnx._C is not built"))]
-FLOORS = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 1e-2}
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+HAS_TRITON = _dispatch.backends()["triton"].usable
+MARKS = {
+    "reference": [],
+    "cpu": [pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")],
+    "triton": [pytest.mark.skipif(not HAS_TRITON, reason=_dispatch.backends()["triton"].reason)],
+}
+BACKENDS = [pytest.param(b, marks=MARKS[b]) for b in ("reference", "cpu")]
+TRITON = pytest.param("triton", marks=MARKS["triton"])
+FLOORS = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def cases(backends, *axes):
+    """pytest params (backend, *combination) of each backend with every combination of axes."""
+    return [pytest.param(b, *combo, marks=MARKS[b])
+            for b in backends for combo in itertools.product(*axes)]
+
+
+def device(backend: str) -> str:
+    """Where a backend's inputs live: the triton backend takes CUDA tensors unless it is
+    interpreting."""
+    return "cuda" if backend == "triton" and not INTERPRET else "cpu"
+
+
+def to(dev, mods: dict) -> dict:
+    return {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mods.items()}
 
 
 def golden_attention(q, k, v, mask=None, *, is_causal=False, window=None, scale=None,
@@ -103,12 +131,12 @@ def _grads(out, lse, dout, leaves, dlse):
     return [t.grad if t is not None else None for t in leaves]
 
 
-def _leaves(dtype, q, k, v, mask, mods):
-    qkv = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    m = mask
+def _leaves(dtype, q, k, v, mask, mods, dev="cpu"):
+    qkv = [t.detach().to(dev, dtype).requires_grad_() for t in (q, k, v)]
+    m = None if mask is None else mask.to(dev)
     if mask is not None and mask.dtype != torch.bool:
-        m = mask.detach().to(dtype).requires_grad_()
-    mods = dict(mods)
+        m = mask.detach().to(dev, dtype).requires_grad_()
+    mods = to(dev, mods)
     if "sinks" in mods:
         mods["sinks"] = mods["sinks"].detach().to(dtype).requires_grad_()
     return qkv, m, mods
@@ -132,14 +160,15 @@ def _golden(dtype, q, k, v, dout, mask, mods, kw, dlse, seed):
 
 
 def _actual(backend, dtype, q, k, v, dout, mask, mods, kw, dlse, seed):
-    (ql, kl, vl), m, md = _leaves(dtype, q, k, v, mask, mods)
+    dev = device(backend)
+    (ql, kl, vl), m, md = _leaves(dtype, q, k, v, mask, mods, dev)
     torch.manual_seed(seed)
     out, lse = attnx.scaled_dot_product_attention(
         ql, kl, vl, attn_mask=m, enable_gqa=q.shape[1] != k.shape[1], backend=backend,
         return_lse=True, **md, **kw)
-    grads = _grads(out, lse, dout.to(dtype), [ql, kl, vl, m, md.get("sinks")],
-                   None if dlse is None else dlse.to(dtype))
-    return [out.detach(), lse.detach(), *grads]
+    grads = _grads(out, lse, dout.to(dev, dtype), [ql, kl, vl, m, md.get("sinks")],
+                   None if dlse is None else dlse.to(dev, dtype))
+    return [None if t is None else t.detach().cpu() for t in (out, lse, *grads)]
 
 
 def check(backend, dtype, q, k, v, dout, mask=None, mods=None, dlse=None, factor=3.0, **kw):
@@ -173,6 +202,7 @@ WHICH = {
     "alibi_batch": ("alibi_batch",),
     "sinks": ("sinks",),
     "all": ("softcap", "alibi", "sinks"),
+    "all_batch": ("softcap", "alibi_batch", "sinks"),
 }
 MODES = {
     "none": {},
@@ -182,20 +212,26 @@ MODES = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("which", list(WHICH))
+# The interpreter takes seconds per call: triton runs the shapes but the largest with all three
+# modifiers; test_with_causal_and_window takes each alone, test_with_masks_and_lse_gradient
+# per-batch slopes.
+@pytest.mark.parametrize("backend,shape,which", cases(["reference", "cpu"], SHAPES, WHICH)
+                         + cases(["triton"], SHAPES[:1] + SHAPES[2:], ["all"]),
+                         ids=str)
 def test_each_modifier_and_all(backend, shape, which):
     q, k, v, dout = _inputs(*shape)
     check(backend, torch.float32, q, k, v, dout, mods=_modifiers(shape[1], shape[0], WHICH[which]))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("which", ["softcap", "alibi", "sinks", "all"])
+@pytest.mark.parametrize("backend,mode,which",
+                         cases(["reference", "cpu"], MODES, ["softcap", "alibi", "sinks", "all"])
+                         + [pytest.param("triton", m, w, marks=MARKS["triton"]) for m, w in
+                            (("causal", "softcap"), ("window", "alibi"),
+                             ("causal_window", "sinks"))])
 def test_with_causal_and_window(backend, mode, which):
-    q, k, v, dout = _inputs(2, 4, 2, 37, 53, 16, 16)
-    check(backend, torch.float32, q, k, v, dout, mods=_modifiers(4, 2, WHICH[which]),
+    b = 1 if backend == "triton" else 2  # the interpreter runs each program in Python
+    q, k, v, dout = _inputs(b, 4, 2, 37, 53, 16, 16)
+    check(backend, torch.float32, q, k, v, dout, mods=_modifiers(4, b, WHICH[which]),
           **MODES[mode])
 
 
@@ -207,14 +243,17 @@ def _mask(kind, b, h, lq, lk):
     return torch.randn(shape, generator=g, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", ["bool_full", "bool_row", "float_full", "float_row"])
-def test_with_masks_and_lse_gradient(backend, kind):
+@pytest.mark.parametrize("backend,kind,which",
+                         cases(["reference", "cpu"], ["bool_full", "bool_row", "float_full",
+                                                      "float_row"], ["all"])
+                         + cases(["triton"], ["bool_row"], ["all"])
+                         + cases(["triton"], ["float_full"], ["all_batch"]))
+def test_with_masks_and_lse_gradient(backend, kind, which):
     b, h, lq, lk = 2, 3, 29, 41
     q, k, v, dout = _inputs(b, h, h, lq, lk, 16, 16)
     dlse = torch.randn(b, h, lq, dtype=torch.float64)
     check(backend, torch.float32, q, k, v, dout, mask=_mask(kind, b, h, lq, lk),
-          mods=_modifiers(h, b, WHICH["all"]), dlse=dlse)
+          mods=_modifiers(h, b, WHICH[which]), dlse=dlse)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -226,7 +265,7 @@ def test_float64(backend, which):
           is_causal=False, window=(4, 9))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + [TRITON])
 def test_dropout_reproducible(backend):
     """Dropout draws the same hash mask as the formula's (attnx/_rng.py), seeded alike."""
     q, k, v, dout = _inputs(1, 2, 2, 31, 40, 16, 16)
@@ -238,7 +277,7 @@ def test_dropout_reproducible(backend):
         assert a is None and b is None or torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + [TRITON])
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["no_sinks", "sinks"])
 def test_fully_masked_rows(backend, with_sinks):
     """Rows with no admissible key give zeros and zero gradients; their lse is -inf, or the
@@ -261,7 +300,7 @@ def test_fully_masked_rows(backend, with_sinks):
         assert (lse[:, :, 2] == float("-inf")).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + [TRITON])
 def test_no_nan_from_extreme_finite_inputs(backend):
     """A huge sink, huge scores under a small softcap, a -1e30 float mask: finite everywhere."""
     q, k, v, dout = _inputs(1, 2, 2, 9, 11, 8, 8)
@@ -273,20 +312,32 @@ def test_no_nan_from_extreme_finite_inputs(backend):
           mods=dict(softcap=2.0, sinks=sinks, alibi_slopes=torch.tensor([0.5, 100.0])))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + [TRITON])
 def test_bfloat16_and_sinks_in_float32(backend):
     """bfloat16 inputs with float32 sinks (a model's float32 parameter): its gradient comes back
     in float32."""
     q, k, v, dout = _inputs(1, 2, 2, 17, 19, 16, 16)
-    mods = _modifiers(2, 1, WHICH["all"])
-    (ql, kl, vl), _, _ = _leaves(torch.bfloat16, q, k, v, None, {})
+    mods = to(device(backend), _modifiers(2, 1, WHICH["all"]))
+    (ql, kl, vl), _, _ = _leaves(torch.bfloat16, q, k, v, None, {}, device(backend))
     sinks = mods.pop("sinks").float().requires_grad_()
     out = attnx.scaled_dot_product_attention(ql, kl, vl, sinks=sinks, backend=backend, **mods)
-    out.float().mul(dout.float()).sum().backward()
+    out.float().mul(dout.to(out.device).float()).sum().backward()
     assert out.dtype == torch.bfloat16 and sinks.grad.dtype == torch.float32
-    golden, _ = golden_attention(q, k, v, sinks=sinks.detach().double(), **{
-        "softcap": mods["softcap"], "slopes": mods["alibi_slopes"]})
-    assert (out.double() - golden).abs().max() < 3e-2
+    golden, _ = golden_attention(q, k, v, sinks=sinks.detach().cpu().double(), **{
+        "softcap": mods["softcap"], "slopes": mods["alibi_slopes"].cpu()})
+    assert (out.cpu().double() - golden).abs().max() < 3e-2
+
+
+@pytest.mark.parametrize("backend,dtype", cases(["triton"], [torch.float16, torch.bfloat16]),
+                         ids=str)
+def test_half_precision(backend, dtype):
+    """fp16/bf16 (the backends that take them) against the formula's own error in the dtype:
+    GQA, a float mask and its gradient, a causal window, Lq != Lk."""
+    b, hq, hkv, lq, lk = 1, 4, 2, 17, 40
+    q, k, v, dout = _inputs(b, hq, hkv, lq, lk, 16, 16)
+    check(backend, dtype, q, k, v, dout, mask=_mask("float_row", b, hq, lq, lk),
+          mods=_modifiers(hq, b, WHICH["all"]), dlse=torch.randn(b, hq, lq, dtype=torch.float64),
+          window=(20, 0))
 
 
 def test_leading_dims_and_broadcast_heads():
@@ -334,7 +385,7 @@ def test_bad_modifiers_name_the_argument(case):
         attnx.scaled_dot_product_attention(q, q, q, **kwargs)
 
 
-@pytest.mark.parametrize("forced", ["cuda", "triton"])
+@pytest.mark.parametrize("forced", ["cuda"])
 def test_backends_without_modifiers_refuse_them(forced):
     q = torch.randn(1, 2, 5, 8)
     for kwargs in (dict(softcap=5.0), dict(alibi_slopes=torch.ones(2)), dict(sinks=torch.zeros(2))):
@@ -394,25 +445,44 @@ def _kvcache_golden(q, keys, values, lengths, dtype, *, is_causal, window, mods)
     return torch.stack(outs), torch.stack(lses)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("which", ["softcap", "alibi", "alibi_batch", "sinks", "all"])
-@pytest.mark.parametrize("lq,mode", [(1, {}), (3, dict(window=(6, None))),
-                                     (5, dict(is_causal=False))])
-def test_kvcache(backend, paged, which, lq, mode, dtype=torch.float32):
+KV_MODES = [(1, {}), (3, dict(window=(6, None))), (5, dict(is_causal=False))]
+
+
+def _kv_id(x):
+    if isinstance(x, bool):
+        return "paged" if x else "contiguous"
+    if isinstance(x, tuple):
+        return f"{x[0]}-mode{KV_MODES.index(x)}"
+    return None
+
+
+@pytest.mark.parametrize("backend,paged,which,lq_mode",
+                         cases(["reference", "cpu"], [False, True],
+                               ["softcap", "alibi", "alibi_batch", "sinks", "all"], KV_MODES)
+                         + cases(["triton"], [False, True], ["all"], KV_MODES)
+                         + cases(["triton"], [False], ["softcap", "alibi_batch", "sinks"],
+                                 KV_MODES[1:2]),
+                         ids=_kv_id)
+def test_kvcache(backend, paged, which, lq_mode, dtype=torch.float32):
+    lq, mode = lq_mode
     b, hq, hkv, e, ev, lmax = 3, 4, 2, 16, 12, 45
     lengths = [1, 17, 40]  # keys attended, the new ones included
     lnew = min(lq, 1)
     kc, vc, table, keys, values = _cache(b, hkv, lmax, e, ev, lengths, paged, dtype)
+    kc, vc = kc.to(device(backend)), vc.to(device(backend))
+    table = None if table is None else table.to(device(backend))
     q = torch.randn(b, hq, lq, e, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     mods = _modifiers(hq, b, WHICH[which])
     if "sinks" in mods:
         mods["sinks"] = mods["sinks"].to(dtype)
     cached = torch.tensor(lengths, dtype=torch.int32) - lnew
-    new = [t[torch.arange(b), :, cached.long()].unsqueeze(2).to(dtype) for t in (keys, values)]
+    new = [t[torch.arange(b), :, cached.long()].unsqueeze(2).to(device(backend), dtype)
+           for t in (keys, values)]
     kw = dict(is_causal=mode.get("is_causal", True), window=mode.get("window"))
-    out, lse = attnx.attention_with_kvcache(q.to(dtype), kc, vc, cached, *new, block_table=table,
-                                            backend=backend, return_lse=True, **kw, **mods)
+    out, lse = attnx.attention_with_kvcache(
+        q.to(device(backend), dtype), kc, vc, cached.to(device(backend)), *new, block_table=table,
+        backend=backend, return_lse=True, **kw, **to(device(backend), mods))
+    out, lse = out.cpu(), lse.cpu()
     gold_out, gold_lse = _kvcache_golden(q, keys, values, lengths, torch.float64, mods=mods, **kw)
     base_out, base_lse = _kvcache_golden(q, keys, values, lengths, dtype, mods=mods, **kw)
     assert_within(out, gold_out, base_out, factor=3.0, floor=FLOORS[dtype])
@@ -510,3 +580,35 @@ def test_compiles_fullgraph(backend="cpu"):
     for a, b in zip(torch.autograd.grad(got, (q, k, v, sinks)),
                     torch.autograd.grad(want, (q, k, v, sinks))):
         torch.testing.assert_close(a, b)
+
+
+FAKE_ONLY = ("test_schema", "test_faketensor")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason=_dispatch.backends()["triton"].reason)
+def test_triton_ops_opcheck():
+    """The triton ops' schemas with the modifiers, fake kernels and the forward's autograd
+    registration as torch.library checks them (not its aot_dispatch check, which reruns the
+    op many times in the interpreter; check() covers the gradients)."""
+    from attnx.triton import decode, sdpa  # noqa: F401  (registers the ops)
+    dev = device("triton")
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 2, 5, 16, generator=g).to(dev).requires_grad_()
+    k = torch.randn(2, 1, 6, 16, generator=g).to(dev).requires_grad_()
+    v = torch.randn(2, 1, 6, 16, generator=g).to(dev).requires_grad_()
+    slopes = torch.rand(2, generator=g).to(dev).expand(2, 2)  # as the validation passes them
+    sinks = torch.randn(2, generator=g).to(dev).requires_grad_()
+    fwd = (q, k, v, None, 0.3, -5, 3, 0.0, None, 2.0, slopes, sinks)
+    torch.library.opcheck(torch.ops.attnx.triton_sdpa_fwd.default, fwd,
+                          test_utils=FAKE_ONLY + ("test_autograd_registration",))
+    out, lse = torch.ops.attnx.triton_sdpa_fwd(*fwd)
+    plain = tuple(t.detach() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.attnx.triton_sdpa_bwd.default,
+                          (torch.randn_like(out), *plain, None, out.detach(), lse.detach(), 0.3,
+                           -5, 3, 0.0, None, False, torch.randn_like(lse), 2.0, slopes,
+                           sinks.detach()), test_utils=FAKE_ONLY)
+    cache = torch.randn(2, 1, 9, 16, generator=g).to(dev)
+    torch.library.opcheck(torch.ops.attnx.triton_kvcache_fwd.default,
+                          (plain[0], cache, cache, torch.tensor([9, 4], dtype=torch.int32,
+                                                                device=dev),
+                           None, 0.3, -20, 0, 2.0, slopes, sinks.detach()), test_utils=FAKE_ONLY)

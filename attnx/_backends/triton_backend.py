@@ -55,8 +55,10 @@ def unsupported(op: str, call) -> Optional[str]:
 
 def sdpa(call: SdpaCall):
     from ..triton import sdpa as kernels  # imports Triton and registers the ops on first use
+    mods = call.mods
     return kernels.sdpa_fwd(call.q, call.k, call.v, call.mask, call.scale, call.window_lo,
-                            call.window_hi, call.dropout_p, call.seed)
+                            call.window_hi, call.dropout_p, call.seed, mods.softcap, mods.alibi,
+                            mods.sinks)
 
 
 def additive(call: AdditiveCall):
@@ -69,5 +71,7 @@ def additive(call: AdditiveCall):
 
 def kvcache(call: KvcacheCall):
     from ..triton import decode as kernels
+    mods = call.mods
     return kernels.kvcache_fwd(call.q, call.k_cache, call.v_cache, call.seqlens,
-                               call.block_table, call.scale, call.window_lo, call.window_hi)
+                               call.block_table, call.scale, call.window_lo, call.window_hi,
+                               mods.softcap, mods.alibi, mods.sinks)

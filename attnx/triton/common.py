@@ -90,6 +90,30 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
+@triton.jit
+def tanh(x):
+    """tanh from one exp2 of -2|x| (in (0, 1], so nothing overflows): Triton has no tanh that
+    both the compiler and the interpreter take. Its absolute error is fp32's rounding."""
+    e = tl.math.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def modified(s, cap, slope, offs_i, offs_j, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """(scores s, already scaled, after softcap cap * tanh(s / cap) and ALiBi
+    -slope * |i - j|; tanh(s / cap), whose 1 - t^2 is the softcap's derivative, or s itself
+    without SOFTCAP). offs_i, offs_j: query and key positions broadcast to s's tile, aligned
+    by the caller; slope a scalar or broadcast likewise."""
+    t = s
+    if SOFTCAP:
+        t = tanh(s / cap)
+        s = cap * t
+    if ALIBI:
+        s = s - slope * tl.abs(offs_i - offs_j).to(tl.float32)
+    return s, t
+
+
 def head_block(d: int) -> int:
     """The padded (power-of-two, >= 16 for tl.dot) block for a head dim; loads mask the rest."""
     return max(16, triton.next_power_of_2(d))

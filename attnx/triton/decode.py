@@ -7,7 +7,8 @@ cache is read once for the whole group, and the keys of one split: positions
 [s * S, (s + 1) * S) below the sequence's length n, S a multiple of BLOCK_N. Splits let a
 batch of few sequences still fill the GPU; positions past n are never read. In a paged cache
 each key position finds its block through the block table. A program writes its split's
-normalised output and lse (fp32); `merge` combines the splits by their lse.
+normalised output and lse (fp32); `merge` combines the splits by their lse. Softcap and ALiBi
+change each split's scores; a sink joins the denominator once, in the merge.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ PROGRAMS = 264  # what the splits aim at: two waves of an H100's 132 SMs
 
 
 @triton.jit
-def _split_kernel(Q, K, V, LENS, TABLE, O_PART, LSE_PART,
-                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, stb, stn,
-                  Hkv, Lq, E, Ev, page, scale, window_lo, window_hi, split_len, splits,
-                  GROUP: tl.constexpr, PAGED: tl.constexpr, DOT_PREC: tl.constexpr,
+def _split_kernel(Q, K, V, LENS, TABLE, O_PART, LSE_PART, SLOPES,
+                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, stb, stn, sab, sah,
+                  Hkv, Lq, E, Ev, page, scale, window_lo, window_hi, split_len, splits, cap,
+                  GROUP: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr,
+                  ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr):
     rows_total = GROUP * Lq
@@ -57,6 +59,9 @@ def _split_kernel(Q, K, V, LENS, TABLE, O_PART, LSE_PART,
     start = tl.maximum(split64 * split_len, d + window_lo)
     end = tl.minimum(tl.minimum((split64 + 1) * split_len, n), d + Lq - 1 + window_hi + 1)
     start = tl.maximum(start, 0) // BLOCK_N * BLOCK_N  # still within the split: S % BLOCK_N == 0
+    slope = 0.0
+    if ALIBI:  # each row's head's slope
+        slope = tl.load(SLOPES + b * sab + h * sah, mask=row_ok, other=0.0)[:, None]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -73,8 +78,9 @@ def _split_kernel(Q, K, V, LENS, TABLE, O_PART, LSE_PART,
             v_base = b * svb + j * svn
         k = tl.load(K + g * skh + k_base[None, :] + offs_d[:, None] * skd,
                     mask=valid[None, :] & (offs_d[:, None] < E), other=0.0)
-        s = common.dot(q, k, DOT_PREC) * scale
         diff = j[None, :] - (i[:, None] + d)
+        s, _ = common.modified(common.dot(q, k, DOT_PREC) * scale, cap, slope, diff, 0, SOFTCAP,
+                               ALIBI)
         ok = valid[None, :] & row_ok[:, None] & (diff >= window_lo) & (diff <= window_hi)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -97,10 +103,16 @@ def _split_kernel(Q, K, V, LENS, TABLE, O_PART, LSE_PART,
     tl.store(LSE_PART + part, tl.where(has, m_i + tl.log(l_safe), float("-inf")), mask=row_ok)
 
 
-def merge(o_part: torch.Tensor, lse_part: torch.Tensor, dtype: torch.dtype):
-    """The splits' outputs (..., splits, Ev) weighted by exp(lse_s - lse): (out, lse); rows
-    that no split admitted anything for give zeros and -inf."""
-    lse = torch.logsumexp(lse_part, dim=-1)
+def merge(o_part: torch.Tensor, lse_part: torch.Tensor, dtype: torch.dtype,
+          sinks: Optional[torch.Tensor] = None):
+    """The splits' outputs (B, H, Lq, splits, Ev) weighted by exp(lse_s - lse): (out, lse); rows
+    that no split admitted anything for give zeros and -inf (the sink's lse with sinks (H,):
+    their term joins the denominator here, once)."""
+    terms = lse_part
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*lse_part.shape[:-1], 1)
+        terms = torch.cat([lse_part, sink], dim=-1)
+    lse = torch.logsumexp(terms, dim=-1)
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     w = torch.exp(lse_part - safe.unsqueeze(-1))  # exp(-inf) = 0 for empty splits
     return (w.unsqueeze(-1) * o_part).sum(-2).to(dtype), lse
@@ -129,7 +141,10 @@ def _splits(programs: int, capacity: int, block_n: int) -> tuple[int, int]:
 @common.register_op("triton_kvcache_fwd")
 def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 seqlens: torch.Tensor, block_table: Optional[torch.Tensor], scale: float,
-                window_lo: int, window_hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+                window_lo: int, window_hi: int, softcap: Optional[float] = None,
+                alibi: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """alibi: float32 (B, Hq) slopes aligned bottom-right; sinks (Hq,)."""
     b, hq, lq, e = q.shape
     hkv, ev = k_cache.shape[1], v_cache.shape[-1]
     group = hq // hkv
@@ -144,17 +159,21 @@ def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     o_part = q.new_empty((b, hq, lq, splits, ev), dtype=torch.float32)
     lse_part = q.new_empty((b, hq, lq, splits), dtype=torch.float32)
     table = block_table if paged else seqlens  # any int32 tensor: not read unless PAGED
+    slopes = q if alibi is None else alibi  # not read without ALIBI
     common.launcher(_split_kernel)[(programs, splits)](
-        q, k_cache, v_cache, seqlens, table, o_part, lse_part, *q.stride(), *k_cache.stride(),
-        *v_cache.stride(), *(table.stride() if paged else (0, 0)), hkv, lq, e, ev, page, scale,
-        window_lo, window_hi, split_len, splits, GROUP=group, PAGED=paged,
+        q, k_cache, v_cache, seqlens, table, o_part, lse_part, slopes, *q.stride(),
+        *k_cache.stride(), *v_cache.stride(), *(table.stride() if paged else (0, 0)),
+        *(alibi.stride() if alibi is not None else (0, 0)), hkv, lq, e, ev, page, scale,
+        window_lo, window_hi, split_len, splits, 1.0 if softcap is None else softcap,
+        GROUP=group, PAGED=paged, SOFTCAP=softcap is not None, ALIBI=alibi is not None,
         DOT_PREC=common.dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4, num_stages=2)
-    return merge(o_part, lse_part, q.dtype)
+    return merge(o_part, lse_part, q.dtype, sinks)
 
 
 @kvcache_fwd.register_fake
-def _kvcache_fwd_fake(q, k_cache, v_cache, seqlens, block_table, scale, window_lo, window_hi):
-    same_device(q, k_cache, v_cache, seqlens, block_table)
+def _kvcache_fwd_fake(q, k_cache, v_cache, seqlens, block_table, scale, window_lo, window_hi,
+                      softcap=None, alibi=None, sinks=None):
+    same_device(q, k_cache, v_cache, seqlens, block_table, alibi, sinks)
     b, h, lq, _ = q.shape
     return q.new_empty((b, h, lq, v_cache.shape[-1])), q.new_empty((b, h, lq), dtype=torch.float32)

@@ -21,8 +21,8 @@ import triton.language as tl
 from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device
 from . import common
 from .common import (LN2, LOG2E, admit, dot, dot_acc, huge_rows, inner_range, key_range,
-                     load_tile, offsets, query_range, second_chunk, softmax_start, store_out,
-                     store_rows, tile_and_head)
+                     load_tile, modified, offsets, query_range, second_chunk, softmax_start,
+                     store_out, store_rows, tile_and_head)
 from .rng import keep, keep_t, rng_words, row_keys
 
 # Pruned per launch by common.pruner; the small configs are what fits wide fp32 heads on
@@ -41,7 +41,7 @@ _SUMS = common.configs([(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (32, 16
                       small=(16, 16))
 # Tuned once per power-of-two bucket of the lengths (common.length_bucket), not per length.
 _KEY = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "BLOCK_D2", "BLOCK_DV", "BLOCK_DV2", "MASK_KIND",
-        "DROPOUT", "GROUPS"]
+        "DROPOUT", "GROUPS", "SOFTCAP", "ALIBI"]
 _JIT = triton.jit(do_not_specialize=["LQ_BUCKET", "LK_BUCKET"])  # read by the autotuner only
 
 
@@ -104,10 +104,20 @@ def _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh):
 
 
 @triton.jit
+def _slope(SLOPES, b, h, sab, sah, ALIBI: tl.constexpr):
+    """The ALiBi slope of batch b, query head h (0.0, unread, without ALIBI)."""
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(SLOPES + b * sab + h * sah)
+    return slope
+
+
+@triton.jit
 def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs_m, row_ok,
                 offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc,
-                window_lo, window_hi, key_row, threshold, inv_keep,
+                window_lo, window_hi, key_row, threshold, inv_keep, cap, slope,
                 EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                 DOT_PREC: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D2: tl.constexpr, BLOCK_DV2: tl.constexpr):
     """The online softmax over key blocks [lo, hi). EDGE blocks reach past the band or the keys:
@@ -115,8 +125,10 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
     load unless the head dim is padded). Without a float mask the running max m_i is in log2
     units: one FMA per score (qk * scale * LOG2E - m) feeds exp2. A float mask's rows may hold
     finfo.min biases, which times LOG2E would overflow to -inf: there scores and m_i stay in
-    natural units, and exp2 takes (s - m) * LOG2E. Head dims in two chunks (common.head_blocks)
-    take a second dot each for the scores (q2, k2) and the output (acc2, v2)."""
+    natural units, and exp2 takes (s - m) * LOG2E; so do softcap and ALiBi, which change the
+    scaled score before the max (no scale to fold into exp2). Head dims in two chunks
+    (common.head_blocks) take a second dot each for the scores (q2, k2) and the output
+    (acc2, v2)."""
     qk_scale = sc * LOG2E
     cols = tl.arange(0, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
@@ -134,11 +146,16 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
                   & (diff <= window_hi))
         else:
             ok = row_ok[:, None]  # only read by the mask loads
-        if MASK_KIND == 2:
-            bias = tl.load(m_base + offsets(offs_m, offs_n, smm, smn), mask=ok,
-                           other=0.0).to(tl.float32)
-            s = qk * sc + bias
-            if EDGE:
+        if (MASK_KIND == 2 or SOFTCAP) or ALIBI:  # natural units (Triton takes no a or b or c)
+            s, _ = modified(qk * sc, cap, slope, offs_m[:, None], offs_n[None, :], SOFTCAP,
+                            ALIBI)
+            if MASK_KIND == 2:
+                s += tl.load(m_base + offsets(offs_m, offs_n, smm, smn), mask=ok,
+                             other=0.0).to(tl.float32)
+            if MASK_KIND == 1:
+                ok = ok & (tl.load(m_base + offsets(offs_m, offs_n, smm, smn), mask=ok,
+                                   other=0) != 0)
+            if EDGE or MASK_KIND == 1:
                 s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row with nothing admissible so far keeps max -inf; subtracting 0 instead keeps
@@ -178,12 +195,13 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
 @triton.autotune(configs=_FWD, key=_KEY,
                  prune_configs_by={"early_config_prune": common.pruner(_fwd_tiles)})
 @_JIT
-def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
+def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS,
                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-                smb, smh, smm, smn, sob, soh, som, sod,
-                H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
+                smb, smh, smm, smn, sob, soh, som, sod, sab, sah,
+                H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep, cap,
                 LQ_BUCKET, LK_BUCKET,
-                MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+                MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+                ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr,
                 PAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -211,6 +229,7 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
     key_row, threshold = None, None
     if DROPOUT:
         key_row, threshold = row_keys(RNG, bh, offs_m)
+    slope = _slope(SLOPES, b, h, sab, sah, ALIBI)
     m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_DV)
     acc2 = tl.zeros([BLOCK_M, offs_dv2.shape[0]], tl.float32)
     start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
@@ -218,20 +237,28 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
     acc, acc2, l_i, m_i = _fwd_blocks(
         acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, start, lo, offs_m, row_ok, offs_d,
         offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc, window_lo,
-        window_hi, key_row, threshold, inv_keep, True, MASK_KIND, DROPOUT, DOT_PREC, PAD_D,
-        BLOCK_N, BLOCK_D2, BLOCK_DV2)
+        window_hi, key_row, threshold, inv_keep, cap, slope, True, MASK_KIND, DROPOUT, SOFTCAP,
+        ALIBI, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
     acc, acc2, l_i, m_i = _fwd_blocks(
         acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs_m, row_ok, offs_d,
         offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc, window_lo,
-        window_hi, key_row, threshold, inv_keep, False, MASK_KIND, DROPOUT, DOT_PREC, PAD_D,
-        BLOCK_N, BLOCK_D2, BLOCK_DV2)
+        window_hi, key_row, threshold, inv_keep, cap, slope, False, MASK_KIND, DROPOUT, SOFTCAP,
+        ALIBI, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
     acc, acc2, l_i, m_i = _fwd_blocks(
         acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, hi, end, offs_m, row_ok, offs_d,
         offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc, window_lo,
-        window_hi, key_row, threshold, inv_keep, True, MASK_KIND, DROPOUT, DOT_PREC, PAD_D,
-        BLOCK_N, BLOCK_D2, BLOCK_DV2)
-    if MASK_KIND != 2:
+        window_hi, key_row, threshold, inv_keep, cap, slope, True, MASK_KIND, DROPOUT, SOFTCAP,
+        ALIBI, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
+    if (MASK_KIND != 2 and not SOFTCAP) and not ALIBI:
         m_i = m_i * LN2  # back to natural units (-inf stays -inf)
+    if HAS_SINKS:  # the sink's term joins the denominator (and the lse), nothing the output
+        sink = tl.load(SINKS + h).to(tl.float32)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)  # 0 on rows that admitted no key
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
+        acc2 = acc2 * alpha[:, None]
+        m_i = m_new
     o_base = O + b * sob + h * soh + m * som
     store_rows(o_base, LSE + bh.to(tl.int64) * Lq + m0, m_i, l_i, acc, rows, offs_dv, Lq - m0,
                Ev, som, sod)
@@ -240,14 +267,22 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG,
 
 
 @triton.jit
-def _probs(qk, ok, m_ptrs, lse, sc, EDGE: tl.constexpr, MASK_KIND: tl.constexpr):
-    """Probabilities of a score tile qk (q . k, unscaled) from the saved lse, broadcast to the
-    tile's shape (+inf on empty rows, so they come out 0). ok: admissible pairs on EDGE tiles,
-    else where the mask may be read. Without a float mask one FMA per score feeds exp2; a float
-    mask's huge biases stay in natural units (see _fwd_blocks)."""
-    if MASK_KIND == 2:
-        s = qk * sc + tl.load(m_ptrs, mask=ok, other=0.0).to(tl.float32)
-        if EDGE:
+def _probs(qk, ok, m_ptrs, lse, sc, cap, slope, offs_i, offs_j, EDGE: tl.constexpr,
+           MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """(probabilities of a score tile qk (q . k, unscaled) from the saved lse, broadcast to the
+    tile's shape (+inf on empty rows, so they come out 0); the softcap's tanh, common.modified).
+    ok: admissible pairs on EDGE tiles, else where the mask may be read; offs_i, offs_j: the
+    query and key positions broadcast to the tile (read by ALiBi). Without a float mask or a
+    modifier one FMA per score feeds exp2; otherwise scores stay in natural units (see
+    _fwd_blocks)."""
+    t = qk
+    if (MASK_KIND == 2 or SOFTCAP) or ALIBI:
+        s, t = modified(qk * sc, cap, slope, offs_i, offs_j, SOFTCAP, ALIBI)
+        if MASK_KIND == 2:
+            s += tl.load(m_ptrs, mask=ok, other=0.0).to(tl.float32)
+        if MASK_KIND == 1:
+            ok = ok & (tl.load(m_ptrs, mask=ok, other=0) != 0)
+        if EDGE or MASK_KIND == 1:
             s = tl.where(ok, s, float("-inf"))
         p = tl.math.exp2((s - lse) * LOG2E)
     else:
@@ -257,7 +292,7 @@ def _probs(qk, ok, m_ptrs, lse, sc, EDGE: tl.constexpr, MASK_KIND: tl.constexpr)
         if EDGE or MASK_KIND == 1:
             t = tl.where(ok, t, float("-inf"))
         p = tl.math.exp2(t - lse * LOG2E)
-    return p
+    return p, t
 
 
 @triton.jit
@@ -277,40 +312,46 @@ def _row_stats(lse_base, delta_base, offs_m, row_ok):
 
 
 @triton.autotune(configs=_SUMS, key=["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "BLOCK_DV", "MASK_KIND",
-                                     "GROUPS"],
+                                     "GROUPS", "SOFTCAP", "ALIBI"],
                  prune_configs_by={"early_config_prune": common.pruner(_prep_tiles)})
 @_JIT
-def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS,
+def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, smb, smh, smm, smn,
-                 sob, soh, som, sod, sdb, sdh, sdm, sdd,
-                 H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, huge_lse,
+                 sob, soh, som, sod, sdb, sdh, sdm, sdd, sab, sah,
+                 H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, huge_lse, cap,
                  LQ_BUCKET, LK_BUCKET,
-                 MASK_KIND: tl.constexpr, HAS_GLSE: tl.constexpr, DOT_PREC: tl.constexpr,
+                 MASK_KIND: tl.constexpr, HAS_GLSE: tl.constexpr, SOFTCAP: tl.constexpr,
+                 ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr,
                  PAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The backward's one pre-pass over the query rows: DELTA = (rowsum(dO * O) - grad_lse) / r
     and DOS = dO / r in dO's dtype (contiguous), r = sum_j exp(s_ij - lse_i) on rows of huge
-    |lse| (common.HUGE_LSE), 1 elsewhere; programs without such rows read no keys."""
+    |lse| (common.HUGE_LSE), 1 elsewhere (the sink's exp(sink - lse_i) included); programs
+    without such rows read no keys."""
     m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < Lq
     rows = bh.to(tl.int64) * Lq + offs_m
-    lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + rows, mask=row_ok, other=float("inf"))  # not huge, no sink term
     huge = huge_rows(lse, huge_lse)
     k_base, _, m_base = _head_bases(K, K, M, b, h, hk, skb, skh, skb, skh, smb, smh)
     q = load_tile(Q + b * sqb + h * sqh + offsets(offs_m, offs_d, sqm, sqd), offs_m, offs_d, Lq,
                   E, True, PAD_D)
     start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
     end = tl.where(tl.max(huge.to(tl.int32), 0) > 0, end, start)
+    slope = _slope(SLOPES, b, h, sab, sah, ALIBI)
     total = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        total += tl.exp(tl.load(SINKS + h).to(tl.float32) - lse)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kt = load_tile(k_base + offsets(offs_d, offs_n, skd, skn), offs_d, offs_n, E, Lk, PAD_D,
                        True)
-        s = admit(dot(q, kt, DOT_PREC) * scale, m_base, offs_m, offs_n, Lq, Lk, smm, smn,
-                  window_lo, window_hi, MASK_KIND)
+        s = modified(dot(q, kt, DOT_PREC) * scale, cap, slope, offs_m[:, None],
+                     offs_n[None, :], SOFTCAP, ALIBI)[0]
+        s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
         total += tl.sum(tl.math.exp2((s - lse[:, None]) * LOG2E), 1)
     r = tl.where(huge, total, 1.0)
     o = load_tile(O + b * sob + h * soh + offsets(offs_m, offs_dv, som, sod), offs_m, offs_dv,
@@ -332,9 +373,10 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS,
 def _dkdv_blocks(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, LSE, DELTA,
                  RNG, bh, lo, hi, offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk, E,
                  Ev, sqm, sqd, sdm, sdd, smm, smn, sc,
-                 window_lo, window_hi, inv_keep,
+                 window_lo, window_hi, inv_keep, cap, slope,
                  EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                 MASK_GRAD: tl.constexpr, DOT_PREC: tl.constexpr, PAD_D: tl.constexpr,
+                 MASK_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                 DOT_PREC: tl.constexpr, PAD_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV2: tl.constexpr):
     """dK and dV of one key block over query blocks [lo, hi) of head bh, in key-major tiles
     (K Q^T, V dO^T): q and dO are read transposed from memory, so no probability or score
@@ -363,8 +405,9 @@ def _dkdv_blocks(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_bas
                   & _band(offs_m[None, :], offs_n[:, None], window_lo, window_hi))
         else:
             ok = col_ok[:, None]  # only read by the mask loads
-        pt = _probs(qkt, ok, m_base + offsets(offs_n, offs_m, smn, smm), lse[None, :], sc, EDGE,
-                    MASK_KIND)
+        pt, tt = _probs(qkt, ok, m_base + offsets(offs_n, offs_m, smn, smm), lse[None, :], sc,
+                        cap, slope, offs_m[None, :], offs_n[:, None], EDGE, MASK_KIND, SOFTCAP,
+                        ALIBI)
         if DROPOUT:
             key_row, threshold = row_keys(RNG, bh, offs_m)
             kept = keep_t(key_row, offs_n, threshold)
@@ -379,6 +422,8 @@ def _dkdv_blocks(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_bas
         if MASK_GRAD:
             tl.store(dm_base + offsets(offs_n, offs_m, 1, Lk), dst.to(dm_base.dtype.element_ty),
                      mask=col_ok[:, None] & (offs_m[None, :] < Lq))
+        if SOFTCAP:  # the mask is added after the cap; the scaled score goes through tanh
+            dst = dst * (1.0 - tt * tt)
         dst = dst.to(qt.dtype)
         dk = dot_acc(dst, tl.trans(qt), dk, DOT_PREC)
         if BLOCK_D2 > 0:
@@ -393,8 +438,9 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                  smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                  H, Hkv, Lq, Lk, E, Ev, GROUPS, SPLIT, scale, window_lo, window_hi, inv_keep,
-                 LQ_BUCKET, LK_BUCKET,
+                 SLOPES, sab, sah, cap, LQ_BUCKET, LK_BUCKET,
                  MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                  DOT_PREC: tl.constexpr, PAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -449,27 +495,28 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
         dm_base = DM + bh * Lq * Lk
         lse_base = LSE + bh * Lq
         delta_base = DELTA + bh * Lq
+        slope = _slope(SLOPES, b, h, sab, sah, ALIBI)
         dk, dk2, dv, dv2 = _dkdv_blocks(
             dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, lse_base,
             delta_base, RNG, bh, start, lo,
             offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk, E, Ev, sqm, sqd, sdm, sdd,
             smm, smn, sc,
-            window_lo, window_hi, inv_keep, True, MASK_KIND, DROPOUT, MASK_GRAD, DOT_PREC, PAD_D,
-            BLOCK_M, BLOCK_D2, BLOCK_DV2)
+            window_lo, window_hi, inv_keep, cap, slope, True, MASK_KIND, DROPOUT, MASK_GRAD,
+            SOFTCAP, ALIBI, DOT_PREC, PAD_D, BLOCK_M, BLOCK_D2, BLOCK_DV2)
         dk, dk2, dv, dv2 = _dkdv_blocks(
             dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, lse_base,
             delta_base, RNG, bh, lo, hi,
             offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk, E, Ev, sqm, sqd, sdm, sdd,
             smm, smn, sc,
-            window_lo, window_hi, inv_keep, False, MASK_KIND, DROPOUT, MASK_GRAD, DOT_PREC, PAD_D,
-            BLOCK_M, BLOCK_D2, BLOCK_DV2)
+            window_lo, window_hi, inv_keep, cap, slope, False, MASK_KIND, DROPOUT, MASK_GRAD,
+            SOFTCAP, ALIBI, DOT_PREC, PAD_D, BLOCK_M, BLOCK_D2, BLOCK_DV2)
         dk, dk2, dv, dv2 = _dkdv_blocks(
             dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, lse_base,
             delta_base, RNG, bh, hi, end,
             offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk, E, Ev, sqm, sqd, sdm, sdd,
             smm, smn, sc,
-            window_lo, window_hi, inv_keep, True, MASK_KIND, DROPOUT, MASK_GRAD, DOT_PREC, PAD_D,
-            BLOCK_M, BLOCK_D2, BLOCK_DV2)
+            window_lo, window_hi, inv_keep, cap, slope, True, MASK_KIND, DROPOUT, MASK_GRAD,
+            SOFTCAP, ALIBI, DOT_PREC, PAD_D, BLOCK_M, BLOCK_D2, BLOCK_DV2)
     # dK and dV (or their slices' partial sums) are contiguous: (programs' heads, Lk, E).
     base = prog.to(tl.int64) * Lk + n
     _store_cols(DK + base * E, dk * scale, cols, offs_d, col_ok, E)
@@ -491,7 +538,8 @@ def _store_cols(base, x, rows, offs_d, row_ok, D):
 def _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, lo, hi, offs_m,
                row_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm,
                smn, sc, window_lo, window_hi, key_row, threshold,
-               inv_keep, EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+               inv_keep, cap, slope, EDGE: tl.constexpr, MASK_KIND: tl.constexpr,
+               DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                DOT_PREC: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D2: tl.constexpr, BLOCK_DV2: tl.constexpr):
     """dQ of one query block over key blocks [lo, hi) (EDGE: past the band or the keys)."""
@@ -517,11 +565,14 @@ def _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, lo, 
                   & _band(offs_m[:, None], offs_n[None, :], window_lo, window_hi))
         else:
             ok = row_ok[:, None]
-        p = _probs(qk, ok, m_base + offsets(offs_m, offs_n, smm, smn), lse[:, None], sc, EDGE,
-                   MASK_KIND)
+        p, t = _probs(qk, ok, m_base + offsets(offs_m, offs_n, smm, smn), lse[:, None], sc, cap,
+                      slope, offs_m[:, None], offs_n[None, :], EDGE, MASK_KIND, SOFTCAP, ALIBI)
         if DROPOUT:
             dp = tl.where(keep(key_row, offs_n, threshold), dp * inv_keep, 0.0)
-        ds = (p * (dp - delta[:, None])).to(kt.dtype)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        ds = ds.to(kt.dtype)
         dq = dot_acc(ds, tl.trans(kt), dq, DOT_PREC)
         if BLOCK_D2 > 0:
             dq2 = dot_acc(ds, tl.trans(kt2), dq2, DOT_PREC)
@@ -535,8 +586,9 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
-               LQ_BUCKET, LK_BUCKET,
-               MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+               SLOPES, sab, sah, cap, LQ_BUCKET, LK_BUCKET,
+               MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+               ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
                PAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -571,6 +623,7 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
     if DROPOUT:
         key_row, threshold = row_keys(RNG, bh, offs_m)
     k_base, v_base, m_base = _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh)
+    slope = _slope(SLOPES, b, h, sab, sah, ALIBI)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq2 = tl.zeros([BLOCK_M, offs_d2.shape[0]], tl.float32)
     start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
@@ -578,18 +631,18 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
     dq, dq2 = _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, start, lo,
                          offs_m, row_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd,
                          svn, svd, smm, smn, sc, window_lo, window_hi, key_row, threshold,
-                         inv_keep, True, MASK_KIND, DROPOUT, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2,
-                         BLOCK_DV2)
+                         inv_keep, cap, slope, True, MASK_KIND, DROPOUT, SOFTCAP, ALIBI, DOT_PREC,
+                         PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
     dq, dq2 = _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, lo, hi,
                          offs_m, row_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd,
                          svn, svd, smm, smn, sc, window_lo, window_hi, key_row, threshold,
-                         inv_keep, False, MASK_KIND, DROPOUT, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2,
-                         BLOCK_DV2)
+                         inv_keep, cap, slope, False, MASK_KIND, DROPOUT, SOFTCAP, ALIBI, DOT_PREC,
+                         PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
     dq, dq2 = _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, hi, end,
                          offs_m, row_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd,
                          svn, svd, smm, smn, sc, window_lo, window_hi, key_row, threshold,
-                         inv_keep, True, MASK_KIND, DROPOUT, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2,
-                         BLOCK_DV2)
+                         inv_keep, cap, slope, True, MASK_KIND, DROPOUT, SOFTCAP, ALIBI, DOT_PREC,
+                         PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
     out = DQ + (bh64 * Lq + m) * E
     _store_cols(out, dq * scale, rows, offs_d, row_ok, E)
     if BLOCK_D2 > 0:
@@ -615,19 +668,33 @@ def _common_args(q, k, v, mask, dropout_p, seed):
     return m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep
 
 
+def _modifier_args(q, softcap, alibi, sinks):
+    """(slopes, sinks: the tensors the kernels read, q where absent; the slopes' (B, Hq)
+    strides; the softcap, 1.0 where absent; the constexprs SOFTCAP, ALIBI)."""
+    slopes, strides = (q, (0, 0)) if alibi is None else (alibi, tuple(alibi.stride()))
+    return (slopes, q if sinks is None else sinks, strides,
+            1.0 if softcap is None else softcap,
+            dict(SOFTCAP=softcap is not None, ALIBI=alibi is not None))
+
+
 @common.register_op("triton_sdpa_fwd")
 def sdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
              scale: float, window_lo: int, window_hi: int, dropout_p: float,
-             seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+             seed: Optional[torch.Tensor], softcap: Optional[float] = None,
+             alibi: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """alibi: float32 (B, Hq) slopes; sinks: (Hq,) logits; lse includes the sink."""
     window_lo, window_hi = common.clamped_band(window_lo, window_hi, q.shape[2], k.shape[2])
     m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep = _common_args(
         q, k, v, mask, dropout_p, seed)
+    slopes, sink, a_strides, cap, flags = _modifier_args(q, softcap, alibi, sinks)
     out = q.new_empty((b, h, lq, ev))
     lse = q.new_empty((b, h, lq), dtype=torch.float32)
     grid = lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)  # noqa: E731
     common.launcher(_fwd_kernel)[grid](
-        q, k, v, m, out, lse, rng, *strides, *out.stride(),
-        h, lq, lk, e, ev, h // hkv, scale, window_lo, window_hi, inv_keep, **consts)
+        q, k, v, m, out, lse, rng, slopes, sink, *strides, *out.stride(), *a_strides,
+        h, lq, lk, e, ev, h // hkv, scale, window_lo, window_hi, inv_keep, cap,
+        HAS_SINKS=sinks is not None, **flags, **consts)
     return out, lse
 
 
@@ -635,20 +702,26 @@ def sdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
 def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, scale: float,
              window_lo: int, window_hi: int, dropout_p: float, seed: Optional[torch.Tensor],
-             mask_grad: bool, grad_lse: Optional[torch.Tensor] = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             mask_grad: bool, grad_lse: Optional[torch.Tensor] = None,
+             softcap: Optional[float] = None, alibi: Optional[torch.Tensor] = None,
+             sinks: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dmask (empty without mask_grad), dsinks (empty without sinks))."""
     window_lo, window_hi = common.clamped_band(window_lo, window_hi, q.shape[2], k.shape[2])
     m, rng, strides, (b, h, hkv, lq, lk, e, ev), consts, inv_keep = _common_args(
         q, k, v, mask, dropout_p, seed)
+    slopes, sink, a_strides, cap, flags = _modifier_args(q, softcap, alibi, sinks)
+    consts.update(flags)
     delta = torch.empty_like(lse)
     # dO / r (common.HUGE_LSE), in dO's dtype: what the dK/dV and dQ kernels read as dO.
     dos = grad_out.new_empty((b, h, lq, ev))
     glse = grad_lse.float().contiguous() if grad_lse is not None else lse
     common.launcher(_prep_kernel)[lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)](
-        q, k, m, out, grad_out, glse, lse, delta, dos, *strides[:8], *strides[12:],
-        *out.stride(), *grad_out.stride(), h, lq, lk, e, ev, h // hkv, scale, window_lo,
-        window_hi, common.HUGE_LSE, consts["LQ_BUCKET"], consts["LK_BUCKET"],
-        MASK_KIND=consts["MASK_KIND"], HAS_GLSE=grad_lse is not None,
+        q, k, m, out, grad_out, glse, lse, delta, dos, slopes, sink, *strides[:8], *strides[12:],
+        *out.stride(), *grad_out.stride(), *a_strides, h, lq, lk, e, ev, h // hkv, scale,
+        window_lo, window_hi, common.HUGE_LSE, cap, consts["LQ_BUCKET"], consts["LK_BUCKET"],
+        MASK_KIND=consts["MASK_KIND"], HAS_GLSE=grad_lse is not None, **flags,
+        HAS_SINKS=sinks is not None,
         DOT_PREC=consts["DOT_PREC"], PAD_D=common.head_block(e) != e or common.head_block(ev) != ev,
         BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -662,18 +735,22 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     # Only in-band entries are written: the rest of dmask stays zero.
     dmask = q.new_zeros((b, h, lq, lk)) if mask_grad else q.new_empty((0,))
     sizes = (lq, lk, e, ev, h // hkv)
-    band = (scale, window_lo, window_hi, inv_keep)
+    band = (scale, window_lo, window_hi, inv_keep, slopes, *a_strides, cap)
     common.launcher(_dkdv_kernel)[
         lambda meta: common.tiles_grid(lk, meta["BLOCK_N"], b * hkv * split)](
         q, k, v, m, dos, lse, delta, rng, dk, dv, dmask, *strides, *dos.stride(),
         h, hkv, *sizes, split, *band, MASK_GRAD=mask_grad, **consts)
     if split > 1:
         dk, dv = dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype)
+    # d lse_i / d sink = P_sink,i = exp(sink - lse_i) / r_i, and the sink's value is 0: its
+    # score gradient is P_sink,i (0 - D_i), and DELTA holds D_i / r_i.
+    dsinks = q.new_empty((0,)) if sinks is None else (
+        -(torch.exp(sinks.float().view(1, h, 1) - lse) * delta).sum((0, 2))).to(sinks.dtype)
     common.launcher(_dq_kernel)[
         lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)](
         q, k, v, m, dos, lse, delta, rng, dq, *strides, *dos.stride(),
         h, *sizes, *band, **consts)
-    return dq, dk, dv, dmask
+    return dq, dk, dv, dmask, dsinks
 
 
 def _head_blocks(d: int) -> tuple[int, int]:
@@ -700,34 +777,39 @@ def _gqa_split(groups: int, lk: int, kv_heads: int) -> int:
 # Shape-only versions: triton_op derives them itself on a GPU, custom_op (the interpreter's
 # registration) needs them.
 @sdpa_fwd.register_fake
-def _sdpa_fwd_fake(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed):
-    same_device(q, k, v, mask)
+def _sdpa_fwd_fake(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed, softcap=None,
+                   alibi=None, sinks=None):
+    same_device(q, k, v, mask, alibi, sinks)
     b, h, lq, _ = q.shape
     return q.new_empty((b, h, lq, v.shape[-1])), q.new_empty((b, h, lq), dtype=torch.float32)
 
 
 @sdpa_bwd.register_fake
 def _sdpa_bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi, dropout_p,
-                   seed, mask_grad, grad_lse=None):
-    same_device(q, grad_out, k, v, mask, out, lse, grad_lse)
+                   seed, mask_grad, grad_lse=None, softcap=None, alibi=None, sinks=None):
+    same_device(q, grad_out, k, v, mask, out, lse, grad_lse, alibi, sinks)
     dmask = q.new_empty((*q.shape[:3], k.shape[2]) if mask_grad else (0,))
-    return (*contiguous_grads(q, k, v), dmask)
+    dsinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
+    return (*contiguous_grads(q, k, v), dmask, dsinks)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, mask, scale, lo, hi, p, seed = inputs
+    q, k, v, mask, scale, lo, hi, p, seed, softcap, alibi, sinks = inputs
     out, lse = output
-    ctx.args = (scale, lo, hi, p)
-    ctx.save_for_backward(q, k, v, mask, out, lse, seed)
+    ctx.args = (scale, lo, hi, p, softcap)
+    ctx.save_for_backward(q, k, v, mask, out, lse, seed, alibi, sinks)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, mask, out, lse, seed = ctx.saved_tensors
-    scale, lo, hi, p = ctx.args
+    q, k, v, mask, out, lse, seed, alibi, sinks = ctx.saved_tensors
+    scale, lo, hi, p, softcap = ctx.args
     want_mask = mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[3]
-    dq, dk, dv, dmask = sdpa_bwd(or_zeros(grad_out, out), q, k, v, mask, out, lse, scale, lo, hi,
-                                 p, seed, want_mask, grad_lse)
-    return dq, dk, dv, (dmask if want_mask else None), None, None, None, None, None
+    dq, dk, dv, dmask, dsinks = sdpa_bwd(or_zeros(grad_out, out), q, k, v, mask, out, lse, scale,
+                                         lo, hi, p, seed, want_mask, grad_lse, softcap, alibi,
+                                         sinks)
+    # no gradient for the slopes: constants (attnx/_validate.py)
+    return (dq, dk, dv, (dmask if want_mask else None), None, None, None, None, None, None, None,
+            dsinks if sinks is not None and ctx.needs_input_grad[11] else None)
 
 
 sdpa_fwd.register_autograd(_backward, setup_context=_setup)

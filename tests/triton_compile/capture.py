@@ -30,10 +30,14 @@ class Variant:
     gqa: bool = False       # sdpa: 4 query heads on 2 kv heads
     weights: bool = False   # additive: return_weights and a loss on them
     paged: bool = False     # kvcache: a paged cache (block table) instead of a contiguous one
+    softcap: bool = False   # sdpa, kvcache: the score modifiers
+    alibi: bool = False
+    sinks: bool = False
 
     @property
     def name(self) -> str:
-        flags = [f for f in ("dropout", "gqa", "weights", "paged") if getattr(self, f)]
+        flags = [f for f in ("dropout", "gqa", "weights", "paged", "softcap", "alibi", "sinks")
+                 if getattr(self, f)]
         mask = [] if self.mask == "none" else [f"{self.mask}-mask"]
         return "/".join([self.op, self.dtype, f"d{self.head_dim}", *mask, *flags])
 
@@ -98,6 +102,10 @@ def _run_variant(v: Variant) -> None:
     seed = torch.tensor([12345, 678], dtype=torch.int64) if v.dropout else None
     lo, hi = -L, L
     mask_grad = v.mask == "float"
+    qb = 2 if v.op == "kvcache" else b
+    mods = (30.0 if v.softcap else None,
+            torch.rand((qb, h), generator=gen) if v.alibi else None,
+            torch.randn((h,), generator=gen) if v.sinks else None)
     if v.op == "kvcache":  # one decoding step (Lq = 1) of 2 sequences over a cache of L
         q = rand(2, h, 1, d)
         lens = torch.tensor([L - 3, L // 2], dtype=torch.int32)
@@ -106,13 +114,13 @@ def _run_variant(v: Variant) -> None:
             table = torch.randperm(2 * L // 16, generator=gen).view(2, L // 16).to(torch.int32)
         else:
             k, val, table = rand(2, hkv, L, d), rand(2, hkv, L, d), None
-        decode.kvcache_fwd(q, k, val, lens, table, d ** -0.5, -L - 1, 0)
+        decode.kvcache_fwd(q, k, val, lens, table, d ** -0.5, -L - 1, 0, *mods)
     elif v.op == "sdpa":
         q, k, val = rand(b, h, L, d), rand(b, hkv, L, d), rand(b, hkv, L, d)
-        out, lse = sdpa.sdpa_fwd(q, k, val, mask, d ** -0.5, lo, hi, p, seed)
+        out, lse = sdpa.sdpa_fwd(q, k, val, mask, d ** -0.5, lo, hi, p, seed, *mods)
         sdpa.sdpa_bwd(rand(b, h, L, d), q, k, val, mask, rand(b, h, L, d),
                       torch.zeros(b, h, L), d ** -0.5, lo, hi, p, seed, mask_grad,
-                      torch.zeros(b, h, L))
+                      torch.zeros(b, h, L), *mods)
     else:
         q, k, val, w = rand(b, h, L, d), rand(b, h, L, d), rand(b, h, L, d), rand(h, d)
         additive.additive_fwd(q, k, val, w, mask, lo, hi, p, seed, v.weights)

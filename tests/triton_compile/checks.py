@@ -14,6 +14,10 @@ SPILL_EXCEPTIONS: dict[tuple[str, str, int], str] = {
        "register rule adds their costs; together they cost more): the autotuner also keeps "
        "(16, 32, 4, 2) and (16, 16, 4, 1), which do not spill. Found by the --full run."
        for dtype in ("fp16", "bf16")},
+    ("sdpa._dkdv_kernel", "sdpa/fp16/d64/float-mask/sinks", 80):
+        "42 B in the (32, 64, 8, 3) config (255 registers), as the plain sdpa/fp16/d64/float-mask "
+        "variant (not in the CI set) spills at main's 04cac0f: sinks do not change the dK/dV "
+        "kernel (the committed --full results, older, had it at 251 registers, no spills)",
     # Triton 3.6 only (CI's torch 2.11 stage); Triton 3.8 compiles these without spills
     ("sdpa._dkdv_kernel", "sdpa/fp16/d64", 80):
         "12 B with Triton 3.6 (torch 2.11) in the (32, 64, 8, 3) config; Triton 3.8 compiles the "
@@ -39,11 +43,13 @@ IN_BAND_SELECTS = 16
 
 
 def in_band_applies(row) -> bool:
-    """Whether item 10's structure is asked of the unit: fp16/bf16 SDPA forwards without mask
-    or dropout."""
+    """Whether item 10's structure is asked of the unit: fp16/bf16 SDPA forwards without mask,
+    dropout, softcap or ALiBi (those two change every score: a tanh, a distance; sinks only the
+    final normalisation)."""
     parts = row["variant"].split("/")
     return (row["kernel"] == "sdpa._fwd_kernel" and parts[1] != "fp32"
-            and not any(p.endswith("-mask") or p == "dropout" for p in parts))
+            and not any(p.endswith("-mask") or p in ("dropout", "softcap", "alibi")
+                        for p in parts))
 
 
 def in_band_broken(row) -> str | None:
