@@ -322,10 +322,11 @@ def test_sdpa_opcheck():
 
 
 # --------------------------------------------------------------------------------- SDPA backward
-# The backward's head-dim families (csrc/cuda/launch.h kSdpaBwdFamilies): 32, 64, 96 and 128 on
-# the mma.sync kernel (sdpa_bwd.cuh), 256 on the wmma kernel; each with every feature at once.
+# The backward's head-dim families (csrc/cuda/launch.h kSdpaBwdFamilies), all on the mma.sync
+# kernel (sdpa_bwd.cuh; 160, 192 and 256 its 8-warp variant); each with every feature at once,
+# odd head dims taking the element-wise loads.
 
-BWD_DIMS = [(32, 32), (59, 64), (96, 80), (128, 111), (160, 160)]
+BWD_DIMS = [(32, 32), (59, 64), (96, 80), (128, 111), (160, 137), (181, 192), (256, 200)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

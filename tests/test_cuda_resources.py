@@ -41,8 +41,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cuda
 OPT_IN_SHARED = {"sm_80": 166912, "sm_90": 232448}
 DTYPES = {"6__half": "fp16", "13__nv_bfloat16": "bf16"}
 SDPA_FWD_FAMILIES = (32, 64, 96, 128, 160, 192, 256)  # csrc/cuda/launch.h kSdpaFwdFamilies
-SDPA_BWD_FAMILIES = (32, 64, 96, 128, 256)  # csrc/cuda/launch.h kSdpaBwdFamilies
-SDPA_BWD_MMA_FAMILIES = (32, 64, 96, 128)  # on the mma.sync design (sdpa_bwd.cuh)
+SDPA_BWD_FAMILIES = SDPA_FWD_FAMILIES  # csrc/cuda/launch.h kSdpaBwdFamilies, all mma.sync
 # Every kernel csrc/cuda/ compiles, each with the dynamic shared memory its launch requests
 # (op None: none).
 KERNELS = {f"{op}<{dt}, {d}>": (op, d) for op, families in (("sdpa_fwd", SDPA_FWD_FAMILIES),
@@ -263,15 +262,16 @@ def reason(monkeypatch, limit, op, call):
     return cuda_backend._shared_memory_reason(op, call)
 
 
-@pytest.mark.parametrize("e, ev", [(64, 64), (8, 64), (64, 1), (17, 33), (65, 64), (96, 96),
-                                   (160, 150)])
-def test_99kb_parts_take_the_sdpa_forward_up_to_96_and_129_to_160(monkeypatch, e, ev):
-    assert reason(monkeypatch, SM86_OPT_IN, "sdpa", sdpa_call(e, ev)) is None
+@pytest.mark.parametrize("e, ev, grad", [(64, 64, False), (8, 64, False), (64, 1, False),
+                                         (17, 33, False), (65, 64, False), (96, 96, True),
+                                         (160, 150, False), (150, 150, True), (160, 160, True)])
+def test_99kb_parts_take_the_sdpa_up_to_96_and_129_to_160(monkeypatch, e, ev, grad):
+    assert reason(monkeypatch, SM86_OPT_IN, "sdpa", sdpa_call(e, ev, grad)) is None
 
 
 @pytest.mark.parametrize("e, ev, grad, kernel", [
     (97, 64, False, "sdpa_fwd"), (64, 128, False, "sdpa_fwd"), (128, 128, True, "sdpa_fwd"),
-    (150, 150, True, "sdpa_bwd"), (161, 64, False, "sdpa_fwd"), (256, 256, False, "sdpa_fwd")])
+    (161, 64, False, "sdpa_fwd"), (256, 256, False, "sdpa_fwd")])
 def test_99kb_parts_refuse_what_does_not_fit(monkeypatch, e, ev, grad, kernel):
     why = reason(monkeypatch, SM86_OPT_IN, "sdpa", sdpa_call(e, ev, grad))
     assert why is not None and f"{kernel} kernel needs" in why and str(SM86_OPT_IN) in why
@@ -307,11 +307,13 @@ def test_forward_main_loops_are_fa2_instructions(table):
 
 # ----------------------------------------------------------------------------- the SDPA backward
 
-def test_99kb_parts_take_the_sdpa_backward_up_to_128():
-    """The mma.sync backward's tiles (BN = 64 keys, BM = 64 or 32 query rows) fit 99 KB parts:
-    their calls are decided by the forward's needs alone."""
-    for dim in range(1, 129):
+def test_99kb_parts_take_the_sdpa_backward_up_to_160():
+    """The mma.sync backward's tiles (BN = 64 keys, BM = 64 or 32 query rows) fit 99 KB parts
+    up to the 160 family: their calls are decided by the forward's needs alone (which refuse
+    97-128 there); 161-256 need more."""
+    for dim in range(1, 161):
         assert _ops._C.cuda_smem_bytes("sdpa_bwd", dim) <= SM86_OPT_IN
+    assert _ops._C.cuda_smem_bytes("sdpa_bwd", 161) > SM86_OPT_IN
 
 
 def sass_mix(symbol: str, arch: str) -> dict:
@@ -333,7 +335,7 @@ def test_backward_is_built_on_mma_ldmatrix_and_cp_async(table):
     every architecture built."""
     symbols = {(kernel_name(sym), arch): sym
                for sym, arch in resource_usage(cuobjdump(), _ops._C.__file__)}
-    wanted = {(f"sdpa_bwd<{dt}, {d}>", a) for dt in DTYPES.values() for d in SDPA_BWD_MMA_FAMILIES
+    wanted = {(f"sdpa_bwd<{dt}, {d}>", a) for dt in DTYPES.values() for d in SDPA_BWD_FAMILIES
               for a in built_archs()}
     assert wanted <= {(r["kernel"], r["arch"]) for r in table}
     for name, arch in sorted(wanted):

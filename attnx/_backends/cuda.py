@@ -2,7 +2,7 @@
 
 What the kernels serve (keep in step with csrc/cuda/): float16 and bfloat16; SDPA head dims
 E, Ev up to 256 (the forward is built for the head-dim families 32, 64, 96, 128, 160, 192 and
-256, the backward for 32, 64, 96, 128 and 256; each zero-pads below its family);
+256, the backward for the same; each zero-pads below its family);
 additive value dims up to 2048 (the output tile lives in shared memory); at most 65535 batches
 and heads (the CUDA grid's y and z dims); a GPU of compute capability 8.0 or more whose opt-in
 shared memory per block holds what the call's kernels request, decided per call.
@@ -13,15 +13,16 @@ this writing (benchmarks/results/cuda-compile.json has them as built). Bytes per
 
   forward family    32     64     96     128     160     192     256
   forward         30720  55296  79872  104448  86016  102400  135168
-  backward family   32     64     96     128     256 (129-256, the wmma kernel)
-  backward        41472  66048  58624  75008   115584
+  backward family   32     64     96     128     160     192     256
+  backward        41472  66048  58624  75008   96000   112384  145152
   additive: 27268 + 64 * Ev
 
-The backward's families (csrc/cuda/launch.h kSdpaBwdFamilies): 32, 64, 96, 128 on the mma.sync
-design, 256 on the wmma kernel.
+The backward's families (csrc/cuda/launch.h kSdpaBwdFamilies), all on the mma.sync design, are
+the forward's, so padding wastes at most 25% (193 padded to 256: 24.6%; 129 to 160: 19.4%).
 A100/H100/H200/B200 (163-227 KB) take every call. The 99 KB parts (sm86, sm89, sm120: RTX
 30xx/40xx/50xx, A10, L4; 101376 bytes) take the SDPA forward for head dims up to 96 and 129-160,
-with autograd up to 96 (the backward up to 128 fits, the forward of 97-128 does not), and
+with autograd up to 96 and 129-160 (the backward up to 160 fits, the forward of 97-128 does
+not), and
 additive for Ev up to 1157; `unsupported` names the kernel and bytes of the rest, which go to the
 triton backend. Smaller tiles for them are not built: tile sizes are compile-time constants of
 one instantiation per family, so fitting 99 KB takes a second instantiation of each kernel,

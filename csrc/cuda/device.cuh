@@ -2,7 +2,7 @@
 // or their host twins (host/cuda_host.h) when the host harness compiles the same kernel source
 // with a C++ compiler (ATTNX_CUDA_HOST; tests only). Every construct plain C++ lacks goes
 // through a name defined here or there: ATTNX_DYNAMIC_SMEM for `extern __shared__` and
-// launch_kernel for `<<<...>>>`; barriers, shuffles, atomics and wmma keep their CUDA names.
+// launch_kernel for `<<<...>>>`; barriers, shuffles and atomics keep their CUDA names.
 #pragma once
 
 #if defined(ATTNX_CUDA_HOST)
@@ -11,7 +11,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <mma.h>
 
 #include "smem_grants.h"
 

@@ -209,6 +209,8 @@ cudaError_t run_sdpa_bwd(const SdpaParams& p, cudaStream_t stream) {
       case 64: return sdpa_bwd_family<64>(p, stream);
       case 96: return sdpa_bwd_family<96>(p, stream);
       case 128: return sdpa_bwd_family<128>(p, stream);
+      case 160: return sdpa_bwd_family<160>(p, stream);
+      case 192: return sdpa_bwd_family<192>(p, stream);
       default: return sdpa_bwd_family<256>(p, stream);
     }
   }

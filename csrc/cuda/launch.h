@@ -100,9 +100,9 @@ constexpr int sdpa_fwd_family_of(int dim) {
 }
 template <int D>
 cudaError_t sdpa_fwd_family(const SdpaParams& p, cudaStream_t stream);
-// The backward's families: up to 128 on the mma.sync design (sdpa_bwd.cuh), whose dK and dV
-// registers grow with D; 129-256 on the wmma kernel (sdpa_bwd_wmma.cuh).
-constexpr int kSdpaBwdFamilies[] = {32, 64, 96, 128, 256};
+// The backward's families, all on the mma.sync design (sdpa_bwd.cuh): the forward's, so
+// padding wastes at most 25%; above 128 the dK and dV registers are split over twice the warps.
+constexpr int kSdpaBwdFamilies[] = {32, 64, 96, 128, 160, 192, 256};
 template <int D>
 cudaError_t sdpa_bwd_family(const SdpaParams& p, cudaStream_t stream);
 // The backward's pre-pass: p.delta from p.dout, p.out and p.grad_lse.

@@ -1,10 +1,15 @@
 // SDPA backward on FlashAttention-2's design (flash_bwd_kernel.h of Dao-AILab/flash-attention:
 // one CTA per key block looping over query blocks, dK and dV in registers, dQ by atomics), on
-// mma.sync m16n8k16 with fp32 accumulate (mma.cuh), for head dims up to 128.
+// mma.sync m16n8k16 with fp32 accumulate (mma.cuh), for every head-dim family up to 256.
 //
 // One CTA of 4 warps per (key block of BN = 64 keys, kv head, batch); warp w owns keys
 // 16w..16w+15 of the block and holds their dK and dV rows (16 x D each, fp32) in mma
-// accumulator fragments from the first step to the last. The CTA loops over the query heads of
+// accumulator fragments from the first step to the last. Above D = 128 those rows would take
+// 2D > 255 registers, so the families 160, 192, 256 split them as flash_bwd_kernel.h does its
+// d256 tiles (dK/dV spread over more warps): 8 warps, warp w owning keys 16(w % 4).. and head
+// dims [w / 4 * D/2, +D/2) of dK and dV, and S^T, dP^T of its 16 keys and half w / 4 of the
+// step's queries. P and dS then go through shared memory (query-major, as dQ's dS already
+// does) to reach the warps that own the other half's columns: the "wide" variant below. The CTA loops over the query heads of
 // its GQA group (reading q and grad_out of each, nothing copied) and, per head, over the query
 // blocks of BM rows that can see its keys (the band decides which: causal and window tiles
 // outside it are never visited). Per step, with Q and dO of the step in shared memory:
@@ -14,13 +19,15 @@
 //   dP^T = V_w dO^T,  dS^T = P^T * (dP^T * z - delta)   (z: dropout factor, 0 or 1/(1-p))
 //   dK_w += dS^T Q                        dS^T from registers again
 //   dQ   += dS K                          dS through shared memory (transposed), all warps;
+//   (wide: dV_w += (P z)^T dO and dK_w += dS^T Q read P z and dS back from shared memory by
+//    transposing ldmatrix, after the barrier that completes them)
 //                                         fp32 atomics into dq_acc: other CTAs (key blocks)
 //                                         add to the same rows, in no fixed order
 // dK and dQ get the factor `scale` when written. dQ's atomics make the backward
 // nondeterministic in the last bits of dq; no deterministic mode is offered.
 //
 // Shared memory: K, V of the block once; Q and dO in two stages, the next step's loaded by
-// cp.async while this one computes; dS (BM x BN). All 16-bit tiles have rows padded by 16
+// cp.async while this one computes; dS (BM x BN), and P z (BM x BN) in the wide variant. All 16-bit tiles have rows padded by 16
 // bytes instead of a swizzle: ldmatrix reads 8 rows of 16 bytes per phase, and a row stride of
 // 16 mod 128 bytes puts those 8 rows in 8 distinct 16-byte bank groups (conflict-free), as
 // does cp.async's 16-byte store of consecutive chunks; it costs 8 / D of the tile.
@@ -40,28 +47,34 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "sdpa_bwd_tiles.cuh"
-#include "sdpa_bwd_wmma.cuh"
 
 namespace attnx {
 namespace cuda {
 namespace sdpa_bwd_impl {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
-constexpr int kBN = 16 * kWarps;  // keys per CTA: 16 per warp
-constexpr int kDqCols = 32;       // dQ is computed in column chunks of this width
+constexpr int kKeyWarps = 4;       // warps along the key block, 16 keys each
+constexpr int kBN = 16 * kKeyWarps;  // keys per CTA
+constexpr int kDqCols = 32;          // dQ is computed in column chunks of this width
 
 template <int D>
 struct Config {
-  static_assert(D % kDqCols == 0 && D <= 128, "families 32, 64, 96, 128");
+  static_assert(D % kDqCols == 0 && D <= 256, "families 32, 64, 96, 128, 160, 192, 256");
+  // Warps per 16 keys: 2 (the wide variant) where one warp's dK and dV rows (2D fp32
+  // registers) would not fit beside S^T and dP^T.
+  static constexpr int kSplit = D <= 128 ? 1 : 2;
+  static constexpr int kWarps = kKeyWarps * kSplit;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int DW = D / kSplit;  // dK, dV columns per warp
   // Query rows per step: 64 keeps S^T and dP^T at 32 fp32 registers each, which beside the
-  // D fp32 registers of dK and dV fits 255 up to D = 64; 32 rows above.
+  // D fp32 registers of dK and dV fits 255 up to D = 64; 32 rows above (and, split, 16 per
+  // warp: two stages of Q and dO at D = 256 then fit sm_80's 163 KB).
   static constexpr int BM = D <= 64 ? 64 : 32;
+  static constexpr int BMW = BM / kSplit;  // S^T, dP^T queries per warp
   static constexpr int LDH = D + 8;    // 16-bit tile rows, padded (see above)
-  static constexpr int LDS = kBN + 8;  // dS rows
+  static constexpr int LDS = kBN + 8;  // dS (and P z) rows
   static constexpr int kRowValues = 3;  // per query row and stage: lse, delta, 1 / R
   static constexpr size_t smem_bytes =
-      2 * (2 * size_t(kBN) * LDH + 2 * 2 * size_t(BM) * LDH + size_t(BM) * LDS) +
+      2 * (2 * size_t(kBN) * LDH + 2 * 2 * size_t(BM) * LDH + kSplit * size_t(BM) * LDS) +
       4 * (2 * kRowValues * size_t(BM));
 };
 
@@ -71,6 +84,14 @@ template <int LD, typename T>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* tile, int row0, int col0,
                                        int lane) {
   ldmatrix_x4(a, tile + (row0 + lane % 16) * LD + col0 + (lane / 16) * 8);
+}
+
+// The same A operand from the transposed tile (stored row col0 + k, column row0 + m), by
+// transposing ldmatrix: matrix i holds rows (i % 2) * 8.., k columns (i / 2) * 8.. of A.
+template <int LD, typename T>
+__device__ __forceinline__ void load_a_t(uint32_t (&a)[4], const T* tile, int row0, int col0,
+                                         int lane) {
+  ldmatrix_x4_trans(a, tile + (col0 + (lane / 16) * 8 + lane % 8) * LD + row0 + ((lane / 8) % 2) * 8);
 }
 
 // B operands of two n8 tiles (n0, n0 + 8) over k16 from a tile stored n-major (row n, col k):
@@ -115,6 +136,19 @@ __device__ __forceinline__ void product_nt(float (&acc)[N][4], const T* a_tile, 
   }
 }
 
+// acc (16 x 8N) += a (one k16 A fragment, rows of the warp) times rows k0.. k0 + 15, columns
+// c0.. c0 + 8N - 1 of tile B (k-major).
+template <typename T, int N, int LD>
+__device__ __forceinline__ void mma_row_k16(float (&acc)[N][4], const uint32_t (&a)[4],
+                                            const T* b_tile, int k0, int c0, int lane) {
+#pragma unroll
+  for (int n = 0; n < N; n += 2) {
+    uint32_t b[4];
+    load_b_kn<LD>(b, b_tile, k0, c0 + n * 8, lane);
+    mma_pair<T>(acc[n], acc[n + 1], a, b);
+  }
+}
+
 // acc (16 x D) += X (16 x BM, register fragments x[BM / 8][4] as mma accumulators, taken as the
 // A operand: two n8 accumulator tiles are one k16 A fragment) times tile B (BM x D, k-major):
 // dV += (P^T z) dO and dK += dS^T Q.
@@ -127,34 +161,48 @@ __device__ __forceinline__ void product_rk(float (&acc)[D / 8][4], const float (
     const float(&hi)[4] = x[2 * kq + 1];
     const uint32_t a[4] = {pack2<T>(lo[0], lo[1]), pack2<T>(lo[2], lo[3]), pack2<T>(hi[0], hi[1]),
                            pack2<T>(hi[2], hi[3])};
+    mma_row_k16<T, D / 8, LD>(acc, a, b_tile, kq * 16, 0, lane);
+  }
+}
+
+// acc (16 x DW) += X^T (rows row0.. row0 + 15 of X^T, X a BM x BN query-major tile in shared
+// memory) times columns c0.. c0 + DW - 1 of tile B (BM x D, k-major): the wide variant's dV and
+// dK, whose P z and dS rows other warps computed.
+template <typename T, int BM, int DW, int LDX, int LD>
+__device__ __forceinline__ void product_tk(float (&acc)[DW / 8][4], const T* x_tile, int row0,
+                                           const T* b_tile, int c0, int lane) {
 #pragma unroll
-    for (int n = 0; n < D / 8; n += 2) {
-      uint32_t b[4];
-      load_b_kn<LD>(b, b_tile, kq * 16, n * 8, lane);
-      mma_pair<T>(acc[n], acc[n + 1], a, b);
-    }
+  for (int kq = 0; kq < BM / 16; ++kq) {
+    uint32_t a[4];
+    load_a_t<LDX>(a, x_tile, row0, kq * 16, lane);
+    mma_row_k16<T, DW / 8, LD>(acc, a, b_tile, kq * 16, c0, lane);
   }
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) sdpa_bwd_kernel(const SdpaParams p) {
+__global__ void __launch_bounds__(Config<D>::kThreads) sdpa_bwd_kernel(const SdpaParams p) {
   using C = Config<D>;
-  constexpr int BM = C::BM, BN = kBN, LDH = C::LDH, LDS = C::LDS;
-  constexpr int NQ = BM / 8;  // n8 tiles of queries in S^T, dP^T
-  constexpr int ND = D / 8;   // n8 tiles of head dims in dK, dV
+  constexpr int BM = C::BM, BN = kBN, LDH = C::LDH, LDS = C::LDS, DW = C::DW;
+  constexpr int kWarps = C::kWarps, kThreads = C::kThreads;
+  constexpr bool wide = C::kSplit > 1;
+  constexpr int NQ = C::BMW / 8;  // n8 tiles of queries in a warp's S^T, dP^T
+  constexpr int ND = DW / 8;      // n8 tiles of head dims in a warp's dK, dV
   ATTNX_DYNAMIC_SMEM(unsigned char, smem_raw, 128);
   T* Ks = reinterpret_cast<T*>(smem_raw);
   T* Vs = Ks + BN * LDH;
   T* Qs = Vs + BN * LDH;       // [stage][BM][LDH]
   T* dOs = Qs + 2 * BM * LDH;  // [stage][BM][LDH]
   T* dSs = dOs + 2 * BM * LDH;
-  float* row_vals = reinterpret_cast<float*>(dSs + BM * LDS);  // [stage][lse, delta, 1/R][BM]
+  T* Ps = dSs + BM * LDS;  // P z, wide variant only
+  float* row_vals = reinterpret_cast<float*>(dSs + C::kSplit * BM * LDS);  // [stage][lse, delta, 1/R][BM]
 
   const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
   const int group = p.Hq / p.Hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;  // the fragments' row group and column pair
-  const int kr0 = warp * 16;             // this warp's first key in the block
+  const int g = lane / 4, t = lane % 4;      // the fragments' row group and column pair
+  const int kr0 = (warp % kKeyWarps) * 16;   // this warp's first key in the block
+  const int half = warp / kKeyWarps;         // its part of the split (0 unless wide)
+  const int qw0 = half * C::BMW, c0 = half * DW;  // its first S^T query and dK/dV column
   // grad_out is contiguous and 16-byte aligned (the host makes it so): only its rows matter.
   const bool dout_vec16 = p.Ev % (16 / sizeof(T)) == 0;
 
@@ -197,12 +245,12 @@ __global__ void __launch_bounds__(kThreads) sdpa_bwd_kernel(const SdpaParams p) 
 
   for (int s = 0; s < steps; ++s) {
     const int stage = s % 2;
-    // Prefetch the next step into the other stage: its last reader was step s - 1's
-    // products, behind the barrier before step s - 1's dQ.
+    cp_async_wait<0>();  // this step's group (and K, V) has landed
+    __syncthreads();     // ... for every thread, and every warp is done with step s - 1
+    // Prefetch the next step into the other stage, whose last readers (step s - 1's products)
+    // are behind the barrier above; it lands while this step computes.
     if (s + 1 < steps) load_step(s + 1, stage ^ 1);
-    cp_async_commit();   // possibly empty: the group count stays one per step
-    cp_async_wait<1>();  // this step's group (and K, V) has landed
-    __syncthreads();
+    cp_async_commit();
 
     const int h = hk * group + s / nqt, i0 = (qt0 + s % nqt) * BM;
     const int64_t bh = int64_t(b) * p.Hq + h;
@@ -212,8 +260,8 @@ __global__ void __launch_bounds__(kThreads) sdpa_bwd_kernel(const SdpaParams p) 
     const float* lse_s = row_vals + stage * C::kRowValues * BM;
     const float* delta_s = lse_s + BM;
     const float* inv_r_s = delta_s + BM;
-    // (key, query) of element e of n8 tile n of the S^T fragments, within the tiles
-    auto query_of = [&](int n, int e) { return n * 8 + 2 * t + (e & 1); };
+    // (key, query) of element e of n8 tile n of the S^T fragments, within the block
+    auto query_of = [&](int n, int e) { return qw0 + n * 8 + 2 * t + (e & 1); };
     auto key_of = [&](int e) { return kr0 + g + (e >= 2 ? 8 : 0); };
 
     // A block wholly inside the sizes and the band, without a mask, admits every pair: its
@@ -224,7 +272,7 @@ __global__ void __launch_bounds__(kThreads) sdpa_bwd_kernel(const SdpaParams p) 
 
     // P^T, in the S^T fragments.
     float pt[NQ][4] = {};
-    product_nt<T, D, NQ, LDH>(pt, Ks, kr0, Q, lane);
+    product_nt<T, D, NQ, LDH>(pt, Ks, kr0, Q + qw0 * LDH, lane);
 #pragma unroll
     for (int n = 0; n < NQ; ++n)
 #pragma unroll
@@ -238,22 +286,25 @@ __global__ void __launch_bounds__(kThreads) sdpa_bwd_kernel(const SdpaParams p) 
       }
 
     // dV += (P^T z) dO: the dropped-out probabilities, as the forward multiplied them with V.
-    if (p.drop.on) {
+    // Wide: P z to shared memory, multiplied after the barrier below.
+    if (p.drop.on || wide) {
       float pz[NQ][4];
 #pragma unroll
       for (int n = 0; n < NQ; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
+        for (int e = 0; e < 4; ++e) {
           pz[n][e] = pt[n][e] * dropout_factor(p.drop, key_bh, uint32_t(i0 + query_of(n, e)),
                                                uint32_t(j0 + key_of(e)));
-      product_rk<T, BM, D, LDH>(dv, pz, dO, lane);
+          if constexpr (wide) Ps[query_of(n, e) * LDS + key_of(e)] = from_float<T>(pz[n][e]);
+        }
+      if constexpr (!wide) product_rk<T, BM, D, LDH>(dv, pz, dO, lane);
     } else {
-      product_rk<T, BM, D, LDH>(dv, pt, dO, lane);
+      if constexpr (!wide) product_rk<T, BM, D, LDH>(dv, pt, dO, lane);
     }
 
     // dS^T = P^T (dP^T z - delta), in the dP^T fragments; dS to shared memory for dQ.
     float ds[NQ][4] = {};
-    product_nt<T, D, NQ, LDH>(ds, Vs, kr0, dO, lane);
+    product_nt<T, D, NQ, LDH>(ds, Vs, kr0, dO + qw0 * LDH, lane);
 #pragma unroll
     for (int n = 0; n < NQ; ++n)
 #pragma unroll
@@ -269,37 +320,36 @@ __global__ void __launch_bounds__(kThreads) sdpa_bwd_kernel(const SdpaParams p) 
       }
 
     // dK += dS^T Q.
-    product_rk<T, BM, D, LDH>(dk, ds, Q, lane);
-    __syncthreads();  // dS complete
+    if constexpr (!wide) product_rk<T, BM, D, LDH>(dk, ds, Q, lane);
+    __syncthreads();  // dS (and P z) complete
+    if constexpr (wide) {
+      product_tk<T, BM, DW, LDS, LDH>(dv, Ps, kr0, dO, c0, lane);
+      product_tk<T, BM, DW, LDS, LDH>(dk, dSs, kr0, Q, c0, lane);
+    }
 
     // dQ (BM x D) += dS K, by tasks of 16 rows x kDqCols columns, added into dq_acc at once.
     float* dq = p.dq_acc + bh * p.Lq * p.E;
     constexpr int kChunks = D / kDqCols;
     for (int task = warp; task < (BM / 16) * kChunks; task += kWarps) {
-      const int r0 = (task / kChunks) * 16, c0 = (task % kChunks) * kDqCols;
+      const int r0 = (task / kChunks) * 16, dc0 = (task % kChunks) * kDqCols;
       float acc[kDqCols / 8][4] = {};
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
         uint32_t a[4];
         load_a<LDS>(a, dSs, r0, kk * 16, lane);
-#pragma unroll
-        for (int n = 0; n < kDqCols / 8; n += 2) {
-          uint32_t bk[4];
-          load_b_kn<LDH>(bk, Ks, kk * 16, c0 + n * 8, lane);
-          mma_pair<T>(acc[n], acc[n + 1], a, bk);
-        }
+        mma_row_k16<T, kDqCols / 8, LDH>(acc, a, Ks, kk * 16, dc0, lane);
       }
 #pragma unroll
       for (int n = 0; n < kDqCols / 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int i = i0 + r0 + g + (e >= 2 ? 8 : 0), c = c0 + n * 8 + 2 * t + (e & 1);
+          const int i = i0 + r0 + g + (e >= 2 ? 8 : 0), c = dc0 + n * 8 + 2 * t + (e & 1);
           if (i < p.Lq && c < p.E) atomicAdd(dq + int64_t(i) * p.E + c, acc[n][e] * p.scale);
         }
     }
   }
 
-  // dK (times scale) and dV of this warp's keys, straight from the fragments.
+  // dK (times scale) and dV of this warp's keys and columns, straight from the fragments.
   const int64_t bhk = int64_t(b) * p.Hkv + hk;
   T* dk_out = static_cast<T*>(p.dk) + bhk * p.Lk * p.E;
   T* dv_out = static_cast<T*>(p.dv) + bhk * p.Lk * p.Ev;
@@ -307,7 +357,7 @@ __global__ void __launch_bounds__(kThreads) sdpa_bwd_kernel(const SdpaParams p) 
   for (int n = 0; n < ND; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int j = j0 + kr0 + g + (e >= 2 ? 8 : 0), c = n * 8 + 2 * t + (e & 1);
+      const int j = j0 + kr0 + g + (e >= 2 ? 8 : 0), c = c0 + n * 8 + 2 * t + (e & 1);
       if (j >= p.Lk) continue;
       if (c < p.E) dk_out[int64_t(j) * p.E + c] = from_float<T>(dk[n][e] * p.scale);
       if (c < p.Ev) dv_out[int64_t(j) * p.Ev + c] = from_float<T>(dv[n][e]);
@@ -317,8 +367,8 @@ __global__ void __launch_bounds__(kThreads) sdpa_bwd_kernel(const SdpaParams p) 
 template <typename T, int D>
 cudaError_t launch(const SdpaParams& p, cudaStream_t stream) {
   const dim3 grid(ceil_div(p.Lk, kBN), p.Hkv, p.B);
-  return launch_kernel(sdpa_bwd_kernel<T, D>, grid, dim3(kThreads), Config<D>::smem_bytes, stream,
-                       p);
+  return launch_kernel(sdpa_bwd_kernel<T, D>, grid, dim3(Config<D>::kThreads),
+                       Config<D>::smem_bytes, stream, p);
 }
 
 }  // namespace sdpa_bwd_impl
@@ -326,24 +376,17 @@ cudaError_t launch(const SdpaParams& p, cudaStream_t stream) {
 // The dynamic shared memory of family D's backward launch.
 template <int D>
 constexpr size_t sdpa_bwd_smem_bytes() {
-  if constexpr (D <= 128)
-    return sdpa_bwd_impl::Config<D>::smem_bytes;
-  else
-    return sdpa_bwd_wmma_impl::Config<D>::smem_bytes;
+  return sdpa_bwd_impl::Config<D>::smem_bytes;
 }
 
-// Instantiated once per family by sdpa_bwd_d<D>.cu; families above 128 on the wmma kernel.
-// dk and dv of keys no query sees (or every key when Lq == 0) are written as zeros by the
-// kernel, so Lk > 0 always launches. Needs p.delta (sdpa_bwd_delta) and p.row_sums.
+// Instantiated once per family by sdpa_bwd_d<D>.cu. dk and dv of keys no query sees (or every
+// key when Lq == 0) are written as zeros by the kernel, so Lk > 0 always launches. Needs
+// p.delta (sdpa_bwd_delta) and p.row_sums.
 template <int D>
 cudaError_t sdpa_bwd_family(const SdpaParams& p, cudaStream_t stream) {
   if (p.B == 0 || p.Hkv == 0 || p.Lk == 0) return cudaSuccess;
-  if constexpr (D <= 128)
-    return p.dtype == DType::Half ? sdpa_bwd_impl::launch<__half, D>(p, stream)
-                                  : sdpa_bwd_impl::launch<__nv_bfloat16, D>(p, stream);
-  else
-    return p.dtype == DType::Half ? sdpa_bwd_wmma_impl::launch<__half, D>(p, stream)
-                                  : sdpa_bwd_wmma_impl::launch<__nv_bfloat16, D>(p, stream);
+  return p.dtype == DType::Half ? sdpa_bwd_impl::launch<__half, D>(p, stream)
+                                : sdpa_bwd_impl::launch<__nv_bfloat16, D>(p, stream);
 }
 
 }  // namespace cuda

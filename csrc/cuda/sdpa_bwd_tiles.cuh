@@ -1,4 +1,4 @@
-// Global -> shared tile copies of the SDPA backward kernels (sdpa_bwd.cuh, sdpa_bwd_wmma.cuh).
+// Global -> shared tile copies of the SDPA backward kernel (sdpa_bwd.cuh).
 #pragma once
 
 #include "common.cuh"

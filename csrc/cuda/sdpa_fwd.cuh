@@ -81,30 +81,6 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* src, int64_t ro
   }
 }
 
-// The synchronous (rows, D) tile load the backward (sdpa_bwd.cuh, WMMA design) reads its tiles
-// with, any block size: zero past L rows and `cols` columns, 16 bytes a load when `vec16`.
-template <typename T, int D, int LD>
-__device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stride, int row0,
-                                          int rows, int L, int cols, bool vec16) {
-  if (vec16) {
-    constexpr int V = 16 / sizeof(T);
-    for (int idx = threadIdx.x; idx < rows * (D / V); idx += blockDim.x) {
-      const int r = idx / (D / V), c = (idx % (D / V)) * V;
-      const int g = row0 + r;
-      uint4 val = make_uint4(0u, 0u, 0u, 0u);
-      if (g < L && c < cols)
-        val = *reinterpret_cast<const uint4*>(src + int64_t(g) * row_stride + c);
-      *reinterpret_cast<uint4*>(dst + r * LD + c) = val;
-    }
-    return;
-  }
-  for (int idx = threadIdx.x; idx < rows * D; idx += blockDim.x) {
-    const int r = idx / D, c = idx % D;
-    const int g = row0 + r;
-    dst[r * LD + c] = (g < L && c < cols) ? src[int64_t(g) * row_stride + c] : from_float<T>(0.f);
-  }
-}
-
 // exp(v - m) in the units of v: with the scale folded in (v raw scores, c = scale log2(e), mc =
 // m c) one FFMA and EX2; else v, m are scaled scores plus the mask, which may be as large as
 // the dtype's finite range (huge-bias rows), where v c would overflow: subtract first.

@@ -10,10 +10,11 @@ namespace {
 
 static_assert(sizeof(kSdpaFwdFamilies) == 7 * sizeof(int) && kSdpaFwdFamilies[6] == 256,
               "forward_bytes has one case per family");
-static_assert(sizeof(kSdpaBwdFamilies) == 5 * sizeof(int) && kSdpaBwdFamilies[0] == 32 &&
+static_assert(sizeof(kSdpaBwdFamilies) == 7 * sizeof(int) && kSdpaBwdFamilies[0] == 32 &&
                   kSdpaBwdFamilies[1] == 64 && kSdpaBwdFamilies[2] == 96 &&
-                  kSdpaBwdFamilies[3] == 128 && kSdpaBwdFamilies[4] == 256,
-              "backward_bytes has one case per family");
+                  kSdpaBwdFamilies[3] == 128 && kSdpaBwdFamilies[4] == 160 &&
+                  kSdpaBwdFamilies[5] == 192 && kSdpaBwdFamilies[6] == 256,
+              "backward_bytes has one case per family, the forward's");
 
 size_t forward_bytes(int dim) {
   switch (sdpa_fwd_family_of(dim)) {
@@ -29,12 +30,16 @@ size_t forward_bytes(int dim) {
 }
 
 size_t backward_bytes(int dim) {
-  return dim <= 32    ? sdpa_bwd_smem_bytes<32>()
-         : dim <= 64  ? sdpa_bwd_smem_bytes<64>()
-         : dim <= 96  ? sdpa_bwd_smem_bytes<96>()
-         : dim <= 128 ? sdpa_bwd_smem_bytes<128>()
-         : dim <= 256 ? sdpa_bwd_smem_bytes<256>()
-                      : 0;
+  switch (sdpa_fwd_family_of(dim)) {  // the backward's families are the forward's
+    case 32: return sdpa_bwd_smem_bytes<32>();
+    case 64: return sdpa_bwd_smem_bytes<64>();
+    case 96: return sdpa_bwd_smem_bytes<96>();
+    case 128: return sdpa_bwd_smem_bytes<128>();
+    case 160: return sdpa_bwd_smem_bytes<160>();
+    case 192: return sdpa_bwd_smem_bytes<192>();
+    case 256: return sdpa_bwd_smem_bytes<256>();
+    default: return 0;
+  }
 }
 
 }  // namespace

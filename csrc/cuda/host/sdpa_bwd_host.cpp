@@ -6,4 +6,6 @@
 #include "../sdpa_bwd_d64.cu"
 #include "../sdpa_bwd_d96.cu"
 #include "../sdpa_bwd_d128.cu"
+#include "../sdpa_bwd_d160.cu"
+#include "../sdpa_bwd_d192.cu"
 #include "../sdpa_bwd_d256.cu"

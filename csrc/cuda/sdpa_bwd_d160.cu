@@ -1,0 +1,8 @@
+// SDPA backward kernels for head dims up to 160 (fp16 and bf16); see sdpa_bwd.cuh.
+#include "sdpa_bwd.cuh"
+
+namespace attnx {
+namespace cuda {
+template cudaError_t sdpa_bwd_family<160>(const SdpaParams&, cudaStream_t);
+}  // namespace cuda
+}  // namespace attnx
