@@ -101,10 +101,6 @@ def _triton(softcap: Optional[float]) -> Kernels:
         return tk.sdpa_fwd(q, k, v, None, scale, lo, hi, 0.0, None, **mods)
 
     def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
-        # The block's rows of the global lse are a strided view, and the Triton backward reads
-        # lse and its gradient by row index, ignoring strides (its own are always contiguous).
-        lse = lse.contiguous()
-        grad_lse = None if grad_lse is None else grad_lse.contiguous()
         return tk.sdpa_bwd(dout, q, k, v, None, out, lse, scale, lo, hi, 0.0, None, False,
                            grad_lse, **mods)[:3]
     return Kernels(fwd, bwd)

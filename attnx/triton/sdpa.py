@@ -712,6 +712,7 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         q, k, v, mask, dropout_p, seed)
     slopes, sink, a_strides, cap, flags = _modifier_args(q, softcap, alibi, sinks)
     consts.update(flags)
+    lse = lse.contiguous()  # read by row index (a caller's may be a strided view: the ring's)
     delta = torch.empty_like(lse)
     # dO / r (common.HUGE_LSE), in dO's dtype: what the dK/dV and dQ kernels read as dO.
     dos = grad_out.new_empty((b, h, lq, ev))
