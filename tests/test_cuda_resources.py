@@ -305,6 +305,12 @@ def test_a100_takes_every_sdpa_call(monkeypatch, e, ev):
     assert reason(monkeypatch, OPT_IN_SHARED["sm_80"], "additive", big) is None
 
 
+def test_every_part_takes_the_kvcache_kernel():
+    """The decoding split kernel's shared memory at its largest head dims (256) fits 99 KB
+    parts, as the cuda backend assumes (it makes no per-call check for attention_with_kvcache)."""
+    assert _ops._C.cuda_smem_bytes("kvcache", cuda_backend.MAX_SDPA_HEAD_DIM) <= SM86_OPT_IN
+
+
 def test_forward_main_loops_are_fa2_instructions(table):
     """Every sdpa_fwd kernel's main loop (each arch's cubin) runs on mma.sync m16n8k16
     (HMMA.16816), ldmatrix (LDSM) and cp.async (LDGSTS), with S, P and O in registers."""
