@@ -172,24 +172,20 @@ def _register(ns: str) -> None:
             grad_lse, grad_weights)
         return dq, dk, dvalue, dv, (dmask if want_mask else None), None, None, None, None, None
 
-    torch.library.register_autograd(f"{ns}::sdpa_fwd", _sdpa_backward, setup_context=_sdpa_setup)
-    torch.library.register_autograd(f"{ns}::additive_fwd", _additive_backward,
-                                    setup_context=_additive_setup)
-    torch.library.register_autograd(f"{ns}::sdpa_bwd", no_double_backward)
-    torch.library.register_autograd(f"{ns}::additive_bwd", no_double_backward)
-
-
-def _register_kvcache() -> None:
-    """The fake kernel of attnx::kvcache_fwd, an inference op (no autograd) that only the attnx
-    library has: the host harness serves the kernels of csrc/cuda."""
-
-    @torch.library.register_fake("attnx::kvcache_fwd")
+    # kvcache_fwd: an inference op, no autograd.
+    @torch.library.register_fake(f"{ns}::kvcache_fwd")
     def _kvcache_fwd_fake(q, k_cache, v_cache, seqlens, block_table, scale, window_lo,
                           window_hi):
         same_device(q, k_cache, v_cache, seqlens, block_table)
         b, h, lq, _ = q.shape
         out = q.new_empty((b, h, lq, v_cache.shape[-1]))
         return out, q.new_empty((b, h, lq), dtype=torch.float32)
+
+    torch.library.register_autograd(f"{ns}::sdpa_fwd", _sdpa_backward, setup_context=_sdpa_setup)
+    torch.library.register_autograd(f"{ns}::additive_fwd", _additive_backward,
+                                    setup_context=_additive_setup)
+    torch.library.register_autograd(f"{ns}::sdpa_bwd", no_double_backward)
+    torch.library.register_autograd(f"{ns}::additive_bwd", no_double_backward)
 
 
 def _register_varlen() -> None:
@@ -320,7 +316,6 @@ def _register_modifiers() -> None:
 
 if _C is not None:
     _register("attnx")
-    _register_kvcache()
     if has_kernel("varlen_fwd", "CPU"):
         _register_varlen()  # an extension built before them has no such ops
     if has_kernel("sdpa_mod_fwd", "CPU") and has_kernel("kvcache_mod_fwd", "CPU"):

@@ -20,6 +20,9 @@ inline constexpr const char* kOpSchemas[] = {
         "Tensor out, Tensor lse, int window_lo, int window_hi, float dropout_p, Tensor? seed, "
         "bool mask_grad, Tensor? grad_lse=None, Tensor? grad_weights=None) -> "
         "(Tensor dq, Tensor dk, Tensor dvalue, Tensor dv, Tensor dmask)",
+    // Decoding against a KV cache (conventions: ops.cpp); no backward: an inference op.
+    "kvcache_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens, Tensor? block_table, "
+        "float scale, int window_lo, int window_hi) -> (Tensor out, Tensor lse)",
 };
 
 }  // namespace attnx

@@ -22,9 +22,9 @@
 
 TORCH_LIBRARY(attnx, m) {
   for (const char* schema : attnx::kOpSchemas) m.def(schema);
-  // Not in kOpSchemas (kvcache, varlen): the cuda host harness serves the kernels of
-  // csrc/cuda only.
-  // Decoding against a KV cache (no backward: an inference op). k_cache (B, Hkv, Lmax, E), or
+  // Not in kOpSchemas (kvcache_mod, varlen, the sdpa modifiers): the cuda host harness serves
+  // the kernels of csrc/cuda only.
+  // kvcache_fwd (in kOpSchemas): decoding against a KV cache. k_cache (B, Hkv, Lmax, E), or
   // paged (num_blocks, Hkv, block_size, E) with block_table int32 (B, max_blocks): position p
   // of sequence b is slot p % block_size of block block_table[b, p // block_size]. seqlens
   // int32 (B,): keys 0 .. seqlens[b] - 1 are attended, slots past them never read. The band is
@@ -44,10 +44,7 @@ TORCH_LIBRARY(attnx, m) {
       "Tensor lse, float scale, int window_lo, int window_hi, float dropout_p, Tensor? seed, "
       "bool mask_grad, Tensor? grad_lse, float softcap, Tensor? alibi_slopes, Tensor? sinks, "
       "bool sinks_grad) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask, Tensor dsinks)");
-  m.def(
-      "kvcache_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens, Tensor? block_table, "
-      "float scale, int window_lo, int window_hi) -> (Tensor out, Tensor lse)");
-  // The same with the score modifiers of sdpa_mod_fwd, ALiBi aligned bottom-right:
+  // kvcache_fwd with the score modifiers of sdpa_mod_fwd, ALiBi aligned bottom-right:
   // -alibi_slopes[b, h] |i + d - j|.
   m.def(
       "kvcache_mod_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens, "

@@ -5,6 +5,7 @@
 #include "cpu/sdpa_panels.h"
 #include "cpu/sdpa_tile.h"
 #ifdef ATTNX_WITH_CUDA
+#include "cuda/decode.h"
 #include "cuda/launch.h"
 #endif
 
@@ -36,7 +37,8 @@ pybind11::dict build_info() {
 
 #ifdef ATTNX_WITH_CUDA
 // Bytes of dynamic shared memory per block a CUDA kernel's launch requests: "sdpa_fwd" and
-// "sdpa_bwd" for head dims up to `dim`, "additive" (forward and backward) for value dim `dim`.
+// "sdpa_bwd" for head dims up to `dim`, "additive" (forward and backward) for value dim `dim`,
+// "kvcache" (the decoding split kernel) for head dims E = Ev = `dim`.
 // The cuda backend checks them against the device per call; the resource test against each
 // architecture's limit.
 int64_t cuda_smem_bytes(const std::string& kernel, int64_t dim) {
@@ -44,7 +46,9 @@ int64_t cuda_smem_bytes(const std::string& kernel, int64_t dim) {
   if (kernel == "sdpa_fwd" || kernel == "sdpa_bwd")
     return static_cast<int64_t>(attnx::cuda::sdpa_smem_bytes(kernel == "sdpa_bwd", int(dim)));
   if (kernel == "additive") return static_cast<int64_t>(attnx::cuda::additive_smem_bytes(int(dim)));
-  throw pybind11::value_error("kernel: expected 'sdpa_fwd', 'sdpa_bwd' or 'additive'");
+  if (kernel == "kvcache")
+    return static_cast<int64_t>(attnx::cuda::kvcache_smem_bytes(int(dim), int(dim)));
+  throw pybind11::value_error("kernel: expected 'sdpa_fwd', 'sdpa_bwd', 'additive' or 'kvcache'");
 }
 #endif
 

@@ -50,10 +50,16 @@ KERNELS = {f"{op}<{dt}, {d}>": (op, d) for op, families in (("sdpa_fwd", SDPA_FW
 KERNELS.update({f"sdpa_bwd_delta<{dt}>": (None, 0) for dt in DTYPES.values()})
 KERNELS.update({f"additive_{op}<{dt}>": ("additive", cuda_backend.MAX_ADDITIVE_VALUE_DIM)
                 for op in ("fwd", "bwd") for dt in DTYPES.values()})
+# KV-cache decoding (decode.cu): the split kernel per value columns per thread (1: Ev <= 128,
+# 2: up to 256) at its largest head dims, the merge with no shared memory.
+KERNELS.update({f"kvcache_split<{dt}, {nc}>": ("kvcache", cuda_backend.MAX_SDPA_HEAD_DIM)
+                for dt in DTYPES.values() for nc in (1, 2)})
+KERNELS.update({f"kvcache_merge<{dt}>": (None, 0) for dt in DTYPES.values()})
 
 _SDPA = re.compile(r"(sdpa_fwd|sdpa_bwd)_kernelI(6__half|13__nv_bfloat16)Li(\d+)E")
 _ADDITIVE = re.compile(r"additive_(fwd|bwd)_kernelI(6__half|13__nv_bfloat16)E")
 _DELTA = re.compile(r"sdpa_bwd_delta_kernelI(6__half|13__nv_bfloat16)E")
+_KVCACHE = re.compile(r"kvcache_(split|merge)_kernelI(6__half|13__nv_bfloat16)(?:Li(\d+)E)?E")
 _USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _LOCAL_ACCESS = re.compile(r"\b(STL|LDL)((?:\.\w+)*)")
 _ACCESS_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
@@ -86,6 +92,8 @@ def kernel_name(symbol: str) -> str:
         return f"additive_{m[1]}<{DTYPES[m[2]]}>"
     if m := _DELTA.search(symbol):
         return f"sdpa_bwd_delta<{DTYPES[m[1]]}>"
+    if m := _KVCACHE.search(symbol):
+        return f"kvcache_{m[1]}<{DTYPES[m[2]]}" + (f", {m[3]}>" if m[3] else ">")
     raise AssertionError(f"{symbol}: a kernel this test does not know; add it to KERNELS with "
                          "the dynamic shared memory its launch requests")
 
@@ -295,6 +303,12 @@ def test_a100_takes_every_sdpa_call(monkeypatch, e, ev):
     assert reason(monkeypatch, OPT_IN_SHARED["sm_80"], "sdpa", sdpa_call(e, ev, grad=True)) is None
     big = additive_call(cuda_backend.MAX_ADDITIVE_VALUE_DIM, grad=True)
     assert reason(monkeypatch, OPT_IN_SHARED["sm_80"], "additive", big) is None
+
+
+def test_every_part_takes_the_kvcache_kernel():
+    """The decoding split kernel's shared memory at its largest head dims (256) fits 99 KB
+    parts, as the cuda backend assumes (it makes no per-call check for attention_with_kvcache)."""
+    assert _ops._C.cuda_smem_bytes("kvcache", cuda_backend.MAX_SDPA_HEAD_DIM) <= SM86_OPT_IN
 
 
 def test_forward_main_loops_are_fa2_instructions(table):

@@ -1,9 +1,12 @@
-"""attnx.attention_with_kvcache (API.md) on the reference and cpu backends.
+"""attnx.attention_with_kvcache (API.md) on the reference, cpu and cuda backends (the triton
+backend's: tests/test_triton.py).
 
 The golden value is plain torch SDPA in float64 over each sequence's keys gathered from the
 cache (slot by slot, through the block table when paged), with the bottom-right band as a bool
 mask; the bound is a small multiple of what the same PyTorch computation makes in the tested
 dtype. Every slot past a sequence's length holds NaN, so a read of one shows in the output.
+The cuda backend runs on a GPU, or without one on CPU tensors through the host harness
+(ATTNX_CUDA_ON_CPU=1, csrc/cuda/host/: slow, so its cases are small).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 
 import attnx
 from attnx import _ops
+from attnx._backends import cuda as cuda_backend
 from tests._compare import assert_within
 
 HAS_CPU_KERNEL = _ops.has_kernel("kvcache_fwd", "CPU")
@@ -100,10 +104,11 @@ def torch_decode(q, keys, values, scale, is_causal, window, dtype):
 
 
 def run_case(backend, dtype, *, paged, lq, lnew, is_causal=True, window=None, hq=4, hkv=2,
-             e=40, ev=24, lengths=LENGTHS, scale=None, factor=2.0):
+             e=40, ev=24, lengths=LENGTHS, scale=None, factor=2.0, block_size=16, device="cpu"):
+    """The call on `device` (the cache moved there, then back for the checks)."""
     b = len(lengths)
     capacity = max(lengths) + lnew + 3
-    cache = Cache(b, hkv, e, ev, capacity, paged, dtype)
+    cache = Cache(b, hkv, e, ev, capacity, paged, dtype, block_size=block_size)
     cache.fill(lengths)
     g = torch.Generator().manual_seed(2)
     q = torch.randn(b, hq, lq, e, generator=g, dtype=torch.float64)
@@ -112,10 +117,15 @@ def run_case(backend, dtype, *, paged, lq, lnew, is_causal=True, window=None, hq
     seqlens = torch.tensor(lengths, dtype=torch.int32)
     before_k, before_v = cache.k.clone(), cache.v.clone()
 
+    dev = dict(device=device)
+    k_cache, v_cache = cache.k.to(**dev), cache.v.to(**dev)
     out, lse = attnx.attention_with_kvcache(
-        q.to(dtype), cache.k, cache.v, seqlens, k_new.to(dtype) if lnew else None,
-        v_new.to(dtype) if lnew else None, block_table=cache.table, is_causal=is_causal,
+        q.to(dtype=dtype, **dev), k_cache, v_cache, seqlens.to(**dev),
+        k_new.to(dtype=dtype, **dev) if lnew else None,
+        v_new.to(dtype=dtype, **dev) if lnew else None,
+        block_table=None if cache.table is None else cache.table.to(**dev), is_causal=is_causal,
         scale=scale, window=window, backend=backend, return_lse=True)
+    cache.k, cache.v, out, lse = (t.cpu() for t in (k_cache, v_cache, out, lse))
 
     # the new keys and values landed slot by slot, and nothing else changed
     want_k, want_v = before_k.clone(), before_v.clone()
@@ -321,3 +331,136 @@ def test_opcheck():
     contiguous.fill([5, 9])
     torch.library.opcheck(torch.ops.attnx.kvcache_fwd.default,
                           (q, contiguous.k, contiguous.v, seqlens, None, 0.3, -14, 12))
+
+
+# The cuda backend (csrc/cuda/decode.cu): fp16 and bf16, on a GPU or through the host harness.
+CUDA_ON_CPU = not torch.cuda.is_available()
+CUDA_DEVICE = "cpu" if CUDA_ON_CPU else "cuda"
+
+
+def _cuda_skip_reason():
+    if CUDA_ON_CPU:
+        return _ops.cuda_host()  # None once attnx._cuda_host is built and loaded
+    return cuda_backend.availability()
+
+
+needs_cuda = pytest.mark.skipif(_cuda_skip_reason() is not None, reason=str(_cuda_skip_reason()))
+CUDA_LENGTHS = [0, 1, 17, 97]  # 97 + Lnew keys: several splits, merged by their lse
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    if CUDA_ON_CPU:
+        monkeypatch.setenv("ATTNX_CUDA_ON_CPU", "1")
+
+
+def run_cuda(dtype, **kw):
+    return run_case("cuda", dtype, device=CUDA_DEVICE, **dict(dict(lengths=CUDA_LENGTHS), **kw))
+
+
+@needs_cuda
+@pytest.mark.usefixtures("on_cuda")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("lq", [1, 6])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_cuda_matches_reference(dtype, paged, lq, mode):
+    """GQA (2 query heads per kv head), lengths 0-97 (several splits), E 40 and Ev 24 (16-byte
+    loads), the new keys written in place before attending (checked slot by slot)."""
+    run_cuda(dtype, paged=paged, lq=lq, lnew=lq, **MODES[mode])
+
+
+@needs_cuda
+@pytest.mark.usefixtures("on_cuda")
+def test_cuda_row_tiles_and_query_groups():
+    """G * Lq = 4 * 7 = 28 rows: two row tiles of a kv head's group, the first spanning three
+    heads, the second part of one (its band's key range narrower); an odd block size."""
+    run_cuda(torch.float16, paged=True, lq=7, lnew=3, hq=8, hkv=2, block_size=5,
+             is_causal=True, window=(9, None))
+
+
+@needs_cuda
+@pytest.mark.usefixtures("on_cuda")
+@pytest.mark.parametrize("e, ev", [(20, 12), (256, 256), (8, 136)])
+def test_cuda_head_dims(e, ev):
+    """Element loads (E, Ev not multiples of 8), the largest head dims, and two value columns
+    per thread (Ev > 128)."""
+    run_cuda(torch.bfloat16, paged=True, lq=2, lnew=1, hq=2, hkv=1, e=e, ev=ev,
+             lengths=[3, 40], is_causal=False)
+
+
+@needs_cuda
+@pytest.mark.usefixtures("on_cuda")
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_cuda_one_split_and_empty_rows(paged):
+    """A cache of at most 32 keys (one split: the split kernel writes out and lse itself), no
+    new keys, and a sequence of length 0: its rows give zeros and lse -inf."""
+    run_cuda(torch.float16, paged=paged, lq=3, lnew=0, hq=3, hkv=3, lengths=[0, 5, 21],
+             block_size=4)
+
+
+@needs_cuda
+@pytest.mark.usefixtures("on_cuda")
+def test_cuda_refuses_what_it_does_not_serve():
+    q = torch.randn(1, 2, 1, 8, device=CUDA_DEVICE)
+    k, v = (torch.randn(1, 2, 10, 8, device=CUDA_DEVICE) for _ in range(2))
+    with pytest.raises(attnx.BackendUnavailableError, match="float16 and bfloat16"):
+        attnx.attention_with_kvcache(q, k, v, 7, backend="cuda")
+    h = dict(dtype=torch.float16, device=CUDA_DEVICE)
+    with pytest.raises(attnx.BackendUnavailableError, match="softcap"):
+        attnx.attention_with_kvcache(q.half(), k.half(), v.half(), 7, softcap=5.0, backend="cuda")
+    wide = torch.randn(1, 2, 10, 264, **h)
+    with pytest.raises(attnx.BackendUnavailableError, match="head dims up to 256"):
+        attnx.attention_with_kvcache(torch.randn(1, 2, 1, 264, **h), wide, wide, 7, backend="cuda")
+
+
+@needs_cuda
+@pytest.mark.usefixtures("on_cuda")
+def test_cuda_op_checks_and_reads_inside_the_cache():
+    """The op called directly: bad arguments raise; lengths past the capacity and block ids
+    outside the cache are clamped and skipped, never read (the harness's buffers end at a
+    guard page: a read past them would stop the process)."""
+    ops = torch.ops.attnx_cuda_host if CUDA_ON_CPU else torch.ops.attnx
+    h = dict(dtype=torch.float16, device=CUDA_DEVICE)
+    q = torch.randn(2, 4, 1, 16, **h)
+    k, v = torch.randn(3, 2, 4, 16, **h), torch.randn(3, 2, 4, 16, **h)
+    table = torch.tensor([[0, 1], [2, 7]], dtype=torch.int32, device=CUDA_DEVICE)
+    lens = torch.tensor([8, 100], dtype=torch.int32, device=CUDA_DEVICE)
+    with pytest.raises(RuntimeError, match="seqlens: expected int32"):
+        ops.kvcache_fwd(q, k, v, lens.long(), table, 0.25, -8, 0)
+    with pytest.raises(RuntimeError, match="block_table: expected int32"):
+        ops.kvcache_fwd(q, k, v, lens, table.long(), 0.25, -8, 0)
+    with pytest.raises(RuntimeError, match="Hq .3. must be a multiple"):
+        ops.kvcache_fwd(q[:, :3], k, v, lens, table, 0.25, -8, 0)
+    out, lse = ops.kvcache_fwd(q, k, v, lens, table, 0.25, -8, 0)
+    # sequence 1 holds 8 keys at most (the capacity), those of block 2 only (7 is no block)
+    keys, values = (t[2].float().repeat_interleave(2, 0) for t in (k, v))
+    s = q[1].float() @ keys.transpose(-1, -2) * 0.25
+    want = torch.softmax(s, -1) @ values
+    torch.testing.assert_close(out[1].float().cpu(), want.cpu(), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(lse[1].cpu(), torch.logsumexp(s, -1).cpu(), rtol=1e-4, atol=1e-4)
+
+
+@needs_cuda
+@pytest.mark.usefixtures("on_cuda")
+def test_cuda_opcheck():
+    """The schema, fake kernel and registration of kvcache_fwd on the cuda kernels agree."""
+    ops = torch.ops.attnx_cuda_host if CUDA_ON_CPU else torch.ops.attnx
+    cache = Cache(2, 2, 8, 8, 12, True, torch.float16, block_size=4)
+    cache.fill([5, 9])
+    dev = dict(device=CUDA_DEVICE)
+    q = torch.randn(2, 4, 2, 8, dtype=torch.float16, **dev)
+    seqlens = torch.tensor([5, 9], dtype=torch.int32, **dev)
+    torch.library.opcheck(ops.kvcache_fwd.default, (q, cache.k.to(**dev), cache.v.to(**dev),
+                                                    seqlens, cache.table.to(**dev), 0.3, -14, 0))
+
+
+@pytest.mark.skipif(CUDA_ON_CPU or _cuda_skip_reason() is not None,
+                    reason="needs a GPU the cuda backend serves")
+def test_cuda_is_chosen_for_cuda_tensors():
+    h = dict(dtype=torch.float16, device="cuda")
+    q = torch.randn(1, 4, 1, 64, **h)
+    k, v = torch.randn(1, 2, 50, 64, **h), torch.randn(1, 2, 50, 64, **h)
+    call = attnx._validate.kvcache_call(q, k, v, 40, None, None, None, True, None, None, None,
+                                        None, None, None, False)
+    assert attnx._dispatch.select("kvcache", call) == "cuda"

@@ -3,7 +3,8 @@
 What the kernels serve (keep in step with csrc/cuda/): float16 and bfloat16; SDPA head dims
 E, Ev up to 256 (the forward is built for the head-dim families 32, 64, 96, 128, 160, 192 and
 256, the backward for the same; each zero-pads below its family);
-additive value dims up to 2048 (the output tile lives in shared memory); at most 65535 batches
+additive value dims up to 2048 (the output tile lives in shared memory); KV-cache decoding
+(attention_with_kvcache, csrc/cuda/decode.cu) head dims E, Ev up to 256; at most 65535 batches
 and heads (the CUDA grid's y and z dims); a GPU of compute capability 8.0 or more whose opt-in
 shared memory per block holds what the call's kernels request, decided per call.
 
@@ -112,6 +113,10 @@ def additive(call):
     return native.additive(call, _ops_library())
 
 
+def kvcache(call):
+    return native.kvcache(call, _ops_library())
+
+
 def availability() -> Optional[str]:
     if on_cpu():
         return _ops.cuda_host()
@@ -134,8 +139,9 @@ def unsupported(op: str, call) -> Optional[str]:
     b, h = call.q.shape[:2]
     if b > MAX_GRID_YZ or h > MAX_GRID_YZ:
         return f"the cuda backend takes at most {MAX_GRID_YZ} batches and heads, got ({b}, {h})"
-    if op == "sdpa":
-        dims = (call.q.shape[-1], call.v.shape[-1])
+    if op in ("sdpa", "kvcache"):
+        v = call.v if op == "sdpa" else call.v_cache
+        dims = (call.q.shape[-1], v.shape[-1])
         if max(dims) > MAX_SDPA_HEAD_DIM:
             return f"the cuda backend takes head dims up to {MAX_SDPA_HEAD_DIM}, got (E, Ev) = {dims}"
     elif call.value.shape[-1] > MAX_ADDITIVE_VALUE_DIM:
@@ -143,4 +149,6 @@ def unsupported(op: str, call) -> Optional[str]:
                 f"got {call.value.shape[-1]}")
     if on_cpu():  # the harness: an H100's shared memory, no device to ask
         return None
+    if op == "kvcache":  # its 51904 bytes at most (E = Ev = 256) fit every sm80+ part
+        return native.missing_kernel(op, "CUDA")
     return native.missing_kernel(op, "CUDA") or _shared_memory_reason(op, call)

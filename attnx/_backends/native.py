@@ -45,15 +45,14 @@ def additive(call: AdditiveCall, ops=torch.ops.attnx):
     return out, lse, (weights if call.return_weights else None)
 
 
-def kvcache(call: KvcacheCall):
-    if call.mods.any():
+def kvcache(call: KvcacheCall, ops=torch.ops.attnx):
+    if call.mods.any():  # cpu only (attnx_cuda_host has no kvcache_mod_fwd)
         mods = call.mods
-        return torch.ops.attnx.kvcache_mod_fwd(
+        return ops.kvcache_mod_fwd(
             call.q, call.k_cache, call.v_cache, call.seqlens, call.block_table, call.scale,
             call.window_lo, call.window_hi, mods.softcap or 0.0, mods.alibi, mods.sinks)
-    return torch.ops.attnx.kvcache_fwd(call.q, call.k_cache, call.v_cache, call.seqlens,
-                                       call.block_table, call.scale, call.window_lo,
-                                       call.window_hi)
+    return ops.kvcache_fwd(call.q, call.k_cache, call.v_cache, call.seqlens, call.block_table,
+                           call.scale, call.window_lo, call.window_hi)
 
 
 def varlen(call: VarlenCall):

@@ -1,6 +1,8 @@
 // The attnx ops on the CUDA kernels (kernel_ops.h): checks, launch parameters and outputs.
 #include "kernel_ops.h"
 
+#include "decode.h"
+
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -403,6 +405,83 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
   // autograd of the expand sums it back.
   return {grad_for(dq, q_in), grad_for(dk, k_in), grad_for(dvalue, value_in), grad_for(dv, v),
           dmask};
+}
+
+// The cache's lengths and block ids stay on the device (no synchronisation per decoded token):
+// the kernel clamps and skips what would leave the cache (decode.cu); attnx's functions check
+// them before any kernel runs.
+std::tuple<Tensor, Tensor> kvcache_fwd(const Target& target, const Tensor& q_in,
+                                       const Tensor& k_cache_in, const Tensor& v_cache_in,
+                                       const Tensor& seqlens_in, const OptTensor& block_table,
+                                       double scale, int64_t window_lo, int64_t window_hi) {
+  const Tensor q = rows(target, q_in, q_in, "q");
+  const Tensor k = rows(target, k_cache_in, q_in, "k_cache");
+  const Tensor v = rows(target, v_cache_in, q_in, "v_cache");
+  const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2), E = q.size(3);
+  const int64_t slots = k.size(0), Hkv = k.size(1), depth = k.size(2), Ev = v.size(3);
+  TORCH_CHECK(k.size(3) == E && v.size(0) == slots && v.size(1) == Hkv && v.size(2) == depth,
+              "kvcache: inconsistent shapes q ", q.sizes(), ", k_cache ", k.sizes(),
+              ", v_cache ", v.sizes());
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "kvcache: Hq (", Hq, ") must be a multiple of Hkv (",
+              Hkv, ")");
+  TORCH_CHECK(E <= kDecodeMaxHeadDim && Ev <= kDecodeMaxHeadDim, "attnx cuda kvcache: head ",
+              "dims up to ", kDecodeMaxHeadDim, ", got (E, Ev) = (", E, ", ", Ev, ")");
+  check_grid(Lq * Hq / Hkv, Hkv, B);  // the group's rows, the grid's y and z dims
+  TORCH_CHECK(seqlens_in.device() == q.device() && seqlens_in.scalar_type() == at::kInt &&
+                  seqlens_in.dim() == 1 && seqlens_in.size(0) == B,
+              "seqlens: expected int32 (", B, ",) on ", q.device(), ", got ",
+              seqlens_in.scalar_type(), " ", seqlens_in.sizes());
+  const Tensor seqlens = target.input(seqlens_in.contiguous());
+  Tensor table;
+  if (block_table.has_value()) {
+    const Tensor& t = *block_table;
+    TORCH_CHECK(t.device() == q.device() && t.scalar_type() == at::kInt && t.dim() == 2 &&
+                    t.size(0) == B,
+                "block_table: expected int32 (", B, ", max_blocks) on ", q.device(), ", got ",
+                t.scalar_type(), " ", t.sizes());
+    TORCH_CHECK(depth > 0, "k_cache: expected a block size >= 1");
+    table = target.input(t.contiguous());
+  } else {
+    TORCH_CHECK(slots == B, "k_cache: expected batch size ", B, " for a contiguous cache, got ",
+                slots);
+  }
+  KvcacheParams p{};
+  p.dtype = dtype_of(q);
+  p.B = int(B);
+  p.Hq = int(Hq);
+  p.Hkv = int(Hkv);
+  p.Lq = int(Lq);
+  p.E = int(E);
+  p.Ev = int(Ev);
+  p.capacity = table.defined() ? table.size(1) * depth : depth;
+  p.block_size = table.defined() ? depth : 0;
+  p.num_blocks = slots;
+  p.scale = static_cast<float>(scale);
+  // every j - (i + diag) lies in [-capacity - Lq, capacity + Lq]: the same pairs, no overflow
+  p.window_lo = std::clamp<int64_t>(window_lo, -p.capacity - Lq, p.capacity + Lq);
+  p.window_hi = std::clamp<int64_t>(window_hi, -p.capacity - Lq, p.capacity + Lq);
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.sq = strides(q);
+  p.sk = strides(k);
+  p.sv = strides(v);
+  p.seqlens = seqlens.data_ptr<int32_t>();
+  p.table = table.defined() ? table.data_ptr<int32_t>() : nullptr;
+  p.table_stride = table.defined() ? table.stride(0) : 0;
+  kvcache_splits(p);
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor out = target.empty({B, Hq, Lq, Ev}, q.options());
+  Tensor lse = target.empty({B, Hq, Lq}, f32);
+  const bool split = p.splits > 1;
+  const Tensor o_part = split ? target.empty({B, Hq, Lq, p.splits, Ev}, f32) : Tensor();
+  const Tensor lse_part = split ? target.empty({B, Hq, Lq, p.splits}, f32) : Tensor();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.o_part = split ? o_part.data_ptr<float>() : nullptr;
+  p.lse_part = split ? lse_part.data_ptr<float>() : nullptr;
+  target.check(launch_kvcache_fwd(p, target.stream()));
+  return {out, lse};
 }
 
 }  // namespace cuda

@@ -59,5 +59,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
     const OptTensor& seed, bool mask_grad, const OptTensor& grad_lse,
     const OptTensor& grad_weights);
 
+std::tuple<at::Tensor, at::Tensor> kvcache_fwd(const Target& target, const at::Tensor& q,
+                                               const at::Tensor& k_cache,
+                                               const at::Tensor& v_cache,
+                                               const at::Tensor& seqlens,
+                                               const OptTensor& block_table, double scale,
+                                               int64_t window_lo, int64_t window_hi);
+
 }  // namespace cuda
 }  // namespace attnx

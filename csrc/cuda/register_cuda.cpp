@@ -69,6 +69,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> gpu_additive_bwd(
                       dropout_p, seed, mask_grad, grad_lse, grad_weights);
 }
 
+std::tuple<Tensor, Tensor> gpu_kvcache_fwd(const Tensor& q, const Tensor& k_cache,
+                                           const Tensor& v_cache, const Tensor& seqlens,
+                                           const OptTensor& block_table, double scale,
+                                           int64_t window_lo, int64_t window_hi) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  return kvcache_fwd(kGpu, q, k_cache, v_cache, seqlens, block_table, scale, window_lo,
+                     window_hi);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace attnx
@@ -78,4 +87,5 @@ TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
   m.impl("sdpa_bwd", &attnx::cuda::gpu_sdpa_bwd);
   m.impl("additive_fwd", &attnx::cuda::gpu_additive_fwd);
   m.impl("additive_bwd", &attnx::cuda::gpu_additive_bwd);
+  m.impl("kvcache_fwd", &attnx::cuda::gpu_kvcache_fwd);
 }

@@ -100,6 +100,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> host_additive_bwd(
                       dropout_p, seed, mask_grad, grad_lse, grad_weights);
 }
 
+std::tuple<Tensor, Tensor> host_kvcache_fwd(const Tensor& q, const Tensor& k_cache,
+                                            const Tensor& v_cache, const Tensor& seqlens,
+                                            const OptTensor& block_table, double scale,
+                                            int64_t window_lo, int64_t window_hi) {
+  return kvcache_fwd(kHost, q, k_cache, v_cache, seqlens, block_table, scale, window_lo,
+                     window_hi);
+}
+
 // The primitives' self-tests (mma_selftest.h) on contiguous CPU tensors, in guarded buffers.
 Tensor guarded_input(const Tensor& t, at::ScalarType dtype, at::IntArrayRef sizes) {
   TORCH_CHECK(t.scalar_type() == dtype && t.sizes() == sizes, "expected a ", dtype, " tensor of ",
@@ -149,6 +157,7 @@ TORCH_LIBRARY_IMPL(attnx_cuda_host, CPU, m) {
   m.impl("sdpa_bwd", &attnx::cuda::host_sdpa_bwd);
   m.impl("additive_fwd", &attnx::cuda::host_additive_fwd);
   m.impl("additive_bwd", &attnx::cuda::host_additive_bwd);
+  m.impl("kvcache_fwd", &attnx::cuda::host_kvcache_fwd);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -1,0 +1,309 @@
+// Decoding against a KV cache (attnx::kvcache_fwd): a few queries per sequence against a long
+// cache, split-K as flash-decoding does, on CUDA cores in fp32 (Lq * G rows are too few to feed
+// the tensor cores; the kernel is bound by reading the cache).
+//
+// Split kernel: one CTA per (split x row tile, kv head, batch). Its rows are up to kDecodeRows
+// of the G * Lq query rows that share the kv head (row r: head kvh * G + r / Lq, query r % Lq),
+// so each K/V tile is read from the cache once for the whole group. Its keys are the positions
+// [split * split_len, (split + 1) * split_len) below the sequence's length n that some row's
+// band reaches; positions past n are never read. Per tile of kDecodeKeys keys: the tile's key
+// offsets (through the block table when paged), K and V rows to shared memory (16-byte loads
+// when aligned), scores with lane = key and warp = rows (each K element read once for 4 rows),
+// the online softmax in the log2 domain (row max and sum reduced across the warp), then the
+// fp32 output rows, thread = value column(s), rescaled and accumulated from P and V.
+// With one split the CTA writes out and lse itself; otherwise its normalised partial output and
+// lse go to fp32 scratch and the merge kernel combines the splits by their lse.
+//
+// A direct caller's bad lengths or block ids read nothing out of bounds: n is clamped to the
+// cache's capacity and keys in blocks outside [0, num_blocks) are skipped (attnx's functions
+// check both before any kernel runs).
+#include "common.cuh"
+#include "decode.h"
+
+namespace attnx {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 128, kWarps = kThreads / 32;
+constexpr int kRows = kDecodeRows, kKeys = kDecodeKeys;
+constexpr int kRowsPerWarp = kRows / kWarps;  // rows r = warp + kWarps * u
+static_assert(kKeys == 32 && kRows % kWarps == 0, "score layout: lane = key, warp = rows");
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+// CTAs the splits aim at: two waves of an H100's 132 SMs; kMaxSplits bounds the scratch (and
+// the merge's loop over the splits).
+constexpr int kTargetCtas = 264, kMaxSplits = 128;
+
+// K rows' stride in shared memory, in elements: an odd number of 4-byte words, so that the 32
+// lanes reading one column of 32 rows hit 32 banks.
+__host__ __device__ inline int key_stride(int E) {
+  const int s = (E + 1) / 2 * 2;
+  return (s / 2) % 2 == 1 ? s : s + 2;
+}
+
+struct Smem {  // byte offsets into the dynamic shared memory
+  int q, p, alpha, koff, voff, k, v, total;
+  __host__ __device__ Smem(int E, int Ev) {
+    q = 0;                            // fp32 [kRows][E]: q * scale * log2(e)
+    p = q + kRows * E * 4;            // fp32 [kRows][kKeys]: the tile's probabilities
+    alpha = p + kRows * kKeys * 4;    // fp32 [kRows]: the tile's rescale of the output rows
+    koff = alpha + kRows * 4;         // int64 [kKeys]: the tile's K row offsets, -1: no key
+    voff = koff + kKeys * 8;          // int64 [kKeys]: its V row offsets
+    k = voff + kKeys * 8;             // T [kKeys][key_stride(E)]
+    v = k + (kKeys * key_stride(E) * 2 + 15) / 16 * 16;  // T [kKeys][Ev]
+    total = v + kKeys * Ev * 2;
+  }
+};
+static_assert(kRows * 4 % 8 == 0, "the offsets are 8-byte aligned");
+
+__device__ __forceinline__ float warp_max(float x) {
+  for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// Rows of `width` elements at src + off[j] (zeros where off[j] < 0) to dst[j * stride].
+template <typename T>
+__device__ __forceinline__ void load_rows(T* dst, int stride, const T* src, const int64_t* off,
+                                          int width, bool vec16, int tid) {
+  if (vec16) {  // 8 elements per 16-byte load; smem rows are not 16-byte aligned (key_stride)
+    const int chunks = width / 8;
+    for (int idx = tid; idx < kKeys * chunks; idx += kThreads) {
+      const int j = idx / chunks, c = idx % chunks * 8;
+      uint4 raw{0u, 0u, 0u, 0u};
+      if (off[j] >= 0) raw = *reinterpret_cast<const uint4*>(src + off[j] + c);
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) dst[j * stride + c + u] = e[u];
+    }
+  } else {
+    for (int idx = tid; idx < kKeys * width; idx += kThreads) {
+      const int j = idx / width, c = idx % width;
+      dst[j * stride + c] = off[j] >= 0 ? src[off[j] + c] : from_float<T>(0.f);
+    }
+  }
+}
+
+// NC: value columns per thread (tid + kThreads * w), ceil(Ev / kThreads).
+template <typename T, int NC>
+__global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcacheParams p) {
+  ATTNX_DYNAMIC_SMEM(unsigned char, smem, 16);
+  const Smem L(p.E, p.Ev);
+  float* qs = reinterpret_cast<float*>(smem + L.q);
+  float* ps = reinterpret_cast<float*>(smem + L.p);
+  float* alpha_s = reinterpret_cast<float*>(smem + L.alpha);
+  int64_t* koff = reinterpret_cast<int64_t*>(smem + L.koff);
+  int64_t* voff = reinterpret_cast<int64_t*>(smem + L.voff);
+  T* ks = reinterpret_cast<T*>(smem + L.k);
+  T* vs = reinterpret_cast<T*>(smem + L.v);
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int G = p.Hq / p.Hkv, R = G * p.Lq, row_tiles = ceil_div(R, kRows);
+  const int split = blockIdx.x / row_tiles, r0 = blockIdx.x % row_tiles * kRows;
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int rows = min(kRows, R - r0), kstride = key_stride(p.E);
+
+  // the rows' queries, scaled into the log2 domain; rows past `rows` zero
+  const T* q = static_cast<const T*>(p.q);
+  const float qscale = p.scale * kLog2e;
+  for (int idx = tid; idx < kRows * p.E; idx += kThreads) {
+    const int r = idx / p.E, d = idx % p.E;
+    float x = 0.f;
+    if (r < rows) {
+      const int h = kvh * G + (r0 + r) / p.Lq, i = (r0 + r) % p.Lq;
+      x = to_float(q[b * p.sq.b + h * p.sq.h + i * p.sq.l + d]) * qscale;
+    }
+    qs[idx] = x;
+  }
+
+  // The keys some row's band reaches in this split: [start, end). The rows' queries span
+  // [i_lo, i_hi] (every query once the rows wrap around a head).
+  const int64_t n = min(max(int64_t(p.seqlens[b]), int64_t(0)), p.capacity);
+  const int64_t diag = n - p.Lq;  // query i's diagonal is key i + diag (bottom-right)
+  const int first = r0 % p.Lq, last = (r0 + rows - 1) % p.Lq;
+  const bool wraps = rows >= p.Lq || first > last;
+  const int i_lo = wraps ? 0 : first, i_hi = wraps ? p.Lq - 1 : last;
+  const int64_t start =
+      max(max(int64_t(split) * p.split_len, diag + i_lo + p.window_lo), int64_t(0));
+  const int64_t end =
+      min(min(int64_t(split + 1) * p.split_len, n), diag + i_hi + p.window_hi + 1);
+
+  float m[kRowsPerWarp], l[kRowsPerWarp];  // the same in every lane of the warp
+#pragma unroll
+  for (int u = 0; u < kRowsPerWarp; ++u) {
+    m[u] = -INFINITY;
+    l[u] = 0.f;
+  }
+  float acc[kRows][NC];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int w = 0; w < NC; ++w) acc[r][w] = 0.f;
+
+  for (int64_t t0 = start; t0 < end; t0 += kKeys) {
+    __syncthreads();  // q is written; the previous tile's offsets, K, V and P are consumed
+    if (tid < kKeys) {
+      const int64_t pos = t0 + tid;
+      int64_t ko = -1, vo = -1;
+      if (pos < end) {
+        int64_t blk = b, slot = pos;
+        if (p.block_size > 0) {
+          blk = p.table[b * p.table_stride + pos / p.block_size];
+          slot = pos % p.block_size;
+        }
+        if (blk >= 0 && (p.block_size == 0 || blk < p.num_blocks)) {
+          ko = blk * p.sk.b + kvh * p.sk.h + slot * p.sk.l;
+          vo = blk * p.sv.b + kvh * p.sv.h + slot * p.sv.l;
+        }
+      }
+      koff[tid] = ko;
+      voff[tid] = vo;
+    }
+    __syncthreads();
+    load_rows(ks, kstride, k, koff, p.E, p.sk.vec16, tid);
+    load_rows(vs, p.Ev, v, voff, p.Ev, p.sv.vec16, tid);
+    __syncthreads();
+
+    float s[kRowsPerWarp];
+#pragma unroll
+    for (int u = 0; u < kRowsPerWarp; ++u) s[u] = 0.f;
+    const T* krow = ks + lane * kstride;
+    for (int d = 0; d < p.E; ++d) {
+      const float kd = to_float(krow[d]);
+#pragma unroll
+      for (int u = 0; u < kRowsPerWarp; ++u) s[u] += qs[(warp + kWarps * u) * p.E + d] * kd;
+    }
+    const bool key_ok = koff[lane] >= 0;
+    const int64_t pos = t0 + lane;
+#pragma unroll
+    for (int u = 0; u < kRowsPerWarp; ++u) {
+      const int r = warp + kWarps * u;
+      const int64_t rel = pos - (diag + (r0 + r) % p.Lq);
+      const bool ok = key_ok && r < rows && rel >= p.window_lo && rel <= p.window_hi;
+      const float x = ok ? s[u] : -INFINITY;
+      const float m_new = fmaxf(m[u], warp_max(x));
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no -inf - -inf
+      const float pr = exp2f(x - m_use);
+      const float a = exp2f(m[u] - m_use);
+      l[u] = l[u] * a + warp_sum(pr);
+      m[u] = m_new;
+      ps[r * kKeys + lane] = pr;
+      if (lane == 0) alpha_s[r] = a;
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int w = 0; w < NC; ++w) {
+      const int c = tid + kThreads * w;
+      if (c >= p.Ev) continue;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[r][w] *= alpha_s[r];
+      for (int j = 0; j < kKeys; ++j) {
+        const float vj = to_float(vs[j * p.Ev + c]);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) acc[r][w] += ps[r * kKeys + j] * vj;
+      }
+    }
+  }
+
+  // Each row's 1 / l to shared memory, its lse (natural log) out; rows with no key: 0, -inf.
+  __syncthreads();  // the last tile's alpha is consumed
+  const int64_t row0 = (int64_t(b) * p.Hkv + kvh) * R + r0;  // (b, h, i) of row r0, flattened
+#pragma unroll
+  for (int u = 0; u < kRowsPerWarp; ++u) {
+    const int r = warp + kWarps * u;
+    if (lane != 0) continue;
+    alpha_s[r] = l[u] > 0.f ? 1.f / l[u] : 0.f;
+    if (r >= rows) continue;
+    const float lse = l[u] > 0.f ? (m[u] + log2f(l[u])) * kLn2 : -INFINITY;
+    if (p.splits == 1) {
+      p.lse[row0 + r] = lse;
+    } else {
+      p.lse_part[(row0 + r) * p.splits + split] = lse;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < NC; ++w) {
+    const int c = tid + kThreads * w;
+    if (c >= p.Ev) continue;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (r >= rows) continue;
+      const float x = acc[r][w] * alpha_s[r];
+      if (p.splits == 1) {
+        static_cast<T*>(p.out)[(row0 + r) * p.Ev + c] = from_float<T>(x);
+      } else {
+        p.o_part[((row0 + r) * p.splits + split) * p.Ev + c] = x;
+      }
+    }
+  }
+}
+
+// out and lse of each row from its splits' partials: weights exp(lse_s - lse).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) kvcache_merge_kernel(const KvcacheParams p) {
+  const int64_t rows = int64_t(p.B) * p.Hq * p.Lq;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* lse_s = p.lse_part + row * p.splits;
+    float top = -INFINITY;
+    for (int s = 0; s < p.splits; ++s) top = fmaxf(top, lse_s[s]);
+    const float top_use = top == -INFINITY ? 0.f : top;
+    float total = 0.f;
+    for (int s = 0; s < p.splits; ++s) total += expf(lse_s[s] - top_use);
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    for (int c = threadIdx.x; c < p.Ev; c += kThreads) {
+      float x = 0.f;
+      for (int s = 0; s < p.splits; ++s) {
+        x += expf(lse_s[s] - top_use) * p.o_part[(row * p.splits + s) * p.Ev + c];
+      }
+      static_cast<T*>(p.out)[row * p.Ev + c] = from_float<T>(x * inv);
+    }
+    if (threadIdx.x == 0) p.lse[row] = total > 0.f ? top + logf(total) : -INFINITY;
+  }
+}
+
+template <typename T, int NC>
+cudaError_t launch_typed(const KvcacheParams& p, cudaStream_t stream) {
+  const int row_tiles = ceil_div(p.Hq / p.Hkv * p.Lq, kRows);
+  const dim3 grid(unsigned(p.splits * row_tiles), unsigned(p.Hkv), unsigned(p.B));
+  cudaError_t err = launch_kernel(kvcache_split_kernel<T, NC>, grid, dim3(kThreads),
+                                  kvcache_smem_bytes(p.E, p.Ev), stream, p);
+  if (err != cudaSuccess || p.splits == 1) return err;
+  const int64_t rows = int64_t(p.B) * p.Hq * p.Lq;
+  const unsigned blocks = unsigned(min(rows, int64_t(1) << 20));  // more rows: a stride loop
+  return launch_kernel(kvcache_merge_kernel<T>, dim3(blocks), dim3(kThreads), 0, stream, p);
+}
+
+template <typename T>
+cudaError_t launch_dtype(const KvcacheParams& p, cudaStream_t stream) {
+  static_assert(kDecodeMaxHeadDim <= 2 * kThreads, "at most two value columns per thread");
+  return p.Ev <= kThreads ? launch_typed<T, 1>(p, stream) : launch_typed<T, 2>(p, stream);
+}
+
+}  // namespace
+
+void kvcache_splits(KvcacheParams& p) {
+  const int64_t ctas = int64_t(p.B) * p.Hkv * ceil_div(p.Hq / p.Hkv * p.Lq, kRows);
+  const int64_t tiles = max(int64_t(1), (p.capacity + kKeys - 1) / kKeys);
+  const int64_t want = max(int64_t(1), min(min((kTargetCtas + ctas - 1) / ctas, tiles),
+                                           int64_t(kMaxSplits)));
+  const int64_t per_split = (max(p.capacity, int64_t(1)) + want - 1) / want;
+  p.split_len = (per_split + kKeys - 1) / kKeys * kKeys;
+  p.splits = int((max(p.capacity, int64_t(1)) + p.split_len - 1) / p.split_len);
+}
+
+size_t kvcache_smem_bytes(int E, int Ev) { return size_t(Smem(E, Ev).total); }
+
+cudaError_t launch_kvcache_fwd(const KvcacheParams& p, cudaStream_t stream) {
+  return p.dtype == DType::Half ? launch_dtype<__half>(p, stream)
+                                : launch_dtype<__nv_bfloat16>(p, stream);
+}
+
+}  // namespace cuda
+}  // namespace attnx
