@@ -128,7 +128,7 @@ struct Problem {
       vsum = v.to(at::kDouble).sum(-1).to(at::kFloat).contiguous();
       // NaN too takes the exact path, which propagates it as tanh does
       const auto exact = [](const at::Tensor& x) {
-        return x.abs().le(additive::kExpLimit).logical_not().any(-1).contiguous();
+        return x.abs().amax(-1).le(additive::kExpLimit).logical_not_().contiguous();
       };
       exact_q_ = exact(q);
       exact_k_ = exact(k);
@@ -241,11 +241,17 @@ void forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weig
       lse[r] = static_cast<float>(m + std::log(sum));
       const acc_t inv = acc_t(1) / sum;
       const auto row_key = pb.drop.row_key(bh, i);
-      std::fill(acc.begin(), acc.end(), acc_t(0));
       for (int64_t j = j0; j < j1; ++j) {
-        const acc_t p = s[j] * inv * static_cast<acc_t>(pb.drop.factor(row_key, j));
-        if (w) w[j] = static_cast<scalar_t>(p);
-        if (p != acc_t(0)) axpy(p, pb.value_row(bh, j), acc.data(), pb.Ev);
+        s[j] *= inv * static_cast<acc_t>(pb.drop.factor(row_key, j));
+        if (w) w[j] = static_cast<scalar_t>(s[j]);
+      }
+      if constexpr (std::is_same_v<acc_t, float>) {
+        additive::weighted_sum(s.data() + j0, pb.value_row(bh, j0), j1 - j0, pb.Ev, acc.data());
+      } else {
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        for (int64_t j = j0; j < j1; ++j) {
+          if (s[j] != acc_t(0)) axpy(s[j], pb.value_row(bh, j), acc.data(), pb.Ev);
+        }
       }
       for (int64_t e = 0; e < pb.Ev; ++e) o[e] = static_cast<scalar_t>(acc[e]);
     }

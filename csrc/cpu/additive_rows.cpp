@@ -125,8 +125,12 @@ ATTNX_CLONES void grad_terms(const float* t, float ds, float* dq, float* dk, flo
   }
 }
 
+// Written out on vectors: GCC's own vectorization of the plain loop ran at about one scalar
+// FMA per cycle here (its runtime alias checks), a quarter of the forward's time at Ev = 256.
 ATTNX_CLONES void axpy(float alpha, const float* x, float* y, int64_t n) {
-  for (int64_t a = 0; a < n; ++a) y[a] += alpha * x[a];
+  int64_t a = 0;
+  for (; a + kLanes <= n; a += kLanes) store(y + a, load(y + a) + alpha * load(x + a));
+  for (; a < n; ++a) y[a] += alpha * x[a];
 }
 
 ATTNX_CLONES float dot(const float* x, const float* y, int64_t n) {

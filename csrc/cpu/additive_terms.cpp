@@ -111,6 +111,31 @@ ATTNX_BODY void exp_grads_body(const float* eq, const float* ek, const float* ds
   }
 }
 
+// Four vectors of out in registers across all n rows, then the next four, then the tail.
+template <int W>
+ATTNX_BODY void weighted_sum_body(const float* p, const float* rows, int64_t n, int64_t ev,
+                                  float* out) {
+  int64_t e = 0;
+  for (; e + 4 * W <= ev; e += 4 * W) {
+    vf<W> acc[4] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      if (p[j] == 0.0f) continue;
+      for (int u = 0; u < 4; ++u) acc[u] += p[j] * load<W>(rows + j * ev + e + u * W);
+    }
+    for (int u = 0; u < 4; ++u) store<W>(out + e + u * W, acc[u]);
+  }
+  for (; e + W <= ev; e += W) {
+    vf<W> acc = {};
+    for (int64_t j = 0; j < n; ++j) acc += p[j] * load<W>(rows + j * ev + e);
+    store<W>(out + e, acc);
+  }
+  for (; e < ev; ++e) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < n; ++j) acc += p[j] * rows[j * ev + e];
+    out[e] = acc;
+  }
+}
+
 // exp_scores' inner loop without its loads: 2 query vectors by kKeys keys, as many chains as the
 // kernel keeps in flight. The empty asm makes x "change" every iteration, so nothing is hoisted.
 template <int W, bool kRcp>
@@ -156,6 +181,14 @@ ATTNX_AVX2 void exp_grads_avx2(const float* eq, const float* ek, const float* ds
                                int64_t n, float* dq, float* dk, float* dvr) {
   exp_grads_body<8, true>(eq, ek, ds, ap, n, dq, dk, dvr);
 }
+ATTNX_AVX512 void weighted_sum_avx512(const float* p, const float* rows, int64_t n, int64_t ev,
+                                      float* out) {
+  weighted_sum_body<16>(p, rows, n, ev, out);
+}
+ATTNX_AVX2 void weighted_sum_avx2(const float* p, const float* rows, int64_t n, int64_t ev,
+                                  float* out) {
+  weighted_sum_body<8>(p, rows, n, ev, out);
+}
 ATTNX_AVX512 double term_seconds_avx512(int64_t terms) {
   return term_seconds_body<16, true>(terms);
 }
@@ -190,6 +223,11 @@ void exp_grads(const float* eq, const float* ek, const float* ds, int64_t ap, in
                float* dq, float* dk, float* dvr) {
   ATTNX_PICK(exp_grads, eq, ek, ds, ap, n, dq, dk, dvr);
   exp_grads_body<8, false>(eq, ek, ds, ap, n, dq, dk, dvr);
+}
+
+void weighted_sum(const float* p, const float* rows, int64_t n, int64_t ev, float* out) {
+  ATTNX_PICK(weighted_sum, p, rows, n, ev, out);
+  weighted_sum_body<8>(p, rows, n, ev, out);
 }
 
 double term_seconds(int64_t terms) {
