@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import attnx  # noqa: E402
 from attnx.bench.machine import cpu_kernels, git_commit  # noqa: E402
+from cpu_sdpa_targets import machine  # noqa: E402
 
 SHAPES = ((8, 128, 256), (4, 256, 256), (64, 32, 256))  # (B, L, A)
 EV = 256
@@ -122,17 +122,6 @@ def child(threads: int, reps: int) -> None:
                       "load_avg_1m": os.getloadavg()[0]}))
 
 
-def lscpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
@@ -151,7 +140,7 @@ def main() -> None:
         runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
 
     print(f"additive attention float32, H=1 Ev={EV}: attnx cpu vs torch.compile(naive), "
-          f"{args.reps} interleaved runs, medians; CPU {lscpu_model()}, vector {cpu_kernels()['vector']}")
+          f"{args.reps} interleaved runs, medians; CPU {machine()['cpu']}, vector {cpu_kernels()['vector']}")
     print(f"{'thr':>3} {'B':>3} {'L':>4} {'A':>4} | {'fwd ms':>7} {'cmp ms':>7} {'ratio':>6} {'eff':>5}"
           f" | {'f+b ms':>7} {'cmp ms':>7} {'ratio':>6} {'eff3':>5}")
     met = True
@@ -177,9 +166,7 @@ def main() -> None:
     record = {
         "benchmark": "cpu-additive-targets", "date": date, "torch": torch.__version__,
         "attnx": attnx.__version__, "commit": git_commit(),
-        "machine": {"cpu": lscpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
-                    "attnx_cpu_kernels": cpu_kernels(),
-                    "ATTNX_CPU_AVX512": os.environ.get("ATTNX_CPU_AVX512"),
+        "machine": {**machine(), "ATTNX_CPU_AVX512": os.environ.get("ATTNX_CPU_AVX512"),
                     "note": "shared with other jobs: compare ratios, not times"},
         "config": {"shapes_BLA": SHAPES, "Ev": EV, "H": 1, "dtype": "float32", "reps": args.reps,
                    "baseline": "torch.compile(naive, dynamic=False)"},

@@ -132,20 +132,27 @@ struct Problem {
       };
       exact_q_ = exact(q);
       exact_k_ = exact(k);
+      eq_p = eq.data_ptr<float>();
+      ek_p = ek.data_ptr<float>();
+      vpad_p = vpad.data_ptr<float>();
+      vsum_p = vsum.data_ptr<float>();
+      exact_q_p = exact_q_.data_ptr<bool>();
+      exact_k_p = exact_k_.data_ptr<bool>();
     }
   }
 
-  // The exponential form (float32 only; additive_terms.h): rows of ap values.
+  // The exponential form (float32 only; additive_terms.h): rows of ap values. Raw pointers, as
+  // the kernels read them per row and per key.
   int64_t ap;
   at::Tensor eq, ek, vpad, vsum, exact_q_, exact_k_;
-  bool exact_q(int64_t bh, int64_t i) const {
-    return !exact_q_.defined() || exact_q_.data_ptr<bool>()[bh * Lq + i];
-  }
-  bool exact_k(int64_t bh, int64_t j) const { return exact_k_.data_ptr<bool>()[bh * Lk + j]; }
-  const float* eq_row(int64_t bh, int64_t i) const { return eq.data_ptr<float>() + (bh * Lq + i) * ap; }
-  const float* ek_row(int64_t bh, int64_t j) const { return ek.data_ptr<float>() + (bh * Lk + j) * ap; }
-  const float* vpad_row(int64_t bh) const { return vpad.data_ptr<float>() + (bh % H) * ap; }
-  float v_sum(int64_t bh) const { return vsum.data_ptr<float>()[bh % H]; }
+  const float *eq_p = nullptr, *ek_p = nullptr, *vpad_p = nullptr, *vsum_p = nullptr;
+  const bool *exact_q_p = nullptr, *exact_k_p = nullptr;
+  bool exact_q(int64_t bh, int64_t i) const { return exact_q_p == nullptr || exact_q_p[bh * Lq + i]; }
+  bool exact_k(int64_t bh, int64_t j) const { return exact_k_p[bh * Lk + j]; }
+  const float* eq_row(int64_t bh, int64_t i) const { return eq_p + (bh * Lq + i) * ap; }
+  const float* ek_row(int64_t bh, int64_t j) const { return ek_p + (bh * Lk + j) * ap; }
+  const float* vpad_row(int64_t bh) const { return vpad_p + (bh % H) * ap; }
+  float v_sum(int64_t bh) const { return vsum_p[bh % H]; }
 
   const acc_t* q_row(int64_t bh, int64_t i) const { return q.data_ptr<acc_t>() + (bh * Lq + i) * A; }
   const acc_t* k_row(int64_t bh, int64_t j) const { return k.data_ptr<acc_t>() + (bh * Lk + j) * A; }
