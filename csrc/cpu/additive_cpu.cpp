@@ -122,16 +122,27 @@ struct Problem {
     if constexpr (std::is_same_v<acc_t, float>) {
       ap = (A + additive::kPad - 1) / additive::kPad * additive::kPad;
       const auto pad = [&](const at::Tensor& x) { return at::constant_pad_nd(x, {0, ap - A}, 0); };
-      eq = pad(q).mul_(2).exp_();  // the padding: e^0 = 1 (v = 0 there)
-      ek = pad(k).mul_(2).exp_();
       vpad = pad(v).contiguous();
       vsum = v.to(at::kDouble).sum(-1).to(at::kFloat).contiguous();
-      // NaN too takes the exact path, which propagates it as tanh does
-      const auto exact = [](const at::Tensor& x) {
-        return x.abs().amax(-1).le(additive::kExpLimit).logical_not_().contiguous();
-      };
-      exact_q_ = exact(q);
-      exact_k_ = exact(k);
+      // e^{2q}, e^{2k} and the guard's flags in one pass over the rows (one parallel region:
+      // on a shared machine each region may wait for a descheduled thread)
+      const int64_t nq = B * H * Lq, nk = B * H * Lk;
+      eq = at::empty({B, H, Lq, ap}, q.options());
+      ek = at::empty({B, H, Lk, ap}, q.options());
+      exact_q_ = at::empty({B, H, Lq}, q.options().dtype(at::kBool));
+      exact_k_ = at::empty({B, H, Lk}, q.options().dtype(at::kBool));
+      float *e_q = eq.data_ptr<float>(), *e_k = ek.data_ptr<float>();
+      bool *x_q = exact_q_.data_ptr<bool>(), *x_k = exact_k_.data_ptr<bool>();
+      const float *q_p = q.data_ptr<float>(), *k_p = k.data_ptr<float>();
+      at::parallel_for(0, nq + nk, std::max<int64_t>(1, 16384 / ap), [&](int64_t b0, int64_t b1) {
+        for (int64_t r = b0; r < b1; ++r) {
+          if (r < nq) {
+            x_q[r] = additive::exp2x_row(q_p + r * A, A, ap, e_q + r * ap);
+          } else {
+            x_k[r - nq] = additive::exp2x_row(k_p + (r - nq) * A, A, ap, e_k + (r - nq) * ap);
+          }
+        }
+      });
       eq_p = eq.data_ptr<float>();
       ek_p = ek.data_ptr<float>();
       vpad_p = vpad.data_ptr<float>();

@@ -3,6 +3,7 @@
 #include "additive_terms.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 
 #include "sdpa_tile.h"
@@ -48,6 +49,54 @@ ATTNX_BODY float hsum(vf<W> x) {
   float s = 0.0f;
   for (int l = 0; l < W; ++l) s += x[l];
   return s;
+}
+
+// e^y for |y| <= 80: y = n ln2 + f with n an integer (rounded through the 1.5 * 2^23 shift)
+// and |f| <= ln2 / 2 from a two-part ln2 (f exact to a few ulp), e^f by its degree-7 Taylor
+// polynomial (truncation < 1e-8 relative), 2^n added to the exponent bits (|n| <= 116: normal).
+template <int W>
+ATTNX_BODY vf<W> exp_body(vf<W> y) {
+  y = y > 80.0f ? 80.0f : y;
+  y = y < -80.0f ? -80.0f : y;
+  constexpr float kShift = 12582912.0f;  // 1.5 * 2^23
+  const vf<W> t = y * 1.44269504088896341f + kShift;
+  const vf<W> n = t - kShift;
+  const vf<W> f = (y - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  vf<W> p = f * (1.0f / 5040) + 1.0f / 720;
+  p = p * f + 1.0f / 120;
+  p = p * f + 1.0f / 24;
+  p = p * f + 1.0f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  vi<W> bits, ti;
+  std::memcpy(&bits, &p, sizeof(p));
+  std::memcpy(&ti, &t, sizeof(t));
+  bits += (ti - 0x4B400000) << 23;  // t's low mantissa bits hold n (0x4B400000: the shift's bits)
+  std::memcpy(&p, &bits, sizeof(p));
+  return p;
+}
+
+template <int W>
+ATTNX_BODY bool exp2x_row_body(const float* x, int64_t n, int64_t ap, float* e) {
+  vi<W> inside = vi<W>{} - 1;  // all bits set while every |x| <= kExpLimit (false for NaN)
+  int64_t a = 0;
+  for (; a + W <= n; a += W) {
+    const vf<W> v = load<W>(x + a);
+    inside &= (v <= kExpLimit) & (v >= -kExpLimit);
+    store<W>(e + a, exp_body<W>(v + v));
+  }
+  bool exact = false;
+  for (int l = 0; l < W; ++l) exact |= inside[l] == 0;
+  if (a < n) {
+    vf<W> v = vf<W>{};
+    std::memcpy(&v, x + a, (n - a) * sizeof(float));
+    for (int64_t l = 0; l < n - a; ++l) exact |= !(std::abs(x[a + l]) <= kExpLimit);
+    const vf<W> ev = exp_body<W>(v + v);
+    std::memcpy(e + a, &ev, (n - a) * sizeof(float));
+  }
+  for (a = n; a < ap; ++a) e[a] = 1.0f;
+  return exact;
 }
 
 template <int W, bool kRcp>
@@ -189,6 +238,12 @@ ATTNX_AVX2 void weighted_sum_avx2(const float* p, const float* rows, int64_t n, 
                                   float* out) {
   weighted_sum_body<8>(p, rows, n, ev, out);
 }
+ATTNX_AVX512 bool exp2x_row_avx512(const float* x, int64_t n, int64_t ap, float* e) {
+  return exp2x_row_body<16>(x, n, ap, e);
+}
+ATTNX_AVX2 bool exp2x_row_avx2(const float* x, int64_t n, int64_t ap, float* e) {
+  return exp2x_row_body<8>(x, n, ap, e);
+}
 ATTNX_AVX512 double term_seconds_avx512(int64_t terms) {
   return term_seconds_body<16, true>(terms);
 }
@@ -212,6 +267,11 @@ int width() {
 #endif
 
 }  // namespace
+
+bool exp2x_row(const float* x, int64_t n, int64_t ap, float* e) {
+  ATTNX_PICK(exp2x_row, x, n, ap, e);
+  return exp2x_row_body<8>(x, n, ap, e);
+}
 
 void exp_scores(const float* eq, const float* ek, const float* v, float vsum, int64_t ap,
                 int64_t n, float* s) {

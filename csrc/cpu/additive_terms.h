@@ -20,6 +20,10 @@ namespace attnx::cpu::additive {
 constexpr float kExpLimit = 20.0f;
 constexpr int64_t kPad = 16;
 
+// e[a] = e^{2 x[a]} for a < n (to ~2 ulp), e[a] = 1 for n <= a < ap; returns whether the row
+// must take the exact path (a value past kExpLimit, or NaN).
+bool exp2x_row(const float* x, int64_t n, int64_t ap, float* e);
+
 // s[j] = vsum - 2 sum_a v[a] r(eq[a], ek[j ap + a]) for j < n: the score of a query row
 // against n key rows (vsum = sum_a v[a]).
 void exp_scores(const float* eq, const float* ek, const float* v, float vsum, int64_t ap,
