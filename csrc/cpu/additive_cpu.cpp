@@ -33,6 +33,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -232,8 +233,11 @@ void add_scores(const Problem<acc_t>& pb, int64_t bh, int64_t i, int64_t j0, int
 
 // ---------------------------------------------------------------------------------- forward
 
+// Returns whether an output or an lse came out NaN or +inf (float64_rerun.h), found as the rows
+// are written: a separate isfinite pass over out cost a fifth of the call at B64 L32.
 template <typename scalar_t, typename acc_t>
-void forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weights) {
+bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weights) {
+  std::atomic<bool> non_finite{false};
   parallel_tasks(pb.B * pb.H * pb.Lq, [&](Tasks& tasks) {
     std::vector<acc_t> s(pb.Lk), tmp(pb.Lk), acc(pb.Ev);
     for (int64_t r; tasks.next(r);) {
@@ -271,9 +275,17 @@ void forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weig
           if (s[j] != acc_t(0)) axpy(s[j], pb.value_row(bh, j), acc.data(), pb.Ev);
         }
       }
-      for (int64_t e = 0; e < pb.Ev; ++e) o[e] = static_cast<scalar_t>(acc[e]);
+      float zero = 0.0f;  // NaN once any value (as stored) is NaN or infinite
+      for (int64_t e = 0; e < pb.Ev; ++e) {
+        o[e] = static_cast<scalar_t>(acc[e]);
+        zero += static_cast<float>(o[e]) * 0.0f;
+      }
+      if (zero != 0.0f || std::isnan(lse[r]) || lse[r] == std::numeric_limits<float>::infinity()) {
+        non_finite.store(true, std::memory_order_relaxed);
+      }
     }
   });
+  return non_finite.load();
 }
 
 // --------------------------------------------------------------------------------- backward
@@ -450,9 +462,8 @@ using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, fl
 // (half its ulp at the top is 1e31); past that the call reruns whatever came out. Otherwise a
 // value or gradient sum past the range shows as a non-finite result, or as an lse of NaN or
 // +inf. (The forward's value sums are normalized as they go, so they overflow only there.)
-bool overflowed(const at::Tensor& v, at::TensorList results, const at::Tensor& lse) {
-  return (v.numel() > 0 && !(v.abs().sum(-1).max().item<double>() <= 1e30)) ||
-         any_non_finite(results) || (at::isnan(lse) | at::isposinf(lse)).any().item<bool>();
+bool overflowed(const at::Tensor& v, bool non_finite_results) {
+  return (v.numel() > 0 && !(v.abs().sum(-1).max().item<double>() <= 1e30)) || non_finite_results;
 }
 
 at::Tensor f64(const at::Tensor& t) { return t.to(at::kDouble); }
@@ -474,13 +485,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> additive_fwd(
   at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(at::kFloat));
   at::Tensor weights = return_weights ? at::zeros({B, H, Lq, Lk}, q.options())
                                       : at::empty({0}, q.options());
+  bool non_finite = false;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attnx_additive_fwd", [&] {
     using acc_t = acc_type<scalar_t>;
     const Problem<acc_t> pb(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed);
-    forward<scalar_t, acc_t>(pb, out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
+    non_finite = forward<scalar_t, acc_t>(pb, out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
                              return_weights ? weights.data_ptr<scalar_t>() : nullptr);
   });
-  if (q.scalar_type() != at::kDouble && overflowed(v, {out}, lse) &&
+  if (q.scalar_type() != at::kDouble && overflowed(v, non_finite) &&
       finite_inputs({q, k, value, v}, mask)) {
     const auto [o, l, w] = additive_fwd(f64(q), f64(k), f64(value), f64(v), f64(mask), window_lo,
                                         window_hi, dropout_p, seed, return_weights);
@@ -546,7 +558,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
     dv = dv_acc.sum(0).to(q.scalar_type());
   });
   const auto gl = grad_lse.value_or(at::Tensor()), gw = grad_weights.value_or(at::Tensor());
-  if (q.scalar_type() != at::kDouble && overflowed(v, {dq, dk, dvalue, dv, dmask}, lse) &&
+  if (q.scalar_type() != at::kDouble && overflowed(v, any_non_finite({dq, dk, dvalue, dv, dmask}) ||
+                                               (at::isnan(lse) | at::isposinf(lse)).any().item<bool>()) &&
       finite_inputs({grad_out, q, k, value, v, gl, gw}, mask)) {
     const auto opt64 = [](const at::Tensor& t) {
       return t.defined() ? std::optional<at::Tensor>(f64(t)) : std::nullopt;
