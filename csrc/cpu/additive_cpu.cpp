@@ -527,6 +527,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
               "attnx::additive_bwd: expected a CPU grad_weights of shape (B, H, Lq, Lk), got ",
               grad_weights.has_value() ? grad_weights->sizes() : at::IntArrayRef{});
   at::Tensor dq, dk, dvalue, dv, dmask;
+  bool grads_non_finite = false;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attnx_additive_bwd", [&] {
     using acc_t = acc_type<scalar_t>;
     const Problem<acc_t> pb(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed);
@@ -552,14 +553,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
                              dw.defined() ? dw.data_ptr<acc_t>() : nullptr};
     backward<scalar_t, acc_t>(pb, up, g);
     const at::Tensor four_v = pb.v.mul(4).view({1, H, 1, A});
-    dq = dq_acc.narrow(-1, 0, A).mul(four_v).to(q.scalar_type());
-    dk = dk_acc.narrow(-1, 0, A).mul(four_v).to(q.scalar_type());
+    const at::Tensor dq_f = dq_acc.narrow(-1, 0, A).mul(four_v);
+    const at::Tensor dk_f = dk_acc.narrow(-1, 0, A).mul(four_v);
+    const at::Tensor dv_f = dv_acc.sum(0);
+    // float32 sums past the range show as non-finite gradients: checked serially (on a shared
+    // machine each of ATen's parallel isfinite passes may wait for a descheduled thread)
+    if constexpr (std::is_same_v<acc_t, float>) {
+      for (const at::Tensor& t : {dq_f, dk_f, dvalue_acc, dv_f}) {
+        grads_non_finite |= !additive::all_finite(t.data_ptr<float>(), t.numel());
+      }
+      grads_non_finite |= mask_grad && at::isfinite(dmask).logical_not().any().item<bool>();
+      grads_non_finite |= (at::isnan(lse) | at::isposinf(lse)).any().item<bool>();
+    }
+    dq = dq_f.to(q.scalar_type());
+    dk = dk_f.to(q.scalar_type());
     dvalue = dvalue_acc.to(q.scalar_type());
-    dv = dv_acc.sum(0).to(q.scalar_type());
+    dv = dv_f.to(q.scalar_type());
   });
   const auto gl = grad_lse.value_or(at::Tensor()), gw = grad_weights.value_or(at::Tensor());
-  if (q.scalar_type() != at::kDouble && overflowed(v, any_non_finite({dq, dk, dvalue, dv, dmask}) ||
-                                               (at::isnan(lse) | at::isposinf(lse)).any().item<bool>()) &&
+  if (q.scalar_type() != at::kDouble && overflowed(v, grads_non_finite) &&
       finite_inputs({grad_out, q, k, value, v, gl, gw}, mask)) {
     const auto opt64 = [](const at::Tensor& t) {
       return t.defined() ? std::optional<at::Tensor>(f64(t)) : std::nullopt;
