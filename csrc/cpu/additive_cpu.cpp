@@ -44,6 +44,7 @@
 #include "dropout.h"
 #include "float64_rerun.h"
 #include "huge_lse.h"
+#include "sdpa_tile.h"
 #include "task_queue.h"
 
 namespace attnx::cpu {
@@ -255,11 +256,7 @@ bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weig
         lse[r] = -std::numeric_limits<float>::infinity();
         continue;
       }
-      acc_t sum = 0;
-      for (int64_t j = j0; j < j1; ++j) {
-        s[j] = std::exp(s[j] - m);  // exp(-inf) = 0 for masked keys
-        sum += s[j];
-      }
+      const acc_t sum = exp_sum(s.data() + j0, j1 - j0, m);  // exp(-inf) = 0 for masked keys
       lse[r] = static_cast<float>(m + std::log(sum));
       const acc_t inv = acc_t(1) / sum;
       const auto row_key = pb.drop.row_key(bh, i);
