@@ -1,16 +1,21 @@
-"""Issue 3's targets for the fused CPU additive attention: speed and memory against naive PyTorch.
+"""Issue 20's targets for the fused CPU additive attention: speed against torch.compile(naive).
 
-Forward + backward at B=8, Lq=Lk=128, A=256, Ev=256, H=1, float32: attnx's cpu backend against
-the naive formula that materialises tanh(q + k) as a (B, Lq, Lk, A) tensor (that is attnx's
-reference backend). Timings are interleaved in one process (median, min, max). Peak memory is
-measured in a fresh subprocess per backend and size, as the growth of the process's peak RSS
-(VmHWM) over one forward + backward, at A=256 and A=512 to show which one grows with
-A x Lq x Lk. GFLOP/s use attnx.bench.flops' count for additive attention, beside the machine's
-float32 GEMM rate measured in the same run.
+float32, H=1, Ev=256, at B8 L128 A256, B4 L256 A256 and B64 L32 A256 (decoder-sized): attnx's
+cpu backend against `torch.compile` of the naive formula (inductor fuses the tanh-sum reduction
+and never builds the (B, Lq, Lk, A) tensor: what an informed user runs instead), forward
+(inference, no grad) and forward + backward. Each thread count (1 and 2) runs in its own
+subprocess (inductor fixes its OpenMP thread count when it compiles); within it both providers
+are timed interleaved, median of --reps runs, so a machine shared with other work moves both
+alike: quote the ratios.
 
-    python benchmarks/cpu_additive_targets.py [--reps 7]
+The term's vector limit: attnx._C.additive_term_seconds runs the forward's per-term instruction
+sequence (csrc/cpu/additive_rows.cpp: one FMA for e^{2q} e^{2k} + 1, a reciprocal refined by
+one Newton step, one FMA into the sum) on registers only, in the same process, one thread; the
+limit for T threads is T times that. Efficiency = B Lq Lk A / forward time / limit.
 
-Writes benchmarks/results/cpu-additive-<date>.json and prints a table.
+    python benchmarks/cpu_additive_targets.py [--reps 7] [--threads 1,2] [--out PATH]
+
+Writes benchmarks/results/cpu-additive-<date>-<n>.json (the first free n) and prints a table.
 """
 
 from __future__ import annotations
@@ -19,8 +24,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -31,135 +34,153 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import attnx  # noqa: E402
-from attnx.bench import flops  # noqa: E402
-from attnx.bench.machine import gemm_rate  # noqa: E402
-from attnx.bench.shapes import Case  # noqa: E402
+from attnx.bench.machine import cpu_kernels, git_commit  # noqa: E402
+from cpu_sdpa_targets import machine  # noqa: E402
 
-B, L, A, EV = 8, 128, 256, 256
-BACKENDS = ("cpu", "reference")
+SHAPES = ((8, 128, 256), (4, 256, 256), (64, 32, 256))  # (B, L, A)
+EV = 256
 TARGET_SPEEDUP = 5.0
+TARGET_EFFICIENCY = 0.30
 
 
-def make_inputs(a: int):
+def naive(q, k, value, v):
+    scores = (v * torch.tanh(q.unsqueeze(2) + k.unsqueeze(1))).sum(-1)
+    return torch.softmax(scores, dim=-1) @ value
+
+
+def attnx_cpu(q, k, value, v):
+    return attnx.additive_attention(q, k, value, v, backend="cpu")
+
+
+def make_inputs(b: int, l: int, a: int, grad: bool):
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, L, a, generator=g).requires_grad_()
-    k = torch.randn(B, L, a, generator=g).requires_grad_()
-    value = torch.randn(B, L, EV, generator=g).requires_grad_()
-    v = (torch.randn(a, generator=g) / a ** 0.5).requires_grad_()
-    d_out = torch.randn(B, L, EV, generator=g)
-    return (q, k, value, v), d_out
+    xs = [torch.randn(b, l, a, generator=g), torch.randn(b, l, a, generator=g),
+          torch.randn(b, l, EV, generator=g), torch.randn(a, generator=g) / a ** 0.5]
+    return [x.requires_grad_(grad) for x in xs], torch.randn(b, l, EV, generator=g)
 
 
-def step(backend: str, inputs, d_out) -> None:
-    for t in inputs:
-        t.grad = None
-    out = attnx.additive_attention(*inputs, backend=backend)
-    out.backward(d_out)
+def step(fn, inputs, d_out, backward: bool) -> None:
+    if backward:
+        for t in inputs:
+            t.grad = None
+        fn(*inputs).backward(d_out)
+    else:
+        with torch.no_grad():
+            fn(*inputs)
 
 
-def peak_rss() -> int:
-    """This process's peak RSS in bytes.
-
-    VmHWM belongs to the process's own address space; ru_maxrss would not do in a child, as
-    Linux carries the parent's peak over into it across fork + exec.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def peak_rss_growth(backend: str, a: int) -> None:
-    """Child-process mode: print the peak-RSS growth (bytes) of one forward + backward."""
-    inputs, d_out = make_inputs(a)
-    before = peak_rss()
-    step(backend, inputs, d_out)
-    print(peak_rss() - before)
-
-
-def measure_memory(backend: str, a: int) -> int:
-    res = subprocess.run([sys.executable, os.path.abspath(__file__), "--peak-rss", backend, str(a)],
-                         check=True, capture_output=True, text=True)
-    return int(res.stdout.strip().splitlines()[-1])
+def time_case(b: int, l: int, a: int, reps: int, compiled) -> dict:
+    res = {}
+    for mode, backward in (("forward", False), ("forward_backward", True)):
+        inputs, d_out = make_inputs(b, l, a, backward)
+        providers = {"attnx": attnx_cpu, "compile_naive": compiled}
+        for fn in providers.values():  # warm-up: compilation, allocations, thread pool start
+            step(fn, inputs, d_out, backward)
+            step(fn, inputs, d_out, backward)
+        times = {p: [] for p in providers}
+        for _ in range(reps):
+            for p, fn in providers.items():
+                t0 = time.perf_counter()
+                step(fn, inputs, d_out, backward)
+                times[p].append(time.perf_counter() - t0)
+        med = {p: statistics.median(t) for p, t in times.items()}
+        res[mode] = {"median_s": med, "runs_s": times,
+                     "speedup": med["compile_naive"] / med["attnx"]}
+    return res
 
 
-def measure_time(reps: int) -> dict:
-    inputs, d_out = make_inputs(A)
-    for backend in BACKENDS:  # warm-up: first-call allocations, thread pool start
-        step(backend, inputs, d_out)
-    times = {b: [] for b in BACKENDS}
-    for _ in range(reps):
-        for backend in BACKENDS:
-            t0 = time.perf_counter()
-            step(backend, inputs, d_out)
-            times[backend].append(time.perf_counter() - t0)
-    return times
+def term_rate() -> float | None:
+    """Terms per second of the term's instruction sequence on one thread (None: a build
+    without attnx._C.additive_term_seconds)."""
+    fn = getattr(attnx._ops._C, "additive_term_seconds", None)
+    if fn is None:
+        return None
+    n = 1 << 26
+    fn(n)  # warm-up
+    return max(n / fn(n) for _ in range(5))
 
 
-def machine() -> dict:
-    model = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "platform": platform.platform(), "python": platform.python_version(),
-            "load_avg_1m_at_start": os.getloadavg()[0]}
+def child(threads: int, reps: int) -> None:
+    torch.set_num_threads(threads)
+    rate = term_rate()
+    cases = []
+    for b, l, a in SHAPES:
+        torch._dynamo.reset()
+        compiled = torch.compile(naive, dynamic=False)
+        r = time_case(b, l, a, reps, compiled)
+        terms = b * l * l * a
+        r["shape"] = {"B": b, "H": 1, "Lq": l, "Lk": l, "A": a, "Ev": EV}
+        r["terms"] = terms
+        if rate is not None:
+            limit = rate * threads
+            r["forward"]["term_efficiency"] = terms / r["forward"]["median_s"]["attnx"] / limit
+            # the backward evaluates each term twice more (the score, then the gradients)
+            r["forward_backward"]["term_passes_efficiency"] = (
+                3 * terms / r["forward_backward"]["median_s"]["attnx"] / limit)
+        cases.append(r)
+    print(json.dumps({"threads": threads, "term_rate_per_thread": rate, "cases": cases,
+                      "load_avg_1m": os.getloadavg()[0]}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--peak-rss", nargs=2, metavar=("BACKEND", "A"), help=argparse.SUPPRESS)
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--out", help="results file (default: benchmarks/results/cpu-additive-<date>-<n>.json)")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.peak_rss:
-        peak_rss_growth(args.peak_rss[0], int(args.peak_rss[1]))
+    if args.child:
+        child(args.child, args.reps)
         return
 
-    info = machine()
-    gemm = gemm_rate("cpu", args.reps)
-    times = measure_time(args.reps)
-    memory = {f"{b}_A{a}": measure_memory(b, a) for a in (A, 2 * A) for b in BACKENDS}
-    stats = {b: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t), "runs_s": t}
-             for b, t in times.items()}
-    speedup = stats["reference"]["median_s"] / stats["cpu"]["median_s"]
-    case = Case("additive", B, 1, L, L, A, EV, False, "float32", "cpu")
-    work = flops.count(case, "forward_backward")
-    for s in stats.values():
-        s["gflops"] = work / s["median_s"] / 1e9
+    runs = []
+    for t in (int(x) for x in args.threads.split(",")):
+        res = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", str(t),
+                              "--reps", str(args.reps)], check=True, capture_output=True, text=True)
+        runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
 
-    print(f"additive attention fwd+bwd, B={B} L={L} A={A} Ev={EV} H=1 float32, "
-          f"{info['torch_threads']} threads, {args.reps} interleaved runs")
-    print(f"float32 GEMM 2048^3 in the same run: {gemm['flops_per_s'] / 1e9:.1f} GFLOP/s")
-    print(f"{'backend':<22}{'median ms':>11}{'min ms':>9}{'max ms':>9}{'GFLOP/s':>9}"
-          f"{'peak RSS +MB A=' + str(A):>20}{'A=' + str(2 * A):>8}")
-    for b, label in (("cpu", "attnx cpu (fused)"), ("reference", "naive PyTorch")):
-        s = stats[b]
-        print(f"{label:<22}{s['median_s'] * 1e3:>11.1f}{s['min_s'] * 1e3:>9.1f}{s['max_s'] * 1e3:>9.1f}"
-              f"{s['gflops']:>9.1f}"
-              f"{memory[f'{b}_A{A}'] / 2**20:>20.1f}{memory[f'{b}_A{2 * A}'] / 2**20:>8.1f}")
-    tanh_mb = B * L * L * A * 4 / 2**20
-    print(f"speedup (median): {speedup:.2f}x (target >= {TARGET_SPEEDUP}x: "
-          f"{'met' if speedup >= TARGET_SPEEDUP else 'MISSED'}); "
-          f"one (B, Lq, Lk, A) float32 tanh tensor is {tanh_mb:.0f} MB at A={A}")
+    print(f"additive attention float32, H=1 Ev={EV}: attnx cpu vs torch.compile(naive), "
+          f"{args.reps} interleaved runs, medians; CPU {machine()['cpu']}, vector {cpu_kernels()['vector']}")
+    print(f"{'thr':>3} {'B':>3} {'L':>4} {'A':>4} | {'fwd ms':>7} {'cmp ms':>7} {'ratio':>6} {'eff':>5}"
+          f" | {'f+b ms':>7} {'cmp ms':>7} {'ratio':>6} {'eff3':>5}")
+    met = True
+    for run in runs:
+        for c in run["cases"]:
+            s, f, fb = c["shape"], c["forward"], c["forward_backward"]
+            eff = f.get("term_efficiency")
+            eff3 = fb.get("term_passes_efficiency")
+            print(f"{run['threads']:>3} {s['B']:>3} {s['Lq']:>4} {s['A']:>4} | "
+                  f"{f['median_s']['attnx'] * 1e3:>7.2f} {f['median_s']['compile_naive'] * 1e3:>7.2f} "
+                  f"{f['speedup']:>5.1f}x {'' if eff is None else f'{eff:.0%}':>5} | "
+                  f"{fb['median_s']['attnx'] * 1e3:>7.2f} {fb['median_s']['compile_naive'] * 1e3:>7.2f} "
+                  f"{fb['speedup']:>5.1f}x {'' if eff3 is None else f'{eff3:.0%}':>5}")
+            met &= f["speedup"] >= TARGET_SPEEDUP and fb["speedup"] >= TARGET_SPEEDUP
+            met &= eff is not None and eff >= TARGET_EFFICIENCY
+        if run["term_rate_per_thread"]:
+            print(f"    term limit ({run['threads']} thr run): "
+                  f"{run['term_rate_per_thread'] / 1e9:.2f} G terms/s per thread")
+    print(f"targets (>= {TARGET_SPEEDUP}x both modes, forward >= {TARGET_EFFICIENCY:.0%} of the "
+          f"term limit): {'met' if met else 'MISSED'}")
 
     date = datetime.date.today().isoformat()
     record = {
         "benchmark": "cpu-additive-targets", "date": date, "torch": torch.__version__,
-        "attnx": attnx.__version__, "machine": info,
-        "config": {"B": B, "H": 1, "Lq": L, "Lk": L, "A": A, "Ev": EV, "dtype": "float32",
-                   "reps": args.reps, "what": "forward + backward, all inputs require grad"},
-        "flops": work, "flop_formula": "attnx.bench.flops, additive: pairs * (16A + 6Ev)",
-        "gemm_2048": gemm,
-        "time": stats, "speedup_median": speedup, "target_speedup": TARGET_SPEEDUP,
-        "peak_rss_growth_bytes": memory,
-        "tanh_tensor_bytes": {f"A{a}": B * L * L * a * 4 for a in (A, 2 * A)},
+        "attnx": attnx.__version__, "commit": git_commit(),
+        "machine": {**machine(), "ATTNX_CPU_AVX512": os.environ.get("ATTNX_CPU_AVX512"),
+                    "note": "shared with other jobs: compare ratios, not times"},
+        "config": {"shapes_BLA": SHAPES, "Ev": EV, "H": 1, "dtype": "float32", "reps": args.reps,
+                   "baseline": "torch.compile(naive, dynamic=False)"},
+        "targets": {"speedup": TARGET_SPEEDUP, "forward_term_efficiency": TARGET_EFFICIENCY,
+                    "met": met},
+        "runs": runs,
     }
-    out_dir = os.path.join(ROOT, "benchmarks", "results")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"cpu-additive-{date}.json")
+    path = args.out
+    if path is None:
+        out_dir = os.path.join(ROOT, "benchmarks", "results")
+        os.makedirs(out_dir, exist_ok=True)
+        n = 1
+        while os.path.exists(path := os.path.join(out_dir, f"cpu-additive-{date}-{n}.json")):
+            n += 1
     with open(path, "w") as f:
         json.dump(record, f, indent=2)
     print(f"wrote {os.path.relpath(path, ROOT)}")

@@ -2,6 +2,7 @@
 // registrations); build_info tells `attnx info` what this binary was compiled with.
 #include <torch/extension.h>
 
+#include "cpu/additive_terms.h"
 #include "cpu/sdpa_panels.h"
 #include "cpu/sdpa_tile.h"
 #ifdef ATTNX_WITH_CUDA
@@ -35,6 +36,14 @@ pybind11::dict build_info() {
   return info;
 }
 
+// Seconds one thread takes for `terms` terms of the CPU additive kernel's instruction sequence
+// on registers alone: the vector limit benchmarks/cpu_additive_targets.py measures it against.
+double additive_term_seconds(int64_t terms) {
+  if (terms < 1) throw pybind11::value_error("terms: expected a positive count");
+  pybind11::gil_scoped_release release;
+  return attnx::cpu::additive::term_seconds(terms);
+}
+
 #ifdef ATTNX_WITH_CUDA
 // Bytes of dynamic shared memory per block a CUDA kernel's launch requests: "sdpa_fwd" and
 // "sdpa_bwd" for head dims up to `dim`, "additive" (forward and backward) for value dim `dim`,
@@ -57,6 +66,8 @@ int64_t cuda_smem_bytes(const std::string& kernel, int64_t dim) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "attnx native ops (registered under torch.ops.attnx)";
   m.def("build_info", &build_info, "what this extension was compiled with");
+  m.def("additive_term_seconds", &additive_term_seconds, pybind11::arg("terms"),
+        "seconds one thread takes for `terms` additive-attention terms on registers alone");
 #ifdef ATTNX_WITH_CUDA
   m.def("cuda_smem_bytes", &cuda_smem_bytes, pybind11::arg("kernel"), pybind11::arg("dim"),
         "dynamic shared memory per block a CUDA kernel's launch requests, in bytes");

@@ -7,11 +7,16 @@ error must stay within a small multiple of the baseline's (tests/_compare.py).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
 import attnx
+from attnx import _ops
 from _compare import assert_within
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -92,6 +97,8 @@ CASES = {
     "size_1": (dict(b=1, h=1, lq=1, lk=1, a=1, ev=1), {}),
     "lq_ne_lk_97": (dict(b=1, h=2, lq=5, lk=97, a=17, ev=8), {}),
     "lq_97": (dict(b=1, h=1, lq=97, lk=17, a=40, ev=3), {}),
+    # A of whole 16-lane vectors, keys in blocks of 4 and a tail of 2 (csrc/cpu/additive_terms.h)
+    "a256": (dict(b=1, h=2, lq=13, lk=30, a=256, ev=8), {}),
     "causal": (dict(b=2, h=2, lq=17, lk=17, a=20, ev=6), dict(is_causal=True)),
     "window": (dict(b=2, h=2, lq=17, lk=23, a=20, ev=6), dict(window=(3, 2))),
     "causal_window": (dict(b=1, h=2, lq=17, lk=17, a=20, ev=6), dict(is_causal=True, window=(4, None))),
@@ -117,6 +124,47 @@ CASES = {
 def test_matches_reference(case, dtype):
     sizes, kw = CASES[case]
     check_case(dtype, make_inputs(**sizes), **kw)
+
+
+def large_operands(seed=0):
+    """Inputs where some rows of q and k hold values past the exponential form's limit
+    (|x| > 20, csrc/cpu/additive_terms.h: e^{2q} e^{2k} would overflow or underflow float32)
+    and others just inside it (|x| = 19.5, products up to e^{+-78}), mixed in one call: pairs
+    of two ordinary rows, of one ordinary and one large, and of two large."""
+    q, k, value, v = make_inputs(b=2, h=2, lq=11, lk=14, a=40, ev=5, v_heads=True, seed=seed)
+    q[0, 0, 2, 5] = 60.0   # one huge entry in an otherwise ordinary row
+    q[1, 1, 4] *= 25.0     # a whole row of large values, both signs
+    q[0, 1, 7] = 19.5      # at the limit, same sign as the keys below: e^{78}
+    q[1, 0, 3] = -19.5
+    k[0, 0, 3] *= 40.0
+    k[1, 1, 9, 0] = -1e4
+    k[0, 1, 5] = 19.5
+    k[1, 0, 6] = -19.5
+    k[0, 1, 6] = -19.5     # against q[0, 1, 7] = +19.5: tanh(0), from e^{39} e^{-39}
+    return [q, k, value, v]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kw", [{}, {"is_causal": True}, {"window": (3, 4)}], ids=["full", "causal", "window"])
+def test_large_operands_take_the_exact_path(dtype, kw):
+    check_case(dtype, large_operands(), **kw)
+
+
+@pytest.mark.skipif(not _ops.build_info().get("cpu_vector") == "avx512",
+                    reason="no AVX-512 here: the main run already tests the 8-lane bodies")
+def test_avx2_bodies_match_reference():
+    """ATTNX_CPU_AVX512=0 runs the 8-lane AVX2 term kernels, what CPUs without AVX-512 get, on a
+    CPU that has it: the same reference checks pass there."""
+    env = dict(os.environ, ATTNX_CPU_AVX512="0")
+    probe = "from attnx import _ops; print(_ops.build_info()['cpu_vector'])"
+    isa = subprocess.run([sys.executable, "-c", probe], env=env, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    assert isa in ("avx2", "baseline")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", "(matches_reference and float32) or large_operands or thread_counts"
+                          " or fully_masked"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:]
 
 
 def test_float64_rows_whose_lse_overflows_float32():

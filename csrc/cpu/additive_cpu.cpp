@@ -3,14 +3,20 @@
 // Each query row is handled whole: its scores against the admissible keys are computed into a
 // row buffer of Lk values (the tanh terms are summed over A as they are made, never stored),
 // then softmax, dropout and the value sum. So the working memory is O(Lk + Ev) per thread and
-// no (Lq, Lk, A) or (Lq, Lk) tensor exists unless the weights are asked for.
+// no (Lq, Lk, A) or (Lq, Lk) tensor exists unless the weights are asked for. Rows are tasks
+// taken from a shared queue (task_queue.h).
 //
-// The backward pass recomputes each score with its A tanh terms kept in a buffer of A values,
-// gets P from the saved lse and D_i = dO_i . out_i (= sum_j P_ij dP_ij, also with dropout;
-// for float64, bfloat16 and rows of huge lse, huge_lse.h, both are recomputed exactly in an
-// extra pass over the row),
-// then accumulates dq, dk, dvalue and dv. dq rows belong to one thread; dk, dvalue and dv are
-// sums over query rows, see `Slices` below for how threads share them deterministically.
+// float32 terms come from e^{2q} and e^{2k}, computed once per row of q and k before the
+// kernels run (additive_terms.h: a reciprocal per term, no tanh); a row of q or k holding a
+// value past kExpLimit, where the product could overflow, takes the exact tanh loops
+// (additive_rows.h) for its pairs, as float64 does for all.
+//
+// The backward pass recomputes the row's scores, gets P from the saved lse and
+// D_i = dO_i . out_i (= sum_j P_ij dP_ij, also with dropout; for float64, bfloat16 and rows of
+// huge lse, huge_lse.h, both are recomputed exactly from the scores), dS, then the terms again
+// for dq, dk and dv, in units that leave out the factor 4 v[a] common to dq and dk (applied
+// once at the end). dq rows belong to one thread; dk, dvalue and dv are sums over query rows,
+// see `Slices` below for how threads share them deterministically.
 //
 // Inputs of any supported dtype are copied once into contiguous tensors of the accumulation
 // type (float for float and bfloat16, double for double): O(L * (A + Ev)), the size of the
@@ -21,27 +27,32 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "additive_rows.h"
+#include "additive_terms.h"
 #include "dropout.h"
 #include "float64_rerun.h"
 #include "huge_lse.h"
+#include "sdpa_tile.h"
+#include "task_queue.h"
 
 namespace attnx::cpu {
 namespace {
 
 using additive::axpy;
 using additive::dot;
-using additive::grad_pair;
+using additive::grad_terms;
 using additive::tanh_dot;
 using additive::tanh_dot_keep;
 
@@ -109,7 +120,52 @@ struct Problem {
     // [-Lq, Lk] admits the same pairs and keeps i + lo, i + hi from overflowing
     lo = std::clamp<int64_t>(window_lo, -Lq, Lk);
     hi = std::clamp<int64_t>(window_hi, -Lq, Lk);
+    ap = A;
+    if constexpr (std::is_same_v<acc_t, float>) {
+      ap = (A + additive::kPad - 1) / additive::kPad * additive::kPad;
+      const auto pad = [&](const at::Tensor& x) { return at::constant_pad_nd(x, {0, ap - A}, 0); };
+      vpad = pad(v).contiguous();
+      vsum = v.to(at::kDouble).sum(-1).to(at::kFloat).contiguous();
+      // e^{2q}, e^{2k} and the guard's flags in one pass over the rows (one parallel region:
+      // on a shared machine each region may wait for a descheduled thread)
+      const int64_t nq = B * H * Lq, nk = B * H * Lk;
+      eq = at::empty({B, H, Lq, ap}, q.options());
+      ek = at::empty({B, H, Lk, ap}, q.options());
+      exact_q_ = at::empty({B, H, Lq}, q.options().dtype(at::kBool));
+      exact_k_ = at::empty({B, H, Lk}, q.options().dtype(at::kBool));
+      float *e_q = eq.data_ptr<float>(), *e_k = ek.data_ptr<float>();
+      bool *x_q = exact_q_.data_ptr<bool>(), *x_k = exact_k_.data_ptr<bool>();
+      const float *q_p = q.data_ptr<float>(), *k_p = k.data_ptr<float>();
+      at::parallel_for(0, nq + nk, std::max<int64_t>(1, 16384 / ap), [&](int64_t b0, int64_t b1) {
+        for (int64_t r = b0; r < b1; ++r) {
+          if (r < nq) {
+            x_q[r] = additive::exp2x_row(q_p + r * A, A, ap, e_q + r * ap);
+          } else {
+            x_k[r - nq] = additive::exp2x_row(k_p + (r - nq) * A, A, ap, e_k + (r - nq) * ap);
+          }
+        }
+      });
+      eq_p = eq.data_ptr<float>();
+      ek_p = ek.data_ptr<float>();
+      vpad_p = vpad.data_ptr<float>();
+      vsum_p = vsum.data_ptr<float>();
+      exact_q_p = exact_q_.data_ptr<bool>();
+      exact_k_p = exact_k_.data_ptr<bool>();
+    }
   }
+
+  // The exponential form (float32 only; additive_terms.h): rows of ap values. Raw pointers, as
+  // the kernels read them per row and per key.
+  int64_t ap;
+  at::Tensor eq, ek, vpad, vsum, exact_q_, exact_k_;
+  const float *eq_p = nullptr, *ek_p = nullptr, *vpad_p = nullptr, *vsum_p = nullptr;
+  const bool *exact_q_p = nullptr, *exact_k_p = nullptr;
+  bool exact_q(int64_t bh, int64_t i) const { return exact_q_p == nullptr || exact_q_p[bh * Lq + i]; }
+  bool exact_k(int64_t bh, int64_t j) const { return exact_k_p[bh * Lk + j]; }
+  const float* eq_row(int64_t bh, int64_t i) const { return eq_p + (bh * Lq + i) * ap; }
+  const float* ek_row(int64_t bh, int64_t j) const { return ek_p + (bh * Lk + j) * ap; }
+  const float* vpad_row(int64_t bh) const { return vpad_p + (bh % H) * ap; }
+  float v_sum(int64_t bh) const { return vsum_p[bh % H]; }
 
   const acc_t* q_row(int64_t bh, int64_t i) const { return q.data_ptr<acc_t>() + (bh * Lq + i) * A; }
   const acc_t* k_row(int64_t bh, int64_t j) const { return k.data_ptr<acc_t>() + (bh * Lk + j) * A; }
@@ -156,27 +212,43 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
   TORCH_CHECK(dropout_p == 0.0 || seed.has_value(), op, ": dropout_p > 0 needs a seed");
 }
 
+// s[j] += the score of row i against key j, for the keys in [j0, j1) that s does not already
+// mask out with -inf. tmp: Lk values of scratch.
+template <typename acc_t>
+void add_scores(const Problem<acc_t>& pb, int64_t bh, int64_t i, int64_t j0, int64_t j1,
+                acc_t* s, acc_t* tmp) {
+  const bool fast = !pb.exact_q(bh, i);
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (fast && j1 > j0) {
+      additive::exp_scores(pb.eq_row(bh, i), pb.ek_row(bh, j0), pb.vpad_row(bh), pb.v_sum(bh),
+                           pb.ap, j1 - j0, tmp + j0);
+    }
+  }
+  const acc_t* qi = pb.q_row(bh, i);
+  const acc_t* v = pb.v_row(bh);
+  for (int64_t j = j0; j < j1; ++j) {
+    if (s[j] == -std::numeric_limits<acc_t>::infinity()) continue;
+    s[j] += fast && !pb.exact_k(bh, j) ? tmp[j] : tanh_dot(qi, pb.k_row(bh, j), v, pb.A);
+  }
+}
+
 // ---------------------------------------------------------------------------------- forward
 
+// Returns whether an output or an lse came out NaN or +inf (float64_rerun.h), found as the rows
+// are written: a separate isfinite pass over out cost a fifth of the call at B64 L32.
 template <typename scalar_t, typename acc_t>
-void forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weights) {
-  const int64_t rows = pb.B * pb.H * pb.Lq;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, pb.Lk * pb.A));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> s(pb.Lk), acc(pb.Ev);
-    for (int64_t r = begin; r < end; ++r) {
+bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weights) {
+  std::atomic<bool> non_finite{false};
+  parallel_tasks(pb.B * pb.H * pb.Lq, [&](Tasks& tasks) {
+    std::vector<acc_t> s(pb.Lk), tmp(pb.Lk), acc(pb.Ev);
+    for (int64_t r; tasks.next(r);) {
       const int64_t bh = r / pb.Lq, i = r % pb.Lq;
       const int64_t b = bh / pb.H, h = bh % pb.H;
       const auto [j0, j1] = pb.band(i);
       pb.mask.fill(b, h, i, j0, j1, s.data());
-      const acc_t* qi = pb.q_row(bh, i);
-      const acc_t* v = pb.v_row(bh);
+      add_scores(pb, bh, i, j0, j1, s.data(), tmp.data());
       acc_t m = -std::numeric_limits<acc_t>::infinity();
-      for (int64_t j = j0; j < j1; ++j) {
-        if (s[j] == -std::numeric_limits<acc_t>::infinity()) continue;
-        s[j] += tanh_dot(qi, pb.k_row(bh, j), v, pb.A);
-        m = std::max(m, s[j]);
-      }
+      for (int64_t j = j0; j < j1; ++j) m = std::max(m, s[j]);
       scalar_t* o = out + r * pb.Ev;
       scalar_t* w = weights ? weights + r * pb.Lk : nullptr;
       if (m == -std::numeric_limits<acc_t>::infinity()) {  // no admissible key
@@ -184,23 +256,33 @@ void forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weig
         lse[r] = -std::numeric_limits<float>::infinity();
         continue;
       }
-      acc_t sum = 0;
-      for (int64_t j = j0; j < j1; ++j) {
-        s[j] = std::exp(s[j] - m);  // exp(-inf) = 0 for masked keys
-        sum += s[j];
-      }
+      const acc_t sum = exp_sum(s.data() + j0, j1 - j0, m);  // exp(-inf) = 0 for masked keys
       lse[r] = static_cast<float>(m + std::log(sum));
       const acc_t inv = acc_t(1) / sum;
       const auto row_key = pb.drop.row_key(bh, i);
-      std::fill(acc.begin(), acc.end(), acc_t(0));
       for (int64_t j = j0; j < j1; ++j) {
-        const acc_t p = s[j] * inv * static_cast<acc_t>(pb.drop.factor(row_key, j));
-        if (w) w[j] = static_cast<scalar_t>(p);
-        if (p != acc_t(0)) axpy(p, pb.value_row(bh, j), acc.data(), pb.Ev);
+        s[j] *= inv * static_cast<acc_t>(pb.drop.factor(row_key, j));
+        if (w) w[j] = static_cast<scalar_t>(s[j]);
       }
-      for (int64_t e = 0; e < pb.Ev; ++e) o[e] = static_cast<scalar_t>(acc[e]);
+      if constexpr (std::is_same_v<acc_t, float>) {
+        additive::weighted_sum(s.data() + j0, pb.value_row(bh, j0), j1 - j0, pb.Ev, acc.data());
+      } else {
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        for (int64_t j = j0; j < j1; ++j) {
+          if (s[j] != acc_t(0)) axpy(s[j], pb.value_row(bh, j), acc.data(), pb.Ev);
+        }
+      }
+      float zero = 0.0f;  // NaN once any value (as stored) is NaN or infinite
+      for (int64_t e = 0; e < pb.Ev; ++e) {
+        o[e] = static_cast<scalar_t>(acc[e]);
+        zero += static_cast<float>(o[e]) * 0.0f;
+      }
+      if (zero != 0.0f || std::isnan(lse[r]) || lse[r] == std::numeric_limits<float>::infinity()) {
+        non_finite.store(true, std::memory_order_relaxed);
+      }
     }
   });
+  return non_finite.load();
 }
 
 // --------------------------------------------------------------------------------- backward
@@ -240,14 +322,24 @@ struct Upstream {
   const acc_t *grad_lse, *dweights;
 };
 
+// Per-thread scratch of the backward: row buffers of Lk and ap values.
+template <typename acc_t>
+struct RowScratch {
+  std::vector<acc_t> s, tmp, ds, t, dvr;
+  RowScratch(int64_t Lk, int64_t ap) : s(Lk), tmp(Lk), ds(Lk), t(ap), dvr(ap) {}
+};
+
+// dk (rows of ap values) and dq hold sums of ds u (additive_terms.h): the factor 4 v[a] is
+// applied at the end; dv (rows of A values) gets its sum over j of ds_ij tanh_ija here.
 template <typename scalar_t, typename acc_t>
 void backward_rows(const Problem<acc_t>& pb, const Upstream<acc_t>& up, int64_t bh, int64_t i0,
                    int64_t i1, acc_t* dk, acc_t* dvalue, acc_t* dv,
-                   const Grads<scalar_t, acc_t>& g, std::vector<acc_t>& bias,
-                   std::vector<acc_t>& t) {
+                   const Grads<scalar_t, acc_t>& g, RowScratch<acc_t>& w) {
+  constexpr acc_t ninf = -std::numeric_limits<acc_t>::infinity();
   const float* lse = up.lse;
   const int64_t b = bh / pb.H, h = bh % pb.H;
-  const acc_t* v = pb.v_row(bh);
+  acc_t* s = w.s.data();
+  acc_t* ds = w.ds.data();
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t r = bh * pb.Lq + i;
     // Rows with no admissible key pass no gradient; dq and dmask start at zero. (A float32 lse
@@ -256,8 +348,8 @@ void backward_rows(const Problem<acc_t>& pb, const Upstream<acc_t>& up, int64_t 
       continue;
     }
     const auto [j0, j1] = pb.band(i);
-    pb.mask.fill(b, h, i, j0, j1, bias.data());
-    const acc_t* qi = pb.q_row(bh, i);
+    pb.mask.fill(b, h, i, j0, j1, s);
+    add_scores(pb, bh, i, j0, j1, s, w.tmp.data());
     const acc_t* doi = up.dout + r * pb.Ev;
     const acc_t* dwi = up.dweights != nullptr ? up.dweights + r * pb.Lk : nullptr;
     const auto row_key = pb.drop.row_key(bh, i);
@@ -270,41 +362,55 @@ void backward_rows(const Problem<acc_t>& pb, const Upstream<acc_t>& up, int64_t 
       // float32 lse and an out rounded to a low dtype would cost these dtypes their accuracy
       // (double: gradcheck; bfloat16: the float32 reference), and a huge lse may have lost its
       // log(l) (huge_lse.h): recompute the row's max, sum and D exactly.
-      acc_t m = -std::numeric_limits<acc_t>::infinity();
-      for (int64_t j = j0; j < j1; ++j) {
-        if (bias[j] == -std::numeric_limits<acc_t>::infinity()) continue;
-        bias[j] += tanh_dot(qi, pb.k_row(bh, j), v, pb.A);
-        m = std::max(m, bias[j]);
-      }
-      if (m == -std::numeric_limits<acc_t>::infinity()) continue;
+      acc_t m = ninf;
+      for (int64_t j = j0; j < j1; ++j) m = std::max(m, s[j]);
+      if (m == ninf) continue;
       acc_t sum = 0;
-      for (int64_t j = j0; j < j1; ++j) sum += std::exp(bias[j] - m);
+      for (int64_t j = j0; j < j1; ++j) sum += std::exp(s[j] - m);
       c = m;
       f = acc_t(1) / sum;
       D = 0;
       for (int64_t j = j0; j < j1; ++j) {
-        const acc_t pd =
-            std::exp(bias[j] - c) * f * static_cast<acc_t>(pb.drop.factor(row_key, j));
+        const acc_t pd = std::exp(s[j] - c) * f * static_cast<acc_t>(pb.drop.factor(row_key, j));
         if (pd != acc_t(0)) D += pd * dot(doi, pb.value_row(bh, j), pb.Ev);
       }
-      pb.mask.fill(b, h, i, j0, j1, bias.data());
     }
     // grad_lse carries the weights' part of D too (csrc/ops.cpp)
     if (up.grad_lse != nullptr) D -= up.grad_lse[r];
-    acc_t* dqi = g.dq + r * pb.A;
+    acc_t ds_sum = 0;
     for (int64_t j = j0; j < j1; ++j) {
-      if (bias[j] == -std::numeric_limits<acc_t>::infinity()) continue;
-      const acc_t* kj = pb.k_row(bh, j);
-      const acc_t p = std::exp(bias[j] + tanh_dot_keep(qi, kj, v, t.data(), pb.A) - c) * f;
+      ds[j] = 0;
+      if (s[j] == ninf) continue;
+      const acc_t p = std::exp(s[j] - c) * f;
       const acc_t keep = static_cast<acc_t>(pb.drop.factor(row_key, j));
       const acc_t pd = p * keep;  // the probability after dropout, as out used it
       const acc_t dp =
           dot(doi, pb.value_row(bh, j), pb.Ev) + (dwi != nullptr ? dwi[j] : acc_t(0));
-      const acc_t ds = p * (keep * dp - D);
+      ds[j] = p * (keep * dp - D);
+      ds_sum += ds[j];
       if (pd != acc_t(0)) axpy(pd, doi, dvalue + j * pb.Ev, pb.Ev);
-      if (ds != acc_t(0)) grad_pair(t.data(), v, ds, dqi, dk + j * pb.A, dv, pb.A);
-      if (g.dmask) g.dmask[r * pb.Lk + j] = static_cast<scalar_t>(ds);
+      if (g.dmask) g.dmask[r * pb.Lk + j] = static_cast<scalar_t>(ds[j]);
     }
+    // the terms' gradients: exact pairs first (their ds then cleared), the rest at once
+    acc_t* dqi = g.dq + r * pb.ap;
+    acc_t* dvr = w.dvr.data();
+    std::fill(w.dvr.begin(), w.dvr.end(), acc_t(0));
+    const acc_t* qi = pb.q_row(bh, i);
+    const acc_t* v = pb.v_row(bh);
+    const bool fast = !pb.exact_q(bh, i);
+    for (int64_t j = j0; j < j1; ++j) {
+      if (ds[j] == acc_t(0) || (fast && !pb.exact_k(bh, j))) continue;
+      tanh_dot_keep(qi, pb.k_row(bh, j), v, w.t.data(), pb.A);
+      grad_terms(w.t.data(), ds[j], dqi, dk + j * pb.ap, dvr, pb.A);
+      ds[j] = 0;
+    }
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (fast && j1 > j0) {
+        additive::exp_grads(pb.eq_row(bh, i), pb.ek_row(bh, j0), ds + j0, pb.ap, j1 - j0, dqi,
+                            dk + j0 * pb.ap, dvr);
+      }
+    }
+    for (int64_t a = 0; a < pb.A; ++a) dv[a] += ds_sum - 2 * dvr[a];
   }
 }
 
@@ -314,32 +420,32 @@ void backward(const Problem<acc_t>& pb, const Upstream<acc_t>& up,
   const int64_t BH = pb.B * pb.H, rows = BH * pb.Lq;
   Slices<acc_t> slices(rows, at::get_num_threads());
   at::parallel_for(0, slices.count, 1, [&](int64_t s_begin, int64_t s_end) {
-    std::vector<acc_t> bias(pb.Lk), t(pb.A);
+    RowScratch<acc_t> scratch(pb.Lk, pb.ap);
     for (int64_t s = s_begin; s < s_end; ++s) {
       const int64_t r0 = slices.begin(s), r1 = slices.begin(s + 1);
       for (int64_t bh = r0 / pb.Lq; bh * pb.Lq < r1; ++bh) {
         const int64_t i0 = std::max(r0 - bh * pb.Lq, int64_t(0));
         const int64_t i1 = std::min(r1 - bh * pb.Lq, pb.Lq);
-        acc_t* dk = g.dk + bh * pb.Lk * pb.A;
+        acc_t* dk = g.dk + bh * pb.Lk * pb.ap;
         acc_t* dvalue = g.dvalue + bh * pb.Lk * pb.Ev;
         acc_t* dv = g.dv + bh * pb.A;
         if (i0 > 0 || i1 < pb.Lq) {  // a block shared with a neighbouring slice
           auto& sh = slices.shared[2 * s + (bh * pb.Lq < r0 ? 0 : 1)];
           sh.bh = bh;
-          sh.dk.assign(pb.Lk * pb.A, acc_t(0));
+          sh.dk.assign(pb.Lk * pb.ap, acc_t(0));
           sh.dvalue.assign(pb.Lk * pb.Ev, acc_t(0));
           sh.dv.assign(pb.A, acc_t(0));
           dk = sh.dk.data();
           dvalue = sh.dvalue.data();
           dv = sh.dv.data();
         }
-        backward_rows(pb, up, bh, i0, i1, dk, dvalue, dv, g, bias, t);
+        backward_rows(pb, up, bh, i0, i1, dk, dvalue, dv, g, scratch);
       }
     }
   });
   for (const auto& sh : slices.shared) {
     if (sh.bh < 0) continue;
-    axpy(acc_t(1), sh.dk.data(), g.dk + sh.bh * pb.Lk * pb.A, pb.Lk * pb.A);
+    axpy(acc_t(1), sh.dk.data(), g.dk + sh.bh * pb.Lk * pb.ap, pb.Lk * pb.ap);
     axpy(acc_t(1), sh.dvalue.data(), g.dvalue + sh.bh * pb.Lk * pb.Ev, pb.Lk * pb.Ev);
     axpy(acc_t(1), sh.dv.data(), g.dv + sh.bh * pb.A, pb.A);
   }
@@ -353,9 +459,8 @@ using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, fl
 // (half its ulp at the top is 1e31); past that the call reruns whatever came out. Otherwise a
 // value or gradient sum past the range shows as a non-finite result, or as an lse of NaN or
 // +inf. (The forward's value sums are normalized as they go, so they overflow only there.)
-bool overflowed(const at::Tensor& v, at::TensorList results, const at::Tensor& lse) {
-  return (v.numel() > 0 && !(v.abs().sum(-1).max().item<double>() <= 1e30)) ||
-         any_non_finite(results) || (at::isnan(lse) | at::isposinf(lse)).any().item<bool>();
+bool overflowed(const at::Tensor& v, bool non_finite_results) {
+  return (v.numel() > 0 && !(v.abs().sum(-1).max().item<double>() <= 1e30)) || non_finite_results;
 }
 
 at::Tensor f64(const at::Tensor& t) { return t.to(at::kDouble); }
@@ -377,13 +482,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> additive_fwd(
   at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(at::kFloat));
   at::Tensor weights = return_weights ? at::zeros({B, H, Lq, Lk}, q.options())
                                       : at::empty({0}, q.options());
+  bool non_finite = false;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attnx_additive_fwd", [&] {
     using acc_t = acc_type<scalar_t>;
     const Problem<acc_t> pb(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed);
-    forward<scalar_t, acc_t>(pb, out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
+    non_finite = forward<scalar_t, acc_t>(pb, out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
                              return_weights ? weights.data_ptr<scalar_t>() : nullptr);
   });
-  if (q.scalar_type() != at::kDouble && overflowed(v, {out}, lse) &&
+  if (q.scalar_type() != at::kDouble && overflowed(v, non_finite) &&
       finite_inputs({q, k, value, v}, mask)) {
     const auto [o, l, w] = additive_fwd(f64(q), f64(k), f64(value), f64(v), f64(mask), window_lo,
                                         window_hi, dropout_p, seed, return_weights);
@@ -418,6 +524,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
               "attnx::additive_bwd: expected a CPU grad_weights of shape (B, H, Lq, Lk), got ",
               grad_weights.has_value() ? grad_weights->sizes() : at::IntArrayRef{});
   at::Tensor dq, dk, dvalue, dv, dmask;
+  bool grads_non_finite = false;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attnx_additive_bwd", [&] {
     using acc_t = acc_type<scalar_t>;
     const Problem<acc_t> pb(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed);
@@ -429,8 +536,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
         grad_lse.has_value() ? grad_lse->to(acc_opts.dtype()).contiguous() : at::Tensor();
     const at::Tensor dw =
         grad_weights.has_value() ? grad_weights->to(acc_opts.dtype()).contiguous() : at::Tensor();
-    at::Tensor dq_acc = at::zeros({B, H, Lq, A}, acc_opts);
-    at::Tensor dk_acc = at::zeros({B, H, Lk, A}, acc_opts);
+    at::Tensor dq_acc = at::zeros({B, H, Lq, pb.ap}, acc_opts);
+    at::Tensor dk_acc = at::zeros({B, H, Lk, pb.ap}, acc_opts);
     at::Tensor dvalue_acc = at::zeros({B, H, Lk, Ev}, acc_opts);
     at::Tensor dv_acc = at::zeros({B, H, A}, acc_opts);
     dmask = mask_grad ? at::zeros({B, H, Lq, Lk}, q.options()) : at::empty({0}, q.options());
@@ -442,13 +549,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
                              glse.defined() ? glse.data_ptr<acc_t>() : nullptr,
                              dw.defined() ? dw.data_ptr<acc_t>() : nullptr};
     backward<scalar_t, acc_t>(pb, up, g);
-    dq = dq_acc.to(q.scalar_type());
-    dk = dk_acc.to(q.scalar_type());
+    const at::Tensor four_v = pb.v.mul(4).view({1, H, 1, A});
+    const at::Tensor dq_f = dq_acc.narrow(-1, 0, A).mul(four_v);
+    const at::Tensor dk_f = dk_acc.narrow(-1, 0, A).mul(four_v);
+    const at::Tensor dv_f = dv_acc.sum(0);
+    // float32 sums past the range show as non-finite gradients: checked serially (on a shared
+    // machine each of ATen's parallel isfinite passes may wait for a descheduled thread)
+    if constexpr (std::is_same_v<acc_t, float>) {
+      for (const at::Tensor& t : {dq_f, dk_f, dvalue_acc, dv_f}) {
+        grads_non_finite |= !additive::all_finite(t.data_ptr<float>(), t.numel());
+      }
+      grads_non_finite |= mask_grad && at::isfinite(dmask).logical_not().any().item<bool>();
+      grads_non_finite |= (at::isnan(lse) | at::isposinf(lse)).any().item<bool>();
+    }
+    dq = dq_f.to(q.scalar_type());
+    dk = dk_f.to(q.scalar_type());
     dvalue = dvalue_acc.to(q.scalar_type());
-    dv = dv_acc.sum(0).to(q.scalar_type());
+    dv = dv_f.to(q.scalar_type());
   });
   const auto gl = grad_lse.value_or(at::Tensor()), gw = grad_weights.value_or(at::Tensor());
-  if (q.scalar_type() != at::kDouble && overflowed(v, {dq, dk, dvalue, dv, dmask}, lse) &&
+  if (q.scalar_type() != at::kDouble && overflowed(v, grads_non_finite) &&
       finite_inputs({grad_out, q, k, value, v, gl, gw}, mask)) {
     const auto opt64 = [](const at::Tensor& t) {
       return t.defined() ? std::optional<at::Tensor>(f64(t)) : std::nullopt;

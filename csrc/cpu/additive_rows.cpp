@@ -107,26 +107,39 @@ ATTNX_CLONES float tanh_dot_keep(const float* q, const float* k, const float* v,
   return s;
 }
 
-ATTNX_CLONES void grad_pair(const float* t, const float* v, float ds, float* dq, float* dk,
-                            float* dv, int64_t n) {
+ATTNX_CLONES void grad_terms(const float* t, float ds, float* dq, float* dk, float* dvr,
+                             int64_t n) {
   int64_t a = 0;
   for (; a + kLanes <= n; a += kLanes) {
     const vfloat th = load(t + a);
-    const vfloat g = ds * load(v + a) * (1.0f - th * th);
+    const vfloat g = (0.25f * ds) * ((1.0f - th) * (1.0f + th));
     store(dq + a, load(dq + a) + g);
     store(dk + a, load(dk + a) + g);
-    store(dv + a, load(dv + a) + ds * th);
+    store(dvr + a, load(dvr + a) + (0.5f * ds) * (1.0f - th));
   }
   for (; a < n; ++a) {
-    const float g = ds * v[a] * (1.0f - t[a] * t[a]);
+    const float g = 0.25f * ds * ((1.0f - t[a]) * (1.0f + t[a]));
     dq[a] += g;
     dk[a] += g;
-    dv[a] += ds * t[a];
+    dvr[a] += 0.5f * ds * (1.0f - t[a]);
   }
 }
 
+// Written out on vectors: GCC's own vectorization of the plain loop ran at about one scalar
+// FMA per cycle here (its runtime alias checks), a quarter of the forward's time at Ev = 256.
 ATTNX_CLONES void axpy(float alpha, const float* x, float* y, int64_t n) {
-  for (int64_t a = 0; a < n; ++a) y[a] += alpha * x[a];
+  int64_t a = 0;
+  for (; a + kLanes <= n; a += kLanes) store(y + a, load(y + a) + alpha * load(x + a));
+  for (; a < n; ++a) y[a] += alpha * x[a];
+}
+
+ATTNX_CLONES bool all_finite(const float* x, int64_t n) {
+  vfloat z = {};  // x * 0 is NaN exactly for NaN and +-inf
+  int64_t a = 0;
+  for (; a < n - n % kLanes; a += kLanes) z += load(x + a) * 0.0f;
+  float t = hsum(z);
+  for (; a < n; ++a) t += x[a] * 0.0f;
+  return t == 0.0f;
 }
 
 ATTNX_CLONES float dot(const float* x, const float* y, int64_t n) {
@@ -154,13 +167,12 @@ double tanh_dot_keep(const double* q, const double* k, const double* v, double* 
   return s;
 }
 
-void grad_pair(const double* t, const double* v, double ds, double* dq, double* dk, double* dv,
-               int64_t n) {
+void grad_terms(const double* t, double ds, double* dq, double* dk, double* dvr, int64_t n) {
   for (int64_t a = 0; a < n; ++a) {
-    const double g = ds * v[a] * (1.0 - t[a] * t[a]);
+    const double g = 0.25 * ds * ((1.0 - t[a]) * (1.0 + t[a]));
     dq[a] += g;
     dk[a] += g;
-    dv[a] += ds * t[a];
+    dvr[a] += 0.5 * ds * (1.0 - t[a]);
   }
 }
 
