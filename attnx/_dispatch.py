@@ -42,7 +42,8 @@ def backends() -> dict:
 
 
 # The backends of the ops that not every backend has yet (the others' modules never see them).
-_SERVED = {"kvcache": ("cuda", "cpu", "triton", "reference"), "varlen": ("cpu", "reference")}
+_SERVED = {"kvcache": ("cuda", "cpu", "triton", "reference"),
+           "varlen": ("cpu", "triton", "reference")}
 # The backends that compute the score modifiers (softcap, alibi_slopes, sinks), by op; a call
 # with one goes to no other (backend=None falls back to these: CUDA tensors to triton).
 _SERVED_MODIFIERS = {"sdpa": ("cpu", "triton", "reference"),

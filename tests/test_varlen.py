@@ -1,5 +1,6 @@
-"""attnx.varlen_attention (API.md): packed variable-length batches on the reference and cpu
-backends.
+"""attnx.varlen_attention (API.md): packed variable-length batches on the reference, cpu and
+triton backends (triton without the score modifiers; in Triton's interpreter on CPU tensors
+without a GPU, tests/conftest.py, on few and small cases: it runs each program in Python).
 
 The golden value is plain torch SDPA in float64 run on each sequence alone, the bottom-right
 band as a bool mask and GQA heads repeated; the bound is a small multiple of what the same
@@ -9,17 +10,41 @@ with no admissible key (causal with Lq > Lk) are among the cases.
 
 from __future__ import annotations
 
+import itertools
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import attnx
-from attnx import _ops
+from attnx import _dispatch, _ops, _rng
 from tests._compare import assert_within
 
 HAS_CPU_KERNEL = _ops.has_kernel("varlen_fwd", "CPU")
-BACKENDS = ["reference", pytest.param("cpu", marks=pytest.mark.skipif(
-    not HAS_CPU_KERNEL, reason="attnx._C is not built"))]
+HAS_TRITON = _dispatch.backends()["triton"].usable
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+MARKS = {"reference": [],
+         "cpu": [pytest.mark.skipif(not HAS_CPU_KERNEL, reason="attnx._C is not built")],
+         "triton": [pytest.mark.skipif(not HAS_TRITON,
+                                       reason=_dispatch.backends()["triton"].reason)]}
+BACKENDS = [pytest.param(b, marks=MARKS[b]) for b in ("reference", "cpu")]
+TRITON = pytest.param("triton", marks=MARKS["triton"])
+
+
+def cases(backends, *axes):
+    """pytest.params of each backend x the cross product of `axes` (lists of tuples)."""
+    return [pytest.param(b, *sum(combo, ()), marks=MARKS[b])
+            for b in backends for combo in itertools.product(*axes)]
+
+
+def device(backend: str) -> str:
+    """Where a backend's inputs live: CUDA for triton unless Triton interprets on CPU."""
+    return "cuda" if backend == "triton" and not INTERPRET else "cpu"
+
+
+def on(backend, *tensors):
+    return tuple(t.to(device(backend)) for t in tensors)
 
 # (Lq, Lk) per sequence
 MIXED = [(17, 17), (1, 1), (0, 5), (97, 97), (5, 0), (3, 40), (40, 3)]
@@ -87,18 +112,26 @@ def golden(q, k, v, lens, is_causal=False, window=None, scale=None, dtype=torch.
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-2}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("lens,is_causal,window,heads", [
-    (MIXED, False, None, (3, 3)), (MIXED, True, None, (4, 2)), (MIXED, False, (4, 2), (4, 1)),
-    (MIXED, True, (8, None), (4, 2)), (LONG, True, None, (4, 2))])
+GOLDEN_CASES = [(MIXED, False, None, (3, 3)), (MIXED, True, None, (4, 2)),
+                (MIXED, False, (4, 2), (4, 1)), (MIXED, True, (8, None), (4, 2))]
+
+
+# The long case once per backend (float32, float64); triton (no float64) in float32 and the
+# short causal GQA case in bfloat16.
+@pytest.mark.parametrize(
+    "backend,dtype,lens,is_causal,window,heads",
+    cases(["reference", "cpu"], [(torch.float32,), (torch.bfloat16,), (torch.float64,)],
+          GOLDEN_CASES)
+    + cases(["reference", "cpu"], [(torch.float32,), (torch.float64,)],
+            [(LONG, True, None, (4, 2))])
+    + cases(["triton"], [(torch.float32,)], GOLDEN_CASES)
+    + cases(["triton"], [(torch.bfloat16,)], GOLDEN_CASES[1:2]))
 def test_matches_golden(backend, dtype, lens, is_causal, window, heads):
-    if dtype == torch.bfloat16 and lens is LONG:
-        pytest.skip("one long case per backend is enough (float32, float64)")
     hq, hkv = heads
     q, k, v, cu_q, cu_k = pack(lens, hq, hkv, 16, 8, dtype)
-    out, lse = attnx.varlen_attention(q, k, v, cu_q, cu_k, is_causal=is_causal, window=window,
-                                      backend=backend, return_lse=True)
+    out, lse = attnx.varlen_attention(*on(backend, q, k, v, cu_q, cu_k), is_causal=is_causal,
+                                      window=window, backend=backend, return_lse=True)
+    out, lse = out.cpu(), lse.cpu()
     want, want_lse = golden(q, k, v, lens, is_causal, window)
     base, _ = golden(q, k, v, lens, is_causal, window, dtype=dtype)
     assert out.dtype == dtype and lse.dtype == torch.float32
@@ -112,9 +145,15 @@ def test_matches_golden(backend, dtype, lens, is_causal, window, heads):
         assert (out.transpose(0, 1)[empty] == 0).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("is_causal,window", [(False, None), (True, None), (True, (6, None))])
+GRAD_CASES = [(False, None), (True, None), (True, (6, None))]
+
+
+@pytest.mark.parametrize("backend,dtype,is_causal,window",
+                         cases(["reference", "cpu"], [(torch.float32,), (torch.bfloat16,)],
+                               GRAD_CASES)
+                         # the interpreter takes ~10 s a case: causal in bfloat16 only
+                         + cases(["triton"], [(torch.float32,)], GRAD_CASES[::2])
+                         + cases(["triton"], [(torch.bfloat16,)], GRAD_CASES[1:2]))
 def test_gradients(backend, dtype, is_causal, window):
     lens = MIXED
     q, k, v, cu_q, cu_k = pack(lens, 4, 2, 16, 8, dtype, seed=1)
@@ -125,12 +164,14 @@ def test_gradients(backend, dtype, is_causal, window):
         x, y, z = (t.detach().requires_grad_() for t in (x, y, z))
         out, lse = fn(x, y, z)
         ok = torch.isfinite(lse)
-        (out * g.to(out.dtype)).sum().add((lse.where(ok, 0) * gl.to(lse.dtype)).sum()).backward()
-        return x.grad, y.grad, z.grad
+        gd, gld = g.to(out), gl.to(lse)  # dtype and device
+        (out * gd).sum().add((lse.where(ok, 0) * gld).sum()).backward()
+        return x.grad.cpu(), y.grad.cpu(), z.grad.cpu()
 
-    got = grads(lambda *t: attnx.varlen_attention(*t, cu_q, cu_k, is_causal=is_causal,
+    dcu_q, dcu_k = on(backend, cu_q, cu_k)
+    got = grads(lambda *t: attnx.varlen_attention(*t, dcu_q, dcu_k, is_causal=is_causal,
                                                   window=window, backend=backend,
-                                                  return_lse=True), q, k, v)
+                                                  return_lse=True), *on(backend, q, k, v))
     want = grads(lambda *t: golden(*t, lens, is_causal, window), q, k, v)
     base = grads(lambda *t: golden(*t, lens, is_causal, window, dtype=dtype), q, k, v)
     for name, a, w, b in zip(("dq", "dk", "dv"), got, want, base):
@@ -147,10 +188,10 @@ def test_float64_gradcheck(backend):
     assert torch.autograd.gradcheck(fn, inputs)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + [TRITON])
 def test_dropout(backend):
-    """Reproducible under torch.manual_seed; the cpu kernels drop what the reference drops;
-    two identical sequences of one batch get different patterns (each its own seed)."""
+    """Reproducible under torch.manual_seed; the cpu and triton kernels drop what the reference
+    drops; two identical sequences of one batch get different patterns (each its own seed)."""
     lens = [(20, 20), (20, 20), (7, 9)]
     q, k, v, cu_q, cu_k = pack([(20, 20), (0, 0), (7, 9)], 2, 2, 8, 8, torch.float32)
     q = torch.cat([q[:20], q[:20], q[20:]])
@@ -161,16 +202,82 @@ def test_dropout(backend):
 
     def run(name):
         torch.manual_seed(7)
-        return attnx.varlen_attention(q, k, v, cu_q, cu_k, dropout_p=0.3, backend=name)
+        return attnx.varlen_attention(*on(name, q, k, v, cu_q, cu_k), dropout_p=0.3,
+                                      backend=name).cpu()
 
     a, b = run(backend), run(backend)
     assert torch.equal(a, b)
     ref = run("reference")
     torch.testing.assert_close(a, ref, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(a[:20], a[20:40])
-    no_drop = attnx.varlen_attention(q, k, v, cu_q, cu_k, backend=backend)
+    no_drop = attnx.varlen_attention(*on(backend, q, k, v, cu_q, cu_k), backend=backend).cpu()
     assert not torch.allclose(a, no_drop)
     assert lens  # the packing above
+
+
+@pytest.mark.parametrize("backend", BACKENDS + [TRITON])
+def test_dropout_pattern_is_the_references(backend):
+    """Bit for bit: with one-hot values (key j of a sequence -> column j) output column j of
+    query i is nonzero iff element (i, j) was kept, and the kept set must be the reference's
+    mask of each sequence (_rng.keep_mask with _rng.sequence_seed), GQA heads included."""
+    lens = [(9, 12), (12, 5), (1, 1), (6, 12)]
+    q, k, _, cu_q, cu_k = pack(lens, 2, 1, 8, 8, torch.float32, seed=8)
+    v = torch.cat([torch.eye(12)[:lk] for _, lk in lens]).view(-1, 1, 12)
+    torch.manual_seed(11)
+    seed = _rng.draw_seed()  # the one the call below draws
+    torch.manual_seed(11)
+    out = attnx.varlen_attention(*on(backend, q, k, v, cu_q, cu_k), dropout_p=0.4,
+                                 backend=backend).cpu()
+    q0 = 0
+    for n, (lq, lk) in enumerate(lens):
+        keep = _rng.keep_mask(_rng.sequence_seed(seed, n), 1, 2, lq, lk, 0.4, "cpu")[0]
+        assert torch.equal(out[q0:q0 + lq, :, :lk].transpose(0, 1) != 0, keep)
+        q0 += lq
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:] + [TRITON])
+def test_dropout_gradients_match_reference(backend):
+    """The backward draws the forward's mask (causal GQA, Lq != Lk)."""
+    lens = [(9, 12), (12, 5), (1, 1)]
+    q, k, v, cu_q, cu_k = pack(lens, 4, 2, 16, 8, torch.float32, seed=9)
+    g = torch.randn(q.shape[0], 4, 8, generator=torch.Generator().manual_seed(10))
+
+    def grads(name):
+        x, y, z, cq, ck, gd = on(name, q, k, v, cu_q, cu_k, g)
+        x, y, z = (t.requires_grad_() for t in (x, y, z))
+        torch.manual_seed(12)
+        out = attnx.varlen_attention(x, y, z, cq, ck, dropout_p=0.25, is_causal=True,
+                                     backend=name)
+        (out * gd).sum().backward()
+        return [t.grad.cpu() for t in (x, y, z)]
+
+    for got, want in zip(grads(backend), grads("reference")):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason=_dispatch.backends()["triton"].reason)
+def test_triton_auto_and_opcheck():
+    """backend=None picks triton for CUDA tensors; the triton ops' schemas, fake kernels and
+    the forward's autograd registration as torch.library checks them (its aot_dispatch check
+    reruns the op many times in the interpreter; the gradient tests cover the backward)."""
+    from attnx import _validate
+    from attnx.triton import varlen  # noqa: F401  (registers the ops)
+    dev = device("triton")
+    q, k, v, cu_q, cu_k = on("triton", *pack([(3, 5), (4, 2)], 2, 1, 16, 8, torch.float32))
+    if dev == "cuda":
+        call = _validate.varlen_call(q, k, v, cu_q, cu_k, None, None, 0.0, True, None, None,
+                                     None, None, None, None, False)
+        assert _dispatch.select("varlen", call) == "triton"
+    q.requires_grad_()
+    fwd = (q, k, v, cu_q, cu_k, 4, 5, 0.25, -9, 0, 0.0, None)
+    torch.library.opcheck(torch.ops.attnx.triton_varlen_fwd.default, fwd,
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_autograd_registration"))
+    out, lse = torch.ops.attnx.triton_varlen_fwd(*fwd)
+    torch.library.opcheck(torch.ops.attnx.triton_varlen_bwd.default,
+                          (torch.randn_like(out), q.detach(), k, v, cu_q, cu_k, 4, 5,
+                           out.detach(), lse.detach(), 0.25, -9, 0, 0.0, None,
+                           torch.randn_like(lse)), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_auto_picks_cpu_and_opcheck():
@@ -203,7 +310,9 @@ BAD = [
     (dict(k=torch.randn(5, 3, 8), v=torch.randn(5, 3, 4)), ValueError,
      "k: expected a head count dividing 2"),
     (dict(v=torch.randn(5, 2, 4, dtype=torch.float64)), TypeError, "v: expected dtype torch.float32"),
-    (dict(backend="triton"), ValueError, "backend: 'triton' cannot run this call"),
+    (dict(backend="triton", softcap=1.0), ValueError,
+     "backend: 'triton' cannot run this call: it does not compute softcap in varlen"),
+    (dict(backend="cuda"), ValueError, "backend: 'cuda' cannot run this call: it has no varlen"),
     (dict(is_causal=1), TypeError, "is_causal: expected a bool"),
 ]
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .._validate import AdditiveCall, KvcacheCall, SdpaCall
+from .._validate import AdditiveCall, KvcacheCall, SdpaCall, VarlenCall
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -46,6 +46,7 @@ def unsupported(op: str, call) -> Optional[str]:
     if call.q.dtype not in DTYPES:
         return f"the triton backend takes float16, bfloat16 and float32, got {call.q.dtype}"
     dims = {"sdpa": lambda: (call.q.shape[-1], call.v.shape[-1]),
+            "varlen": lambda: (call.q.shape[-1], call.v.shape[-1]),
             "kvcache": lambda: (call.q.shape[-1], call.v_cache.shape[-1]),
             "additive": lambda: (call.value.shape[-1],)}[op]()
     if max(dims) > MAX_HEAD_DIM:
@@ -75,3 +76,11 @@ def kvcache(call: KvcacheCall):
     return kernels.kvcache_fwd(call.q, call.k_cache, call.v_cache, call.seqlens,
                                call.block_table, call.scale, call.window_lo, call.window_hi,
                                mods.softcap, mods.alibi, mods.sinks)
+
+
+def varlen(call: VarlenCall):
+    from ..triton import varlen as kernels  # no modifiers (_dispatch._SERVED_MODIFIERS)
+    return kernels.varlen_fwd(call.q, call.k, call.v, call.cu_q, call.cu_k,
+                              max(lq for lq, _ in call.lens), max(lk for _, lk in call.lens),
+                              call.scale, call.window_lo, call.window_hi, call.dropout_p,
+                              call.seed)

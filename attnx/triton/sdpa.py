@@ -8,6 +8,9 @@ one kernel per (key block, b * Hkv + kv head, slice of its GQA group) accumulate
 key-major tiles (K Q^T, as Triton's fused-attention tutorial does: nothing transposed in
 registers) over the query heads of its slice (no atomics, K/V never copied) and writes the
 float-mask gradient; a third kernel per query block accumulates dQ.
+The constexpr VARLEN mode serves packed sequences (varlen.py): the batch index is a sequence
+whose rows, lengths and bottom-right band the kernels read from cu_seqlens (CU_Q, CU_K; lse
+(Hq, TOTAL_Q)); the ops here pass q, q, 0 for those three, never read.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from . import common
 from .common import (LN2, LOG2E, admit, dot, dot_acc, huge_rows, inner_range, key_range,
                      load_tile, modified, offsets, query_range, second_chunk, softmax_start,
                      store_out, store_rows, tile_and_head)
-from .rng import keep, keep_t, rng_words, row_keys
+from .rng import keep, keep_t, mix32, rng_words, row_keys
 
 # Pruned per launch by common.pruner; the small configs are what fits wide fp32 heads on
 # sm_80, the 8-warp ones what fits 128-wide heads in registers.
@@ -41,17 +44,19 @@ _SUMS = common.configs([(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (32, 16
                       small=(16, 16))
 # Tuned once per power-of-two bucket of the lengths (common.length_bucket), not per length.
 _KEY = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "BLOCK_D2", "BLOCK_DV", "BLOCK_DV2", "MASK_KIND",
-        "DROPOUT", "GROUPS", "SOFTCAP", "ALIBI"]
+        "DROPOUT", "GROUPS", "SOFTCAP", "ALIBI", "VARLEN"]
 _JIT = triton.jit(do_not_specialize=["LQ_BUCKET", "LK_BUCKET"])  # read by the autotuner only
 
 
 # What each kernel's tiles take, for common.pruner (element counts of a config).
 def _fwd_tiles(m):
     """K^T and V staged; q and p through shared memory; acc and s/p fp32 in registers (and the
-    mask or dropout's tile where there is one), q held. Head dims count both chunks."""
+    mask or dropout's tile where there is one; one more under VARLEN, whose lengths, band and
+    row bases are registers, not kernel arguments: bf16 d128 with dropout 64x32 4-warp spilled
+    232 B on sm_80 without it), q held. Head dims count both chunks."""
     mm, n = m["BLOCK_M"], m["BLOCK_N"]
     d, dv = m["BLOCK_D"] + m["BLOCK_D2"], m["BLOCK_DV"] + m["BLOCK_DV2"]
-    tiles = 1 + m["MASK_KIND"] + bool(m["DROPOUT"])  # a float mask: its load and fp32 copy
+    tiles = 1 + m["MASK_KIND"] + bool(m["DROPOUT"]) + bool(m["VARLEN"])  # float mask: 2
     return dict(staged=n * (d + dv), mask=mm * n, resident=mm * (d + n), acc=mm * (dv + tiles * n),
                 held=mm * d)
 
@@ -110,6 +115,28 @@ def _slope(SLOPES, b, h, sab, sah, ALIBI: tl.constexpr):
     if ALIBI:
         slope = tl.load(SLOPES + b * sab + h * sah)
     return slope
+
+
+@triton.jit
+def _sequence(CU_Q, CU_K, n, window_lo, window_hi):
+    """VARLEN: (first query row, first key row (int64, rows of the packed tensors), Lq, Lk of
+    sequence n, and the band shifted by d = Lk - Lq: aligned bottom-right)."""
+    q0 = tl.load(CU_Q + n)
+    k0 = tl.load(CU_K + n)
+    lq = tl.load(CU_Q + n + 1) - q0
+    lk = tl.load(CU_K + n + 1) - k0
+    return q0.to(tl.int64), k0.to(tl.int64), lq, lk, window_lo + lk - lq, window_hi + lk - lq
+
+
+@triton.jit
+def _varlen_row_keys(RNG, n, h, offs_m):
+    """row_keys of sequence n's head h: a batch-1 call (bh = h) with the sequence's seed
+    (seed0, mix32(seed1 + n + 1)), as attnx._rng.sequence_seed derives it."""
+    s0 = tl.load(RNG).to(tl.uint32)
+    s1 = mix32(tl.load(RNG + 1).to(tl.uint32) + (n + 1).to(tl.uint32))
+    threshold = tl.load(RNG + 2).to(tl.uint32)
+    key_bh = mix32(s0 ^ mix32(h.to(tl.uint32) ^ s1))
+    return mix32(key_bh ^ offs_m.to(tl.uint32)), threshold
 
 
 @triton.jit
@@ -199,13 +226,18 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS,
                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                 smb, smh, smm, smn, sob, soh, som, sod, sab, sah,
                 H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep, cap,
-                LQ_BUCKET, LK_BUCKET,
+                CU_Q, CU_K, TOTAL_Q, LQ_BUCKET, LK_BUCKET,
                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
-                ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr,
+                ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, VARLEN: tl.constexpr,
+                DOT_PREC: tl.constexpr,
                 PAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
+    if VARLEN:  # b is the sequence; Lq, Lk were the longest ones' (the grid's)
+        q0, k0, Lq, Lk, window_lo, window_hi = _sequence(CU_Q, CU_K, b, window_lo, window_hi)
+        if m0 >= Lq:
+            return
     rows = tl.arange(0, BLOCK_M)
     offs_m = m0 + rows
     row_ok = offs_m < Lq
@@ -215,6 +247,10 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS,
     offs_dv2 = second_chunk(BLOCK_DV, BLOCK_DV2)
     m = m0.to(tl.int64)
     k_base, v_base, m_base = _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh)
+    if VARLEN:  # rows of the packed tensors (their batch strides are 0)
+        m += q0
+        k_base += k0 * skn
+        v_base += k0 * svn
     q_base = Q + b * sqb + h * sqh + m * sqm
     q = load_tile(q_base + offsets(rows, offs_d, sqm, sqd), offs_m, offs_d, Lq, E, True, PAD_D)
     q2 = q  # read only with a second chunk
@@ -228,7 +264,10 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS,
     sc = tl.abs(scale)
     key_row, threshold = None, None
     if DROPOUT:
-        key_row, threshold = row_keys(RNG, bh, offs_m)
+        if VARLEN:
+            key_row, threshold = _varlen_row_keys(RNG, b, h, offs_m)
+        else:
+            key_row, threshold = row_keys(RNG, bh, offs_m)
     slope = _slope(SLOPES, b, h, sab, sah, ALIBI)
     m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_DV)
     acc2 = tl.zeros([BLOCK_M, offs_dv2.shape[0]], tl.float32)
@@ -260,8 +299,10 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS,
         acc2 = acc2 * alpha[:, None]
         m_i = m_new
     o_base = O + b * sob + h * soh + m * som
-    store_rows(o_base, LSE + bh.to(tl.int64) * Lq + m0, m_i, l_i, acc, rows, offs_dv, Lq - m0,
-               Ev, som, sod)
+    lse_base = LSE + bh.to(tl.int64) * Lq + m0
+    if VARLEN:  # lse (Hq, total_q)
+        lse_base = LSE + h * TOTAL_Q + m
+    store_rows(o_base, lse_base, m_i, l_i, acc, rows, offs_dv, Lq - m0, Ev, som, sod)
     if BLOCK_DV2 > 0:
         store_out(o_base, l_i, acc2, rows, offs_dv2, Lq - m0, Ev, som, sod)
 
@@ -312,32 +353,43 @@ def _row_stats(lse_base, delta_base, offs_m, row_ok):
 
 
 @triton.autotune(configs=_SUMS, key=["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "BLOCK_DV", "MASK_KIND",
-                                     "GROUPS", "SOFTCAP", "ALIBI"],
+                                     "GROUPS", "SOFTCAP", "ALIBI", "VARLEN"],
                  prune_configs_by={"early_config_prune": common.pruner(_prep_tiles)})
 @_JIT
 def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, smb, smh, smm, smn,
                  sob, soh, som, sod, sdb, sdh, sdm, sdd, sab, sah,
                  H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, huge_lse, cap,
-                 LQ_BUCKET, LK_BUCKET,
+                 CU_Q, CU_K, TOTAL_Q, LQ_BUCKET, LK_BUCKET,
                  MASK_KIND: tl.constexpr, HAS_GLSE: tl.constexpr, SOFTCAP: tl.constexpr,
-                 ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr,
+                 ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, VARLEN: tl.constexpr,
+                 DOT_PREC: tl.constexpr,
                  PAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The backward's one pre-pass over the query rows: DELTA = (rowsum(dO * O) - grad_lse) / r
     and DOS = dO / r in dO's dtype (contiguous), r = sum_j exp(s_ij - lse_i) on rows of huge
     |lse| (common.HUGE_LSE), 1 elsewhere (the sink's exp(sink - lse_i) included); programs
-    without such rows read no keys."""
+    without such rows read no keys. VARLEN: DELTA as lse (Hq, total_q), DOS (Hq, total_q, Ev)."""
     m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
+    if VARLEN:  # as in the forward
+        q0, k0, Lq, Lk, window_lo, window_hi = _sequence(CU_Q, CU_K, b, window_lo, window_hi)
+        if m0 >= Lq:
+            return
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < Lq
     rows = bh.to(tl.int64) * Lq + offs_m
+    Qb, Ob, DOb = Q, O, DO
+    if VARLEN:
+        rows = h * TOTAL_Q + q0 + offs_m
+        Qb, Ob, DOb = Q + q0 * sqm, O + q0 * som, DO + q0 * sdm
     lse = tl.load(LSE + rows, mask=row_ok, other=float("inf"))  # not huge, no sink term
     huge = huge_rows(lse, huge_lse)
     k_base, _, m_base = _head_bases(K, K, M, b, h, hk, skb, skh, skb, skh, smb, smh)
-    q = load_tile(Q + b * sqb + h * sqh + offsets(offs_m, offs_d, sqm, sqd), offs_m, offs_d, Lq,
+    if VARLEN:
+        k_base += k0 * skn
+    q = load_tile(Qb + b * sqb + h * sqh + offsets(offs_m, offs_d, sqm, sqd), offs_m, offs_d, Lq,
                   E, True, PAD_D)
     start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
     end = tl.where(tl.max(huge.to(tl.int32), 0) > 0, end, start)
@@ -354,9 +406,9 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS,
         s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
         total += tl.sum(tl.math.exp2((s - lse[:, None]) * LOG2E), 1)
     r = tl.where(huge, total, 1.0)
-    o = load_tile(O + b * sob + h * soh + offsets(offs_m, offs_dv, som, sod), offs_m, offs_dv,
+    o = load_tile(Ob + b * sob + h * soh + offsets(offs_m, offs_dv, som, sod), offs_m, offs_dv,
                   Lq, Ev, True, PAD_D).to(tl.float32)
-    do = load_tile(DO + b * sdb + h * sdh + offsets(offs_m, offs_dv, sdm, sdd), offs_m, offs_dv,
+    do = load_tile(DOb + b * sdb + h * sdh + offsets(offs_m, offs_dv, sdm, sdd), offs_m, offs_dv,
                    Lq, Ev, True, PAD_D).to(tl.float32)
     delta = tl.sum(do * o, 1)
     # With dropout D_i = sum_j P_ij dP_ij still equals rowsum(dO * O): O is built from the
@@ -371,14 +423,15 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS,
 
 @triton.jit
 def _dkdv_blocks(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, LSE, DELTA,
-                 RNG, bh, lo, hi, offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk, E,
-                 Ev, sqm, sqd, sdm, sdd, smm, smn, sc,
+                 RNG, bh, seq, lo, hi, offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk,
+                 E, Ev, sqm, sqd, sdm, sdd, smm, smn, sc,
                  window_lo, window_hi, inv_keep, cap, slope,
                  EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                  MASK_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                 DOT_PREC: tl.constexpr, PAD_D: tl.constexpr,
+                 VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, PAD_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV2: tl.constexpr):
-    """dK and dV of one key block over query blocks [lo, hi) of head bh, in key-major tiles
+    """dK and dV of one key block over query blocks [lo, hi) of head bh (VARLEN: query head bh
+    of sequence seq, for the dropout's keys), in key-major tiles
     (K Q^T, V dO^T): q and dO are read transposed from memory, so no probability or score
     gradient tile is transposed in registers. EDGE blocks reach past the band or the rows.
     Second head-dim chunks (common.head_blocks) add a dot to each product."""
@@ -409,7 +462,10 @@ def _dkdv_blocks(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_bas
                         cap, slope, offs_m[None, :], offs_n[:, None], EDGE, MASK_KIND, SOFTCAP,
                         ALIBI)
         if DROPOUT:
-            key_row, threshold = row_keys(RNG, bh, offs_m)
+            if VARLEN:
+                key_row, threshold = _varlen_row_keys(RNG, seq, bh, offs_m)
+            else:
+                key_row, threshold = row_keys(RNG, bh, offs_m)
             kept = keep_t(key_row, offs_n, threshold)
             pu = tl.where(kept, pt * inv_keep, 0.0).to(do.dtype)
             dpt = tl.where(kept, dpt * inv_keep, 0.0)
@@ -438,21 +494,25 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                  smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                  H, Hkv, Lq, Lk, E, Ev, GROUPS, SPLIT, scale, window_lo, window_hi, inv_keep,
-                 SLOPES, sab, sah, cap, LQ_BUCKET, LK_BUCKET,
+                 SLOPES, sab, sah, cap, CU_Q, CU_K, TOTAL_Q, LQ_BUCKET, LK_BUCKET,
                  MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
-                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
                  DOT_PREC: tl.constexpr, PAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (key block, b * Hkv + kv head, slice of its GQA group): the group's
     GROUPS / SPLIT query heads in turn. SPLIT > 1 (sdpa_bwd: where b * Hkv key blocks would
     leave SMs idle) writes fp32 partial sums, one per slice, that the host adds up: no
-    atomics, deterministic."""
+    atomics, deterministic. VARLEN: b is the sequence; dK, dV (total_k, Hkv, SPLIT, E)."""
     n0, prog = tile_and_head(Lk, BLOCK_N)
     part = prog % SPLIT
     bhk = prog // SPLIT
     b = (bhk // Hkv).to(tl.int64)
     hk = (bhk % Hkv).to(tl.int64)
+    if VARLEN:  # Lq, Lk were the longest sequences' (the grid's)
+        q0, k0, Lq, Lk, window_lo, window_hi = _sequence(CU_Q, CU_K, b, window_lo, window_hi)
+        if n0 >= Lk:
+            return
     cols = tl.arange(0, BLOCK_N)
     offs_n = n0 + cols
     col_ok = offs_n < Lk
@@ -461,6 +521,8 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
     offs_d2 = second_chunk(BLOCK_D, BLOCK_D2)
     offs_dv2 = second_chunk(BLOCK_DV, BLOCK_DV2)
     n = n0.to(tl.int64)
+    if VARLEN:  # rows of the packed tensors (their batch strides are 0)
+        n += k0
     k_base = K + b * skb + hk * skh + n * skn
     v_base = V + b * svb + hk * svh + n * svn
     k = load_tile(k_base + offsets(cols, offs_d, skn, skd), offs_n, offs_d, Lk, E, True, PAD_D)
@@ -495,42 +557,54 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
         dm_base = DM + bh * Lq * Lk
         lse_base = LSE + bh * Lq
         delta_base = DELTA + bh * Lq
+        rng_head = bh
+        if VARLEN:  # lse and delta (Hq, total_q); the sequence as a batch of one for dropout
+            q_base += q0 * sqm
+            do_base += q0 * sdm
+            lse_base = LSE + h * TOTAL_Q + q0
+            delta_base = DELTA + h * TOTAL_Q + q0
+            rng_head = h
         slope = _slope(SLOPES, b, h, sab, sah, ALIBI)
         dk, dk2, dv, dv2 = _dkdv_blocks(
             dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, lse_base,
-            delta_base, RNG, bh, start, lo,
+            delta_base, RNG, rng_head, b, start, lo,
             offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk, E, Ev, sqm, sqd, sdm, sdd,
             smm, smn, sc,
             window_lo, window_hi, inv_keep, cap, slope, True, MASK_KIND, DROPOUT, MASK_GRAD,
-            SOFTCAP, ALIBI, DOT_PREC, PAD_D, BLOCK_M, BLOCK_D2, BLOCK_DV2)
+            SOFTCAP, ALIBI, VARLEN, DOT_PREC, PAD_D, BLOCK_M, BLOCK_D2, BLOCK_DV2)
         dk, dk2, dv, dv2 = _dkdv_blocks(
             dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, lse_base,
-            delta_base, RNG, bh, lo, hi,
+            delta_base, RNG, rng_head, b, lo, hi,
             offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk, E, Ev, sqm, sqd, sdm, sdd,
             smm, smn, sc,
             window_lo, window_hi, inv_keep, cap, slope, False, MASK_KIND, DROPOUT, MASK_GRAD,
-            SOFTCAP, ALIBI, DOT_PREC, PAD_D, BLOCK_M, BLOCK_D2, BLOCK_DV2)
+            SOFTCAP, ALIBI, VARLEN, DOT_PREC, PAD_D, BLOCK_M, BLOCK_D2, BLOCK_DV2)
         dk, dk2, dv, dv2 = _dkdv_blocks(
             dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, lse_base,
-            delta_base, RNG, bh, hi, end,
+            delta_base, RNG, rng_head, b, hi, end,
             offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk, E, Ev, sqm, sqd, sdm, sdd,
             smm, smn, sc,
             window_lo, window_hi, inv_keep, cap, slope, True, MASK_KIND, DROPOUT, MASK_GRAD,
-            SOFTCAP, ALIBI, DOT_PREC, PAD_D, BLOCK_M, BLOCK_D2, BLOCK_DV2)
-    # dK and dV (or their slices' partial sums) are contiguous: (programs' heads, Lk, E).
+            SOFTCAP, ALIBI, VARLEN, DOT_PREC, PAD_D, BLOCK_M, BLOCK_D2, BLOCK_DV2)
+    # dK and dV (or their slices' partial sums) are contiguous: (programs' heads, Lk, E); VARLEN:
+    # (total_k, Hkv * SPLIT, E), rows of Hkv * SPLIT heads.
     base = prog.to(tl.int64) * Lk + n
-    _store_cols(DK + base * E, dk * scale, cols, offs_d, col_ok, E)
-    _store_cols(DV + base * Ev, dv, cols, offs_dv, col_ok, Ev)
+    heads = 1
+    if VARLEN:
+        heads = tl.full([], Hkv, tl.int64) * SPLIT  # 64-bit row strides
+        base = n * heads + prog % heads
+    _store_cols(DK + base * E, dk * scale, cols, offs_d, col_ok, E, heads * E)
+    _store_cols(DV + base * Ev, dv, cols, offs_dv, col_ok, Ev, heads * Ev)
     if BLOCK_D2 > 0:
-        _store_cols(DK + base * E, dk2 * scale, cols, offs_d2, col_ok, E)
+        _store_cols(DK + base * E, dk2 * scale, cols, offs_d2, col_ok, E, heads * E)
     if BLOCK_DV2 > 0:
-        _store_cols(DV + base * Ev, dv2, cols, offs_dv2, col_ok, Ev)
+        _store_cols(DV + base * Ev, dv2, cols, offs_dv2, col_ok, Ev, heads * Ev)
 
 
 @triton.jit
-def _store_cols(base, x, rows, offs_d, row_ok, D):
-    """x into columns offs_d of the contiguous rows (width D) of base."""
-    tl.store(base + offsets(rows, offs_d, D, 1), x.to(base.dtype.element_ty),
+def _store_cols(base, x, rows, offs_d, row_ok, D, stride):
+    """x into columns offs_d (< D) of the rows (stride apart) of base."""
+    tl.store(base + offsets(rows, offs_d, stride, 1), x.to(base.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
@@ -586,13 +660,17 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
-               SLOPES, sab, sah, cap, LQ_BUCKET, LK_BUCKET,
+               SLOPES, sab, sah, cap, CU_Q, CU_K, TOTAL_Q, LQ_BUCKET, LK_BUCKET,
                MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
+               ALIBI: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
                PAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
+    if VARLEN:  # as in the forward; dQ (total_q, Hq, E)
+        q0, k0, Lq, Lk, window_lo, window_hi = _sequence(CU_Q, CU_K, b, window_lo, window_hi)
+        if m0 >= Lq:
+            return
     rows = tl.arange(0, BLOCK_M)
     offs_m = m0 + rows
     row_ok = offs_m < Lq
@@ -601,6 +679,8 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
     offs_d2 = second_chunk(BLOCK_D, BLOCK_D2)
     offs_dv2 = second_chunk(BLOCK_DV, BLOCK_DV2)
     m = m0.to(tl.int64)
+    if VARLEN:
+        m += q0
     q_base = Q + b * sqb + h * sqh + m * sqm
     do_base = DO + b * sdb + h * sdh + m * sdm
     q = load_tile(q_base + offsets(rows, offs_d, sqm, sqd), offs_m, offs_d, Lq, E, True, PAD_D)
@@ -618,11 +698,20 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
         q2 = -q2
     sc = tl.abs(scale)
     bh64 = bh.to(tl.int64)
-    lse, delta = _row_stats(LSE + bh64 * Lq, DELTA + bh64 * Lq, offs_m, row_ok)
+    row0 = bh64 * Lq
+    if VARLEN:  # lse and delta (Hq, total_q)
+        row0 = h * TOTAL_Q + q0
+    lse, delta = _row_stats(LSE + row0, DELTA + row0, offs_m, row_ok)
     key_row, threshold = None, None
     if DROPOUT:
-        key_row, threshold = row_keys(RNG, bh, offs_m)
+        if VARLEN:
+            key_row, threshold = _varlen_row_keys(RNG, b, h, offs_m)
+        else:
+            key_row, threshold = row_keys(RNG, bh, offs_m)
     k_base, v_base, m_base = _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh)
+    if VARLEN:
+        k_base += k0 * skn
+        v_base += k0 * svn
     slope = _slope(SLOPES, b, h, sab, sah, ALIBI)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq2 = tl.zeros([BLOCK_M, offs_d2.shape[0]], tl.float32)
@@ -644,9 +733,13 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
                          inv_keep, cap, slope, True, MASK_KIND, DROPOUT, SOFTCAP, ALIBI, DOT_PREC,
                          PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
     out = DQ + (bh64 * Lq + m) * E
-    _store_cols(out, dq * scale, rows, offs_d, row_ok, E)
+    stride = E
+    if VARLEN:
+        out = DQ + (m * H + h) * E
+        stride = tl.full([], H, tl.int64) * E  # 64-bit row stride
+    _store_cols(out, dq * scale, rows, offs_d, row_ok, E, stride)
     if BLOCK_D2 > 0:
-        _store_cols(out, dq2 * scale, rows, offs_d2, row_ok, E)
+        _store_cols(out, dq2 * scale, rows, offs_d2, row_ok, E, stride)
 
 
 def _common_args(q, k, v, mask, dropout_p, seed):
@@ -693,8 +786,8 @@ def sdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
     grid = lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)  # noqa: E731
     common.launcher(_fwd_kernel)[grid](
         q, k, v, m, out, lse, rng, slopes, sink, *strides, *out.stride(), *a_strides,
-        h, lq, lk, e, ev, h // hkv, scale, window_lo, window_hi, inv_keep, cap,
-        HAS_SINKS=sinks is not None, **flags, **consts)
+        h, lq, lk, e, ev, h // hkv, scale, window_lo, window_hi, inv_keep, cap, q, q, 0,
+        HAS_SINKS=sinks is not None, VARLEN=False, **flags, **consts)
     return out, lse
 
 
@@ -720,9 +813,9 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     common.launcher(_prep_kernel)[lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)](
         q, k, m, out, grad_out, glse, lse, delta, dos, slopes, sink, *strides[:8], *strides[12:],
         *out.stride(), *grad_out.stride(), *a_strides, h, lq, lk, e, ev, h // hkv, scale,
-        window_lo, window_hi, common.HUGE_LSE, cap, consts["LQ_BUCKET"], consts["LK_BUCKET"],
-        MASK_KIND=consts["MASK_KIND"], HAS_GLSE=grad_lse is not None, **flags,
-        HAS_SINKS=sinks is not None,
+        window_lo, window_hi, common.HUGE_LSE, cap, q, q, 0, consts["LQ_BUCKET"],
+        consts["LK_BUCKET"], MASK_KIND=consts["MASK_KIND"], HAS_GLSE=grad_lse is not None,
+        **flags, HAS_SINKS=sinks is not None, VARLEN=False,
         DOT_PREC=consts["DOT_PREC"], PAD_D=common.head_block(e) != e or common.head_block(ev) != ev,
         BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -740,7 +833,8 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     common.launcher(_dkdv_kernel)[
         lambda meta: common.tiles_grid(lk, meta["BLOCK_N"], b * hkv * split)](
         q, k, v, m, dos, lse, delta, rng, dk, dv, dmask, *strides, *dos.stride(),
-        h, hkv, *sizes, split, *band, MASK_GRAD=mask_grad, **consts)
+        h, hkv, *sizes, split, *band, q, q, 0, MASK_GRAD=mask_grad, VARLEN=False,
+        **consts)
     if split > 1:
         dk, dv = dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype)
     # d lse_i / d sink = P_sink,i = exp(sink - lse_i) / r_i, and the sink's value is 0: its
@@ -750,7 +844,7 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     common.launcher(_dq_kernel)[
         lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)](
         q, k, v, m, dos, lse, delta, rng, dq, *strides, *dos.stride(),
-        h, *sizes, *band, **consts)
+        h, *sizes, *band, q, q, 0, VARLEN=False, **consts)
     return dq, dk, dv, dmask, dsinks
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from typing import Any, Callable, Optional
 
 import torch
 import triton
 
-from attnx.triton import additive, common, decode, sdpa
+from attnx.triton import additive, common, decode, sdpa, varlen
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -22,12 +23,12 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One call of an op: the kernels' constexprs follow from these fields."""
-    op: str                 # "sdpa", "additive" or "kvcache"
+    op: str                 # "sdpa", "additive", "kvcache" or "varlen"
     dtype: str              # key of DTYPES
     head_dim: int           # E = Ev for sdpa; A = Ev for additive
     mask: str = "none"      # "none", "bool", "float" (float masks also take their gradient)
     dropout: bool = False
-    gqa: bool = False       # sdpa: 4 query heads on 2 kv heads
+    gqa: bool = False       # sdpa, varlen: 4 query heads on 2 kv heads
     weights: bool = False   # additive: return_weights and a loss on them
     paged: bool = False     # kvcache: a paged cache (block table) instead of a contiguous one
     softcap: bool = False   # sdpa, kvcache: the score modifiers
@@ -115,6 +116,15 @@ def _run_variant(v: Variant) -> None:
         else:
             k, val, table = rand(2, hkv, L, d), rand(2, hkv, L, d), None
         decode.kvcache_fwd(q, k, val, lens, table, d ** -0.5, -L - 1, 0, *mods)
+    elif v.op == "varlen":  # 3 sequences (L, L / 2 - 3, L / 4), Lq != Lk in the last, causal
+        lq, lk = (L, L // 2 - 3, L // 4), (L, L // 2 - 3, L // 2)
+        cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
+                      for n in (lq, lk))
+        q, k, val = rand(sum(lq), h, d), rand(sum(lk), hkv, d), rand(sum(lk), hkv, d)
+        out, lse = varlen.varlen_fwd(q, k, val, cu_q, cu_k, L, L, d ** -0.5, -L, 0, p, seed)
+        varlen.varlen_bwd(rand(sum(lq), h, d), q, k, val, cu_q, cu_k, L, L, rand(sum(lq), h, d),
+                          torch.zeros(h, sum(lq)), d ** -0.5, -L, 0, p, seed,
+                          torch.zeros(h, sum(lq)))
     elif v.op == "sdpa":
         q, k, val = rand(b, h, L, d), rand(b, hkv, L, d), rand(b, hkv, L, d)
         out, lse = sdpa.sdpa_fwd(q, k, val, mask, d ** -0.5, lo, hi, p, seed, *mods)

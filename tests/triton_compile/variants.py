@@ -36,11 +36,14 @@ CI = (
     Variant("sdpa", "fp32", 256, softcap=True, alibi=True, sinks=True),
     Variant("kvcache", "fp16", 64, softcap=True),
     Variant("kvcache", "bf16", 128, gqa=True, paged=True, softcap=True, alibi=True, sinks=True),
+    # packed sequences (the sdpa kernels' VARLEN mode; no mask or score modifiers there)
+    Variant("varlen", "fp16", 64),
+    Variant("varlen", "bf16", 128, gqa=True, dropout=True),
 )
 
 
 def full() -> list[Variant]:
-    """Every dtype x head dim x each flag alone and all flags together, for both ops."""
+    """Every dtype x head dim x each flag alone and all flags together, for each op."""
     flags = {
         "sdpa": [{}, dict(mask="bool"), dict(mask="float"), dict(dropout=True), dict(gqa=True),
                  dict(mask="float", dropout=True, gqa=True), dict(softcap=True),
@@ -51,8 +54,9 @@ def full() -> list[Variant]:
                      dict(weights=True), dict(mask="float", dropout=True, weights=True)],
         "kvcache": [{}, dict(gqa=True), dict(paged=True), dict(gqa=True, paged=True),
                     dict(gqa=True, paged=True, softcap=True, alibi=True, sinks=True)],
+        "varlen": [{}, dict(dropout=True), dict(gqa=True), dict(dropout=True, gqa=True)],
     }
-    return [Variant(op, dt, d, **f) for op in ("sdpa", "additive", "kvcache")
+    return [Variant(op, dt, d, **f) for op in ("sdpa", "additive", "kvcache", "varlen")
             for dt, d in itertools.product(DTYPES, HEAD_DIMS) for f in flags[op]]
 
 

@@ -1,0 +1,144 @@
+"""Packed variable-length attention (attnx.varlen_attention) in Triton: the kernels of sdpa.py in
+their VARLEN mode, without the score modifiers.
+
+A program's batch index is the sequence n: the kernels load its row ranges from cu_seqlens, so
+the tensors' batch strides are 0 and their row strides those of the packed (total, H, D) layout.
+The grids span the longest sequence's tiles (max_seqlen_*); programs past a shorter sequence's
+length exit. The band is shifted per sequence (bottom-right) in the kernels; dropout draws each
+sequence as a batch-1 call with its own seed (attnx._rng.sequence_seed).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._ops import no_double_backward, or_zeros, same_device
+from . import common, sdpa
+from .rng import rng_words
+
+def _strides(t: torch.Tensor) -> tuple:
+    """The kernels' (batch, head, row, dim) strides of a packed (total, H, D) tensor."""
+    return (0, t.stride(1), t.stride(0), t.stride(2))
+
+
+def _args(q, k, v, max_q, max_k, window_lo, window_hi, dropout_p, seed):
+    """(rng words, strides of q, k, v and the absent mask, the clamped band, constexprs)."""
+    # Shifted by Lk_n - Lq_n in the kernels: the clamp keeps every admissible pair of any
+    # sequence and the shifted band within int32.
+    lo, hi = common.clamped_band(window_lo, window_hi, max_q + max_k, max_q + max_k)
+    rng = rng_words(seed, dropout_p, q.device) if dropout_p > 0 else q
+    strides = (*_strides(q), *_strides(k), *_strides(v), 0, 0, 0, 0)
+    e, ev = q.shape[-1], v.shape[-1]
+    (d1, d2), (dv1, dv2) = sdpa._head_blocks(e), sdpa._head_blocks(ev)
+    consts = dict(MASK_KIND=common.MASK_NONE, DROPOUT=dropout_p > 0, SOFTCAP=False, ALIBI=False,
+                  VARLEN=True, DOT_PREC=common.dot_precision(q.dtype),
+                  LQ_BUCKET=common.length_bucket(max_q), LK_BUCKET=common.length_bucket(max_k),
+                  BLOCK_D=d1, BLOCK_D2=d2, BLOCK_DV=dv1, BLOCK_DV2=dv2,
+                  PAD_D=d1 + d2 != e or dv1 + dv2 != ev)
+    return rng, strides, lo, hi, consts
+
+
+@common.register_op("triton_varlen_fwd")
+def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+               window_lo: int, window_hi: int, dropout_p: float, seed: Optional[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (total_q, Hq, Ev), lse (Hq, total_q) float32); max_seqlen_*: the longest lengths."""
+    rng, strides, lo, hi, consts = _args(q, k, v, max_seqlen_q, max_seqlen_k, window_lo,
+                                         window_hi, dropout_p, seed)
+    tq, h, e = q.shape
+    hkv, ev, n = k.shape[1], v.shape[-1], cu_seqlens_q.shape[0] - 1
+    out = q.new_empty((tq, h, ev))
+    lse = q.new_empty((h, tq), dtype=torch.float32)
+    grid = lambda meta: common.tiles_grid(max_seqlen_q, meta["BLOCK_M"], n * h)  # noqa: E731
+    common.launcher(sdpa._fwd_kernel)[grid](
+        q, k, v, q, out, lse, rng, q, q, *strides, *_strides(out), 0, 0,
+        h, max_seqlen_q, max_seqlen_k, e, ev, h // hkv, scale, lo, hi, 1.0 / (1.0 - dropout_p),
+        1.0, cu_seqlens_q, cu_seqlens_k, tq, HAS_SINKS=False, **consts)
+    return out, lse
+
+
+@common.register_op("triton_varlen_bwd")
+def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+               max_seqlen_k: int, out: torch.Tensor, lse: torch.Tensor, scale: float,
+               window_lo: int, window_hi: int, dropout_p: float, seed: Optional[torch.Tensor],
+               grad_lse: Optional[torch.Tensor] = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), contiguous; the three passes of sdpa_bwd."""
+    rng, strides, lo, hi, consts = _args(q, k, v, max_seqlen_q, max_seqlen_k, window_lo,
+                                         window_hi, dropout_p, seed)
+    tq, h, e = q.shape
+    tk, hkv, ev, n = k.shape[0], k.shape[1], v.shape[-1], cu_seqlens_q.shape[0] - 1
+    cu = (cu_seqlens_q, cu_seqlens_k, tq)
+    lse = lse.contiguous()  # read by row index
+    delta = torch.empty_like(lse)
+    dos = grad_out.new_empty((h, tq, ev))  # dO / r (sdpa_bwd), rows of each head contiguous
+    dos_strides = (0, *dos.stride())
+    glse = grad_lse.float().contiguous() if grad_lse is not None else lse
+    lengths = (max_seqlen_q, max_seqlen_k, e, ev, h // hkv)
+    common.launcher(sdpa._prep_kernel)[
+        lambda meta: common.tiles_grid(max_seqlen_q, meta["BLOCK_M"], n * h)](
+        q, k, q, out, grad_out, glse, lse, delta, dos, q, q, *strides[:8], *strides[12:],
+        *_strides(out), *_strides(grad_out), 0, 0, h, *lengths, scale, lo, hi,
+        common.HUGE_LSE, 1.0, *cu, consts["LQ_BUCKET"], consts["LK_BUCKET"],
+        MASK_KIND=common.MASK_NONE, HAS_GLSE=grad_lse is not None, SOFTCAP=False, ALIBI=False,
+        HAS_SINKS=False, VARLEN=True, DOT_PREC=consts["DOT_PREC"],
+        PAD_D=common.head_block(e) != e or common.head_block(ev) != ev,
+        BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
+    split = sdpa._gqa_split(h // hkv, max_seqlen_k, n * hkv)
+    if split == 1:
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    else:  # fp32 partial sums of each slice of a group's query heads
+        dk = k.new_empty((tk, hkv, split, e), dtype=torch.float32)
+        dv = v.new_empty((tk, hkv, split, ev), dtype=torch.float32)
+    band = (scale, lo, hi, 1.0 / (1.0 - dropout_p), q, 0, 0, 1.0)
+    common.launcher(sdpa._dkdv_kernel)[
+        lambda meta: common.tiles_grid(max_seqlen_k, meta["BLOCK_N"], n * hkv * split)](
+        q, k, v, q, dos, lse, delta, rng, dk, dv, q, *strides, *dos_strides,
+        h, hkv, *lengths, split, *band, *cu, MASK_GRAD=False, **consts)
+    if split > 1:
+        dk, dv = dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    common.launcher(sdpa._dq_kernel)[
+        lambda meta: common.tiles_grid(max_seqlen_q, meta["BLOCK_M"], n * h)](
+        q, k, v, q, dos, lse, delta, rng, dq, *strides, *dos_strides,
+        h, *lengths, *band, *cu, **consts)
+    return dq, dk, dv
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                     window_lo, window_hi, dropout_p, seed):
+    same_device(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    tq, h, _ = q.shape
+    return q.new_empty((tq, h, v.shape[-1])), q.new_empty((h, tq), dtype=torch.float32)
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     out, lse, scale, window_lo, window_hi, dropout_p, seed, grad_lse=None):
+    same_device(q, grad_out, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse)
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, lo, hi, p, seed = inputs
+    out, lse = output
+    ctx.args = (max_q, max_k, scale, lo, hi, p)
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse, seed)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, cu_q, cu_k, out, lse, seed = ctx.saved_tensors
+    max_q, max_k, scale, lo, hi, p = ctx.args
+    dq, dk, dv = varlen_bwd(or_zeros(grad_out, out), q, k, v, cu_q, cu_k, max_q, max_k, out, lse,
+                            scale, lo, hi, p, seed, grad_lse)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+varlen_fwd.register_autograd(_backward, setup_context=_setup)
+varlen_bwd.register_autograd(no_double_backward)
