@@ -1,5 +1,5 @@
-"""The GPU decoding benchmark: attnx.attention_with_kvcache (the triton backend's split-K kernel)
-against torch's SDPA over the same contiguous cache, and against the GPU's memory bandwidth.
+"""The GPU decoding benchmark: attnx.attention_with_kvcache (the cuda and triton backends' split-K
+kernels) against torch's SDPA over the same contiguous cache, and against the GPU's memory bandwidth.
 
 Shapes of issue 23 item 3 on a GPU: Hq=32, Hkv=8, D=128, bf16 and fp16, B in 1, 8, 32, cache
 lengths 2k-32k (every sequence full), Lq=1; attnx on a contiguous and on a paged cache (blocks
@@ -25,7 +25,7 @@ HQ, HKV, D, BLOCK = 32, 8, 128, 16
 BATCHES = (1, 8, 32)
 LENGTHS = (2048, 8192, 32768)
 DTYPES = ("bf16", "fp16")
-PROVIDERS = ("attnx-triton", "attnx-triton-paged", "torch-sdpa")
+PROVIDERS = ("attnx-cuda", "attnx-cuda-paged", "attnx-triton", "attnx-triton-paged", "torch-sdpa")
 
 
 def cases(dtypes=DTYPES) -> list:
@@ -81,12 +81,15 @@ def measure(dtype: str, b: int, n: int, repeats: int, peak_gbs: float) -> list:
         shuffled[perm] = blocks
         pages.append(shuffled)
     table = perm.view(b, nb).to(torch.int32)
-    fns = {
-        "attnx-triton": lambda: attnx.attention_with_kvcache(q, k, v, lens, backend="triton"),
-        "attnx-triton-paged": lambda: attnx.attention_with_kvcache(
-            q, pages[0], pages[1], lens, block_table=table, backend="triton"),
-        "torch-sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-    }
+    def attnx_call(backend, paged):
+        if paged:
+            return lambda: attnx.attention_with_kvcache(q, pages[0], pages[1], lens,
+                                                        block_table=table, backend=backend)
+        return lambda: attnx.attention_with_kvcache(q, k, v, lens, backend=backend)
+
+    fns = {f"attnx-{backend}{'-paged' if paged else ''}": attnx_call(backend, paged)
+           for backend in ("cuda", "triton") for paged in (False, True)}
+    fns["torch-sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     want = fns["torch-sdpa"]().float()
     rows = []
     for name, fn in fns.items():

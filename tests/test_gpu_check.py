@@ -288,7 +288,7 @@ decode = _load("gpu_decode", "benchmarks/gpu_decode.py")
 def test_decode_plan_and_bytes(capsys):
     assert decode.main(["--plan", "--dtypes", "bf16"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("bf16 B=1 L=32768") and lines[-1] == "9 cases x 3 providers"
+    assert lines[0].startswith("bf16 B=1 L=32768") and lines[-1] == "9 cases x 5 providers"
     # K and V of one full sequence: Hkv 8 x L x 2 x D 128 x 2 bytes
     assert decode.kv_bytes(1, 2048) == 8 * 2048 * 2 * 128 * 2
 
