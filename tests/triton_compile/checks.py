@@ -25,6 +25,9 @@ SPILL_EXCEPTIONS: dict[tuple[str, str, int], str] = {
     ("sdpa._fwd_kernel", "sdpa/fp16/d64", 90):
         "128 B with Triton 3.6 (torch 2.11) in the (128, 128, 8, 3) config; Triton 3.8 compiles "
         "the same config without spills",
+    ("sdpa._dkdv_kernel", "sdpa/bf16/d64/gqa/alibi", 80):
+        "32 B with Triton 3.6 (torch 2.11) in the (16, 64, 8, 2) config; Triton 3.8 compiles the "
+        "same config without spills",
 }
 
 # wgmma multiplies 64 rows per warpgroup: an sm_90 SDPA config whose dots all have fewer rows
