@@ -7,17 +7,14 @@ error must stay within a small multiple of the baseline's (tests/_compare.py).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
 import attnx
-from attnx import _ops
 from _compare import assert_within
+from _rerun import rerun_under, skip_unless_avx512
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 # float64's baseline is the golden itself (error 0), so its bound is this floor.
@@ -150,21 +147,13 @@ def test_large_operands_take_the_exact_path(dtype, kw):
     check_case(dtype, large_operands(), **kw)
 
 
-@pytest.mark.skipif(not _ops.build_info().get("cpu_vector") == "avx512",
-                    reason="no AVX-512 here: the main run already tests the 8-lane bodies")
 def test_avx2_bodies_match_reference():
     """ATTNX_CPU_AVX512=0 runs the 8-lane AVX2 term kernels, what CPUs without AVX-512 get, on a
     CPU that has it: the same reference checks pass there."""
-    env = dict(os.environ, ATTNX_CPU_AVX512="0")
-    probe = "from attnx import _ops; print(_ops.build_info()['cpu_vector'])"
-    isa = subprocess.run([sys.executable, "-c", probe], env=env, check=True,
-                         capture_output=True, text=True).stdout.strip()
-    assert isa in ("avx2", "baseline")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                          "-k", "(matches_reference and float32) or large_operands or thread_counts"
-                          " or fully_masked"],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-4000:]
+    skip_unless_avx512()
+    rerun_under("ATTNX_CPU_AVX512", __file__,
+                "(matches_reference and float32) or large_operands or thread_counts or fully_masked",
+                probe="cpu_vector", expect=("avx2", "baseline"))
 
 
 def test_float64_rows_whose_lse_overflows_float32():

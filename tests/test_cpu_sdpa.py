@@ -6,9 +6,6 @@ Errors are bounded by a small multiple of the reference backend's own error in t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -19,6 +16,7 @@ import attnx
 from attnx import _ops, _validate
 from attnx._backends import reference
 from tests._compare import assert_within, max_err
+from tests._rerun import rerun_under, skip_unless_avx512
 
 pytestmark = pytest.mark.skipif(_ops.has_kernel("sdpa_fwd", "CPU") is False,
                                 reason="attnx._C is not built")
@@ -561,37 +559,23 @@ def test_causal_edge_blocks_split_into_row_groups():
 def test_blas_engine_matches_reference():
     """ATTNX_CPU_PANELS=0 runs float32 on the BLAS engine (what CPUs without AVX2 get): the same
     reference checks pass there."""
-    env = dict(os.environ, ATTNX_CPU_PANELS="0")
-    probe = "from attnx import _ops; print(_ops.build_info()['cpu_gemm'])"
-    engine = subprocess.run([sys.executable, "-c", probe], env=env, check=True,
-                            capture_output=True, text=True).stdout.strip()
-    assert engine == "blas"
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                          "-k", "(matches_reference or masks or long_sequence or causal_edge or dropout"
-                          " or huge_finite_bias or overflow or empty_rows_stay)"
-                          " and not blas_engine and not row_operations"],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-4000:]
+    rerun_under("ATTNX_CPU_PANELS", __file__,
+                "(matches_reference or masks or long_sequence or causal_edge or dropout"
+                " or huge_finite_bias or overflow or empty_rows_stay)"
+                " and not blas_engine and not row_operations",
+                probe="cpu_gemm", expect=("blas",))
 
 
 def test_avx2_row_operations_match_reference():
     """ATTNX_CPU_AVX512=0 runs the row operations (exp, max, mask, dropout) on their 8-lane AVX2
     bodies and the products on the one-panel 256-bit micro-kernel, what CPUs without AVX-512
     get, on a CPU that has it: the same reference checks pass there."""
-    if _ops.build_info()["cpu_vector"] != "avx512":
-        pytest.skip("no AVX-512 here: the main run already tests the 8-lane bodies")
-    env = dict(os.environ, ATTNX_CPU_AVX512="0")
-    probe = "from attnx import _ops; print(_ops.build_info()['cpu_vector'])"
-    isa = subprocess.run([sys.executable, "-c", probe], env=env, check=True,
-                         capture_output=True, text=True).stdout.strip()
-    assert isa in ("avx2", "baseline")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                          "-k", "(matches_reference or masks or bool_mask or long_sequence or dropout"
-                          " or huge_finite_bias or empty_rows_stay or causal_edge or tasks_taken)"
-                          " and not engine"
-                          " and not row_operations"],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-4000:]
+    skip_unless_avx512()
+    rerun_under("ATTNX_CPU_AVX512", __file__,
+                "(matches_reference or masks or bool_mask or long_sequence or dropout"
+                " or huge_finite_bias or empty_rows_stay or causal_edge or tasks_taken)"
+                " and not engine and not row_operations",
+                probe="cpu_vector", expect=("avx2", "baseline"))
 
 
 def test_non_contiguous_inputs():

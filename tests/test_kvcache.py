@@ -12,9 +12,6 @@ The cuda backend runs on a GPU, or without one on CPU tensors through the host h
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +21,7 @@ import attnx
 from attnx import _ops
 from attnx._backends import cuda as cuda_backend
 from tests._compare import assert_within
+from tests._rerun import rerun_under, skip_unless_avx512
 
 HAS_CPU_KERNEL = _ops.has_kernel("kvcache_fwd", "CPU")
 BACKENDS = ["reference", pytest.param("cpu", marks=pytest.mark.skipif(
@@ -307,15 +305,10 @@ def test_bad_input_names_the_argument(case):
 @pytest.mark.skipif(not HAS_CPU_KERNEL, reason="attnx._C is not built")
 def test_avx2_path_matches_reference():
     """ATTNX_CPU_AVX512=0 runs the 8-lane products, what CPUs without AVX-512 get."""
-    if _ops.build_info()["cpu_vector"] != "avx512":
-        pytest.skip("no AVX-512 here: the main run already tests the 8-lane bodies")
-    env = dict(os.environ, ATTNX_CPU_AVX512="0")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                          "-k", "(matches_reference or llama or odd_block or float32_range) and cpu"
-                          " and not avx2"],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-4000:]
-    assert " passed" in res.stdout and "deselected" in res.stdout, res.stdout[-2000:]
+    skip_unless_avx512()
+    rerun_under("ATTNX_CPU_AVX512", __file__,
+                "(matches_reference or llama or odd_block or float32_range) and cpu and not avx2",
+                probe="cpu_vector", expect=("avx2", "baseline"))
 
 
 @pytest.mark.skipif(not HAS_CPU_KERNEL, reason="attnx._C is not built")

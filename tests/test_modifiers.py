@@ -16,8 +16,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ import torch
 import attnx
 from attnx import _dispatch, _ops, _rng, _validate
 from tests._compare import assert_within
+from tests._rerun import rerun_under, skip_unless_avx512
 
 HAS_CPU_KERNELS = _ops.has_kernel("sdpa_mod_fwd", "CPU") and _ops.has_kernel("kvcache_mod_fwd", "CPU")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
@@ -492,35 +491,24 @@ def test_kvcache(backend, paged, which, lq_mode, dtype=torch.float32):
                   factor=3.0, floor=FLOORS[dtype], what="lse")
 
 
-def _rerun_in(env_var: str, probe: str, expect, keys: str):
-    """This file's cpu tests, the -k `keys` of them, in a process with env_var=0."""
-    env = dict(os.environ, **{env_var: "0"})
-    got = subprocess.run([sys.executable, "-c", f"from attnx import _ops; print(_ops.build_info()[{probe!r}])"],
-                         env=env, check=True, capture_output=True, text=True).stdout.strip()
-    assert got in expect
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                          "-k", f"cpu and ({keys})"], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stdout[-4000:]
-
-
 @pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")
 def test_blas_engine():
     """ATTNX_CPU_PANELS=0 runs float32 on the BLAS engine (CPUs without AVX2): its backward
     recomputes the scores in another order than the forward, so the softcap and sink paths of
     its probabilities differ from the panels'."""
-    _rerun_in("ATTNX_CPU_PANELS", "cpu_gemm", ("blas",),
-                        "(each_modifier and all) or masks or fully_masked or extreme")
+    rerun_under("ATTNX_CPU_PANELS", __file__,
+                "cpu and ((each_modifier and all) or masks or fully_masked or extreme)",
+                probe="cpu_gemm", expect=("blas",))
 
 
 @pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")
 def test_avx2_row_operations():
     """ATTNX_CPU_AVX512=0: the 8-lane row operations and the 256-bit panels, what CPUs without
     AVX-512 run."""
-    if _ops.build_info()["cpu_vector"] != "avx512":
-        pytest.skip("no AVX-512 here: the main run already tests the 8-lane bodies")
-    _rerun_in("ATTNX_CPU_AVX512", "cpu_vector", ("avx2", "baseline"),
-              "(each_modifier and all) or fully_masked or dropout or (kvcache and 3-mode1)")
+    skip_unless_avx512()
+    rerun_under("ATTNX_CPU_AVX512", __file__,
+                "cpu and ((each_modifier and all) or fully_masked or dropout or (kvcache and 3-mode1))",
+                probe="cpu_vector", expect=("avx2", "baseline"))
 
 
 @pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")
