@@ -22,7 +22,8 @@ ADDITIVE_FAMILIES = {
     "nmt-causal-32": (8, 1, 32, 32, 128, 128, True),
 }
 
-_PROVIDERS = bench_providers.discover(DEVICE, probe_flex=os.environ.get("ATTNX_BENCH_FLEX") == "1")
+_PROVIDERS = bench_providers.discover(DEVICE, probe_flex=os.environ.get("ATTNX_BENCH_FLEX") == "1",
+                                      probe_compile=os.environ.get("ATTNX_BENCH_COMPILE") == "1")
 
 
 def provider_params(op: str):

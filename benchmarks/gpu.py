@@ -123,7 +123,7 @@ def _gpu_measure(args):
     from attnx.bench import providers, timing
     from attnx.bench.workload import make_step
 
-    found = {p.name: p for p in providers.discover("cuda", probe_flex=False) if p.op == "sdpa"}
+    found = {p.name: p for p in providers.discover("cuda", probe_flex=False, probe_compile=False) if p.op == "sdpa"}
     chosen = [found.get(name) or providers.Provider(name, "sdpa", reason="not a provider here")
               for name in args.providers]
 

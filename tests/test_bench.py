@@ -48,6 +48,23 @@ def test_naive_additive_matches_reference():
         want = attnx.additive_attention(x["q"], x["k"], x["value"], x["v"], is_causal=causal,
                                         backend="reference")
         torch.testing.assert_close(providers.naive_additive(x, causal), want)
+        torch.testing.assert_close(providers.summed_additive(x, causal), want)
+
+
+def test_compiled_naive_additive_provider():
+    """`compile-naive`, torch.compile of the naive additive formula (the peer of attnx's additive
+    kernels), is probed in a child process and then computes what the reference computes; not
+    probed, it says how to ask for it."""
+    assert "not probed" in providers._compiled_additive("cpu", probe=False).reason
+    p = providers._compiled_additive("cpu", probe=True)
+    assert p.available, p.reason
+    c = _case("additive", b=2, h=1, lq=5, lk=9, d=6, ev=4)
+    x = make_inputs(c)
+    import attnx
+    for causal in (False, True):
+        want = attnx.additive_attention(x["q"], x["k"], x["value"], x["v"], is_causal=causal,
+                                        backend="reference")
+        torch.testing.assert_close(p.run(x, causal), want)
 
 
 def test_interleaved_rotates_order_and_survives_a_failing_step(monkeypatch):
@@ -92,7 +109,7 @@ def quick_run(tmp_path_factory):
 
     broken = Provider("broken", "sdpa", run=boom)
     real_discover = providers.discover
-    providers.discover = lambda device, probe_flex=True: real_discover(device, probe_flex) + [broken]
+    providers.discover = lambda device, **kw: real_discover(device, **kw) + [broken]
     try:
         main(["--quick", "--out", str(out), "--seqlens", "16", "--repeats", "2", "--threads", "1",
               "--providers", "naive,attnx-reference,attnx-cpu,torch-flash,broken"])

@@ -133,7 +133,8 @@ def run(args, argv) -> dict:
     sweep = _sweep(args, device)
     names = set(args.providers or ())
     probe_flex = "sdpa" in args.ops and (not args.quick or "torch-flex" in names)
-    found = providers.discover(device, probe_flex=probe_flex)
+    probe_compile = "additive" in args.ops and (not args.quick or "compile-naive" in names)
+    found = providers.discover(device, probe_flex=probe_flex, probe_compile=probe_compile)
     try:
         chosen = providers.select(found, args.ops, names)
     except ValueError as exc:

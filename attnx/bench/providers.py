@@ -24,7 +24,7 @@ from attnx._dispatch import backends as backend_status
 # contender, so it is left out there.
 ATTNX_BACKENDS = {"cpu": ("cpu", "reference"), "cuda": ("cuda", "triton", "reference")}
 TORCH_SDPA_KERNELS = {"cpu": ("math", "flash"), "cuda": ("math", "flash", "efficient", "cudnn")}
-FLEX_PROBE_SECONDS = 60
+COMPILE_PROBE_SECONDS = 60
 
 
 @dataclass
@@ -73,45 +73,57 @@ def _torch_sdpa(kernel: str, device: str) -> Provider:
     return Provider(f"torch-{kernel}", "sdpa", run, context=lambda: sdpa_kernel(backend))
 
 
+def _causal_fill(s):
+    """Scores with keys after their query (top-left aligned) set to -inf."""
+    lq, lk = s.shape[-2:]
+    return s.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+
+
 def naive_sdpa(x, causal):
     """softmax(Q K^T / sqrt(D)) V, every intermediate stored, in the inputs' dtype."""
     q, k, v = x["q"], x["k"], x["v"]
     s = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
-    if causal:
-        lq, lk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v)
+    return torch.matmul(torch.softmax(_causal_fill(s) if causal else s, dim=-1), v)
 
 
 def naive_additive(x, causal):
     """softmax_j(sum_a v_a tanh(q_ia + k_ja)) V with the full (B, H, Lq, Lk, A) tanh tensor."""
-    q, k, value, v = x["q"], x["k"], x["value"], x["v"]
-    t = torch.tanh(q.unsqueeze(3) + k.unsqueeze(2))
-    s = torch.matmul(t, v.view(-1, 1)).squeeze(-1)
-    if causal:
-        lq, lk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), value)
+    t = torch.tanh(x["q"].unsqueeze(3) + x["k"].unsqueeze(2))
+    s = torch.matmul(t, x["v"].view(-1, 1)).squeeze(-1)
+    return torch.matmul(torch.softmax(_causal_fill(s) if causal else s, dim=-1), x["value"])
 
 
-def _flex_probe(device: str, timeout: float) -> Optional[str]:
-    """Compile and run FlexAttention once in a child process; the reason it is unusable, if any.
+def summed_additive(x, causal):
+    """The naive additive formula with the sum over A written as a reduction: what a user hands
+    to torch.compile, whose inductor fuses tanh and the sum into one loop and never stores the
+    (B, H, Lq, Lk, A) tensor (eager, it still does)."""
+    s = (x["v"] * torch.tanh(x["q"].unsqueeze(3) + x["k"].unsqueeze(2))).sum(-1)
+    return torch.matmul(torch.softmax(_causal_fill(s) if causal else s, dim=-1), x["value"])
+
+
+def _compile_probe(code: str, what: str, timeout: float) -> Optional[str]:
+    """Runs `code` (which compiles something with torch.compile and calls it once) in a child
+    process; the reason it is unusable, if any.
 
     A child process bounds the time: on CPU, torch.compile may take minutes or fail for lack of
     a C++ toolchain, and a sweep must not hang on it.
     """
-    code = ("import torch; from torch.nn.attention.flex_attention import flex_attention\n"
-            f"x = torch.randn(1, 2, 128, 64, device='{device}')\n"
-            "torch.compile(flex_attention, dynamic=False)(x, x, x).sum().item()\n")
     try:
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=timeout)
     except subprocess.TimeoutExpired:
-        return f"torch.compile(flex_attention) took over {timeout:.0f} s here"
+        return f"{what} took over {timeout:.0f} s here"
     if res.returncode != 0:
         last = (res.stderr.strip().splitlines() or ["no message"])[-1]
-        return f"torch.compile(flex_attention) failed: {last[:200]}"
+        return f"{what} failed: {last[:200]}"
     return None
+
+
+def _flex_probe(device: str, timeout: float) -> Optional[str]:
+    code = ("import torch; from torch.nn.attention.flex_attention import flex_attention\n"
+            f"x = torch.randn(1, 2, 128, 64, device='{device}')\n"
+            "torch.compile(flex_attention, dynamic=False)(x, x, x).sum().item()\n")
+    return _compile_probe(code, "torch.compile(flex_attention)", timeout)
 
 
 def _flex(device: str, probe: bool) -> Provider:
@@ -123,7 +135,7 @@ def _flex(device: str, probe: bool) -> Provider:
         return Provider("torch-flex", "sdpa", reason=(
             "not probed, compiling FlexAttention is slow (attnx bench --quick: name torch-flex "
             "in --providers; pytest benchmarks/: set ATTNX_BENCH_FLEX=1)"))
-    reason = _flex_probe(device, FLEX_PROBE_SECONDS)
+    reason = _flex_probe(device, COMPILE_PROBE_SECONDS)
     if reason is not None:
         return Provider("torch-flex", "sdpa", reason=reason)
     compiled = torch.compile(flex_attention, dynamic=False)
@@ -141,6 +153,24 @@ def _flex(device: str, probe: bool) -> Provider:
         return compiled(q, x["k"], x["v"], block_mask=block_mask)
 
     return Provider("torch-flex", "sdpa", run)
+
+
+def _compiled_additive(device: str, probe: bool) -> Provider:
+    """torch.compile of the naive additive formula: the peer a user runs instead of attnx's
+    fused additive kernels (inductor fuses the tanh-sum reduction)."""
+    name = "compile-naive"
+    if not probe:
+        return Provider(name, "additive", reason=(
+            "not probed, torch.compile is slow (attnx bench --quick: name compile-naive in "
+            "--providers; pytest benchmarks/: set ATTNX_BENCH_COMPILE=1)"))
+    code = ("import torch; from attnx.bench.providers import summed_additive\n"
+            f"x = {{n: torch.randn(1, 1, 8, 16, device='{device}') for n in ('q', 'k', 'value')}}\n"
+            f"x['v'] = torch.randn(16, device='{device}')\n"
+            "torch.compile(summed_additive, dynamic=False)(x, True).sum().item()\n")
+    reason = _compile_probe(code, "torch.compile(naive additive)", COMPILE_PROBE_SECONDS)
+    if reason is not None:
+        return Provider(name, "additive", reason=reason)
+    return Provider(name, "additive", torch.compile(summed_additive, dynamic=False))
 
 
 def _flash_attn(device: str) -> Provider:
@@ -168,8 +198,10 @@ def _xformers(device: str) -> Provider:
     return Provider("xformers", "sdpa", run, layout="blhd")
 
 
-def discover(device: str, probe_flex: bool = True) -> list:
-    """Every provider the suite knows for `device`, available or not (with the reason)."""
+def discover(device: str, probe_flex: bool = True, probe_compile: bool = True) -> list:
+    """Every provider the suite knows for `device`, available or not (with the reason).
+    `probe_flex` / `probe_compile`: whether to try torch.compile for FlexAttention / the naive
+    additive formula (slow); when not, those providers are listed as not probed."""
     found = []
     status = backend_status()
     for name in ATTNX_BACKENDS.get(device, ("reference",)):
@@ -177,6 +209,7 @@ def discover(device: str, probe_flex: bool = True) -> list:
     found += [_torch_sdpa(k, device) for k in TORCH_SDPA_KERNELS.get(device, ())]
     found.append(_flex(device, probe_flex))
     found += [Provider("naive", "sdpa", naive_sdpa), Provider("naive", "additive", naive_additive)]
+    found.append(_compiled_additive(device, probe_compile))
     found += [_flash_attn(device), _xformers(device)]
     return found
 
