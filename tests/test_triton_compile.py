@@ -7,7 +7,8 @@ arch's shared memory) and compiles each with `triton.compile(ASTSource(...), GPU
 By default a CI set covering every kernel x every config per arch over a representative set of
 variants runs; ATTNX_TRITON_COMPILE_FULL=1 runs the full cross-product
 (`cd tests && python -m triton_compile --full --json ../benchmarks/results/triton-compile.json`
-writes the committed results).
+writes the committed results; ~100 minutes of two idle cores: a run cut short goes on with
+`--resume ../benchmarks/results/triton-compile.json`, which compiles only the units missing).
 """
 
 from __future__ import annotations
@@ -29,18 +30,22 @@ KERNELS = {"sdpa._fwd_kernel", "sdpa._prep_kernel", "sdpa._dkdv_kernel", "sdpa._
            "additive._dk_kernel", "additive._dq_kernel", "decode._split_kernel"}
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """The JSON of one `python -m triton_compile` run, in a process without TRITON_INTERPRET
-    (tests/conftest.py sets it for this one)."""
-    out = tmp_path_factory.mktemp("triton-compile") / "triton-compile.json"
+def _triton_compile(*args: str) -> subprocess.CompletedProcess:
+    """`python -m triton_compile *args` in a process without TRITON_INTERPRET (tests/conftest.py
+    sets it for this one)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(TESTS),
                                                       env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "triton_compile", "--json", str(out)]
-    if os.environ.get("ATTNX_TRITON_COMPILE_FULL") == "1":
-        cmd.append("--full")
-    proc = subprocess.run(cmd, cwd=TESTS, env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "triton_compile", *args], cwd=TESTS, env=env,
+                          capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """The JSON of one `python -m triton_compile` run."""
+    out = tmp_path_factory.mktemp("triton-compile") / "triton-compile.json"
+    full = ["--full"] if os.environ.get("ATTNX_TRITON_COMPILE_FULL") == "1" else []
+    proc = _triton_compile("--json", str(out), *full)
     assert out.exists(), f"triton_compile wrote no results:\n{proc.stdout}\n{proc.stderr}"
     data = json.loads(out.read_text())
     data["log"] = proc.stdout + proc.stderr
@@ -121,3 +126,25 @@ def test_the_backward_transposes_no_computed_tile(results):
     """
     assert [line.split(" =")[0] for line in aot.computed_transposes(before)] == ["%pt"]
 
+
+
+def test_a_run_cut_short_resumes_from_its_json(results, tmp_path):
+    """--resume keeps the rows of an earlier run of the same sources and compiles only the units
+    it lacks (here the one row taken out); a JSON of other sources is refused before any work."""
+    rows80 = [r for r in results["units"] if r["arch"] == 80]
+    cut = dict(results, units=rows80[1:], complete=False)
+    del cut["log"]
+    earlier, out = tmp_path / "earlier.json", tmp_path / "resumed.json"
+    earlier.write_text(json.dumps(cut))
+    proc = _triton_compile("--arch", "80", "--json", str(out), "--resume", str(earlier))
+    assert f"{len(rows80)} units" in proc.stdout and f"{len(rows80) - 1} of them from" in proc.stdout, proc.stdout[-3000:]
+    resumed = json.loads(out.read_text())
+    assert resumed["complete"] and resumed["units_planned"] == len(rows80) == len(resumed["units"])
+    key = ("kernel", "variant", "config", "arch")
+    assert sorted(tuple(str(r[k]) for k in key) for r in resumed["units"]) == sorted(
+        tuple(str(r[k]) for k in key) for r in rows80)
+    assert resumed["summary"]["units"] == len(rows80)
+
+    earlier.write_text(json.dumps(dict(cut, sources="0" * 64)))
+    proc = _triton_compile("--arch", "80", "--json", str(out), "--resume", str(earlier))
+    assert proc.returncode != 0 and "its sources is '0000" in proc.stderr, proc.stderr[-2000:]

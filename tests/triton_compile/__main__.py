@@ -1,10 +1,15 @@
-"""`python -m triton_compile [--full] [--json PATH]` from tests/, without TRITON_INTERPRET:
-compiles the CI variant set (or the full cross-product) for sm_80 and sm_90, writes the rows and
-a summary as JSON, prints the summary and the broken bounds; exit 1 on any."""
+"""`python -m triton_compile [--full] [--json PATH] [--resume PATH]` from tests/, without
+TRITON_INTERPRET: compiles the CI variant set (or the full cross-product) for sm_80 and sm_90,
+writes the rows and a summary as JSON, prints the summary and the broken bounds; exit 1 on any.
+
+The full cross-product takes ~100 minutes of two idle cores. A run cut short leaves its rows in
+the JSON (written every 50 units); `--resume` that JSON compiles only the units it lacks, and
+only when the kernels' sources (and Triton) are those the rows were compiled from."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing
 import os
@@ -13,6 +18,7 @@ import random
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 
 def main(argv=None) -> int:
@@ -23,6 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", nargs="+", default=[],
                     help="only the variants whose name contains one of these (e.g. float-mask)")
+    ap.add_argument("--resume", help="a JSON of an earlier run (cut short) of the same sources: "
+                    "its rows are kept and only the units it lacks are compiled")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"):
         sys.exit("triton_compile: unset TRITON_INTERPRET (the interpreter replaces the kernels)")
@@ -33,6 +41,35 @@ def main(argv=None) -> int:
 
 
 _WORK: list = []
+# What a row depends on: the kernels and the code that captures, plans and compiles the units.
+_SOURCES = sorted((Path(__file__).resolve().parents[2] / "attnx" / "triton").glob("*.py")) + [
+    Path(__file__).with_name(n) for n in ("aot.py", "capture.py", "variants.py")]
+
+
+def sources_digest() -> str:
+    h = hashlib.sha256()
+    for path in _SOURCES:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def unit_name(kernel: str, variant: str, config: dict, arch: int) -> tuple:
+    """Names a unit within one set of sources (a row has the same fields)."""
+    return kernel, variant, json.dumps(config, sort_keys=True), arch
+
+
+def resumable_rows(path: str, mode: str, digest: str) -> dict:
+    """unit_name -> row of an earlier run's JSON; SystemExit unless it compiled the same
+    sources with the same Triton in the same mode."""
+    import triton
+
+    with open(path) as f:
+        doc = json.load(f)
+    for field, want in (("triton", triton.__version__), ("mode", mode), ("sources", digest)):
+        if doc.get(field) != want:
+            raise SystemExit(f"--resume {path}: its {field} is {doc.get(field)!r}, this run's is "
+                             f"{want!r}: compile from scratch")
+    return {unit_name(r["kernel"], r["variant"], r["config"], r["arch"]): r for r in doc["units"]}
 
 
 def _compile(i: int) -> dict:
@@ -56,6 +93,8 @@ def run(args) -> int:
     from . import aot, capture, variants
 
     t0 = time.perf_counter()
+    args.sources = sources_digest()
+    done = resumable_rows(args.resume, _mode(args), args.sources) if args.resume else {}
     chosen = variants.full() if args.full else list(variants.CI)
     if args.only:
         chosen = [v for v in chosen if any(part in v.name for part in args.only)]
@@ -73,10 +112,17 @@ def run(args) -> int:
                 _WORK.append((u, [u.variant.name]))
     if args.full:  # in a seeded random order: the partial results of a run cut short sample it all
         random.Random(0).shuffle(_WORK)
-    print(f"{len(_WORK)} units ({len(chosen)} variants) on {args.jobs} processes", flush=True)
-    rows = []
+    rows, todo = [], []
+    for i, (u, names) in enumerate(_WORK):
+        row = done.get(unit_name(u.kernel, u.variant.name, u.config, u.arch))
+        if row is None:
+            todo.append(i)
+        else:  # the variants sharing the unit are this plan's
+            rows.append(dict(row, variants=names))
+    print(f"{len(_WORK)} units ({len(chosen)} variants) on {args.jobs} processes"
+          + (f", {len(rows)} of them from {args.resume}" if args.resume else ""), flush=True)
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
-        for row in pool.imap(_compile, range(len(_WORK))):
+        for row in pool.imap(_compile, todo):
             rows.append(row)
             print(_line(len(rows), row), flush=True)
             if args.json and len(rows) % 50 == 0:  # a long --full run leaves partial results
@@ -98,10 +144,14 @@ def _write(args, rows: list, t0: float, complete: bool) -> list:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(triton=triton.__version__, python=platform.python_version(),
-                           mode="full" if args.full else "ci", complete=complete,
+                           mode=_mode(args), sources=args.sources, complete=complete,
                            units_planned=len(_WORK), arch=args.arch, summary=summary,
                            failures=broken, units=rows), f, indent=1)
     return broken
+
+
+def _mode(args) -> str:
+    return "full" if args.full else "ci"
 
 
 if __name__ == "__main__":
