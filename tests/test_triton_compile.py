@@ -129,8 +129,9 @@ def test_the_backward_transposes_no_computed_tile(results):
 
 
 def test_a_run_cut_short_resumes_from_its_json(results, tmp_path):
-    """--resume keeps the rows of an earlier run of the same sources and compiles only the units
-    it lacks (here the one row taken out); a JSON of other sources is refused before any work."""
+    """--resume keeps the rows of an earlier run whose unit keys are unchanged and compiles only
+    the units it lacks (here the one row taken out); a JSON made by another aot.py (or Triton)
+    is refused before any work."""
     rows80 = [r for r in results["units"] if r["arch"] == 80]
     cut = dict(results, units=rows80[1:], complete=False)
     del cut["log"]
@@ -145,6 +146,6 @@ def test_a_run_cut_short_resumes_from_its_json(results, tmp_path):
         tuple(str(r[k]) for k in key) for r in rows80)
     assert resumed["summary"]["units"] == len(rows80)
 
-    earlier.write_text(json.dumps(dict(cut, sources="0" * 64)))
+    earlier.write_text(json.dumps(dict(cut, analysis="0" * 64)))
     proc = _triton_compile("--arch", "80", "--json", str(out), "--resume", str(earlier))
-    assert proc.returncode != 0 and "its sources is '0000" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode != 0 and "its analysis is '0000" in proc.stderr, proc.stderr[-2000:]

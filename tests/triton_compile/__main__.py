@@ -3,8 +3,10 @@ TRITON_INTERPRET: compiles the CI variant set (or the full cross-product) for sm
 writes the rows and a summary as JSON, prints the summary and the broken bounds; exit 1 on any.
 
 The full cross-product takes ~100 minutes of two idle cores. A run cut short leaves its rows in
-the JSON (written every 50 units); `--resume` that JSON compiles only the units it lacks, and
-only when the kernels' sources (and Triton) are those the rows were compiled from."""
+the JSON (written every 50 units); `--resume` that JSON compiles only the units it lacks. A row
+is reused only for a unit of the same key (Triton's hash of the kernel's source, its jit
+dependencies, signature and constexprs, with the compile options and arch) compiled by the same
+Triton and analysed by the same aot.py: a changed kernel compiles again, the others do not."""
 
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", nargs="+", default=[],
                     help="only the variants whose name contains one of these (e.g. float-mask)")
-    ap.add_argument("--resume", help="a JSON of an earlier run (cut short) of the same sources: "
-                    "its rows are kept and only the units it lacks are compiled")
+    ap.add_argument("--resume", help="the JSON of an earlier run (cut short): its rows of units "
+                    "whose key is unchanged are kept, only the others are compiled")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"):
         sys.exit("triton_compile: unset TRITON_INTERPRET (the interpreter replaces the kernels)")
@@ -40,44 +42,61 @@ def main(argv=None) -> int:
     return run(args)
 
 
-_WORK: list = []
-# What a row depends on: the kernels and the code that captures, plans and compiles the units.
-_SOURCES = sorted((Path(__file__).resolve().parents[2] / "attnx" / "triton").glob("*.py")) + [
-    Path(__file__).with_name(n) for n in ("aot.py", "capture.py", "variants.py")]
+_WORK: list = []  # (unit, names of the variants sharing it, key digest)
 
 
-def sources_digest() -> str:
-    h = hashlib.sha256()
-    for path in _SOURCES:
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
+def analysis_digest() -> str:
+    """What a row's fields besides the compile depend on: aot.py's analyses of the output."""
+    return hashlib.sha256(Path(__file__).with_name("aot.py").read_bytes()).hexdigest()
 
 
-def unit_name(kernel: str, variant: str, config: dict, arch: int) -> tuple:
-    """Names a unit within one set of sources (a row has the same fields)."""
-    return kernel, variant, json.dumps(config, sort_keys=True), arch
+def key_digest(key: tuple) -> str:
+    return hashlib.sha256(repr(key).encode()).hexdigest()[:24]
 
 
-def resumable_rows(path: str, mode: str, digest: str) -> dict:
-    """unit_name -> row of an earlier run's JSON; SystemExit unless it compiled the same
-    sources with the same Triton in the same mode."""
+def resumable_rows(path: str, mode: str) -> dict:
+    """key digest -> row of an earlier run's JSON; SystemExit unless it ran in the same mode with
+    the same Triton and aot.py."""
     import triton
 
     with open(path) as f:
         doc = json.load(f)
-    for field, want in (("triton", triton.__version__), ("mode", mode), ("sources", digest)):
+    for field, want in (("triton", triton.__version__), ("mode", mode),
+                        ("analysis", analysis_digest())):
         if doc.get(field) != want:
             raise SystemExit(f"--resume {path}: its {field} is {doc.get(field)!r}, this run's is "
                              f"{want!r}: compile from scratch")
-    return {unit_name(r["kernel"], r["variant"], r["config"], r["arch"]): r for r in doc["units"]}
+    return {r["key"]: r for r in doc["units"]}
+
+
+def plan(args) -> int:
+    """Fills _WORK with the units of the chosen variants, one per key; the number of variants."""
+    from . import aot, capture, variants
+
+    chosen = variants.full() if args.full else list(variants.CI)
+    if args.only:
+        chosen = [v for v in chosen if any(part in v.name for part in args.only)]
+    seen: dict = {}
+    for arch in args.arch:
+        units = [u for v in chosen for u in capture.units(v, arch)]
+        if not args.full:
+            units = variants.cover(units)
+        for u in units:
+            key = key_digest(aot.prepare(u)[3])
+            if key in seen:
+                _WORK[seen[key]][1].append(u.variant.name)
+            else:
+                seen[key] = len(_WORK)
+                _WORK.append((u, [u.variant.name], key))
+    if args.full:  # in a seeded random order: the partial results of a run cut short sample it all
+        random.Random(0).shuffle(_WORK)
+    return len(chosen)
 
 
 def _compile(i: int) -> dict:
     from .aot import compile_unit
-    unit, variants = _WORK[i]
-    row = compile_unit(unit)
-    row["variants"] = variants
-    return row
+    unit, variants, key = _WORK[i]
+    return dict(compile_unit(unit), variants=variants, key=key)
 
 
 def _line(n: int, row: dict) -> str:
@@ -90,36 +109,17 @@ def _line(n: int, row: dict) -> str:
 
 
 def run(args) -> int:
-    from . import aot, capture, variants
-
     t0 = time.perf_counter()
-    args.sources = sources_digest()
-    done = resumable_rows(args.resume, _mode(args), args.sources) if args.resume else {}
-    chosen = variants.full() if args.full else list(variants.CI)
-    if args.only:
-        chosen = [v for v in chosen if any(part in v.name for part in args.only)]
-    seen: dict = {}
-    for arch in args.arch:
-        units = [u for v in chosen for u in capture.units(v, arch)]
-        if not args.full:
-            units = variants.cover(units)
-        for u in units:
-            key = aot.prepare(u)[3]
-            if key in seen:
-                _WORK[seen[key]][1].append(u.variant.name)
-            else:
-                seen[key] = len(_WORK)
-                _WORK.append((u, [u.variant.name]))
-    if args.full:  # in a seeded random order: the partial results of a run cut short sample it all
-        random.Random(0).shuffle(_WORK)
+    done = resumable_rows(args.resume, _mode(args)) if args.resume else {}
+    n_variants = plan(args)
     rows, todo = [], []
-    for i, (u, names) in enumerate(_WORK):
-        row = done.get(unit_name(u.kernel, u.variant.name, u.config, u.arch))
-        if row is None:
+    for i, (u, names, key) in enumerate(_WORK):
+        if key in done:  # what the plan says of the unit is this plan's
+            rows.append(dict(done[key], variant=u.variant.name, config=u.config, grid=list(u.grid),
+                             shared_estimate=u.shared_estimate, variants=names))
+        else:
             todo.append(i)
-        else:  # the variants sharing the unit are this plan's
-            rows.append(dict(row, variants=names))
-    print(f"{len(_WORK)} units ({len(chosen)} variants) on {args.jobs} processes"
+    print(f"{len(_WORK)} units ({n_variants} variants) on {args.jobs} processes"
           + (f", {len(rows)} of them from {args.resume}" if args.resume else ""), flush=True)
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
         for row in pool.imap(_compile, todo):
@@ -144,7 +144,7 @@ def _write(args, rows: list, t0: float, complete: bool) -> list:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(triton=triton.__version__, python=platform.python_version(),
-                           mode=_mode(args), sources=args.sources, complete=complete,
+                           mode=_mode(args), analysis=analysis_digest(), complete=complete,
                            units_planned=len(_WORK), arch=args.arch, summary=summary,
                            failures=broken, units=rows), f, indent=1)
     return broken
