@@ -46,7 +46,7 @@
 
 #include "common.cuh"
 #include "mma.cuh"
-#include "sdpa_bwd_tiles.cuh"
+#include "tile_copy.cuh"
 
 namespace attnx {
 namespace cuda {

@@ -38,6 +38,7 @@
 
 #include "common.cuh"
 #include "mma.cuh"
+#include "tile_copy.cuh"
 
 namespace attnx {
 namespace cuda {
@@ -58,28 +59,6 @@ struct Config {
   static constexpr int kMinBlocks = D <= 32 ? 2 : 1;
   static constexpr size_t smem_bytes = 2 * (size_t(kBM) * LD + 2 * 2 * size_t(BN) * LD);
 };
-
-// Issues the loads of rows [row0, row0 + R) of an (L, cols) matrix into an (R, LD) tile, zero
-// past L rows and `cols` columns, D columns in all: cp.async of 16-byte chunks when `vec16`
-// (cols % 8 == 0, so a chunk is wholly in or out; they land at the thread's cp_async_wait),
-// plain loads otherwise (visible after the next __syncthreads, like the copies after the wait).
-template <typename T, int R, int D, int LD>
-__device__ __forceinline__ void load_tile_async(T* dst, const T* src, int64_t row_stride,
-                                                int row0, int L, int cols, bool vec16) {
-  constexpr int kChunks = D / 8;
-  for (int idx = threadIdx.x; idx < R * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = (idx % kChunks) * 8;
-    const int g = row0 + r;
-    const T* s = src + int64_t(g) * row_stride + c;
-    T* d = dst + r * LD + c;
-    if (vec16) {
-      cp_async_16(d, s, g < L && c < cols);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) d[e] = (g < L && c + e < cols) ? s[e] : from_float<T>(0.f);
-    }
-  }
-}
 
 // exp(v - m) in the units of v: with the scale folded in (v raw scores, c = scale log2(e), mc =
 // m c) one FFMA and EX2; else v, m are scaled scores plus the mask, which may be as large as
@@ -130,11 +109,13 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
   key_tile_range(i0, min(i0 + kBM, p.Lq) - 1, p.Lk, p.window_lo, p.window_hi, BN, t0, t1);
   auto load_kv = [&](int tile, int stage) {
     const int j0 = tile * BN;
-    load_tile_async<T, BN, D, LD>(Ks + stage * BN * LD, k, p.sk.l, j0, p.Lk, p.E, p.sk.vec16);
-    load_tile_async<T, BN, D, LD>(Vs + stage * BN * LD, v, p.sv.l, j0, p.Lk, p.Ev, p.sv.vec16);
+    load_tile_async<T, D, LD, kThreads>(Ks + stage * BN * LD, k, p.sk.l, j0, BN, p.Lk, p.E,
+                                        p.sk.vec16);
+    load_tile_async<T, D, LD, kThreads>(Vs + stage * BN * LD, v, p.sv.l, j0, BN, p.Lk, p.Ev,
+                                        p.sv.vec16);
   };
   if (t0 <= t1) {
-    load_tile_async<T, kBM, D, LD>(Qs, q, p.sq.l, i0, p.Lq, p.E, p.sq.vec16);
+    load_tile_async<T, D, LD, kThreads>(Qs, q, p.sq.l, i0, kBM, p.Lq, p.E, p.sq.vec16);
     load_kv(t0, 0);
   }
   cp_async_commit();
