@@ -72,7 +72,7 @@ def _device_limit(index: int) -> tuple:
 
 def _needs_backward(op: str, call) -> bool:
     """Whether autograd will run the backward kernels of this call."""
-    tensors = (call.q, call.k, call.v, call.mask) if op == "sdpa" else (
+    tensors = (call.q, call.k, call.v, call.mask, call.mods.sinks) if op == "sdpa" else (
         call.q, call.k, call.value, call.v, call.mask)
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
