@@ -8,7 +8,9 @@ include q, k, v, a float mask and the sinks.
 
 The triton backend runs a few representative cases of each test (TRITON_CASES): in Triton's
 interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU), which
-runs every program in Python, or on CUDA tensors with a GPU.
+runs every program in Python, or on CUDA tensors with a GPU. The cuda backend (float16 and
+bfloat16 only) runs its own cases below ("cuda backend"): on CUDA tensors with a GPU, else
+through the host harness (ATTNX_CUDA_ON_CPU=1, csrc/cuda/host/) on CPU tensors.
 """
 
 from __future__ import annotations
@@ -29,10 +31,21 @@ from tests._compare import assert_within
 HAS_CPU_KERNELS = _ops.has_kernel("sdpa_mod_fwd", "CPU") and _ops.has_kernel("kvcache_mod_fwd", "CPU")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 HAS_TRITON = _dispatch.backends()["triton"].usable
+ON_GPU = torch.cuda.is_available()  # else the cuda backend runs through the host harness
+
+
+def _cuda_reason():
+    if ON_GPU:
+        status = _dispatch.backends()["cuda"]
+        return None if status.usable else status.reason
+    return _ops.cuda_host()  # None once attnx._cuda_host is built and loaded
+
+
 MARKS = {
     "reference": [],
     "cpu": [pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")],
     "triton": [pytest.mark.skipif(not HAS_TRITON, reason=_dispatch.backends()["triton"].reason)],
+    "cuda": [pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason()))],
 }
 BACKENDS = [pytest.param(b, marks=MARKS[b]) for b in ("reference", "cpu")]
 TRITON = pytest.param("triton", marks=MARKS["triton"])
@@ -47,8 +60,17 @@ def cases(backends, *axes):
 
 def device(backend: str) -> str:
     """Where a backend's inputs live: the triton backend takes CUDA tensors unless it is
-    interpreting."""
-    return "cuda" if backend == "triton" and not INTERPRET else "cpu"
+    interpreting, the cuda backend unless it runs through the host harness."""
+    gpu = (backend == "triton" and not INTERPRET) or (backend == "cuda" and ON_GPU)
+    return "cuda" if gpu else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _cuda_harness(request, monkeypatch):
+    """The cuda backend's cases without a GPU run through the host harness."""
+    callspec = getattr(request.node, "callspec", None)
+    if not ON_GPU and callspec is not None and callspec.params.get("backend") == "cuda":
+        monkeypatch.setenv("ATTNX_CUDA_ON_CPU", "1")
 
 
 def to(dev, mods: dict) -> dict:
@@ -340,6 +362,140 @@ def test_half_precision(backend, dtype):
           window=(20, 0))
 
 
+# ----------------------------------------------------------------------------- cuda backend
+# float16 and bfloat16 only; head dims in the families 32, 64 and 160 (the wide backward); the
+# harness runs each case in about a second at these sizes.
+
+HALF = (torch.float16, torch.bfloat16)
+CUDA_SHAPES = [  # b, hq, hkv, lq, lk, e, ev
+    (1, 1, 1, 1, 1, 16, 16),
+    (2, 3, 3, 17, 97, 64, 64),
+    (1, 4, 2, 97, 17, 160, 150),  # GQA, Lq > Lk, Ev != E, the wide backward
+]
+
+
+@pytest.mark.parametrize("backend,shape,which,dtype",
+                         cases(["cuda"], CUDA_SHAPES, ["softcap", "alibi", "alibi_batch", "sinks"],
+                               [torch.float16])
+                         + cases(["cuda"], CUDA_SHAPES, ["all"], HALF), ids=str)
+def test_cuda_each_modifier_and_all(backend, shape, which, dtype):
+    q, k, v, dout = _inputs(*shape)
+    check(backend, dtype, q, k, v, dout, mods=_modifiers(shape[1], shape[0], WHICH[which]))
+
+
+@pytest.mark.parametrize("backend,mode,which,dtype",
+                         cases(["cuda"], MODES, ["all"], [torch.bfloat16])
+                         + cases(["cuda"], ["causal_window"], ["softcap", "alibi", "sinks"],
+                                 [torch.float16]), ids=str)
+def test_cuda_with_causal_and_window(backend, mode, which, dtype):
+    q, k, v, dout = _inputs(2, 4, 2, 37, 53, 32, 32)
+    check(backend, dtype, q, k, v, dout, mods=_modifiers(4, 2, WHICH[which]), **MODES[mode])
+
+
+@pytest.mark.parametrize("backend,kind,which,dtype",
+                         cases(["cuda"], ["bool_full", "bool_row", "float_full", "float_row"],
+                               ["all"], [torch.float16])
+                         + cases(["cuda"], ["float_full"], ["all_batch"], [torch.bfloat16]),
+                         ids=str)
+def test_cuda_with_masks_and_lse_gradient(backend, kind, which, dtype):
+    b, h, lq, lk = 2, 3, 29, 41
+    q, k, v, dout = _inputs(b, h, h, lq, lk, 64, 64)
+    dlse = torch.randn(b, h, lq, dtype=torch.float64)
+    check(backend, dtype, q, k, v, dout, mask=_mask(kind, b, h, lq, lk),
+          mods=_modifiers(h, b, WHICH[which]), dlse=dlse)
+
+
+@pytest.mark.parametrize("backend,dtype", cases(["cuda"], HALF), ids=str)
+def test_cuda_dropout_reproducible(backend, dtype):
+    q, k, v, dout = _inputs(1, 2, 2, 31, 40, 64, 64)
+    mods = _modifiers(2, 1, WHICH["all"])
+    # dsinks = -sum_i P_sink,i delta_i, delta_i = rowsum(dO * O) from the kernel's rounded O
+    # (flash-attention's D): with dropout's 1/(1-p) spreading O, bfloat16 dsinks comes within
+    # 3.6x the formula's own bfloat16 error here, not 3x.
+    first = check(backend, dtype, q, k, v, dout, mods=mods, dropout_p=0.3, factor=4.0)
+    again = _actual(backend, dtype, q, k, v, dout, None, mods, dict(dropout_p=0.3), None, 11)
+    for name, a, b in zip(NAMES, first, again):
+        assert a is None and b is None or torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend,with_sinks,dtype", cases(["cuda"], [False, True], HALF),
+                         ids=str)
+def test_cuda_fully_masked_rows(backend, with_sinks, dtype):
+    """As test_fully_masked_rows: zeros, zero gradients, lse -inf or the sink (the sink in
+    float32, as the kernels hold it)."""
+    b, h, lq, lk = 1, 2, 9, 13
+    q, k, v, dout = _inputs(b, h, h, lq, lk, 64, 64)
+    mask = torch.rand(b, h, lq, lk, generator=torch.Generator().manual_seed(4)) > 0.5
+    mask[:, :, 2] = False
+    mask[:, 1, 5] = False
+    which = ("softcap", "alibi", "sinks") if with_sinks else ("softcap", "alibi")
+    mods = _modifiers(h, b, which)
+    out, lse, dq, *_, dsinks = check(backend, dtype, q, k, v, dout, mask=mask, mods=mods,
+                                     dlse=torch.randn(b, h, lq, dtype=torch.float64))
+    assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
+    assert torch.equal(dq[:, :, 2], torch.zeros_like(dq[:, :, 2]))
+    if with_sinks:
+        sinks = mods["sinks"].to(dtype).float().expand(b, h)
+        torch.testing.assert_close(lse[:, :, 2], sinks)
+        assert dsinks is not None and torch.isfinite(dsinks).all()
+    else:
+        assert (lse[:, :, 2] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=MARKS["cuda"])])
+def test_cuda_huge_bias_rows_and_extreme_sinks(backend):
+    """bfloat16 (whose range holds a -1e30 bias): a row under a huge finite bias (its lse past
+    the float's fractional precision: the backward's row sums), a huge sink, huge scores under
+    a small softcap."""
+    q, k, v, dout = _inputs(1, 2, 2, 9, 11, 64, 64)
+    q = q * 30
+    mask = torch.zeros(9, 11, dtype=torch.float64)
+    mask[3] = -1e30
+    sinks = torch.tensor([500.0, -500.0], dtype=torch.float64)
+    check(backend, torch.bfloat16, q, k, v, dout, mask=mask,
+          mods=dict(softcap=2.0, sinks=sinks, alibi_slopes=torch.tensor([0.5, 100.0])))
+    mask[3] = -3e4  # a row's bias alone, each modifier alone: the row sums of each path
+    for mods in (dict(softcap=2.0), dict(alibi_slopes=torch.tensor([0.5, 0.25])),
+                 dict(sinks=torch.tensor([1.0, -2.0], dtype=torch.float64))):
+        check(backend, torch.bfloat16, q, k, v, dout, mask=mask, mods=mods)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=MARKS["cuda"])])
+def test_cuda_bfloat16_and_sinks_in_float32(backend):
+    q, k, v, dout = _inputs(1, 2, 2, 17, 19, 32, 32)
+    dev = device(backend)
+    mods = to(dev, _modifiers(2, 1, WHICH["all"]))
+    (ql, kl, vl), _, _ = _leaves(torch.bfloat16, q, k, v, None, {}, dev)
+    sinks = mods.pop("sinks").float().requires_grad_()
+    out = attnx.scaled_dot_product_attention(ql, kl, vl, sinks=sinks, backend=backend, **mods)
+    out.float().mul(dout.to(dev).float()).sum().backward()
+    assert out.dtype == torch.bfloat16 and sinks.grad.dtype == torch.float32
+    golden, _ = golden_attention(q, k, v, sinks=sinks.detach().cpu().double(), **{
+        "softcap": mods["softcap"], "slopes": mods["alibi_slopes"].cpu()})
+    assert (out.cpu().double() - golden).abs().max() < 3e-2
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=MARKS["cuda"])])
+def test_cuda_mod_ops_opcheck(backend):
+    """The cuda kernels' sdpa_mod ops (attnx_cuda_host's through the harness): schemas, fake
+    kernels and the forward's autograd (torch.library.opcheck)."""
+    ops = torch.ops.attnx if ON_GPU else torch.ops.attnx_cuda_host
+    dev, g = device(backend), torch.Generator().manual_seed(2)
+    q = torch.randn(2, 2, 5, 16, generator=g).to(dev, torch.float16).requires_grad_()
+    k = torch.randn(2, 1, 6, 16, generator=g).to(dev, torch.float16).requires_grad_()
+    v = torch.randn(2, 1, 6, 8, generator=g).to(dev, torch.float16).requires_grad_()
+    mask = torch.randn(1, 2, 5, 6, generator=g).to(dev, torch.float16).expand(2, 2, 5, 6)
+    slopes = torch.rand(2, 2, generator=g).to(dev)
+    sinks = torch.randn(2, generator=g).to(dev).requires_grad_()
+    fwd = (q, k, v, mask, 0.3, -5, 3, 0.0, None, 2.0, slopes, sinks)
+    torch.library.opcheck(ops.sdpa_mod_fwd.default, fwd)
+    out, lse = ops.sdpa_mod_fwd(*fwd)
+    bwd = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), mask, out.detach(),
+           lse.detach(), 0.3, -5, 3, 0.0, None, True, torch.randn_like(lse), 2.0, slopes,
+           sinks.detach(), True)
+    torch.library.opcheck(ops.sdpa_mod_bwd.default, bwd)
+
+
 def test_leading_dims_and_broadcast_heads():
     """3-D inputs (one head, no batch) and 5-D ones: slopes of shape (Hq,) or (prod(batch), Hq)."""
     q, k, v, _ = _inputs(2, 3, 3, 5, 7, 8, 8)
@@ -387,11 +543,13 @@ def test_bad_modifiers_name_the_argument(case):
 
 @pytest.mark.parametrize("forced", ["cuda"])
 def test_backends_without_modifiers_refuse_them(forced):
-    q = torch.randn(1, 2, 5, 8)
+    """The cuda backend's KV-cache decoding has no modifiers yet (its SDPA has)."""
+    q = torch.randn(1, 2, 1, 8, dtype=torch.float16)
+    cache = torch.randn(1, 2, 4, 8, dtype=torch.float16)
     for kwargs in (dict(softcap=5.0), dict(alibi_slopes=torch.ones(2)), dict(sinks=torch.zeros(2))):
         with pytest.raises(attnx.BackendUnavailableError,
                            match=f"does not compute {next(iter(kwargs))}"):
-            attnx.scaled_dot_product_attention(q, q, q, backend=forced, **kwargs)
+            attnx.attention_with_kvcache(q, cache, cache, 4, backend=forced, **kwargs)
 
 
 def test_auto_picks_a_backend_that_serves_them():
