@@ -34,6 +34,13 @@
 // Row-sums mode (p.row_sums set; the backward's first pass): the same scores and running m, l
 // without P V, ending with R_i = sum_j exp(s_ij - lse_i) = l exp(m - lse_i) against the saved
 // lse for rows of huge lse; query tiles with no such row write R = 1 and stop at once.
+//
+// Score modifiers (p.mods, API.md; the kMods instantiation only, so the plain kernels keep their
+// code and registers): each score is scaled, soft-capped (softcap tanh(s / softcap)) and ALiBi's
+// -slope |i - j| subtracted before the band and the mask; P then takes exp_diff's unfolded
+// path (natural units, as with a float mask). The sink joins at the end as one more score of no
+// value: m and l absorb exp(sink - m) after the key tiles, so lse, the output's 1 / l and the
+// row sums R include it, and a row without an admissible key gets zeros and lse = the sink.
 #pragma once
 
 #include "common.cuh"
