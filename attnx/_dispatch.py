@@ -48,7 +48,8 @@ _SERVED = {"kvcache": ("cuda", "cpu", "triton", "reference"),
 # with one goes to no other (backend=None falls back to these: for CUDA tensors, triton where
 # cuda lacks them).
 _SERVED_MODIFIERS = {"sdpa": ("cuda", "cpu", "triton", "reference"),
-                     "kvcache": ("cpu", "triton", "reference"), "varlen": ("cpu", "reference")}
+                     "kvcache": ("cuda", "cpu", "triton", "reference"),
+                     "varlen": ("cpu", "reference")}
 
 
 def _is_empty(op: str, call) -> bool:

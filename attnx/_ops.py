@@ -305,8 +305,8 @@ def _register_modifiers(ns: str) -> None:
     torch.library.register_autograd(f"{ns}::sdpa_mod_bwd", no_double_backward)
 
 
-def _register_kvcache_modifiers() -> None:
-    """The fake kernel of attnx::kvcache_mod_fwd (an inference op)."""
+def _register_kvcache_modifiers(ns: str) -> None:
+    """The fake kernel of `ns`::kvcache_mod_fwd (an inference op; ns as in _register)."""
 
     def _kvcache_fake(q, k_cache, v_cache, seqlens, block_table, scale, window_lo, window_hi,
                       softcap, alibi, sinks):
@@ -315,7 +315,7 @@ def _register_kvcache_modifiers() -> None:
         out = q.new_empty((b, h, lq, v_cache.shape[-1]))
         return out, q.new_empty((b, h, lq), dtype=torch.float32)
 
-    torch.library.register_fake("attnx::kvcache_mod_fwd", _kvcache_fake)
+    torch.library.register_fake(f"{ns}::kvcache_mod_fwd", _kvcache_fake)
 
 
 if _C is not None:
@@ -324,7 +324,7 @@ if _C is not None:
         _register_varlen()  # an extension built before them has no such ops
     if has_kernel("sdpa_mod_fwd", "CPU") and has_kernel("kvcache_mod_fwd", "CPU"):
         _register_modifiers("attnx")  # an extension built before them has no such ops
-        _register_kvcache_modifiers()
+        _register_kvcache_modifiers("attnx")
     if has_kernel("varlen_mod_fwd", "CPU"):
         _register_varlen_modifiers()  # an extension built before them has no such ops
 
@@ -342,4 +342,5 @@ def cuda_host() -> Optional[str]:
         return f"attnx._cuda_host (the CUDA host harness) is not built or failed to load ({exc})"
     _register("attnx_cuda_host")
     _register_modifiers("attnx_cuda_host")
+    _register_kvcache_modifiers("attnx_cuda_host")
     return None

@@ -35,6 +35,9 @@ inline constexpr const char* kOpSchemas[] = {
     // Decoding against a KV cache (conventions: ops.cpp); no backward: an inference op.
     "kvcache_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens, Tensor? block_table, "
         "float scale, int window_lo, int window_hi) -> (Tensor out, Tensor lse)",
+    "kvcache_mod_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens, "
+        "Tensor? block_table, float scale, int window_lo, int window_hi, float softcap, "
+        "Tensor? alibi_slopes, Tensor? sinks) -> (Tensor out, Tensor lse)",
 };
 
 }  // namespace attnx

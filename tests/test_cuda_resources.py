@@ -52,15 +52,19 @@ KERNELS.update({f"sdpa_bwd_delta<{dt}>": (None, 0) for dt in DTYPES.values()})
 KERNELS.update({f"additive_{op}<{dt}>": ("additive", cuda_backend.MAX_ADDITIVE_VALUE_DIM)
                 for op in ("fwd", "bwd") for dt in DTYPES.values()})
 # KV-cache decoding (decode.cu): the split kernel per value columns per thread (1: Ev <= 128,
-# 2: up to 256) at its largest head dims, the merge with no shared memory.
-KERNELS.update({f"kvcache_split<{dt}, {nc}>": ("kvcache", cuda_backend.MAX_SDPA_HEAD_DIM)
-                for dt in DTYPES.values() for nc in (1, 2)})
-KERNELS.update({f"kvcache_merge<{dt}>": (None, 0) for dt in DTYPES.values()})
+# 2: up to 256) at its largest head dims, plain and with the score modifiers; the merge with no
+# shared memory, plain and with the sinks.
+KVCACHE_VARIANTS = {"split": SDPA_VARIANTS, "merge": {"0": "", "1": ", sinks"}}
+KERNELS.update({f"kvcache_split<{dt}, {nc}{mods}>": ("kvcache", cuda_backend.MAX_SDPA_HEAD_DIM)
+                for dt in DTYPES.values() for nc in (1, 2) for mods in SDPA_VARIANTS.values()})
+KERNELS.update({f"kvcache_merge<{dt}{sinks}>": (None, 0) for dt in DTYPES.values()
+                for sinks in KVCACHE_VARIANTS["merge"].values()})
 
 _SDPA = re.compile(r"(sdpa_fwd|sdpa_bwd)_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELb([01])E")
 _ADDITIVE = re.compile(r"additive_(fwd|bwd)_kernelI(6__half|13__nv_bfloat16)E")
 _DELTA = re.compile(r"sdpa_bwd_delta_kernelI(6__half|13__nv_bfloat16)E")
-_KVCACHE = re.compile(r"kvcache_(split|merge)_kernelI(6__half|13__nv_bfloat16)(?:Li(\d+)E)?E")
+_KVCACHE = re.compile(
+    r"kvcache_(split|merge)_kernelI(6__half|13__nv_bfloat16)(?:Li(\d+)E)?Lb([01])E")
 _USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _LOCAL_ACCESS = re.compile(r"\b(STL|LDL)((?:\.\w+)*)")
 _ACCESS_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
@@ -95,7 +99,8 @@ def kernel_name(symbol: str) -> str:
     if m := _DELTA.search(symbol):
         return f"sdpa_bwd_delta<{DTYPES[m[1]]}>"
     if m := _KVCACHE.search(symbol):
-        return f"kvcache_{m[1]}<{DTYPES[m[2]]}" + (f", {m[3]}>" if m[3] else ">")
+        return (f"kvcache_{m[1]}<{DTYPES[m[2]]}" + (f", {m[3]}" if m[3] else "")
+                + f"{KVCACHE_VARIANTS[m[1]][m[4]]}>")
     raise AssertionError(f"{symbol}: a kernel this test does not know; add it to KERNELS with "
                          "the dynamic shared memory its launch requests")
 

@@ -494,6 +494,10 @@ def test_cuda_mod_ops_opcheck(backend):
            lse.detach(), 0.3, -5, 3, 0.0, None, True, torch.randn_like(lse), 2.0, slopes,
            sinks.detach(), True)
     torch.library.opcheck(ops.sdpa_mod_bwd.default, bwd)
+    cache = torch.randn(2, 1, 9, 16, generator=g).to(dev, torch.float16)
+    kv = (q.detach(), cache, cache[..., :8], torch.tensor([9, 4], dtype=torch.int32, device=dev),
+          None, 0.3, -20, 0, 2.0, slopes, sinks.detach())
+    torch.library.opcheck(ops.kvcache_mod_fwd.default, kv)
 
 
 def test_leading_dims_and_broadcast_heads():
@@ -539,17 +543,6 @@ def test_bad_modifiers_name_the_argument(case):
     q = torch.randn(2, 4, 5, 8)
     with pytest.raises(exc, match=pattern):
         attnx.scaled_dot_product_attention(q, q, q, **kwargs)
-
-
-@pytest.mark.parametrize("forced", ["cuda"])
-def test_backends_without_modifiers_refuse_them(forced):
-    """The cuda backend's KV-cache decoding has no modifiers yet (its SDPA has)."""
-    q = torch.randn(1, 2, 1, 8, dtype=torch.float16)
-    cache = torch.randn(1, 2, 4, 8, dtype=torch.float16)
-    for kwargs in (dict(softcap=5.0), dict(alibi_slopes=torch.ones(2)), dict(sinks=torch.zeros(2))):
-        with pytest.raises(attnx.BackendUnavailableError,
-                           match=f"does not compute {next(iter(kwargs))}"):
-            attnx.attention_with_kvcache(q, cache, cache, 4, backend=forced, **kwargs)
 
 
 def test_auto_picks_a_backend_that_serves_them():
@@ -607,6 +600,8 @@ KV_MODES = [(1, {}), (3, dict(window=(6, None))), (5, dict(is_causal=False))]
 
 
 def _kv_id(x):
+    if isinstance(x, torch.dtype):
+        return str(x).removeprefix("torch.")
     if isinstance(x, bool):
         return "paged" if x else "contiguous"
     if isinstance(x, tuple):
@@ -648,6 +643,42 @@ def test_kvcache(backend, paged, which, lq_mode, dtype=torch.float32):
     assert torch.equal(torch.isinf(lse), torch.isinf(gold_lse))
     assert_within(*(t.float().nan_to_num(neginf=0.0) for t in (lse, gold_lse, base_lse)),
                   factor=3.0, floor=FLOORS[dtype], what="lse")
+
+
+@pytest.mark.parametrize("backend,paged,which,lq_mode,dtype",
+                         cases(["cuda"], [False, True], ["all"], KV_MODES, [torch.float16])
+                         + cases(["cuda"], [False], ["softcap", "alibi_batch", "sinks"],
+                                 KV_MODES[1:2], [torch.bfloat16]), ids=_kv_id)
+def test_cuda_kvcache(backend, paged, which, lq_mode, dtype):
+    """The cuda decoding kernels with two key splits (a 45-key cache): the sink joins at the
+    merge (test_cuda_kvcache_one_split: in the split kernel)."""
+    test_kvcache(backend, paged, which, lq_mode, dtype=dtype)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=MARKS["cuda"])])
+@pytest.mark.parametrize("which", ["sinks", "all"])
+def test_cuda_kvcache_one_split(backend, which):
+    """A cache of one key tile: one split, the sink added by the split kernel itself; a query
+    that admits no key gives lse = the sink."""
+    dev, dtype = device(backend), torch.float16
+    g = torch.Generator().manual_seed(6)
+    b, hq, hkv, lq, e = 2, 4, 2, 3, 64
+    keys = torch.randn(b, hkv, 20, e, generator=g, dtype=torch.float64)
+    values = torch.randn(b, hkv, 20, e, generator=g, dtype=torch.float64)
+    q = torch.randn(b, hq, lq, e, generator=g, dtype=torch.float64)
+    lengths = [2, 20]
+    mods = _modifiers(hq, b, WHICH[which])
+    mods["sinks"] = mods["sinks"].float()  # a model's float32 parameter
+    kw = dict(is_causal=True, window=(5, None))  # sequence 0's first query admits no key
+    out, lse = attnx.attention_with_kvcache(
+        q.to(dev, dtype), keys.to(dev, dtype), values.to(dev, dtype),
+        torch.tensor(lengths, dtype=torch.int32, device=dev), backend=backend, return_lse=True,
+        **kw, **to(dev, mods))
+    gold_out, gold_lse = _kvcache_golden(q, keys, values, lengths, torch.float64, mods=mods, **kw)
+    base_out, base_lse = _kvcache_golden(q, keys, values, lengths, dtype, mods=mods, **kw)
+    assert_within(out.cpu(), gold_out, base_out, factor=3.0, floor=FLOORS[dtype])
+    assert_within(lse.cpu(), gold_lse, base_lse, factor=3.0, floor=FLOORS[dtype], what="lse")
+    assert torch.equal(out[0, :, 0].cpu(), torch.zeros_like(out[0, :, 0].cpu()))
 
 
 def _rerun_in(env_var: str, probe: str, expect, keys: str):

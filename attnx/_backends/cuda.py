@@ -4,8 +4,9 @@ What the kernels serve (keep in step with csrc/cuda/): float16 and bfloat16; SDP
 E, Ev up to 256 (the forward is built for the head-dim families 32, 64, 96, 128, 160, 192 and
 256, the backward for the same; each zero-pads below its family);
 additive value dims up to 2048 (the output tile lives in shared memory); the SDPA score
-modifiers softcap, alibi_slopes and sinks (sdpa_mod_fwd/bwd: the kernels' kMods instantiation,
-sinks' gradient from the backward's delta on the host), not yet in decoding; KV-cache decoding
+modifiers softcap, alibi_slopes and sinks, in SDPA and decoding (sdpa_mod_fwd/bwd,
+kvcache_mod_fwd: the kernels' kMods instantiations; sinks' gradient from the backward's delta on
+the host); KV-cache decoding
 (attention_with_kvcache, csrc/cuda/decode.cu) head dims E, Ev up to 256; at most 65535 batches
 and heads (the CUDA grid's y and z dims); a GPU of compute capability 8.0 or more whose opt-in
 shared memory per block holds what the call's kernels request, decided per call.

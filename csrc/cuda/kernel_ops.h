@@ -70,12 +70,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
     const OptTensor& seed, bool mask_grad, const OptTensor& grad_lse,
     const OptTensor& grad_weights);
 
+// kvcache_fwd and, with the score modifiers (softcap 0: none), kvcache_mod_fwd.
 std::tuple<at::Tensor, at::Tensor> kvcache_fwd(const Target& target, const at::Tensor& q,
                                                const at::Tensor& k_cache,
                                                const at::Tensor& v_cache,
                                                const at::Tensor& seqlens,
                                                const OptTensor& block_table, double scale,
-                                               int64_t window_lo, int64_t window_hi);
+                                               int64_t window_lo, int64_t window_hi,
+                                               double softcap = 0.0,
+                                               const OptTensor& alibi_slopes = std::nullopt,
+                                               const OptTensor& sinks = std::nullopt);
 
 }  // namespace cuda
 }  // namespace attnx

@@ -101,6 +101,17 @@ std::tuple<Tensor, Tensor> gpu_kvcache_fwd(const Tensor& q, const Tensor& k_cach
                      window_hi);
 }
 
+std::tuple<Tensor, Tensor> gpu_kvcache_mod_fwd(const Tensor& q, const Tensor& k_cache,
+                                               const Tensor& v_cache, const Tensor& seqlens,
+                                               const OptTensor& block_table, double scale,
+                                               int64_t window_lo, int64_t window_hi,
+                                               double softcap, const OptTensor& alibi_slopes,
+                                               const OptTensor& sinks) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  return kvcache_fwd(kGpu, q, k_cache, v_cache, seqlens, block_table, scale, window_lo,
+                     window_hi, softcap, alibi_slopes, sinks);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace attnx
@@ -113,4 +124,5 @@ TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
   m.impl("additive_fwd", &attnx::cuda::gpu_additive_fwd);
   m.impl("additive_bwd", &attnx::cuda::gpu_additive_bwd);
   m.impl("kvcache_fwd", &attnx::cuda::gpu_kvcache_fwd);
+  m.impl("kvcache_mod_fwd", &attnx::cuda::gpu_kvcache_mod_fwd);
 }

@@ -285,7 +285,8 @@ __global__ void __launch_bounds__(Config<D>::kThreads) sdpa_bwd_kernel(const Sdp
         const int il = query_of(n, e);
         float x = pt[n][e] * p.scale;
         if constexpr (kMods)
-          x = modified_score(x, p.mods, slope, i0 + il, j0 + key_of(e), tc[n][e]);
+          x = modified_score(x, p.mods, slope, fabsf(float(i0 + il - j0 - key_of(e))),
+                             tc[n][e]);
         const float sc = interior ? x
                                   : admit<T>(x, p.mask, p.window_lo, p.window_hi, b, h, i0 + il,
                                              j0 + key_of(e), p.Lq, p.Lk);

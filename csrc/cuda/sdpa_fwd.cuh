@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
           if constexpr (kMods) {
             const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
             float tc;
-            x = modified_score(x, p.mods, slope, i, j, tc);
+            x = modified_score(x, p.mods, slope, fabsf(float(i - j)), tc);
           }
           if (!interior) {
             const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;

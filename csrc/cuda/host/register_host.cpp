@@ -129,6 +129,16 @@ std::tuple<Tensor, Tensor> host_kvcache_fwd(const Tensor& q, const Tensor& k_cac
                      window_hi);
 }
 
+std::tuple<Tensor, Tensor> host_kvcache_mod_fwd(const Tensor& q, const Tensor& k_cache,
+                                               const Tensor& v_cache, const Tensor& seqlens,
+                                               const OptTensor& block_table, double scale,
+                                               int64_t window_lo, int64_t window_hi,
+                                               double softcap, const OptTensor& alibi_slopes,
+                                               const OptTensor& sinks) {
+  return kvcache_fwd(kHost, q, k_cache, v_cache, seqlens, block_table, scale, window_lo,
+                     window_hi, softcap, alibi_slopes, sinks);
+}
+
 // The primitives' self-tests (mma_selftest.h) on contiguous CPU tensors, in guarded buffers.
 Tensor guarded_input(const Tensor& t, at::ScalarType dtype, at::IntArrayRef sizes) {
   TORCH_CHECK(t.scalar_type() == dtype && t.sizes() == sizes, "expected a ", dtype, " tensor of ",
@@ -181,6 +191,7 @@ TORCH_LIBRARY_IMPL(attnx_cuda_host, CPU, m) {
   m.impl("additive_fwd", &attnx::cuda::host_additive_fwd);
   m.impl("additive_bwd", &attnx::cuda::host_additive_bwd);
   m.impl("kvcache_fwd", &attnx::cuda::host_kvcache_fwd);
+  m.impl("kvcache_mod_fwd", &attnx::cuda::host_kvcache_mod_fwd);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
