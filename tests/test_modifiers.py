@@ -115,7 +115,9 @@ def golden_attention(q, k, v, mask=None, *, is_causal=False, window=None, scale=
     empty = (s == float("-inf")).all(-1, keepdim=True)
     s = s.masked_fill(empty, 0.0)
     lse = torch.logsumexp(s, -1, keepdim=True)
-    p = torch.exp(s - lse).masked_fill(empty, 0.0)[..., :lk]
+    # softmax, not exp(s - lse): a row whose terms all sit at a huge bias has an lse rounded to
+    # that bias, exp(s - lse) would give each 1
+    p = torch.softmax(s, -1).masked_fill(empty, 0.0)[..., :lk]
     if keep is not None:
         p = p * keep / (1 - dropout_p)
     return p @ v, lse.masked_fill(empty, float("-inf")).squeeze(-1)
@@ -458,6 +460,13 @@ def test_cuda_huge_bias_rows_and_extreme_sinks(backend):
     for mods in (dict(softcap=2.0), dict(alibi_slopes=torch.tensor([0.5, 0.25])),
                  dict(sinks=torch.tensor([1.0, -2.0], dtype=torch.float64))):
         check(backend, torch.bfloat16, q, k, v, dout, mask=mask, mods=mods)
+    # Row 3 padded with bfloat16's most negative finite value, as Hugging Face pads, and head 0's
+    # sink the same: its keys and sink tie, lse rounds to the bias, and only the row sums (the
+    # sink's term included) give back p = 1 / 12 each, in the gradients and dsinks too.
+    big = torch.finfo(torch.bfloat16).min
+    mask[3] = big
+    check(backend, torch.bfloat16, q, k, v, dout, mask=mask,
+          mods=dict(sinks=torch.tensor([big, 0.5], dtype=torch.float64)))
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=MARKS["cuda"])])
