@@ -45,9 +45,11 @@ def backends() -> dict:
 _SERVED = {"kvcache": ("cuda", "cpu", "triton", "reference"),
            "varlen": ("cpu", "triton", "reference")}
 # The backends that compute the score modifiers (softcap, alibi_slopes, sinks), by op; a call
-# with one goes to no other (backend=None falls back to these: CUDA tensors to triton).
-_SERVED_MODIFIERS = {"sdpa": ("cpu", "triton", "reference"),
-                     "kvcache": ("cpu", "triton", "reference"), "varlen": ("cpu", "reference")}
+# with one goes to no other (backend=None falls back to these: for CUDA tensors, triton where
+# cuda lacks them).
+_SERVED_MODIFIERS = {"sdpa": ("cuda", "cpu", "triton", "reference"),
+                     "kvcache": ("cuda", "cpu", "triton", "reference"),
+                     "varlen": ("cpu", "reference")}
 
 
 def _is_empty(op: str, call) -> bool:

@@ -263,12 +263,12 @@ def _register_varlen_modifiers() -> None:
     torch.library.register_autograd("attnx::varlen_mod_bwd", no_double_backward)
 
 
-def _register_modifiers() -> None:
-    """The fake kernels and autograd of attnx::sdpa_mod_fwd / sdpa_mod_bwd (SDPA with softcap,
-    ALiBi and sinks; CPU kernels only so far), tying in the sinks' gradient, and the fake
-    kernel of attnx::kvcache_mod_fwd (an inference op)."""
+def _register_modifiers(ns: str) -> None:
+    """The fake kernels and autograd of `ns`::sdpa_mod_fwd / sdpa_mod_bwd (SDPA with softcap,
+    ALiBi and sinks; ns as in _register), tying in the sinks' gradient."""
+    ops = getattr(torch.ops, ns)
 
-    @torch.library.register_fake("attnx::sdpa_mod_fwd")
+    @torch.library.register_fake(f"{ns}::sdpa_mod_fwd")
     def _fwd_fake(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed, softcap, alibi,
                   sinks):
         same_device(q, k, v, mask, alibi, sinks)
@@ -276,7 +276,7 @@ def _register_modifiers() -> None:
         out = q.new_empty((b, h, lq, v.shape[-1]))
         return out, q.new_empty((b, h, lq), dtype=_sdpa_lse_dtype(q.dtype))
 
-    @torch.library.register_fake("attnx::sdpa_mod_bwd")
+    @torch.library.register_fake(f"{ns}::sdpa_mod_bwd")
     def _bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi, dropout_p,
                   seed, mask_grad, grad_lse, softcap, alibi, sinks, sinks_grad):
         same_device(q, grad_out, k, v, mask, out, lse, grad_lse, alibi, sinks)
@@ -295,14 +295,18 @@ def _register_modifiers() -> None:
         scale, lo, hi, p, softcap = ctx.args
         want_mask = mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[3]
         want_sinks = sinks is not None and ctx.needs_input_grad[11]
-        dq, dk, dv, dmask, dsinks = torch.ops.attnx.sdpa_mod_bwd(
+        dq, dk, dv, dmask, dsinks = ops.sdpa_mod_bwd(
             or_zeros(grad_out, out), q, k, v, mask, out, lse, scale, lo, hi, p, seed, want_mask,
             grad_lse, softcap, alibi, sinks, want_sinks)
         return (dq, dk, dv, (dmask if want_mask else None), None, None, None, None, None, None,
                 None, (dsinks if want_sinks else None))
 
-    torch.library.register_autograd("attnx::sdpa_mod_fwd", _backward, setup_context=_setup)
-    torch.library.register_autograd("attnx::sdpa_mod_bwd", no_double_backward)
+    torch.library.register_autograd(f"{ns}::sdpa_mod_fwd", _backward, setup_context=_setup)
+    torch.library.register_autograd(f"{ns}::sdpa_mod_bwd", no_double_backward)
+
+
+def _register_kvcache_modifiers(ns: str) -> None:
+    """The fake kernel of `ns`::kvcache_mod_fwd (an inference op; ns as in _register)."""
 
     def _kvcache_fake(q, k_cache, v_cache, seqlens, block_table, scale, window_lo, window_hi,
                       softcap, alibi, sinks):
@@ -311,7 +315,7 @@ def _register_modifiers() -> None:
         out = q.new_empty((b, h, lq, v_cache.shape[-1]))
         return out, q.new_empty((b, h, lq), dtype=torch.float32)
 
-    torch.library.register_fake("attnx::kvcache_mod_fwd", _kvcache_fake)
+    torch.library.register_fake(f"{ns}::kvcache_mod_fwd", _kvcache_fake)
 
 
 if _C is not None:
@@ -319,7 +323,8 @@ if _C is not None:
     if has_kernel("varlen_fwd", "CPU"):
         _register_varlen()  # an extension built before them has no such ops
     if has_kernel("sdpa_mod_fwd", "CPU") and has_kernel("kvcache_mod_fwd", "CPU"):
-        _register_modifiers()  # an extension built before them has no such ops
+        _register_modifiers("attnx")  # an extension built before them has no such ops
+        _register_kvcache_modifiers("attnx")
     if has_kernel("varlen_mod_fwd", "CPU"):
         _register_varlen_modifiers()  # an extension built before them has no such ops
 
@@ -336,4 +341,6 @@ def cuda_host() -> Optional[str]:
     except ImportError as exc:
         return f"attnx._cuda_host (the CUDA host harness) is not built or failed to load ({exc})"
     _register("attnx_cuda_host")
+    _register_modifiers("attnx_cuda_host")
+    _register_kvcache_modifiers("attnx_cuda_host")
     return None

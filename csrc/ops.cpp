@@ -22,34 +22,15 @@
 
 TORCH_LIBRARY(attnx, m) {
   for (const char* schema : attnx::kOpSchemas) m.def(schema);
-  // Not in kOpSchemas (kvcache_mod, varlen, the sdpa modifiers): the cuda host harness serves
-  // the kernels of csrc/cuda only.
+  // Not in kOpSchemas (varlen): the cuda host harness serves the kernels of csrc/cuda only.
   // kvcache_fwd (in kOpSchemas): decoding against a KV cache. k_cache (B, Hkv, Lmax, E), or
   // paged (num_blocks, Hkv, block_size, E) with block_table int32 (B, max_blocks): position p
   // of sequence b is slot p % block_size of block block_table[b, p // block_size]. seqlens
   // int32 (B,): keys 0 .. seqlens[b] - 1 are attended, slots past them never read. The band is
   // aligned bottom-right: query i admits key j iff i + d + window_lo <= j <= i + d + window_hi,
   // d = seqlens[b] - Lq. out (B, Hq, Lq, Ev) in q's dtype, lse (B, Hq, Lq) float32.
-  // SDPA with the score modifiers of API.md (CPU kernels only so far). On the scaled score s of
-  // query i and key j, before the mask: s <- softcap tanh(s / softcap) (softcap 0: none), then
-  // s <- s - alibi_slopes[b, h] |i - j| (float32 (B, Hq), top-left); sinks (Hq): sink[h] joins
-  // every row's softmax denominator, and lse includes it. The backward returns dsinks (Hq) in
-  // sinks' dtype when sinks_grad, else empty.
-  m.def(
-      "sdpa_mod_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int window_lo, "
-      "int window_hi, float dropout_p, Tensor? seed, float softcap, Tensor? alibi_slopes, "
-      "Tensor? sinks) -> (Tensor out, Tensor lse)");
-  m.def(
-      "sdpa_mod_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, "
-      "Tensor lse, float scale, int window_lo, int window_hi, float dropout_p, Tensor? seed, "
-      "bool mask_grad, Tensor? grad_lse, float softcap, Tensor? alibi_slopes, Tensor? sinks, "
-      "bool sinks_grad) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask, Tensor dsinks)");
-  // kvcache_fwd with the score modifiers of sdpa_mod_fwd, ALiBi aligned bottom-right:
-  // -alibi_slopes[b, h] |i + d - j|.
-  m.def(
-      "kvcache_mod_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens, "
-      "Tensor? block_table, float scale, int window_lo, int window_hi, float softcap, "
-      "Tensor? alibi_slopes, Tensor? sinks) -> (Tensor out, Tensor lse)");
+  // kvcache_mod_fwd (in kOpSchemas): with the score modifiers of sdpa_mod_fwd, ALiBi aligned
+  // bottom-right: -alibi_slopes[b, h] |i + d - j|.
   // Packed variable-length batches: q (total_q, Hq, E), k (total_k, Hkv, E), v (total_k, Hkv,
   // Ev); cu_seqlens_q/k int32 (N + 1,) prefix sums: sequence n is rows cu[n]:cu[n+1] and
   // attends only to itself, its query i admitting key j iff i + d + window_lo <= j <=

@@ -43,23 +43,28 @@ DTYPES = {"6__half": "fp16", "13__nv_bfloat16": "bf16"}
 SDPA_FWD_FAMILIES = (32, 64, 96, 128, 160, 192, 256)  # csrc/cuda/launch.h kSdpaFwdFamilies
 SDPA_BWD_FAMILIES = SDPA_FWD_FAMILIES  # csrc/cuda/launch.h kSdpaBwdFamilies, all mma.sync
 # Every kernel csrc/cuda/ compiles, each with the dynamic shared memory its launch requests
-# (op None: none).
-KERNELS = {f"{op}<{dt}, {d}>": (op, d) for op, families in (("sdpa_fwd", SDPA_FWD_FAMILIES),
-                                                            ("sdpa_bwd", SDPA_BWD_FAMILIES))
-           for dt in DTYPES.values() for d in families}
+# (op None: none). The SDPA kernels come plain and with the score modifiers (kMods: ", mods").
+SDPA_VARIANTS = {"0": "", "1": ", mods"}
+KERNELS = {f"{op}<{dt}, {d}{mods}>": (op, d)
+           for op, families in (("sdpa_fwd", SDPA_FWD_FAMILIES), ("sdpa_bwd", SDPA_BWD_FAMILIES))
+           for dt in DTYPES.values() for d in families for mods in SDPA_VARIANTS.values()}
 KERNELS.update({f"sdpa_bwd_delta<{dt}>": (None, 0) for dt in DTYPES.values()})
 KERNELS.update({f"additive_{op}<{dt}>": ("additive", cuda_backend.MAX_ADDITIVE_VALUE_DIM)
                 for op in ("fwd", "bwd") for dt in DTYPES.values()})
 # KV-cache decoding (decode.cu): the split kernel per value columns per thread (1: Ev <= 128,
-# 2: up to 256) at its largest head dims, the merge with no shared memory.
-KERNELS.update({f"kvcache_split<{dt}, {nc}>": ("kvcache", cuda_backend.MAX_SDPA_HEAD_DIM)
-                for dt in DTYPES.values() for nc in (1, 2)})
-KERNELS.update({f"kvcache_merge<{dt}>": (None, 0) for dt in DTYPES.values()})
+# 2: up to 256) at its largest head dims, plain and with the score modifiers; the merge with no
+# shared memory, plain and with the sinks.
+KVCACHE_VARIANTS = {"split": SDPA_VARIANTS, "merge": {"0": "", "1": ", sinks"}}
+KERNELS.update({f"kvcache_split<{dt}, {nc}{mods}>": ("kvcache", cuda_backend.MAX_SDPA_HEAD_DIM)
+                for dt in DTYPES.values() for nc in (1, 2) for mods in SDPA_VARIANTS.values()})
+KERNELS.update({f"kvcache_merge<{dt}{sinks}>": (None, 0) for dt in DTYPES.values()
+                for sinks in KVCACHE_VARIANTS["merge"].values()})
 
-_SDPA = re.compile(r"(sdpa_fwd|sdpa_bwd)_kernelI(6__half|13__nv_bfloat16)Li(\d+)E")
+_SDPA = re.compile(r"(sdpa_fwd|sdpa_bwd)_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELb([01])E")
 _ADDITIVE = re.compile(r"additive_(fwd|bwd)_kernelI(6__half|13__nv_bfloat16)E")
 _DELTA = re.compile(r"sdpa_bwd_delta_kernelI(6__half|13__nv_bfloat16)E")
-_KVCACHE = re.compile(r"kvcache_(split|merge)_kernelI(6__half|13__nv_bfloat16)(?:Li(\d+)E)?E")
+_KVCACHE = re.compile(
+    r"kvcache_(split|merge)_kernelI(6__half|13__nv_bfloat16)(?:Li(\d+)E)?Lb([01])E")
 _USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _LOCAL_ACCESS = re.compile(r"\b(STL|LDL)((?:\.\w+)*)")
 _ACCESS_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
@@ -85,15 +90,17 @@ def cuobjdump() -> str:
 
 
 def kernel_name(symbol: str) -> str:
-    """`sdpa_bwd<bf16, 128>` for the mangled symbol of that instantiation."""
+    """`sdpa_bwd<bf16, 128>` (`sdpa_bwd<bf16, 128, mods>` with the score modifiers) for the
+    mangled symbol of that instantiation."""
     if m := _SDPA.search(symbol):
-        return f"{m[1]}<{DTYPES[m[2]]}, {m[3]}>"
+        return f"{m[1]}<{DTYPES[m[2]]}, {m[3]}{SDPA_VARIANTS[m[4]]}>"
     if m := _ADDITIVE.search(symbol):
         return f"additive_{m[1]}<{DTYPES[m[2]]}>"
     if m := _DELTA.search(symbol):
         return f"sdpa_bwd_delta<{DTYPES[m[1]]}>"
     if m := _KVCACHE.search(symbol):
-        return f"kvcache_{m[1]}<{DTYPES[m[2]]}" + (f", {m[3]}>" if m[3] else ">")
+        return (f"kvcache_{m[1]}<{DTYPES[m[2]]}" + (f", {m[3]}" if m[3] else "")
+                + f"{KVCACHE_VARIANTS[m[1]][m[4]]}>")
     raise AssertionError(f"{symbol}: a kernel this test does not know; add it to KERNELS with "
                          "the dynamic shared memory its launch requests")
 
@@ -349,8 +356,8 @@ def test_backward_is_built_on_mma_ldmatrix_and_cp_async(table):
     every architecture built."""
     symbols = {(kernel_name(sym), arch): sym
                for sym, arch in resource_usage(cuobjdump(), _ops._C.__file__)}
-    wanted = {(f"sdpa_bwd<{dt}, {d}>", a) for dt in DTYPES.values() for d in SDPA_BWD_FAMILIES
-              for a in built_archs()}
+    wanted = {(f"sdpa_bwd<{dt}, {d}{mods}>", a) for dt in DTYPES.values()
+              for d in SDPA_BWD_FAMILIES for mods in SDPA_VARIANTS.values() for a in built_archs()}
     assert wanted <= {(r["kernel"], r["arch"]) for r in table}
     for name, arch in sorted(wanted):
         mix = sass_mix(symbols[name, arch], arch)

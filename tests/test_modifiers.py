@@ -8,7 +8,9 @@ include q, k, v, a float mask and the sinks.
 
 The triton backend runs a few representative cases of each test (TRITON_CASES): in Triton's
 interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU), which
-runs every program in Python, or on CUDA tensors with a GPU.
+runs every program in Python, or on CUDA tensors with a GPU. The cuda backend (float16 and
+bfloat16 only) runs its own cases below ("cuda backend"): on CUDA tensors with a GPU, else
+through the host harness (ATTNX_CUDA_ON_CPU=1, csrc/cuda/host/) on CPU tensors.
 """
 
 from __future__ import annotations
@@ -28,10 +30,21 @@ from tests._rerun import rerun_under, skip_unless_avx512
 HAS_CPU_KERNELS = _ops.has_kernel("sdpa_mod_fwd", "CPU") and _ops.has_kernel("kvcache_mod_fwd", "CPU")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 HAS_TRITON = _dispatch.backends()["triton"].usable
+ON_GPU = torch.cuda.is_available()  # else the cuda backend runs through the host harness
+
+
+def _cuda_reason():
+    if ON_GPU:
+        status = _dispatch.backends()["cuda"]
+        return None if status.usable else status.reason
+    return _ops.cuda_host()  # None once attnx._cuda_host is built and loaded
+
+
 MARKS = {
     "reference": [],
     "cpu": [pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")],
     "triton": [pytest.mark.skipif(not HAS_TRITON, reason=_dispatch.backends()["triton"].reason)],
+    "cuda": [pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason()))],
 }
 BACKENDS = [pytest.param(b, marks=MARKS[b]) for b in ("reference", "cpu")]
 TRITON = pytest.param("triton", marks=MARKS["triton"])
@@ -46,8 +59,17 @@ def cases(backends, *axes):
 
 def device(backend: str) -> str:
     """Where a backend's inputs live: the triton backend takes CUDA tensors unless it is
-    interpreting."""
-    return "cuda" if backend == "triton" and not INTERPRET else "cpu"
+    interpreting, the cuda backend unless it runs through the host harness."""
+    gpu = (backend == "triton" and not INTERPRET) or (backend == "cuda" and ON_GPU)
+    return "cuda" if gpu else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _cuda_harness(request, monkeypatch):
+    """The cuda backend's cases without a GPU run through the host harness."""
+    callspec = getattr(request.node, "callspec", None)
+    if not ON_GPU and callspec is not None and callspec.params.get("backend") == "cuda":
+        monkeypatch.setenv("ATTNX_CUDA_ON_CPU", "1")
 
 
 def to(dev, mods: dict) -> dict:
@@ -92,7 +114,9 @@ def golden_attention(q, k, v, mask=None, *, is_causal=False, window=None, scale=
     empty = (s == float("-inf")).all(-1, keepdim=True)
     s = s.masked_fill(empty, 0.0)
     lse = torch.logsumexp(s, -1, keepdim=True)
-    p = torch.exp(s - lse).masked_fill(empty, 0.0)[..., :lk]
+    # softmax, not exp(s - lse): a row whose terms all sit at a huge bias has an lse rounded to
+    # that bias, exp(s - lse) would give each 1
+    p = torch.softmax(s, -1).masked_fill(empty, 0.0)[..., :lk]
     if keep is not None:
         p = p * keep / (1 - dropout_p)
     return p @ v, lse.masked_fill(empty, float("-inf")).squeeze(-1)
@@ -339,6 +363,151 @@ def test_half_precision(backend, dtype):
           window=(20, 0))
 
 
+# ----------------------------------------------------------------------------- cuda backend
+# float16 and bfloat16 only; head dims in the families 32, 64 and 160 (the wide backward); the
+# harness runs each case in about a second at these sizes.
+
+HALF = (torch.float16, torch.bfloat16)
+CUDA_SHAPES = [  # b, hq, hkv, lq, lk, e, ev
+    (1, 1, 1, 1, 1, 16, 16),
+    (2, 3, 3, 17, 97, 64, 64),
+    (1, 4, 2, 97, 17, 160, 150),  # GQA, Lq > Lk, Ev != E, the wide backward
+]
+
+
+@pytest.mark.parametrize("backend,shape,which,dtype",
+                         cases(["cuda"], CUDA_SHAPES, ["softcap", "alibi", "alibi_batch", "sinks"],
+                               [torch.float16])
+                         + cases(["cuda"], CUDA_SHAPES, ["all"], HALF), ids=str)
+def test_cuda_each_modifier_and_all(backend, shape, which, dtype):
+    q, k, v, dout = _inputs(*shape)
+    check(backend, dtype, q, k, v, dout, mods=_modifiers(shape[1], shape[0], WHICH[which]))
+
+
+@pytest.mark.parametrize("backend,mode,which,dtype",
+                         cases(["cuda"], MODES, ["all"], [torch.bfloat16])
+                         + cases(["cuda"], ["causal_window"], ["softcap", "alibi", "sinks"],
+                                 [torch.float16]), ids=str)
+def test_cuda_with_causal_and_window(backend, mode, which, dtype):
+    q, k, v, dout = _inputs(2, 4, 2, 37, 53, 32, 32)
+    check(backend, dtype, q, k, v, dout, mods=_modifiers(4, 2, WHICH[which]), **MODES[mode])
+
+
+@pytest.mark.parametrize("backend,kind,which,dtype",
+                         cases(["cuda"], ["bool_full", "bool_row", "float_full", "float_row"],
+                               ["all"], [torch.float16])
+                         + cases(["cuda"], ["float_full"], ["all_batch"], [torch.bfloat16]),
+                         ids=str)
+def test_cuda_with_masks_and_lse_gradient(backend, kind, which, dtype):
+    b, h, lq, lk = 2, 3, 29, 41
+    q, k, v, dout = _inputs(b, h, h, lq, lk, 64, 64)
+    dlse = torch.randn(b, h, lq, dtype=torch.float64)
+    check(backend, dtype, q, k, v, dout, mask=_mask(kind, b, h, lq, lk),
+          mods=_modifiers(h, b, WHICH[which]), dlse=dlse)
+
+
+@pytest.mark.parametrize("backend,dtype", cases(["cuda"], HALF), ids=str)
+def test_cuda_dropout_reproducible(backend, dtype):
+    q, k, v, dout = _inputs(1, 2, 2, 31, 40, 64, 64)
+    mods = _modifiers(2, 1, WHICH["all"])
+    # dsinks = -sum_i P_sink,i delta_i, delta_i = rowsum(dO * O) from the kernel's rounded O
+    # (flash-attention's D): with dropout's 1/(1-p) spreading O, bfloat16 dsinks comes within
+    # 3.6x the formula's own bfloat16 error here, not 3x.
+    first = check(backend, dtype, q, k, v, dout, mods=mods, dropout_p=0.3, factor=4.0)
+    again = _actual(backend, dtype, q, k, v, dout, None, mods, dict(dropout_p=0.3), None, 11)
+    for name, a, b in zip(NAMES, first, again):
+        assert a is None and b is None or torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend,with_sinks,dtype", cases(["cuda"], [False, True], HALF),
+                         ids=str)
+def test_cuda_fully_masked_rows(backend, with_sinks, dtype):
+    """As test_fully_masked_rows: zeros, zero gradients, lse -inf or the sink (the sink in
+    float32, as the kernels hold it)."""
+    b, h, lq, lk = 1, 2, 9, 13
+    q, k, v, dout = _inputs(b, h, h, lq, lk, 64, 64)
+    mask = torch.rand(b, h, lq, lk, generator=torch.Generator().manual_seed(4)) > 0.5
+    mask[:, :, 2] = False
+    mask[:, 1, 5] = False
+    which = ("softcap", "alibi", "sinks") if with_sinks else ("softcap", "alibi")
+    mods = _modifiers(h, b, which)
+    out, lse, dq, *_, dsinks = check(backend, dtype, q, k, v, dout, mask=mask, mods=mods,
+                                     dlse=torch.randn(b, h, lq, dtype=torch.float64))
+    assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
+    assert torch.equal(dq[:, :, 2], torch.zeros_like(dq[:, :, 2]))
+    if with_sinks:
+        sinks = mods["sinks"].to(dtype).float().expand(b, h)
+        torch.testing.assert_close(lse[:, :, 2], sinks)
+        assert dsinks is not None and torch.isfinite(dsinks).all()
+    else:
+        assert (lse[:, :, 2] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=MARKS["cuda"])])
+def test_cuda_huge_bias_rows_and_extreme_sinks(backend):
+    """bfloat16 (whose range holds a -1e30 bias): a row under a huge finite bias (its lse past
+    the float's fractional precision: the backward's row sums), a huge sink, huge scores under
+    a small softcap."""
+    q, k, v, dout = _inputs(1, 2, 2, 9, 11, 64, 64)
+    q = q * 30
+    mask = torch.zeros(9, 11, dtype=torch.float64)
+    mask[3] = -1e30
+    sinks = torch.tensor([500.0, -500.0], dtype=torch.float64)
+    check(backend, torch.bfloat16, q, k, v, dout, mask=mask,
+          mods=dict(softcap=2.0, sinks=sinks, alibi_slopes=torch.tensor([0.5, 100.0])))
+    mask[3] = -3e4  # a row's bias alone, each modifier alone: the row sums of each path
+    for mods in (dict(softcap=2.0), dict(alibi_slopes=torch.tensor([0.5, 0.25])),
+                 dict(sinks=torch.tensor([1.0, -2.0], dtype=torch.float64))):
+        check(backend, torch.bfloat16, q, k, v, dout, mask=mask, mods=mods)
+    # Row 3 padded with bfloat16's most negative finite value, as Hugging Face pads, and head 0's
+    # sink the same: its keys and sink tie, lse rounds to the bias, and only the row sums (the
+    # sink's term included) give back p = 1 / 12 each, in the gradients and dsinks too.
+    big = torch.finfo(torch.bfloat16).min
+    mask[3] = big
+    check(backend, torch.bfloat16, q, k, v, dout, mask=mask,
+          mods=dict(sinks=torch.tensor([big, 0.5], dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=MARKS["cuda"])])
+def test_cuda_bfloat16_and_sinks_in_float32(backend):
+    q, k, v, dout = _inputs(1, 2, 2, 17, 19, 32, 32)
+    dev = device(backend)
+    mods = to(dev, _modifiers(2, 1, WHICH["all"]))
+    (ql, kl, vl), _, _ = _leaves(torch.bfloat16, q, k, v, None, {}, dev)
+    sinks = mods.pop("sinks").float().requires_grad_()
+    out = attnx.scaled_dot_product_attention(ql, kl, vl, sinks=sinks, backend=backend, **mods)
+    out.float().mul(dout.to(dev).float()).sum().backward()
+    assert out.dtype == torch.bfloat16 and sinks.grad.dtype == torch.float32
+    golden, _ = golden_attention(q, k, v, sinks=sinks.detach().cpu().double(), **{
+        "softcap": mods["softcap"], "slopes": mods["alibi_slopes"].cpu()})
+    assert (out.cpu().double() - golden).abs().max() < 3e-2
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=MARKS["cuda"])])
+def test_cuda_mod_ops_opcheck(backend):
+    """The cuda kernels' sdpa_mod ops (attnx_cuda_host's through the harness): schemas, fake
+    kernels and the forward's autograd (torch.library.opcheck)."""
+    ops = torch.ops.attnx if ON_GPU else torch.ops.attnx_cuda_host
+    dev, g = device(backend), torch.Generator().manual_seed(2)
+    q = torch.randn(2, 2, 5, 16, generator=g).to(dev, torch.float16).requires_grad_()
+    k = torch.randn(2, 1, 6, 16, generator=g).to(dev, torch.float16).requires_grad_()
+    v = torch.randn(2, 1, 6, 8, generator=g).to(dev, torch.float16).requires_grad_()
+    mask = torch.randn(1, 2, 5, 6, generator=g).to(dev, torch.float16).expand(2, 2, 5, 6)
+    slopes = torch.rand(2, 2, generator=g).to(dev)
+    sinks = torch.randn(2, generator=g).to(dev).requires_grad_()
+    fwd = (q, k, v, mask, 0.3, -5, 3, 0.0, None, 2.0, slopes, sinks)
+    torch.library.opcheck(ops.sdpa_mod_fwd.default, fwd)
+    out, lse = ops.sdpa_mod_fwd(*fwd)
+    bwd = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), mask, out.detach(),
+           lse.detach(), 0.3, -5, 3, 0.0, None, True, torch.randn_like(lse), 2.0, slopes,
+           sinks.detach(), True)
+    torch.library.opcheck(ops.sdpa_mod_bwd.default, bwd)
+    cache = torch.randn(2, 1, 9, 16, generator=g).to(dev, torch.float16)
+    kv = (q.detach(), cache, cache[..., :8], torch.tensor([9, 4], dtype=torch.int32, device=dev),
+          None, 0.3, -20, 0, 2.0, slopes, sinks.detach())
+    torch.library.opcheck(ops.kvcache_mod_fwd.default, kv)
+
+
 def test_leading_dims_and_broadcast_heads():
     """3-D inputs (one head, no batch) and 5-D ones: slopes of shape (Hq,) or (prod(batch), Hq)."""
     q, k, v, _ = _inputs(2, 3, 3, 5, 7, 8, 8)
@@ -382,15 +551,6 @@ def test_bad_modifiers_name_the_argument(case):
     q = torch.randn(2, 4, 5, 8)
     with pytest.raises(exc, match=pattern):
         attnx.scaled_dot_product_attention(q, q, q, **kwargs)
-
-
-@pytest.mark.parametrize("forced", ["cuda"])
-def test_backends_without_modifiers_refuse_them(forced):
-    q = torch.randn(1, 2, 5, 8)
-    for kwargs in (dict(softcap=5.0), dict(alibi_slopes=torch.ones(2)), dict(sinks=torch.zeros(2))):
-        with pytest.raises(attnx.BackendUnavailableError,
-                           match=f"does not compute {next(iter(kwargs))}"):
-            attnx.scaled_dot_product_attention(q, q, q, backend=forced, **kwargs)
 
 
 def test_auto_picks_a_backend_that_serves_them():
@@ -448,6 +608,8 @@ KV_MODES = [(1, {}), (3, dict(window=(6, None))), (5, dict(is_causal=False))]
 
 
 def _kv_id(x):
+    if isinstance(x, torch.dtype):
+        return str(x).removeprefix("torch.")
     if isinstance(x, bool):
         return "paged" if x else "contiguous"
     if isinstance(x, tuple):
@@ -489,6 +651,42 @@ def test_kvcache(backend, paged, which, lq_mode, dtype=torch.float32):
     assert torch.equal(torch.isinf(lse), torch.isinf(gold_lse))
     assert_within(*(t.float().nan_to_num(neginf=0.0) for t in (lse, gold_lse, base_lse)),
                   factor=3.0, floor=FLOORS[dtype], what="lse")
+
+
+@pytest.mark.parametrize("backend,paged,which,lq_mode,dtype",
+                         cases(["cuda"], [False, True], ["all"], KV_MODES, [torch.float16])
+                         + cases(["cuda"], [False], ["softcap", "alibi_batch", "sinks"],
+                                 KV_MODES[1:2], [torch.bfloat16]), ids=_kv_id)
+def test_cuda_kvcache(backend, paged, which, lq_mode, dtype):
+    """The cuda decoding kernels with two key splits (a 45-key cache): the sink joins at the
+    merge (test_cuda_kvcache_one_split: in the split kernel)."""
+    test_kvcache(backend, paged, which, lq_mode, dtype=dtype)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=MARKS["cuda"])])
+@pytest.mark.parametrize("which", ["sinks", "all"])
+def test_cuda_kvcache_one_split(backend, which):
+    """A cache of one key tile: one split, the sink added by the split kernel itself; a query
+    that admits no key gives lse = the sink."""
+    dev, dtype = device(backend), torch.float16
+    g = torch.Generator().manual_seed(6)
+    b, hq, hkv, lq, e = 2, 4, 2, 3, 64
+    keys = torch.randn(b, hkv, 20, e, generator=g, dtype=torch.float64)
+    values = torch.randn(b, hkv, 20, e, generator=g, dtype=torch.float64)
+    q = torch.randn(b, hq, lq, e, generator=g, dtype=torch.float64)
+    lengths = [2, 20]
+    mods = _modifiers(hq, b, WHICH[which])
+    mods["sinks"] = mods["sinks"].float()  # a model's float32 parameter
+    kw = dict(is_causal=True, window=(5, None))  # sequence 0's first query admits no key
+    out, lse = attnx.attention_with_kvcache(
+        q.to(dev, dtype), keys.to(dev, dtype), values.to(dev, dtype),
+        torch.tensor(lengths, dtype=torch.int32, device=dev), backend=backend, return_lse=True,
+        **kw, **to(dev, mods))
+    gold_out, gold_lse = _kvcache_golden(q, keys, values, lengths, torch.float64, mods=mods, **kw)
+    base_out, base_lse = _kvcache_golden(q, keys, values, lengths, dtype, mods=mods, **kw)
+    assert_within(out.cpu(), gold_out, base_out, factor=3.0, floor=FLOORS[dtype])
+    assert_within(lse.cpu(), gold_lse, base_lse, factor=3.0, floor=FLOORS[dtype], what="lse")
+    assert torch.equal(out[0, :, 0].cpu(), torch.zeros_like(out[0, :, 0].cpu()))
 
 
 @pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")

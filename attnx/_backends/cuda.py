@@ -3,7 +3,10 @@
 What the kernels serve (keep in step with csrc/cuda/): float16 and bfloat16; SDPA head dims
 E, Ev up to 256 (the forward is built for the head-dim families 32, 64, 96, 128, 160, 192 and
 256, the backward for the same; each zero-pads below its family);
-additive value dims up to 2048 (the output tile lives in shared memory); KV-cache decoding
+additive value dims up to 2048 (the output tile lives in shared memory); the SDPA score
+modifiers softcap, alibi_slopes and sinks, in SDPA and decoding (sdpa_mod_fwd/bwd,
+kvcache_mod_fwd: the kernels' kMods instantiations; sinks' gradient from the backward's delta on
+the host); KV-cache decoding
 (attention_with_kvcache, csrc/cuda/decode.cu) head dims E, Ev up to 256; at most 65535 batches
 and heads (the CUDA grid's y and z dims); a GPU of compute capability 8.0 or more whose opt-in
 shared memory per block holds what the call's kernels request, decided per call.
@@ -72,7 +75,7 @@ def _device_limit(index: int) -> tuple:
 
 def _needs_backward(op: str, call) -> bool:
     """Whether autograd will run the backward kernels of this call."""
-    tensors = (call.q, call.k, call.v, call.mask) if op == "sdpa" else (
+    tensors = (call.q, call.k, call.v, call.mask, call.mods.sinks) if op == "sdpa" else (
         call.q, call.k, call.value, call.v, call.mask)
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 

@@ -50,6 +50,25 @@ __device__ __forceinline__ float admit(float s, const MaskView& m, int64_t lo, i
   return s + to_float(static_cast<const T*>(m.ptr)[off]);
 }
 
+// The scaled score x of a query and a key `dist` = |i - j| apart (SDPA; the KV cache: from the
+// query's bottom-right diagonal) after the score modifiers (ScoreMods), before the mask:
+// soft-capped, then ALiBi's -slope dist subtracted (slope: alibi[b * Hq + h], 0 without ALiBi).
+// With a softcap, tc receives tanh(x / softcap), whose 1 - tc^2 is the cap's derivative (the
+// backward's factor on dS); without, tc is left alone.
+__device__ __forceinline__ float modified_score(float x, const ScoreMods& m, float slope,
+                                                float dist, float& tc) {
+  if (m.softcap > 0.f) {
+    tc = tanhf(x / m.softcap);
+    x = m.softcap * tc;
+  }
+  return x - slope * dist;
+}
+
+// The ALiBi slope of head bh = b * Hq + h (0 without ALiBi).
+__device__ __forceinline__ float alibi_slope(const ScoreMods& m, int64_t bh) {
+  return m.alibi != nullptr ? m.alibi[bh] : 0.f;
+}
+
 // exp(x) for x <= 0 or -inf, through the fast exp2 unit.
 __device__ __forceinline__ float fast_exp(float x) { return exp2f(x * 1.4426950408889634f); }
 

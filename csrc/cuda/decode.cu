@@ -14,6 +14,11 @@
 // With one split the CTA writes out and lse itself; otherwise its normalised partial output and
 // lse go to fp32 scratch and the merge kernel combines the splits by their lse.
 //
+// Score modifiers (the kMods instantiations; the plain ones keep their code): a score leaves the
+// log2 domain for softcap and ALiBi (bottom-right: -slope |i + n - Lq - j|) and comes back; the
+// sink joins each row once, where its lse is final: in the split kernel with one split, else in
+// the merge.
+//
 // A direct caller's bad lengths or block ids read nothing out of bounds: n is clamped to the
 // cache's capacity and keys in blocks outside [0, num_blocks) are skipped (attnx's functions
 // check both before any kernel runs).
@@ -87,8 +92,14 @@ __device__ __forceinline__ void load_rows(T* dst, int stride, const T* src, cons
   }
 }
 
-// NC: value columns per thread (tid + kThreads * w), ceil(Ev / kThreads).
-template <typename T, int NC>
+// The sink of head h in the log2 domain, or -inf without sinks.
+__device__ __forceinline__ float sink_log2(const ScoreMods& m, int h) {
+  return m.sinks != nullptr ? m.sinks[h] * kLog2e : -INFINITY;
+}
+
+// NC: value columns per thread (tid + kThreads * w), ceil(Ev / kThreads). kMods: the score
+// modifiers are applied.
+template <typename T, int NC, bool kMods>
 __global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcacheParams p) {
   ATTNX_DYNAMIC_SMEM(unsigned char, smem, 16);
   const Smem L(p.E, p.Ev);
@@ -185,7 +196,15 @@ __global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcachePa
       const int r = warp + kWarps * u;
       const int64_t rel = pos - (diag + (r0 + r) % p.Lq);
       const bool ok = key_ok && r < rows && rel >= p.window_lo && rel <= p.window_hi;
-      const float x = ok ? s[u] : -INFINITY;
+      float x = ok ? s[u] : -INFINITY;
+      if constexpr (kMods) {
+        if (ok) {  // natural units for the modifiers, back to log2
+          const int h = kvh * G + (r0 + r) / p.Lq;
+          float tc;
+          x = modified_score(x * kLn2, p.mods, alibi_slope(p.mods, int64_t(b) * p.Hq + h),
+                             fabsf(float(rel)), tc) * kLog2e;
+        }
+      }
       const float m_new = fmaxf(m[u], warp_max(x));
       const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no -inf - -inf
       const float pr = exp2f(x - m_use);
@@ -218,7 +237,17 @@ __global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcachePa
   for (int u = 0; u < kRowsPerWarp; ++u) {
     const int r = warp + kWarps * u;
     if (lane != 0) continue;
-    alpha_s[r] = l[u] > 0.f ? 1.f / l[u] : 0.f;
+    float scale_out = 1.f;  // the sink's rescale of the output
+    if constexpr (kMods) {
+      if (p.splits == 1 && p.mods.sinks != nullptr && r < rows) {
+        const float sink = sink_log2(p.mods, kvh * G + (r0 + r) / p.Lq);
+        const float m_new = fmaxf(m[u], sink);
+        scale_out = exp2f(m[u] - m_new);  // 0 when no key was admitted
+        l[u] = l[u] * scale_out + exp2f(sink - m_new);
+        m[u] = m_new;
+      }
+    }
+    alpha_s[r] = l[u] > 0.f ? scale_out / l[u] : 0.f;
     if (r >= rows) continue;
     const float lse = l[u] > 0.f ? (m[u] + log2f(l[u])) * kLn2 : -INFINITY;
     if (p.splits == 1) {
@@ -245,16 +274,18 @@ __global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcachePa
   }
 }
 
-// out and lse of each row from its splits' partials: weights exp(lse_s - lse).
-template <typename T>
+// out and lse of each row from its splits' partials: weights exp(lse_s - lse). kSinks: the
+// sink joins as one more part of no value.
+template <typename T, bool kSinks>
 __global__ void __launch_bounds__(kThreads) kvcache_merge_kernel(const KvcacheParams p) {
   const int64_t rows = int64_t(p.B) * p.Hq * p.Lq;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const float* lse_s = p.lse_part + row * p.splits;
-    float top = -INFINITY;
+    const float sink = kSinks ? p.mods.sinks[row / p.Lq % p.Hq] : -INFINITY;
+    float top = sink;
     for (int s = 0; s < p.splits; ++s) top = fmaxf(top, lse_s[s]);
     const float top_use = top == -INFINITY ? 0.f : top;
-    float total = 0.f;
+    float total = kSinks ? expf(sink - top_use) : 0.f;
     for (int s = 0; s < p.splits; ++s) total += expf(lse_s[s] - top_use);
     const float inv = total > 0.f ? 1.f / total : 0.f;
     for (int c = threadIdx.x; c < p.Ev; c += kThreads) {
@@ -272,12 +303,20 @@ template <typename T, int NC>
 cudaError_t launch_typed(const KvcacheParams& p, cudaStream_t stream) {
   const int row_tiles = ceil_div(p.Hq / p.Hkv * p.Lq, kRows);
   const dim3 grid(unsigned(p.splits * row_tiles), unsigned(p.Hkv), unsigned(p.B));
-  cudaError_t err = launch_kernel(kvcache_split_kernel<T, NC>, grid, dim3(kThreads),
-                                  kvcache_smem_bytes(p.E, p.Ev), stream, p);
+  const size_t smem = kvcache_smem_bytes(p.E, p.Ev);
+  cudaError_t err =
+      p.mods.any()
+          ? launch_kernel(kvcache_split_kernel<T, NC, true>, grid, dim3(kThreads), smem, stream, p)
+          : launch_kernel(kvcache_split_kernel<T, NC, false>, grid, dim3(kThreads), smem, stream,
+                          p);
   if (err != cudaSuccess || p.splits == 1) return err;
   const int64_t rows = int64_t(p.B) * p.Hq * p.Lq;
   const unsigned blocks = unsigned(min(rows, int64_t(1) << 20));  // more rows: a stride loop
-  return launch_kernel(kvcache_merge_kernel<T>, dim3(blocks), dim3(kThreads), 0, stream, p);
+  return p.mods.sinks != nullptr
+             ? launch_kernel(kvcache_merge_kernel<T, true>, dim3(blocks), dim3(kThreads), 0,
+                             stream, p)
+             : launch_kernel(kvcache_merge_kernel<T, false>, dim3(blocks), dim3(kThreads), 0,
+                             stream, p);
 }
 
 template <typename T>

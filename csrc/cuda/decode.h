@@ -28,6 +28,8 @@ struct KvcacheParams {
   const int32_t* seqlens;
   const int32_t* table;
   int64_t table_stride;
+  // The score modifiers (launch.h), ALiBi aligned bottom-right: -slope |i + n - Lq - j|.
+  ScoreMods mods;
   int splits;  // key splits per sequence (kvcache_splits); each holds split_len keys
   int64_t split_len;
   // out (B, Hq, Lq, Ev) in q's dtype, lse (B, Hq, Lq) fp32, contiguous; with splits > 1 the

@@ -91,6 +91,41 @@ struct SdpaInputs {
   Tensor q, k, v, mask;
 };
 
+// The tensors a launch's score modifiers read, kept alive while it runs.
+struct ModInputs {
+  Tensor alibi, sinks;
+};
+
+// The score modifiers' arguments (csrc/ops.cpp: softcap 0 for none, alibi_slopes float32
+// (B, Hq), sinks (Hq)) of a call with q, checked, as the fp32 buffers the kernels read (held
+// by `in`).
+ScoreMods score_mods(const Target& target, ModInputs& in, const Tensor& q, double softcap,
+                     const OptTensor& alibi, const OptTensor& sinks, int64_t B, int64_t Hq) {
+  ScoreMods m;
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap: expected >= 0 (0: none), got ",
+              softcap);
+  m.softcap = static_cast<float>(softcap);
+  if (alibi.has_value()) {
+    const Tensor& a = *alibi;
+    TORCH_CHECK(a.device() == q.device() && a.scalar_type() == at::kFloat && a.dim() == 2 &&
+                    a.size(0) == B && a.size(1) == Hq,
+                "alibi_slopes: expected float32 (", B, ", ", Hq, ") on ", q.device(), ", got ",
+                a.scalar_type(), " ", a.sizes(), " on ", a.device());
+    in.alibi = target.input(a.contiguous());
+    m.alibi = in.alibi.data_ptr<float>();
+  }
+  if (sinks.has_value()) {
+    const Tensor& t = *sinks;
+    TORCH_CHECK(t.device() == q.device() && t.is_floating_point() && t.dim() == 1 &&
+                    t.size(0) == Hq,
+                "sinks: expected a floating-point (", Hq, ",) tensor on ", q.device(),
+                ", got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+    in.sinks = target.input(t.to(at::kFloat).contiguous());
+    m.sinks = in.sinks.data_ptr<float>();
+  }
+  return m;
+}
+
 SdpaParams sdpa_params(const Target& target, SdpaInputs& in, const Tensor& q_in,
                        const Tensor& k_in, const Tensor& v_in, const OptTensor& mask,
                        double scale, int64_t lo, int64_t hi, double dropout_p,
@@ -278,10 +313,13 @@ AdditiveParams additive_params(const Target& target, AdditiveInputs& in, const T
 std::tuple<Tensor, Tensor> sdpa_fwd(const Target& target, const Tensor& q_in, const Tensor& k_in,
                                     const Tensor& v_in, const OptTensor& mask, double scale,
                                     int64_t window_lo, int64_t window_hi, double dropout_p,
-                                    const OptTensor& seed) {
+                                    const OptTensor& seed, double softcap,
+                                    const OptTensor& alibi_slopes, const OptTensor& sinks) {
   SdpaInputs in;
   SdpaParams p =
       sdpa_params(target, in, q_in, k_in, v_in, mask, scale, window_lo, window_hi, dropout_p, seed);
+  ModInputs mods;
+  p.mods = score_mods(target, mods, in.q, softcap, alibi_slopes, sinks, p.B, p.Hq);
   const auto opts = in.q.options();
   Tensor out = target.empty({p.B, p.Hq, p.Lq, p.Ev}, opts);
   Tensor lse = target.empty({p.B, p.Hq, p.Lq}, opts.dtype(at::kFloat));
@@ -291,14 +329,18 @@ std::tuple<Tensor, Tensor> sdpa_fwd(const Target& target, const Tensor& q_in, co
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sdpa_mod_bwd(
     const Target& target, const Tensor& grad_out, const Tensor& q_in, const Tensor& k_in,
     const Tensor& v_in, const OptTensor& mask, const Tensor& out, const Tensor& lse, double scale,
     int64_t window_lo, int64_t window_hi, double dropout_p, const OptTensor& seed, bool mask_grad,
-    const OptTensor& grad_lse) {
+    const OptTensor& grad_lse, double softcap, const OptTensor& alibi_slopes,
+    const OptTensor& sinks, bool sinks_grad) {
   SdpaInputs in;
   SdpaParams p =
       sdpa_params(target, in, q_in, k_in, v_in, mask, scale, window_lo, window_hi, dropout_p, seed);
+  ModInputs mods;
+  p.mods = score_mods(target, mods, in.q, softcap, alibi_slopes, sinks, p.B, p.Hq);
+  TORCH_CHECK(!sinks_grad || sinks.has_value(), "sinks_grad: needs sinks");
   const auto opts = in.q.options();
   // grad_out and out in the input dtype (the delta pre-pass reads both, the kernels grad_out),
   // grad_out 16-byte aligned for the vector loads.
@@ -334,7 +376,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
   p.dmask = want_dmask ? dmask.data_ptr() : nullptr;
   target.check(sdpa_bwd_delta(p, target.stream()));
   target.check(run_sdpa_bwd(p, target.stream()));
-  return {grad_for(dq_acc, q_in), grad_for(dk, k_in), grad_for(dv, v_in), dmask};
+  // d lse_i / d sink = exp(sink - lse_i) / R_i (the sink's probability; R_i the row sum of a
+  // huge-lse row, 1 elsewhere), and the sink's value is 0: its score gradient is that
+  // probability times (0 - delta_i), summed over batches and rows.
+  const Tensor dsinks =
+      sinks_grad ? (-(at::exp(mods.sinks.view({1, p.Hq, 1}) - lse32) / row_sums * delta).sum({0, 2}))
+                       .to(sinks->scalar_type())
+                 : in.q.new_empty({0});
+  return {grad_for(dq_acc, q_in), grad_for(dk, k_in), grad_for(dv, v_in), dmask, dsinks};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
+    const Target& target, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+    const Tensor& v, const OptTensor& mask, const Tensor& out, const Tensor& lse, double scale,
+    int64_t window_lo, int64_t window_hi, double dropout_p, const OptTensor& seed, bool mask_grad,
+    const OptTensor& grad_lse) {
+  auto [dq, dk, dv, dmask, dsinks] =
+      sdpa_mod_bwd(target, grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi,
+                   dropout_p, seed, mask_grad, grad_lse, 0.0, std::nullopt, std::nullopt, false);
+  return {dq, dk, dv, dmask};
 }
 
 std::tuple<Tensor, Tensor, Tensor> additive_fwd(const Target& target, const Tensor& q_in,
@@ -413,7 +473,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
 std::tuple<Tensor, Tensor> kvcache_fwd(const Target& target, const Tensor& q_in,
                                        const Tensor& k_cache_in, const Tensor& v_cache_in,
                                        const Tensor& seqlens_in, const OptTensor& block_table,
-                                       double scale, int64_t window_lo, int64_t window_hi) {
+                                       double scale, int64_t window_lo, int64_t window_hi,
+                                       double softcap, const OptTensor& alibi_slopes,
+                                       const OptTensor& sinks) {
   const Tensor q = rows(target, q_in, q_in, "q");
   const Tensor k = rows(target, k_cache_in, q_in, "k_cache");
   const Tensor v = rows(target, v_cache_in, q_in, "v_cache");
@@ -469,6 +531,8 @@ std::tuple<Tensor, Tensor> kvcache_fwd(const Target& target, const Tensor& q_in,
   p.seqlens = seqlens.data_ptr<int32_t>();
   p.table = table.defined() ? table.data_ptr<int32_t>() : nullptr;
   p.table_stride = table.defined() ? table.stride(0) : 0;
+  ModInputs mods;
+  p.mods = score_mods(target, mods, q, softcap, alibi_slopes, sinks, B, Hq);
   kvcache_splits(p);
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor out = target.empty({B, Hq, Lq, Ev}, q.options());

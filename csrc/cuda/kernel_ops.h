@@ -35,17 +35,28 @@ class Target {
   }
 };
 
+// sdpa_fwd and, with the score modifiers (softcap 0: none), sdpa_mod_fwd.
 std::tuple<at::Tensor, at::Tensor> sdpa_fwd(const Target& target, const at::Tensor& q,
                                             const at::Tensor& k, const at::Tensor& v,
                                             const OptTensor& mask, double scale,
                                             int64_t window_lo, int64_t window_hi,
-                                            double dropout_p, const OptTensor& seed);
+                                            double dropout_p, const OptTensor& seed,
+                                            double softcap = 0.0,
+                                            const OptTensor& alibi_slopes = std::nullopt,
+                                            const OptTensor& sinks = std::nullopt);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_bwd(
     const Target& target, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const OptTensor& mask, const at::Tensor& out, const at::Tensor& lse,
     double scale, int64_t window_lo, int64_t window_hi, double dropout_p, const OptTensor& seed,
     bool mask_grad, const OptTensor& grad_lse);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_mod_bwd(
+    const Target& target, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const OptTensor& mask, const at::Tensor& out, const at::Tensor& lse,
+    double scale, int64_t window_lo, int64_t window_hi, double dropout_p, const OptTensor& seed,
+    bool mask_grad, const OptTensor& grad_lse, double softcap, const OptTensor& alibi_slopes,
+    const OptTensor& sinks, bool sinks_grad);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> additive_fwd(
     const Target& target, const at::Tensor& q, const at::Tensor& k, const at::Tensor& value,
@@ -59,12 +70,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
     const OptTensor& seed, bool mask_grad, const OptTensor& grad_lse,
     const OptTensor& grad_weights);
 
+// kvcache_fwd and, with the score modifiers (softcap 0: none), kvcache_mod_fwd.
 std::tuple<at::Tensor, at::Tensor> kvcache_fwd(const Target& target, const at::Tensor& q,
                                                const at::Tensor& k_cache,
                                                const at::Tensor& v_cache,
                                                const at::Tensor& seqlens,
                                                const OptTensor& block_table, double scale,
-                                               int64_t window_lo, int64_t window_hi);
+                                               int64_t window_lo, int64_t window_hi,
+                                               double softcap = 0.0,
+                                               const OptTensor& alibi_slopes = std::nullopt,
+                                               const OptTensor& sinks = std::nullopt);
 
 }  // namespace cuda
 }  // namespace attnx

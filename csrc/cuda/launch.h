@@ -35,6 +35,17 @@ struct Dropout {
   float keep_scale = 1.f;
 };
 
+// The score modifiers of API.md, read only by the kernels instantiated with kMods (the plain
+// kernels keep their code): on the scaled score of query i and key j, before the mask,
+// s <- softcap tanh(s / softcap) (softcap 0: none), then s <- s - alibi[b * Hq + h] |i - j|
+// (top-left); sinks[h] joins every row's softmax denominator and its lse.
+struct ScoreMods {
+  float softcap = 0.f;
+  const float* alibi = nullptr;  // (B, Hq) fp32 contiguous, or null
+  const float* sinks = nullptr;  // (Hq) fp32, or null
+  bool any() const { return softcap > 0.f || alibi != nullptr || sinks != nullptr; }
+};
+
 struct SdpaParams {
   DType dtype;
   int B, Hq, Hkv, Lq, Lk, E, Ev;
@@ -44,6 +55,7 @@ struct SdpaParams {
   Strides4 sq, sk, sv;
   MaskView mask;
   Dropout drop;
+  ScoreMods mods;
   // forward outputs: out (B, Hq, Lq, Ev) and lse (B, Hq, Lq), both contiguous (backward
   // inputs too)
   void* out;

@@ -49,6 +49,29 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gpu_sdpa_bwd(
                   seed, mask_grad, grad_lse);
 }
 
+std::tuple<Tensor, Tensor> gpu_sdpa_mod_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const OptTensor& mask, double scale,
+                                            int64_t window_lo, int64_t window_hi,
+                                            double dropout_p, const OptTensor& seed,
+                                            double softcap, const OptTensor& alibi_slopes,
+                                            const OptTensor& sinks) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  return sdpa_fwd(kGpu, q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed, softcap,
+                  alibi_slopes, sinks);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> gpu_sdpa_mod_bwd(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+    const OptTensor& mask, const Tensor& out, const Tensor& lse, double scale, int64_t window_lo,
+    int64_t window_hi, double dropout_p, const OptTensor& seed, bool mask_grad,
+    const OptTensor& grad_lse, double softcap, const OptTensor& alibi_slopes,
+    const OptTensor& sinks, bool sinks_grad) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  return sdpa_mod_bwd(kGpu, grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi,
+                      dropout_p, seed, mask_grad, grad_lse, softcap, alibi_slopes, sinks,
+                      sinks_grad);
+}
+
 std::tuple<Tensor, Tensor, Tensor> gpu_additive_fwd(const Tensor& q, const Tensor& k,
                                                     const Tensor& value, const Tensor& v,
                                                     const OptTensor& mask, int64_t window_lo,
@@ -78,6 +101,17 @@ std::tuple<Tensor, Tensor> gpu_kvcache_fwd(const Tensor& q, const Tensor& k_cach
                      window_hi);
 }
 
+std::tuple<Tensor, Tensor> gpu_kvcache_mod_fwd(const Tensor& q, const Tensor& k_cache,
+                                               const Tensor& v_cache, const Tensor& seqlens,
+                                               const OptTensor& block_table, double scale,
+                                               int64_t window_lo, int64_t window_hi,
+                                               double softcap, const OptTensor& alibi_slopes,
+                                               const OptTensor& sinks) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  return kvcache_fwd(kGpu, q, k_cache, v_cache, seqlens, block_table, scale, window_lo,
+                     window_hi, softcap, alibi_slopes, sinks);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace attnx
@@ -85,7 +119,10 @@ std::tuple<Tensor, Tensor> gpu_kvcache_fwd(const Tensor& q, const Tensor& k_cach
 TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
   m.impl("sdpa_fwd", &attnx::cuda::gpu_sdpa_fwd);
   m.impl("sdpa_bwd", &attnx::cuda::gpu_sdpa_bwd);
+  m.impl("sdpa_mod_fwd", &attnx::cuda::gpu_sdpa_mod_fwd);
+  m.impl("sdpa_mod_bwd", &attnx::cuda::gpu_sdpa_mod_bwd);
   m.impl("additive_fwd", &attnx::cuda::gpu_additive_fwd);
   m.impl("additive_bwd", &attnx::cuda::gpu_additive_bwd);
   m.impl("kvcache_fwd", &attnx::cuda::gpu_kvcache_fwd);
+  m.impl("kvcache_mod_fwd", &attnx::cuda::gpu_kvcache_mod_fwd);
 }

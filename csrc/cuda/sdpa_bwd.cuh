@@ -179,7 +179,10 @@ __device__ __forceinline__ void product_tk(float (&acc)[DW / 8][4], const T* x_t
   }
 }
 
-template <typename T, int D>
+// kMods: the score modifiers (p.mods) are applied; the plain instantiation has none of their
+// code. The sinks need nothing here: they are in lse and the row sums, and their gradient is
+// the host's (from delta).
+template <typename T, int D, bool kMods>
 __global__ void __launch_bounds__(Config<D>::kThreads) sdpa_bwd_kernel(const SdpaParams p) {
   using C = Config<D>;
   constexpr int BM = C::BM, BN = kBN, LDH = C::LDH, LDS = C::LDS, DW = C::DW;
@@ -270,17 +273,23 @@ __global__ void __launch_bounds__(Config<D>::kThreads) sdpa_bwd_kernel(const Sdp
                           int64_t(j0) - (i0 + BM - 1) >= p.window_lo &&
                           int64_t(j0 + BN - 1) - i0 <= p.window_hi;
 
-    // P^T, in the S^T fragments.
+    // P^T, in the S^T fragments; with a softcap, tanh of the capped scores in tc.
     float pt[NQ][4] = {};
+    float tc[kMods ? NQ : 1][4];
+    const float slope = kMods ? alibi_slope(p.mods, bh) : 0.f;
     product_nt<T, D, NQ, LDH>(pt, Ks, kr0, Q + qw0 * LDH, lane);
 #pragma unroll
     for (int n = 0; n < NQ; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int il = query_of(n, e);
-        const float sc = interior ? pt[n][e] * p.scale
-                                  : admit<T>(pt[n][e] * p.scale, p.mask, p.window_lo, p.window_hi,
-                                             b, h, i0 + il, j0 + key_of(e), p.Lq, p.Lk);
+        float x = pt[n][e] * p.scale;
+        if constexpr (kMods)
+          x = modified_score(x, p.mods, slope, fabsf(float(i0 + il - j0 - key_of(e))),
+                             tc[n][e]);
+        const float sc = interior ? x
+                                  : admit<T>(x, p.mask, p.window_lo, p.window_hi, b, h, i0 + il,
+                                             j0 + key_of(e), p.Lq, p.Lk);
         const float lse = lse_s[il];
         pt[n][e] = (sc == -INFINITY || lse == -INFINITY) ? 0.f : fast_exp(sc - lse) * inv_r_s[il];
       }
@@ -313,8 +322,13 @@ __global__ void __launch_bounds__(Config<D>::kThreads) sdpa_bwd_kernel(const Sdp
         const int i = i0 + il, j = j0 + jl;
         const float z = dropout_factor(p.drop, key_bh, uint32_t(i), uint32_t(j));
         const float d = pt[n][e] * (ds[n][e] * z - delta_s[il]);
-        ds[n][e] = d;
-        dSs[il * LDS + jl] = from_float<T>(d);
+        // The mask is added after the cap: its gradient is d, the scores' d times the cap's
+        // derivative.
+        float dc = d;
+        if constexpr (kMods)
+          if (p.mods.softcap > 0.f) dc = d * (1.f - tc[n][e] * tc[n][e]);
+        ds[n][e] = dc;
+        dSs[il * LDS + jl] = from_float<T>(dc);
         if (p.dmask != nullptr && i < p.Lq && j < p.Lk)
           static_cast<T*>(p.dmask)[(bh * p.Lq + i) * p.Lk + j] = from_float<T>(d);
       }
@@ -367,8 +381,10 @@ __global__ void __launch_bounds__(Config<D>::kThreads) sdpa_bwd_kernel(const Sdp
 template <typename T, int D>
 cudaError_t launch(const SdpaParams& p, cudaStream_t stream) {
   const dim3 grid(ceil_div(p.Lk, kBN), p.Hkv, p.B);
-  return launch_kernel(sdpa_bwd_kernel<T, D>, grid, dim3(Config<D>::kThreads),
-                       Config<D>::smem_bytes, stream, p);
+  return p.mods.any() ? launch_kernel(sdpa_bwd_kernel<T, D, true>, grid,
+                                      dim3(Config<D>::kThreads), Config<D>::smem_bytes, stream, p)
+                      : launch_kernel(sdpa_bwd_kernel<T, D, false>, grid,
+                                      dim3(Config<D>::kThreads), Config<D>::smem_bytes, stream, p);
 }
 
 }  // namespace sdpa_bwd_impl

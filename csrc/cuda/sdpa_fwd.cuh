@@ -34,6 +34,13 @@
 // Row-sums mode (p.row_sums set; the backward's first pass): the same scores and running m, l
 // without P V, ending with R_i = sum_j exp(s_ij - lse_i) = l exp(m - lse_i) against the saved
 // lse for rows of huge lse; query tiles with no such row write R = 1 and stop at once.
+//
+// Score modifiers (p.mods, API.md; the kMods instantiation only, so the plain kernels keep their
+// code and registers): each score is scaled, soft-capped (softcap tanh(s / softcap)) and ALiBi's
+// -slope |i - j| subtracted before the band and the mask; P then takes exp_diff's unfolded
+// path (natural units, as with a float mask). The sink joins at the end as one more score of no
+// value: m and l absorb exp(sink - m) after the key tiles, so lse, the output's 1 / l and the
+// row sums R include it, and a row without an admissible key gets zeros and lse = the sink.
 #pragma once
 
 #include "common.cuh"
@@ -67,7 +74,9 @@ __device__ __forceinline__ float exp_diff(bool fold, float v, float m, float c, 
   return fold ? exp2f(fmaf(v, c, -mc)) : exp2f((v - m) * kLog2e);
 }
 
-template <typename T, int D>
+// kMods: the score modifiers (p.mods) are applied; the plain instantiation has none of their
+// code.
+template <typename T, int D, bool kMods>
 __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
     sdpa_fwd_kernel(const SdpaParams p) {
   using C = Config<D>;
@@ -101,7 +110,9 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
   const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h;
   const uint32_t key_bh = dropout_key_bh(p.drop, uint32_t(bh));
-  const bool fold = p.scale > 0.f && p.mask.kind != MaskKind::Additive && !sums;
+  // The modifiers act on the scaled score (tanh, ALiBi's distances): no folding with them.
+  const bool fold = !kMods && p.scale > 0.f && p.mask.kind != MaskKind::Additive && !sums;
+  const float slope = kMods ? alibi_slope(p.mods, bh) : 0.f;
   const float c = p.scale * kLog2e;  // used when fold
   const bool active = i0 + warp * 16 < p.Lq;  // warp-uniform
 
@@ -174,6 +185,11 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float x = fold ? s[nb][e] : s[nb][e] * p.scale;
+          if constexpr (kMods) {
+            const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
+            float tc;
+            x = modified_score(x, p.mods, slope, fabsf(float(i - j)), tc);
+          }
           if (!interior) {
             const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
             x = admit<T>(x, p.mask, p.window_lo, p.window_hi, b, h, i, j, p.Lq, p.Lk);
@@ -233,6 +249,24 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
   }
+  if constexpr (kMods) {
+    // The sink joins the denominator (and the lse, and the row sums R) as one more score, of
+    // no value: a row that admitted no key ends with l = 1, m = the sink, zeros out.
+    if (p.mods.sinks != nullptr) {
+      const float sink = p.mods.sinks[h];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_new = fmaxf(m[r], sink);
+        const float alpha = fast_exp(m[r] - m_new);  // 0 when m = -inf
+        l[r] = l[r] * alpha + fast_exp(sink - m_new);
+        m[r] = m_new;
+#pragma unroll
+        for (int db = 0; db < DB; ++db)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) o[db][2 * r + e] *= alpha;
+      }
+    }
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = i0 + warp * 16 + g + 8 * r;
@@ -259,8 +293,10 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
 template <typename T, int D>
 cudaError_t launch(const SdpaParams& p, cudaStream_t stream) {
   const dim3 grid(ceil_div(p.Lq, kBM), p.Hq, p.B);
-  return launch_kernel(sdpa_fwd_kernel<T, D>, grid, dim3(kThreads), Config<D>::smem_bytes, stream,
-                       p);
+  return p.mods.any() ? launch_kernel(sdpa_fwd_kernel<T, D, true>, grid, dim3(kThreads),
+                                      Config<D>::smem_bytes, stream, p)
+                      : launch_kernel(sdpa_fwd_kernel<T, D, false>, grid, dim3(kThreads),
+                                      Config<D>::smem_bytes, stream, p);
 }
 
 }  // namespace sdpa_fwd_impl

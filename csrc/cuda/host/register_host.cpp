@@ -82,6 +82,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> host_sdpa_bwd(
                   dropout_p, seed, mask_grad, grad_lse);
 }
 
+std::tuple<Tensor, Tensor> host_sdpa_mod_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const OptTensor& mask, double scale,
+                                            int64_t window_lo, int64_t window_hi,
+                                            double dropout_p, const OptTensor& seed,
+                                            double softcap, const OptTensor& alibi_slopes,
+                                            const OptTensor& sinks) {
+  return sdpa_fwd(kHost, q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed, softcap,
+                  alibi_slopes, sinks);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> host_sdpa_mod_bwd(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+    const OptTensor& mask, const Tensor& out, const Tensor& lse, double scale, int64_t window_lo,
+    int64_t window_hi, double dropout_p, const OptTensor& seed, bool mask_grad,
+    const OptTensor& grad_lse, double softcap, const OptTensor& alibi_slopes,
+    const OptTensor& sinks, bool sinks_grad) {
+  return sdpa_mod_bwd(kHost, grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi,
+                      dropout_p, seed, mask_grad, grad_lse, softcap, alibi_slopes, sinks,
+                      sinks_grad);
+}
+
 std::tuple<Tensor, Tensor, Tensor> host_additive_fwd(const Tensor& q, const Tensor& k,
                                                      const Tensor& value, const Tensor& v,
                                                      const OptTensor& mask, int64_t window_lo,
@@ -106,6 +127,16 @@ std::tuple<Tensor, Tensor> host_kvcache_fwd(const Tensor& q, const Tensor& k_cac
                                             int64_t window_lo, int64_t window_hi) {
   return kvcache_fwd(kHost, q, k_cache, v_cache, seqlens, block_table, scale, window_lo,
                      window_hi);
+}
+
+std::tuple<Tensor, Tensor> host_kvcache_mod_fwd(const Tensor& q, const Tensor& k_cache,
+                                               const Tensor& v_cache, const Tensor& seqlens,
+                                               const OptTensor& block_table, double scale,
+                                               int64_t window_lo, int64_t window_hi,
+                                               double softcap, const OptTensor& alibi_slopes,
+                                               const OptTensor& sinks) {
+  return kvcache_fwd(kHost, q, k_cache, v_cache, seqlens, block_table, scale, window_lo,
+                     window_hi, softcap, alibi_slopes, sinks);
 }
 
 // The primitives' self-tests (mma_selftest.h) on contiguous CPU tensors, in guarded buffers.
@@ -155,9 +186,12 @@ TORCH_LIBRARY(attnx_cuda_host, m) {
 TORCH_LIBRARY_IMPL(attnx_cuda_host, CPU, m) {
   m.impl("sdpa_fwd", &attnx::cuda::host_sdpa_fwd);
   m.impl("sdpa_bwd", &attnx::cuda::host_sdpa_bwd);
+  m.impl("sdpa_mod_fwd", &attnx::cuda::host_sdpa_mod_fwd);
+  m.impl("sdpa_mod_bwd", &attnx::cuda::host_sdpa_mod_bwd);
   m.impl("additive_fwd", &attnx::cuda::host_additive_fwd);
   m.impl("additive_bwd", &attnx::cuda::host_additive_bwd);
   m.impl("kvcache_fwd", &attnx::cuda::host_kvcache_fwd);
+  m.impl("kvcache_mod_fwd", &attnx::cuda::host_kvcache_mod_fwd);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
