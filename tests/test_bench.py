@@ -40,15 +40,19 @@ def test_additive_flops_formula():
     assert flops.forward(_case("additive", causal=True, b=4, h=1, lq=5, lk=7, d=32, ev=16)) == flops.forward(c) / 2
 
 
-def test_naive_additive_matches_reference():
-    c = _case("additive", b=2, h=1, lq=5, lk=9, d=6, ev=4)
-    x = make_inputs(c)
+def _assert_additive_matches_reference(run):
     import attnx
+
+    x = make_inputs(_case("additive", b=2, h=1, lq=5, lk=9, d=6, ev=4))
     for causal in (False, True):
         want = attnx.additive_attention(x["q"], x["k"], x["value"], x["v"], is_causal=causal,
                                         backend="reference")
-        torch.testing.assert_close(providers.naive_additive(x, causal), want)
-        torch.testing.assert_close(providers.summed_additive(x, causal), want)
+        torch.testing.assert_close(run(x, causal), want)
+
+
+def test_naive_additive_matches_reference():
+    _assert_additive_matches_reference(providers.naive_additive)
+    _assert_additive_matches_reference(providers.summed_additive)
 
 
 def test_compiled_naive_additive_provider():
@@ -58,13 +62,7 @@ def test_compiled_naive_additive_provider():
     assert "not probed" in providers._compiled_additive("cpu", probe=False).reason
     p = providers._compiled_additive("cpu", probe=True)
     assert p.available, p.reason
-    c = _case("additive", b=2, h=1, lq=5, lk=9, d=6, ev=4)
-    x = make_inputs(c)
-    import attnx
-    for causal in (False, True):
-        want = attnx.additive_attention(x["q"], x["k"], x["value"], x["v"], is_causal=causal,
-                                        backend="reference")
-        torch.testing.assert_close(p.run(x, causal), want)
+    _assert_additive_matches_reference(p.run)
 
 
 def test_interleaved_rotates_order_and_survives_a_failing_step(monkeypatch):

@@ -49,6 +49,7 @@ MARKS = {
 BACKENDS = [pytest.param(b, marks=MARKS[b]) for b in ("reference", "cpu")]
 TRITON = pytest.param("triton", marks=MARKS["triton"])
 FLOORS = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+HALF = (torch.float16, torch.bfloat16)
 
 
 def cases(backends, *axes):
@@ -300,24 +301,26 @@ def test_dropout_reproducible(backend):
         assert a is None and b is None or torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("backend", BACKENDS + [TRITON])
-@pytest.mark.parametrize("with_sinks", [False, True], ids=["no_sinks", "sinks"])
-def test_fully_masked_rows(backend, with_sinks):
+@pytest.mark.parametrize("backend,with_sinks,dtype",
+                         cases(["reference", "cpu", "triton"], [False, True], [torch.float32])
+                         + cases(["cuda"], [False, True], HALF), ids=str)
+def test_fully_masked_rows(backend, with_sinks, dtype):
     """Rows with no admissible key give zeros and zero gradients; their lse is -inf, or the
-    sink with sinks."""
+    sink with sinks (the sink in q's dtype, as the kernels take it)."""
     b, h, lq, lk = 1, 2, 9, 13
-    q, k, v, dout = _inputs(b, h, h, lq, lk, 16, 16)
+    e = 64 if backend == "cuda" else 16  # cuda: a head-dim family of its own
+    q, k, v, dout = _inputs(b, h, h, lq, lk, e, e)
     mask = torch.rand(b, h, lq, lk, generator=torch.Generator().manual_seed(4)) > 0.5
     mask[:, :, 2] = False
     mask[:, 1, 5] = False
     which = ("softcap", "alibi", "sinks") if with_sinks else ("softcap", "alibi")
     mods = _modifiers(h, b, which)
-    out, lse, dq, *_ , dsinks = check(backend, torch.float32, q, k, v, dout, mask=mask,
-                                      mods=mods, dlse=torch.randn(b, h, lq, dtype=torch.float64))
+    out, lse, dq, *_, dsinks = check(backend, dtype, q, k, v, dout, mask=mask, mods=mods,
+                                     dlse=torch.randn(b, h, lq, dtype=torch.float64))
     assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
     assert torch.equal(dq[:, :, 2], torch.zeros_like(dq[:, :, 2]))
     if with_sinks:
-        torch.testing.assert_close(lse[:, :, 2], mods["sinks"].float().expand(b, h))
+        torch.testing.assert_close(lse[:, :, 2], mods["sinks"].to(dtype).float().expand(b, h))
         assert dsinks is not None and torch.isfinite(dsinks).all()
     else:
         assert (lse[:, :, 2] == float("-inf")).all()
@@ -367,7 +370,6 @@ def test_half_precision(backend, dtype):
 # float16 and bfloat16 only; head dims in the families 32, 64 and 160 (the wide backward); the
 # harness runs each case in about a second at these sizes.
 
-HALF = (torch.float16, torch.bfloat16)
 CUDA_SHAPES = [  # b, hq, hkv, lq, lk, e, ev
     (1, 1, 1, 1, 1, 16, 16),
     (2, 3, 3, 17, 97, 64, 64),
@@ -417,30 +419,6 @@ def test_cuda_dropout_reproducible(backend, dtype):
     again = _actual(backend, dtype, q, k, v, dout, None, mods, dict(dropout_p=0.3), None, 11)
     for name, a, b in zip(NAMES, first, again):
         assert a is None and b is None or torch.equal(a, b), name
-
-
-@pytest.mark.parametrize("backend,with_sinks,dtype", cases(["cuda"], [False, True], HALF),
-                         ids=str)
-def test_cuda_fully_masked_rows(backend, with_sinks, dtype):
-    """As test_fully_masked_rows: zeros, zero gradients, lse -inf or the sink (the sink in
-    float32, as the kernels hold it)."""
-    b, h, lq, lk = 1, 2, 9, 13
-    q, k, v, dout = _inputs(b, h, h, lq, lk, 64, 64)
-    mask = torch.rand(b, h, lq, lk, generator=torch.Generator().manual_seed(4)) > 0.5
-    mask[:, :, 2] = False
-    mask[:, 1, 5] = False
-    which = ("softcap", "alibi", "sinks") if with_sinks else ("softcap", "alibi")
-    mods = _modifiers(h, b, which)
-    out, lse, dq, *_, dsinks = check(backend, dtype, q, k, v, dout, mask=mask, mods=mods,
-                                     dlse=torch.randn(b, h, lq, dtype=torch.float64))
-    assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
-    assert torch.equal(dq[:, :, 2], torch.zeros_like(dq[:, :, 2]))
-    if with_sinks:
-        sinks = mods["sinks"].to(dtype).float().expand(b, h)
-        torch.testing.assert_close(lse[:, :, 2], sinks)
-        assert dsinks is not None and torch.isfinite(dsinks).all()
-    else:
-        assert (lse[:, :, 2] == float("-inf")).all()
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=MARKS["cuda"])])
