@@ -182,8 +182,10 @@ __device__ __forceinline__ void product_tk(float (&acc)[DW / 8][4], const T* x_t
 // kMods: the score modifiers (p.mods) are applied; the plain instantiation has none of their
 // code. The sinks need nothing here: they are in lse and the row sums, and their gradient is
 // the host's (from delta).
+// The explicit one block per SM lets ptxas use every register a thread may have: without it,
+// under torch's build flags, it held the d32 modifier kernel at 168 registers and spilled.
 template <typename T, int D, bool kMods>
-__global__ void __launch_bounds__(Config<D>::kThreads) sdpa_bwd_kernel(const SdpaParams p) {
+__global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const SdpaParams p) {
   using C = Config<D>;
   constexpr int BM = C::BM, BN = kBN, LDH = C::LDH, LDS = C::LDS, DW = C::DW;
   constexpr int kWarps = C::kWarps, kThreads = C::kThreads;
