@@ -380,7 +380,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sdpa_mod_bwd(
   // huge-lse row, 1 elsewhere), and the sink's value is 0: its score gradient is that
   // probability times (0 - delta_i), summed over batches and rows.
   const Tensor dsinks =
-      sinks_grad ? (-(at::exp(mods.sinks.view({1, p.Hq, 1}) - lse32) / row_sums * delta).sum({0, 2}))
+      sinks_grad ? (-(at::exp(mods.sinks.view({1, p.Hq, 1}) - lse32) / row_sums * delta).sum(at::IntArrayRef{0, 2}))
                        .to(sinks->scalar_type())
                  : in.q.new_empty({0});
   return {grad_for(dq_acc, q_in), grad_for(dk, k_in), grad_for(dv, v_in), dmask, dsinks};
