@@ -43,13 +43,13 @@ def backends() -> dict:
 
 # The backends of the ops that not every backend has yet (the others' modules never see them).
 _SERVED = {"kvcache": ("cuda", "cpu", "triton", "reference"),
-           "varlen": ("cpu", "triton", "reference")}
+           "varlen": ("cuda", "cpu", "triton", "reference")}
 # The backends that compute the score modifiers (softcap, alibi_slopes, sinks), by op; a call
 # with one goes to no other (backend=None falls back to these: for CUDA tensors, triton where
 # cuda lacks them).
 _SERVED_MODIFIERS = {"sdpa": ("cuda", "cpu", "triton", "reference"),
                      "kvcache": ("cuda", "cpu", "triton", "reference"),
-                     "varlen": ("cpu", "reference")}
+                     "varlen": ("cuda", "cpu", "reference")}
 
 
 def _is_empty(op: str, call) -> bool:

@@ -188,11 +188,12 @@ def _register(ns: str) -> None:
     torch.library.register_autograd(f"{ns}::additive_bwd", no_double_backward)
 
 
-def _register_varlen() -> None:
-    """The fake kernels and autograd of attnx::varlen_fwd / varlen_bwd (packed sequences), which
-    only the attnx library has."""
+def _register_varlen(ns: str) -> None:
+    """The fake kernels and autograd of `ns`::varlen_fwd / varlen_bwd (packed sequences; ns as
+    in _register)."""
+    ops = getattr(torch.ops, ns)
 
-    @torch.library.register_fake("attnx::varlen_fwd")
+    @torch.library.register_fake(f"{ns}::varlen_fwd")
     def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, window_lo, window_hi,
                          dropout_p, seed):
         same_device(q, k, v, cu_seqlens_q, cu_seqlens_k)
@@ -200,7 +201,7 @@ def _register_varlen() -> None:
         out = q.new_empty((total_q, hq, v.shape[-1]))
         return out, q.new_empty((hq, total_q), dtype=_sdpa_lse_dtype(q.dtype))
 
-    @torch.library.register_fake("attnx::varlen_bwd")
+    @torch.library.register_fake(f"{ns}::varlen_bwd")
     def _varlen_bwd_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale,
                          window_lo, window_hi, dropout_p, seed, grad_lse=None):
         same_device(q, grad_out, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse)
@@ -215,19 +216,21 @@ def _register_varlen() -> None:
     def _backward(ctx, grad_out, grad_lse):
         q, k, v, cu_q, cu_k, out, lse, seed = ctx.saved_tensors
         scale, lo, hi, p = ctx.args
-        dq, dk, dv = torch.ops.attnx.varlen_bwd(or_zeros(grad_out, out), q, k, v, cu_q, cu_k,
-                                                out, lse, scale, lo, hi, p, seed, grad_lse)
+        dq, dk, dv = ops.varlen_bwd(or_zeros(grad_out, out), q, k, v, cu_q, cu_k, out, lse,
+                                    scale, lo, hi, p, seed, grad_lse)
         return dq, dk, dv, None, None, None, None, None, None, None
 
-    torch.library.register_autograd("attnx::varlen_fwd", _backward, setup_context=_setup)
-    torch.library.register_autograd("attnx::varlen_bwd", no_double_backward)
+    torch.library.register_autograd(f"{ns}::varlen_fwd", _backward, setup_context=_setup)
+    torch.library.register_autograd(f"{ns}::varlen_bwd", no_double_backward)
 
 
-def _register_varlen_modifiers() -> None:
-    """The fake kernels and autograd of attnx::varlen_mod_fwd / varlen_mod_bwd (packed
-    sequences with softcap, ALiBi and sinks), tying in the sinks' gradient."""
+def _register_varlen_modifiers(ns: str) -> None:
+    """The fake kernels and autograd of `ns`::varlen_mod_fwd / varlen_mod_bwd (packed
+    sequences with softcap, ALiBi and sinks; ns as in _register), tying in the sinks'
+    gradient."""
+    ops = getattr(torch.ops, ns)
 
-    @torch.library.register_fake("attnx::varlen_mod_fwd")
+    @torch.library.register_fake(f"{ns}::varlen_mod_fwd")
     def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, window_lo, window_hi, dropout_p,
                   seed, softcap, alibi, sinks):
         same_device(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sinks)
@@ -235,7 +238,7 @@ def _register_varlen_modifiers() -> None:
         out = q.new_empty((total_q, hq, v.shape[-1]))
         return out, q.new_empty((hq, total_q), dtype=_sdpa_lse_dtype(q.dtype))
 
-    @torch.library.register_fake("attnx::varlen_mod_bwd")
+    @torch.library.register_fake(f"{ns}::varlen_mod_bwd")
     def _bwd_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale, window_lo,
                   window_hi, dropout_p, seed, grad_lse, softcap, alibi, sinks, sinks_grad):
         same_device(q, grad_out, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse, alibi,
@@ -253,14 +256,14 @@ def _register_varlen_modifiers() -> None:
         q, k, v, cu_q, cu_k, out, lse, seed, alibi, sinks = ctx.saved_tensors
         scale, lo, hi, p, softcap = ctx.args
         want_sinks = sinks is not None and ctx.needs_input_grad[12]
-        dq, dk, dv, dsinks = torch.ops.attnx.varlen_mod_bwd(
+        dq, dk, dv, dsinks = ops.varlen_mod_bwd(
             or_zeros(grad_out, out), q, k, v, cu_q, cu_k, out, lse, scale, lo, hi, p, seed,
             grad_lse, softcap, alibi, sinks, want_sinks)
         return (dq, dk, dv, None, None, None, None, None, None, None, None, None,
                 (dsinks if want_sinks else None))
 
-    torch.library.register_autograd("attnx::varlen_mod_fwd", _backward, setup_context=_setup)
-    torch.library.register_autograd("attnx::varlen_mod_bwd", no_double_backward)
+    torch.library.register_autograd(f"{ns}::varlen_mod_fwd", _backward, setup_context=_setup)
+    torch.library.register_autograd(f"{ns}::varlen_mod_bwd", no_double_backward)
 
 
 def _register_modifiers(ns: str) -> None:
@@ -321,12 +324,12 @@ def _register_kvcache_modifiers(ns: str) -> None:
 if _C is not None:
     _register("attnx")
     if has_kernel("varlen_fwd", "CPU"):
-        _register_varlen()  # an extension built before them has no such ops
+        _register_varlen("attnx")  # an extension built before them has no such ops
     if has_kernel("sdpa_mod_fwd", "CPU") and has_kernel("kvcache_mod_fwd", "CPU"):
         _register_modifiers("attnx")  # an extension built before them has no such ops
         _register_kvcache_modifiers("attnx")
     if has_kernel("varlen_mod_fwd", "CPU"):
-        _register_varlen_modifiers()  # an extension built before them has no such ops
+        _register_varlen_modifiers("attnx")  # an extension built before them has no such ops
 
 
 @functools.cache
@@ -343,4 +346,6 @@ def cuda_host() -> Optional[str]:
     _register("attnx_cuda_host")
     _register_modifiers("attnx_cuda_host")
     _register_kvcache_modifiers("attnx_cuda_host")
+    _register_varlen("attnx_cuda_host")
+    _register_varlen_modifiers("attnx_cuda_host")
     return None

@@ -38,6 +38,20 @@ inline constexpr const char* kOpSchemas[] = {
     "kvcache_mod_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens, "
         "Tensor? block_table, float scale, int window_lo, int window_hi, float softcap, "
         "Tensor? alibi_slopes, Tensor? sinks) -> (Tensor out, Tensor lse)",
+    // Packed variable-length batches (conventions: ops.cpp), without and with the modifiers.
+    "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "float scale, int window_lo, int window_hi, float dropout_p, Tensor? seed) -> "
+        "(Tensor out, Tensor lse)",
+    "varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+        "Tensor cu_seqlens_k, Tensor out, Tensor lse, float scale, int window_lo, int window_hi, "
+        "float dropout_p, Tensor? seed, Tensor? grad_lse=None) -> (Tensor dq, Tensor dk, Tensor dv)",
+    "varlen_mod_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "float scale, int window_lo, int window_hi, float dropout_p, Tensor? seed, float softcap, "
+        "Tensor? alibi_slopes, Tensor? sinks) -> (Tensor out, Tensor lse)",
+    "varlen_mod_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+        "Tensor cu_seqlens_k, Tensor out, Tensor lse, float scale, int window_lo, int window_hi, "
+        "float dropout_p, Tensor? seed, Tensor? grad_lse, float softcap, Tensor? alibi_slopes, "
+        "Tensor? sinks, bool sinks_grad) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)",
 };
 
 }  // namespace attnx

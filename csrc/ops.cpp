@@ -22,7 +22,6 @@
 
 TORCH_LIBRARY(attnx, m) {
   for (const char* schema : attnx::kOpSchemas) m.def(schema);
-  // Not in kOpSchemas (varlen): the cuda host harness serves the kernels of csrc/cuda only.
   // kvcache_fwd (in kOpSchemas): decoding against a KV cache. k_cache (B, Hkv, Lmax, E), or
   // paged (num_blocks, Hkv, block_size, E) with block_table int32 (B, max_blocks): position p
   // of sequence b is slot p % block_size of block block_table[b, p // block_size]. seqlens
@@ -31,31 +30,14 @@ TORCH_LIBRARY(attnx, m) {
   // d = seqlens[b] - Lq. out (B, Hq, Lq, Ev) in q's dtype, lse (B, Hq, Lq) float32.
   // kvcache_mod_fwd (in kOpSchemas): with the score modifiers of sdpa_mod_fwd, ALiBi aligned
   // bottom-right: -alibi_slopes[b, h] |i + d - j|.
-  // Packed variable-length batches: q (total_q, Hq, E), k (total_k, Hkv, E), v (total_k, Hkv,
-  // Ev); cu_seqlens_q/k int32 (N + 1,) prefix sums: sequence n is rows cu[n]:cu[n+1] and
-  // attends only to itself, its query i admitting key j iff i + d + window_lo <= j <=
-  // i + d + window_hi, d = Lk_n - Lq_n (bottom-right). out (total_q, Hq, Ev), lse (Hq,
-  // total_q) (float64 for float64 inputs, as sdpa_fwd). Sequence n's dropout seed:
-  // attnx/_rng.py sequence_seed.
-  m.def(
-      "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "float scale, int window_lo, int window_hi, float dropout_p, Tensor? seed) -> "
-      "(Tensor out, Tensor lse)");
-  m.def(
-      "varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
-      "Tensor cu_seqlens_k, Tensor out, Tensor lse, float scale, int window_lo, int window_hi, "
-      "float dropout_p, Tensor? seed, Tensor? grad_lse=None) -> (Tensor dq, Tensor dk, Tensor dv)");
-  // The same with the score modifiers of sdpa_mod_fwd: alibi_slopes float32 (N, Hq), one row
-  // per sequence, aligned bottom-right in each (-alibi_slopes[n, h] |i + d - j|); sinks (Hq).
-  // A sequence without keys gives its rows lse = the sink. The backward returns dsinks (Hq) in
-  // sinks' dtype when sinks_grad, else empty.
-  m.def(
-      "varlen_mod_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "float scale, int window_lo, int window_hi, float dropout_p, Tensor? seed, float softcap, "
-      "Tensor? alibi_slopes, Tensor? sinks) -> (Tensor out, Tensor lse)");
-  m.def(
-      "varlen_mod_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
-      "Tensor cu_seqlens_k, Tensor out, Tensor lse, float scale, int window_lo, int window_hi, "
-      "float dropout_p, Tensor? seed, Tensor? grad_lse, float softcap, Tensor? alibi_slopes, "
-      "Tensor? sinks, bool sinks_grad) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
+  // varlen_fwd / varlen_bwd (in kOpSchemas): packed variable-length batches, q (total_q, Hq,
+  // E), k (total_k, Hkv, E), v (total_k, Hkv, Ev); cu_seqlens_q/k int32 (N + 1,) prefix sums:
+  // sequence n is rows cu[n]:cu[n+1] and attends only to itself, its query i admitting key j
+  // iff i + d + window_lo <= j <= i + d + window_hi, d = Lk_n - Lq_n (bottom-right). out
+  // (total_q, Hq, Ev), lse (Hq, total_q) (float64 for float64 inputs, as sdpa_fwd). Sequence
+  // n's dropout seed: attnx/_rng.py sequence_seed. varlen_mod_fwd / varlen_mod_bwd: with the
+  // score modifiers of sdpa_mod_fwd, alibi_slopes float32 (N, Hq), one row per sequence,
+  // aligned bottom-right in each (-alibi_slopes[n, h] |i + d - j|); sinks (Hq). A sequence
+  // without keys gives its rows lse = the sink. The backward returns dsinks (Hq) in sinks'
+  // dtype when sinks_grad, else empty.
 }

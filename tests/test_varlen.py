@@ -1,6 +1,8 @@
-"""attnx.varlen_attention (API.md): packed variable-length batches on the reference, cpu and
-triton backends (triton without the score modifiers; in Triton's interpreter on CPU tensors
-without a GPU, tests/conftest.py, on few and small cases: it runs each program in Python).
+"""attnx.varlen_attention (API.md): packed variable-length batches on the reference, cpu,
+triton and cuda backends (triton without the score modifiers; in Triton's interpreter on CPU
+tensors without a GPU, tests/conftest.py, on few and small cases: it runs each program in
+Python; cuda in float16 and bfloat16, without a GPU through the host harness,
+ATTNX_CUDA_ON_CPU=1, csrc/cuda/host/).
 
 The golden value is plain torch SDPA in float64 run on each sequence alone, the bottom-right
 band as a bool mask and GQA heads repeated; the bound is a small multiple of what the same
@@ -24,12 +26,24 @@ from tests._compare import assert_within
 HAS_CPU_KERNEL = _ops.has_kernel("varlen_fwd", "CPU")
 HAS_TRITON = _dispatch.backends()["triton"].usable
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+ON_GPU = torch.cuda.is_available()  # else the cuda backend runs through the host harness
+
+
+def _cuda_reason():
+    if ON_GPU:
+        status = _dispatch.backends()["cuda"]
+        return None if status.usable else status.reason
+    return _ops.cuda_host()  # None once attnx._cuda_host is built and loaded
+
+
 MARKS = {"reference": [],
          "cpu": [pytest.mark.skipif(not HAS_CPU_KERNEL, reason="attnx._C is not built")],
          "triton": [pytest.mark.skipif(not HAS_TRITON,
-                                       reason=_dispatch.backends()["triton"].reason)]}
+                                       reason=_dispatch.backends()["triton"].reason)],
+         "cuda": [pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason()))]}
 BACKENDS = [pytest.param(b, marks=MARKS[b]) for b in ("reference", "cpu")]
 TRITON = pytest.param("triton", marks=MARKS["triton"])
+CUDA = pytest.param("cuda", marks=MARKS["cuda"])
 
 
 def cases(backends, *axes):
@@ -39,8 +53,18 @@ def cases(backends, *axes):
 
 
 def device(backend: str) -> str:
-    """Where a backend's inputs live: CUDA for triton unless Triton interprets on CPU."""
-    return "cuda" if backend == "triton" and not INTERPRET else "cpu"
+    """Where a backend's inputs live: CUDA for triton unless Triton interprets on CPU, and for
+    cuda unless it runs through the host harness."""
+    gpu = (backend == "triton" and not INTERPRET) or (backend == "cuda" and ON_GPU)
+    return "cuda" if gpu else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _cuda_harness(request, monkeypatch):
+    """The cuda backend's cases without a GPU run through the host harness."""
+    callspec = getattr(request.node, "callspec", None)
+    if not ON_GPU and callspec is not None and callspec.params.get("backend") == "cuda":
+        monkeypatch.setenv("ATTNX_CUDA_ON_CPU", "1")
 
 
 def on(backend, *tensors):
@@ -109,7 +133,7 @@ def golden(q, k, v, lens, is_causal=False, window=None, scale=None, dtype=torch.
     return torch.cat(outs), torch.cat(lses, 1)
 
 
-TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-2}
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 GOLDEN_CASES = [(MIXED, False, None, (3, 3)), (MIXED, True, None, (4, 2)),
@@ -125,7 +149,9 @@ GOLDEN_CASES = [(MIXED, False, None, (3, 3)), (MIXED, True, None, (4, 2)),
     + cases(["reference", "cpu"], [(torch.float32,), (torch.float64,)],
             [(LONG, True, None, (4, 2))])
     + cases(["triton"], [(torch.float32,)], GOLDEN_CASES)
-    + cases(["triton"], [(torch.bfloat16,)], GOLDEN_CASES[1:2]))
+    + cases(["triton"], [(torch.bfloat16,)], GOLDEN_CASES[1:2])
+    + cases(["cuda"], [(torch.float16,), (torch.bfloat16,)], GOLDEN_CASES)
+    + cases(["cuda"], [(torch.float16,)], [(LONG[1:], True, None, (4, 2))]))
 def test_matches_golden(backend, dtype, lens, is_causal, window, heads):
     hq, hkv = heads
     q, k, v, cu_q, cu_k = pack(lens, hq, hkv, 16, 8, dtype)
@@ -153,7 +179,8 @@ GRAD_CASES = [(False, None), (True, None), (True, (6, None))]
                                GRAD_CASES)
                          # the interpreter takes ~10 s a case: causal in bfloat16 only
                          + cases(["triton"], [(torch.float32,)], GRAD_CASES[::2])
-                         + cases(["triton"], [(torch.bfloat16,)], GRAD_CASES[1:2]))
+                         + cases(["triton"], [(torch.bfloat16,)], GRAD_CASES[1:2])
+                         + cases(["cuda"], [(torch.float16,), (torch.bfloat16,)], GRAD_CASES))
 def test_gradients(backend, dtype, is_causal, window):
     lens = MIXED
     q, k, v, cu_q, cu_k = pack(lens, 4, 2, 16, 8, dtype, seed=1)
@@ -188,41 +215,53 @@ def test_float64_gradcheck(backend):
     assert torch.autograd.gradcheck(fn, inputs)
 
 
-@pytest.mark.parametrize("backend", BACKENDS + [TRITON])
+def dropout_dtype(backend):
+    return torch.float16 if backend == "cuda" else torch.float32  # cuda: 16-bit only
+
+
+def dropout_reference(fn, low):
+    """(golden, baseline) of fn(name, dtype): the reference in float64 (the same dropout mask)
+    and in `low`, the dtype tested."""
+    return fn("reference", torch.float64), fn("reference", low)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + [TRITON, CUDA])
 def test_dropout(backend):
-    """Reproducible under torch.manual_seed; the cpu and triton kernels drop what the reference
-    drops; two identical sequences of one batch get different patterns (each its own seed)."""
+    """Reproducible under torch.manual_seed; the kernels drop what the reference drops; two
+    identical sequences of one batch get different patterns (each its own seed)."""
     lens = [(20, 20), (20, 20), (7, 9)]
-    q, k, v, cu_q, cu_k = pack([(20, 20), (0, 0), (7, 9)], 2, 2, 8, 8, torch.float32)
+    dtype = dropout_dtype(backend)
+    q, k, v, cu_q, cu_k = pack([(20, 20), (0, 0), (7, 9)], 2, 2, 8, 8, dtype)
     q = torch.cat([q[:20], q[:20], q[20:]])
     k = torch.cat([k[:20], k[:20], k[20:]])
     v = torch.cat([v[:20], v[:20], v[20:]])
     cu_q = torch.tensor([0, 20, 40, 47], dtype=torch.int32)
     cu_k = torch.tensor([0, 20, 40, 49], dtype=torch.int32)
 
-    def run(name):
+    def run(name, dt=dtype):
         torch.manual_seed(7)
-        return attnx.varlen_attention(*on(name, q, k, v, cu_q, cu_k), dropout_p=0.3,
+        x, y, z = (t.to(dt) for t in (q, k, v))
+        return attnx.varlen_attention(*on(name, x, y, z, cu_q, cu_k), dropout_p=0.3,
                                       backend=name).cpu()
 
     a, b = run(backend), run(backend)
     assert torch.equal(a, b)
-    ref = run("reference")
-    torch.testing.assert_close(a, ref, atol=1e-5, rtol=1e-5)
+    assert_within(a, *dropout_reference(run, dtype), floor=TOL[dtype])
     assert not torch.allclose(a[:20], a[20:40])
     no_drop = attnx.varlen_attention(*on(backend, q, k, v, cu_q, cu_k), backend=backend).cpu()
     assert not torch.allclose(a, no_drop)
     assert lens  # the packing above
 
 
-@pytest.mark.parametrize("backend", BACKENDS + [TRITON])
+@pytest.mark.parametrize("backend", BACKENDS + [TRITON, CUDA])
 def test_dropout_pattern_is_the_references(backend):
     """Bit for bit: with one-hot values (key j of a sequence -> column j) output column j of
     query i is nonzero iff element (i, j) was kept, and the kept set must be the reference's
     mask of each sequence (_rng.keep_mask with _rng.sequence_seed), GQA heads included."""
     lens = [(9, 12), (12, 5), (1, 1), (6, 12)]
-    q, k, _, cu_q, cu_k = pack(lens, 2, 1, 8, 8, torch.float32, seed=8)
-    v = torch.cat([torch.eye(12)[:lk] for _, lk in lens]).view(-1, 1, 12)
+    dtype = dropout_dtype(backend)
+    q, k, _, cu_q, cu_k = pack(lens, 2, 1, 8, 8, dtype, seed=8)
+    v = torch.cat([torch.eye(12)[:lk] for _, lk in lens]).view(-1, 1, 12).to(dtype)
     torch.manual_seed(11)
     seed = _rng.draw_seed()  # the one the call below draws
     torch.manual_seed(11)
@@ -235,15 +274,17 @@ def test_dropout_pattern_is_the_references(backend):
         q0 += lq
 
 
-@pytest.mark.parametrize("backend", BACKENDS[1:] + [TRITON])
+@pytest.mark.parametrize("backend", BACKENDS[1:] + [TRITON, CUDA])
 def test_dropout_gradients_match_reference(backend):
     """The backward draws the forward's mask (causal GQA, Lq != Lk)."""
     lens = [(9, 12), (12, 5), (1, 1)]
-    q, k, v, cu_q, cu_k = pack(lens, 4, 2, 16, 8, torch.float32, seed=9)
+    dtype = dropout_dtype(backend)
+    q, k, v, cu_q, cu_k = pack(lens, 4, 2, 16, 8, dtype, seed=9)
     g = torch.randn(q.shape[0], 4, 8, generator=torch.Generator().manual_seed(10))
 
-    def grads(name):
-        x, y, z, cq, ck, gd = on(name, q, k, v, cu_q, cu_k, g)
+    def grads(name, dt=dtype):
+        x, y, z, cq, ck, gd = on(name, *(t.detach().to(dt) for t in (q, k, v)), cu_q, cu_k,
+                                 g.to(dt))
         x, y, z = (t.requires_grad_() for t in (x, y, z))
         torch.manual_seed(12)
         out = attnx.varlen_attention(x, y, z, cq, ck, dropout_p=0.25, is_causal=True,
@@ -251,8 +292,13 @@ def test_dropout_gradients_match_reference(backend):
         (out * gd).sum().backward()
         return [t.grad.cpu() for t in (x, y, z)]
 
-    for got, want in zip(grads(backend), grads("reference")):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # cuda: 4x, as its SDPA dropout gradients (tests/test_modifiers.py): dS reads delta =
+    # rowsum(dO O) of the kernel's float16 O, with the kept values scaled by 1 / (1 - p)
+    # (measured: dk 3.2x)
+    factor = 4.0 if backend == "cuda" else 3.0
+    for name, got, want, base in zip(("dq", "dk", "dv"), grads(backend),
+                                     *dropout_reference(grads, dtype)):
+        assert_within(got, want, base, factor=factor, floor=TOL[dtype], what=name)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason=_dispatch.backends()["triton"].reason)
@@ -312,7 +358,8 @@ BAD = [
     (dict(v=torch.randn(5, 2, 4, dtype=torch.float64)), TypeError, "v: expected dtype torch.float32"),
     (dict(backend="triton", softcap=1.0), ValueError,
      "backend: 'triton' cannot run this call: it does not compute softcap in varlen"),
-    (dict(backend="cuda"), ValueError, "backend: 'cuda' cannot run this call: it has no varlen"),
+    (dict(backend="cuda"), ValueError,
+     "backend: 'cuda' cannot run this call: the cuda backend takes CUDA tensors, got device cpu"),
     (dict(is_causal=1), TypeError, "is_causal: expected a bool"),
 ]
 
@@ -328,8 +375,9 @@ def test_bad_input(change, error, message):
 
 
 HAS_CPU_MODS = _ops.has_kernel("varlen_mod_fwd", "CPU")
-MOD_BACKENDS = ["reference", pytest.param("cpu", marks=pytest.mark.skipif(
-    not HAS_CPU_MODS, reason="attnx._C is not built with varlen_mod_fwd"))]
+MOD_CPU_MARK = pytest.mark.skipif(not HAS_CPU_MODS, reason="attnx._C is not built with varlen_mod_fwd")
+MOD_BACKENDS = ["reference", pytest.param("cpu", marks=MOD_CPU_MARK)]
+MOD_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 # (Lq, Lk) per sequence: Lq != Lk both ways (ALiBi's bottom-right alignment shows), lengths 0
 # and 1, a sequence without keys (its rows: lse = the sink), causal rows with no key (Lq > Lk)
 MOD_LENS = [(17, 17), (1, 1), (5, 0), (3, 40), (40, 3), (0, 4), (9, 23)]
@@ -351,8 +399,10 @@ def _golden_mods(kw):
     return dict(softcap=kw.get("softcap"), alibi=alibi, sinks=kw.get("sinks"))
 
 
-@pytest.mark.parametrize("backend", MOD_BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("backend,dtype",
+                         [pytest.param("reference", d) for d in MOD_DTYPES]
+                         + [pytest.param("cpu", d, marks=MOD_CPU_MARK) for d in MOD_DTYPES]
+                         + cases(["cuda"], [(torch.float16,), (torch.bfloat16,)]))
 @pytest.mark.parametrize("mod", list(MODS))
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_modifiers_match_golden(backend, dtype, mod, is_causal):
@@ -372,10 +422,18 @@ def test_modifiers_match_golden(backend, dtype, mod, is_causal):
         grads = (x.grad, y.grad, z.grad) + ((sinks.grad,) if sinks is not None else ())
         return (out.detach(), lse.detach()), grads
 
-    sdtype = torch.float32 if dtype == torch.bfloat16 else dtype
-    (out, lse), got = run(lambda x, y, z, s: attnx.varlen_attention(
-        x, y, z, cu_q, cu_k, is_causal=is_causal, backend=backend, return_lse=True,
-        **dict(kw, sinks=s)), sdtype)
+    sdtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    dev = device(backend)
+
+    def call(x, y, z, s):  # on the backend's device, the results back on the CPU
+        args = on(backend, x, y, z, cu_q, cu_k)
+        mods = {n: t.to(dev) if isinstance(t, torch.Tensor) else t
+                for n, t in dict(kw, sinks=s).items()}
+        out, lse = attnx.varlen_attention(*args, is_causal=is_causal, backend=backend,
+                                          return_lse=True, **mods)
+        return out.cpu(), lse.cpu()
+
+    (out, lse), got = run(call, sdtype)
     gm = _golden_mods(kw)
     (want, want_lse), want_g = run(lambda x, y, z, s: golden(
         x, y, z, MOD_LENS, is_causal, **dict(gm, sinks=s)), torch.float64)
@@ -417,3 +475,47 @@ def test_modifiers_auto_picks_cpu_and_opcheck():
     slopes = MODS["alibi"]["alibi_slopes"]
     torch.library.opcheck(torch.ops.attnx.varlen_mod_fwd,
                           (q, k, v, cu_q, cu_k, 0.25, -200, 0, 0.0, None, 2.0, slopes, sinks))
+
+
+def _cuda_ops():
+    return torch.ops.attnx if ON_GPU else torch.ops.attnx_cuda_host
+
+
+@pytest.mark.parametrize("backend", [CUDA])
+def test_cuda_opcheck(backend):
+    """The cuda ops' schemas, fake kernels and autograd registration (harness or GPU)."""
+    dev = device(backend)
+    q, k, v, cu_q, cu_k = on(backend, *pack([(3, 5), (4, 2), (0, 1)], 2, 1, 16, 8,
+                                             torch.float16))
+    q.requires_grad_()
+    sinks = torch.tensor([0.5, -1.0], device=dev)
+    slopes = torch.tensor([[0.5, 0.25], [1.0, 0.1], [0.3, 0.2]], device=dev)
+    ops = _cuda_ops()
+    torch.library.opcheck(ops.varlen_fwd.default, (q, k, v, cu_q, cu_k, 0.25, -9, 0, 0.0, None))
+    torch.library.opcheck(ops.varlen_mod_fwd.default,
+                          (q, k, v, cu_q, cu_k, 0.25, -9, 0, 0.0, None, 2.0, slopes, sinks))
+    if ON_GPU:  # backend=None takes the cuda kernels for CUDA tensors, modifiers included
+        from attnx import _validate
+        call = _validate.varlen_call(q, k, v, cu_q, cu_k, None, None, 0.0, True, None, None, 2.0,
+                                     None, sinks, None, False)
+        assert _dispatch.select("varlen", call) == "cuda"
+
+
+CUDA_BAD = [
+    (dict(cu_q=[0, 4, 3, 7]), "cu_seqlens_q: expected non-decreasing values, got 4 then 3"),
+    (dict(cu_q=[0, 3, 6]), "cu_seqlens_q: expected prefix sums from 0 to 7, got 0 to 6"),
+    (dict(cu_k=[1, 3, 7]), "cu_seqlens_k: expected prefix sums from 0 to 7"),
+    (dict(cu_k=[0, 3, 5, 7]), "cu_seqlens_k: expected 3 entries"),
+]
+
+
+@pytest.mark.parametrize("backend", [CUDA])
+@pytest.mark.parametrize("change,message", CUDA_BAD)
+def test_cuda_op_checks_prefix_sums(backend, change, message):
+    """A direct caller of the op gets an error, not a kernel reading past q or k."""
+    q, k, v, cu_q, cu_k = on(backend, *pack([(3, 3), (4, 4)], 2, 1, 16, 8, torch.float16))
+    cus = dict(cu_q=cu_q, cu_k=cu_k)
+    cus.update({n: torch.tensor(val, dtype=torch.int32, device=q.device)
+                for n, val in change.items()})
+    with pytest.raises(RuntimeError, match=message):
+        _cuda_ops().varlen_fwd(q, k, v, cus["cu_q"], cus["cu_k"], 0.25, -9, 0, 0.0, None)

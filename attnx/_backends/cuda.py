@@ -7,8 +7,9 @@ additive value dims up to 2048 (the output tile lives in shared memory); the SDP
 modifiers softcap, alibi_slopes and sinks, in SDPA and decoding (sdpa_mod_fwd/bwd,
 kvcache_mod_fwd: the kernels' kMods instantiations; sinks' gradient from the backward's delta on
 the host); KV-cache decoding
-(attention_with_kvcache, csrc/cuda/decode.cu) head dims E, Ev up to 256; at most 65535 batches
-and heads (the CUDA grid's y and z dims); a GPU of compute capability 8.0 or more whose opt-in
+(attention_with_kvcache, csrc/cuda/decode.cu) head dims E, Ev up to 256; packed batches
+(varlen_attention: the SDPA kernels, one grid z index per sequence, with and without the
+modifiers); at most 65535 batches (sequences) and heads (the CUDA grid's y and z dims); a GPU of compute capability 8.0 or more whose opt-in
 shared memory per block holds what the call's kernels request, decided per call.
 
 The shared memory a launch requests is read from the extension (`attnx._C.cuda_smem_bytes`,
@@ -75,21 +76,24 @@ def _device_limit(index: int) -> tuple:
 
 def _needs_backward(op: str, call) -> bool:
     """Whether autograd will run the backward kernels of this call."""
-    tensors = (call.q, call.k, call.v, call.mask, call.mods.sinks) if op == "sdpa" else (
-        call.q, call.k, call.value, call.v, call.mask)
+    if op == "additive":
+        tensors = (call.q, call.k, call.value, call.v, call.mask)
+    else:  # sdpa, varlen (no mask)
+        tensors = (call.q, call.k, call.v, getattr(call, "mask", None), call.mods.sinks)
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _shared_memory_needed(op: str, dim: int, backward: bool) -> tuple:
     """(bytes of shared memory per block, kernel) of the largest launch a call makes: `dim` is
-    max(E, Ev) for "sdpa", Ev for "additive" (whose backward requests what its forward does)."""
+    max(E, Ev) for "sdpa" and "varlen" (the same kernels), Ev for "additive" (whose backward
+    requests what its forward does)."""
     kernels = ("additive",) if op == "additive" else (
         ("sdpa_fwd", "sdpa_bwd") if backward else ("sdpa_fwd",))
     return max((_ops._C.cuda_smem_bytes(k, dim), k) for k in kernels)
 
 
 def _shared_memory_reason(op: str, call) -> Optional[str]:
-    dim = max(call.q.shape[-1], call.v.shape[-1]) if op == "sdpa" else call.value.shape[-1]
+    dim = call.value.shape[-1] if op == "additive" else max(call.q.shape[-1], call.v.shape[-1])
     need, kernel = _shared_memory_needed(op, dim, _needs_backward(op, call))
     name, limit = _shared_memory_limit(call.q.device)
     if need <= limit:
@@ -120,6 +124,10 @@ def kvcache(call):
     return native.kvcache(call, _ops_library())
 
 
+def varlen(call):
+    return native.varlen(call, _ops_library())
+
+
 def availability() -> Optional[str]:
     if on_cpu():
         return _ops.cuda_host()
@@ -139,11 +147,13 @@ def unsupported(op: str, call) -> Optional[str]:
     reason = availability() if on_cpu() else _device_reason(call.q.device)
     if reason is not None:
         return reason
-    b, h = call.q.shape[:2]
+    # varlen: one grid z index per sequence, q (total_q, Hq, E)
+    b, h = (len(call.lens), call.q.shape[1]) if op == "varlen" else call.q.shape[:2]
     if b > MAX_GRID_YZ or h > MAX_GRID_YZ:
-        return f"the cuda backend takes at most {MAX_GRID_YZ} batches and heads, got ({b}, {h})"
-    if op in ("sdpa", "kvcache"):
-        v = call.v if op == "sdpa" else call.v_cache
+        what = "sequences" if op == "varlen" else "batches"
+        return f"the cuda backend takes at most {MAX_GRID_YZ} {what} and heads, got ({b}, {h})"
+    if op in ("sdpa", "kvcache", "varlen"):
+        v = call.v_cache if op == "kvcache" else call.v
         dims = (call.q.shape[-1], v.shape[-1])
         if max(dims) > MAX_SDPA_HEAD_DIM:
             return f"the cuda backend takes head dims up to {MAX_SDPA_HEAD_DIM}, got (E, Ev) = {dims}"

@@ -55,11 +55,11 @@ def kvcache(call: KvcacheCall, ops=torch.ops.attnx):
                            call.scale, call.window_lo, call.window_hi)
 
 
-def varlen(call: VarlenCall):
-    if call.mods.any():
+def varlen(call: VarlenCall, ops=torch.ops.attnx):
+    if call.mods.any():  # the plain op keeps kernels compiled without the modifiers' code
         mods = call.mods
-        return torch.ops.attnx.varlen_mod_fwd(
+        return ops.varlen_mod_fwd(
             call.q, call.k, call.v, call.cu_q, call.cu_k, call.scale, call.window_lo,
             call.window_hi, call.dropout_p, call.seed, mods.softcap or 0.0, mods.alibi, mods.sinks)
-    return torch.ops.attnx.varlen_fwd(call.q, call.k, call.v, call.cu_q, call.cu_k, call.scale,
-                                      call.window_lo, call.window_hi, call.dropout_p, call.seed)
+    return ops.varlen_fwd(call.q, call.k, call.v, call.cu_q, call.cu_k, call.scale,
+                          call.window_lo, call.window_hi, call.dropout_p, call.seed)

@@ -81,6 +81,43 @@ __device__ __forceinline__ bool huge_lse(float lse) {
 
 __host__ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// What an SDPA kernel needs of its batch index b: SDPA's batch b (the params' sizes and band),
+// or packed sequence b (SdpaParams::cu_q): its lengths, its band shifted to its bottom-right
+// diagonal, and its first query and key rows.
+struct SeqView {
+  int Lq, Lk;
+  int64_t lo, hi;  // key j admissible for query i iff lo <= j - i <= hi
+  int q0, k0;      // the first row of q and of k, v
+  int diag;        // ALiBi's distance is |i + diag - j|: 0 (SDPA, top-left) or Lk - Lq
+};
+
+__device__ __forceinline__ SeqView seq_view(const SdpaParams& p, int b) {
+  if (p.cu_q == nullptr) return {p.Lq, p.Lk, p.window_lo, p.window_hi, 0, 0, 0};
+  const int q0 = p.cu_q[b], k0 = p.cu_k[b];
+  const int Lq = p.cu_q[b + 1] - q0, Lk = p.cu_k[b + 1] - k0, diag = Lk - Lq;
+  return {Lq, Lk, p.window_lo + diag, p.window_hi + diag, q0, k0, diag};
+}
+
+// The first element's row of query head h of batch (sequence) b in the buffers indexed by query
+// row: (B, Hq, Lq, .) or, packed, (Hq, total_q, .).
+__device__ __forceinline__ int64_t query_rows(const SdpaParams& p, const SeqView& s, int b, int h) {
+  return p.cu_q == nullptr ? (int64_t(b) * p.Hq + h) * p.Lq : int64_t(h) * p.total_q + s.q0;
+}
+
+// The same of kv head hk in dk and dv: (B, Hkv, Lk, .) or, packed, (Hkv, total_k, .).
+__device__ __forceinline__ int64_t key_rows(const SdpaParams& p, const SeqView& s, int b, int hk) {
+  return p.cu_q == nullptr ? (int64_t(b) * p.Hkv + hk) * p.Lk : int64_t(hk) * p.total_k + s.k0;
+}
+
+// The dropout key of query head h of batch b; of a packed sequence b, that of a batch-1 call
+// with the sequence's seed (seed0, mix32(seed1 + b + 1)): attnx/_rng.py sequence_seed.
+__device__ __forceinline__ uint32_t sdpa_dropout_key(const SdpaParams& p, int b, int h) {
+  if (p.cu_q == nullptr) return dropout_key_bh(p.drop, uint32_t(int64_t(b) * p.Hq + h));
+  Dropout d = p.drop;
+  d.seed1 = mix32(p.drop.seed1 + uint32_t(b) + 1u);
+  return dropout_key_bh(d, uint32_t(h));
+}
+
 // Key tiles [t0, t1] that hold an admissible key for some query in rows [i0, i1]; t1 < t0
 // when there is none. Keys outside i + lo <= j <= i + hi are never read.
 __device__ __forceinline__ void key_tile_range(int i0, int i1, int Lk, int64_t lo, int64_t hi,

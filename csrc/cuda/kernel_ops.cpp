@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <vector>
 
 namespace attnx {
 namespace cuda {
@@ -256,6 +257,134 @@ cudaError_t run_sdpa_bwd(const SdpaParams& p, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
+// The gradients the SDPA backward kernels produce: dq (fp32) and dk, dv in the layouts of
+// SdpaParams (batched or packed), dmask when asked for, and dsinks (fp32, (Hq,)) when asked for.
+struct Grads {
+  Tensor dq_acc, dk, dv, dmask, dsinks;
+};
+
+// The backward of the launch parameters p (inputs, band, dropout and modifiers set) on grad_out
+// and out (contiguous, q's dtype, p's query-row layout) and lse, grad_lse of shape `rows`
+// ((B, Hq, Lq) or, packed, (Hq, total_q)); `key_rows` is dk's and dv's ((B, Hkv, Lk) or (Hkv,
+// total_k)). Runs the row sums of huge-lse rows, the delta pre-pass and the key-block kernels.
+// sinks32 (fp32 (Hq,), held by the caller) asks for dsinks; head_dim is the head's dim in rows.
+Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout, const Tensor& o,
+               const Tensor& lse, const OptTensor& grad_lse, at::IntArrayRef rows,
+               at::IntArrayRef key_rows, bool want_dmask, const Tensor& sinks32, int head_dim) {
+  const auto opts = q.options();
+  const auto f32 = opts.dtype(at::kFloat);
+  TORCH_CHECK(lse.sizes() == rows && lse.device() == q.device(), "lse: expected shape ", rows,
+              " on q's device, got ", lse.sizes(), " on ", lse.device());
+  if (reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 != 0) dout = dout.clone();  // vector loads
+  const Tensor lse32 = target.input(lse.to(at::kFloat).contiguous());
+  Tensor glse;
+  if (grad_lse.has_value()) {
+    TORCH_CHECK(grad_lse->sizes() == lse.sizes() && grad_lse->device() == lse.device(),
+                "grad_lse: expected lse's shape ", lse.sizes(), " on its device, got ",
+                grad_lse->sizes());
+    glse = target.input(grad_lse->to(at::kFloat).contiguous());
+  }
+  const Tensor row_sums = huge_row_sums(target, p, lse32);
+  const Tensor dout_in = target.input(dout), o_in = target.input(o);
+  auto with = [](at::IntArrayRef head, int64_t last) {
+    std::vector<int64_t> sizes(head.begin(), head.end());
+    sizes.push_back(last);
+    return sizes;
+  };
+  Grads g;
+  Tensor delta = target.empty(rows, f32);
+  g.dq_acc = target.zeros(with(rows, p.E), f32);
+  g.dk = target.empty(with(key_rows, p.E), opts);
+  g.dv = target.empty(with(key_rows, p.Ev), opts);
+  g.dmask = want_dmask ? target.zeros({p.B, p.Hq, p.Lq, p.Lk}, opts) : q.new_empty({0});
+  p.out = const_cast<void*>(o_in.data_ptr());
+  p.dout = dout_in.data_ptr();
+  p.grad_lse = glse.defined() ? glse.data_ptr<float>() : nullptr;
+  p.lse = lse32.data_ptr<float>();
+  p.row_sums = row_sums.data_ptr<float>();
+  p.delta = delta.data_ptr<float>();
+  p.dq_acc = g.dq_acc.data_ptr<float>();
+  p.dk = g.dk.data_ptr();
+  p.dv = g.dv.data_ptr();
+  p.dmask = want_dmask ? g.dmask.data_ptr() : nullptr;
+  target.check(sdpa_bwd_delta(p, target.stream()));
+  target.check(run_sdpa_bwd(p, target.stream()));
+  if (sinks32.defined()) {
+    // d lse_i / d sink = exp(sink - lse_i) / R_i (the sink's probability; R_i the row sum of a
+    // huge-lse row, 1 elsewhere), and the sink's value is 0: its score gradient is that
+    // probability times (0 - delta_i), summed over every row of the head.
+    std::vector<int64_t> view(rows.size(), 1), dims;
+    view[head_dim] = p.Hq;
+    for (int64_t d = 0; d < int64_t(rows.size()); ++d)
+      if (d != head_dim) dims.push_back(d);
+    g.dsinks = (-(at::exp(sinks32.view(view) - lse32) / row_sums * delta)).sum(at::IntArrayRef(dims));
+  }
+  return g;
+}
+
+// The prefix sums of a packed batch, checked (int32, 1-D, from 0, non-decreasing, ending at
+// `total`) as a direct caller could pass them, as host values: the kernels trust them.
+std::vector<int> prefix_sums(const Tensor& cu, const Tensor& q, int64_t total, const char* name) {
+  TORCH_CHECK(cu.device() == q.device() && cu.scalar_type() == at::kInt && cu.dim() == 1 &&
+                  cu.numel() >= 1,
+              name, ": expected int32 (N + 1,) on ", q.device(), ", got ", cu.scalar_type(), " ",
+              cu.sizes(), " on ", cu.device());
+  const Tensor host = cu.to(at::kCPU).contiguous();
+  const int* v = host.data_ptr<int>();
+  std::vector<int> values(v, v + host.numel());
+  TORCH_CHECK(values.front() == 0 && values.back() == total, name, ": expected prefix sums from 0 ",
+              "to ", total, ", got ", values.front(), " to ", values.back());
+  for (size_t n = 1; n < values.size(); ++n)
+    TORCH_CHECK(values[n] >= values[n - 1], name, ": expected non-decreasing values, got ",
+                values[n - 1], " then ", values[n]);
+  return values;
+}
+
+// The tensors a packed launch reads besides q, k, v and the modifiers', kept alive while it runs.
+struct VarlenInputs {
+  SdpaInputs sdpa;
+  Tensor cu_q, cu_k;
+};
+
+// Launch parameters of a packed batch: q (total_q, Hq, E), k (total_k, Hkv, E), v (total_k,
+// Hkv, Ev) read as (1, H, total, .) views, one grid z index per sequence (SdpaParams::cu_q).
+SdpaParams varlen_params(const Target& target, VarlenInputs& in, const Tensor& q,
+                         const Tensor& k, const Tensor& v, const Tensor& cu_q, const Tensor& cu_k,
+                         double scale, int64_t lo, int64_t hi, double dropout_p,
+                         const OptTensor& seed) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "varlen: expected q, k, v of 3 ",
+              "dims (total, heads, dim), got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  const std::vector<int> sq = prefix_sums(cu_q, q, q.size(0), "cu_seqlens_q");
+  const std::vector<int> sk = prefix_sums(cu_k, q, k.size(0), "cu_seqlens_k");
+  TORCH_CHECK(sq.size() == sk.size(), "cu_seqlens_k: expected ", sq.size(), " entries (as ",
+              "cu_seqlens_q), got ", sk.size());
+  int max_q = 0, max_k = 0;
+  for (size_t n = 0; n + 1 < sq.size(); ++n) {
+    max_q = std::max(max_q, sq[n + 1] - sq[n]);
+    max_k = std::max(max_k, sk[n + 1] - sk[n]);
+  }
+  auto rows4 = [](const Tensor& t) { return t.unsqueeze(0).transpose(1, 2); };
+  SdpaParams p = sdpa_params(target, in.sdpa, rows4(q), rows4(k), rows4(v), std::nullopt, scale,
+                             lo, hi, dropout_p, seed);
+  const int64_t N = int64_t(sq.size()) - 1;
+  check_grid(max_q, p.Hq, N);
+  p.B = int(N);
+  p.Lq = max_q;
+  p.Lk = max_k;
+  p.total_q = q.size(0);
+  p.total_k = k.size(0);
+  p.sq.b = p.sk.b = p.sv.b = 0;  // sequences are offsets along the rows
+  // relative to each sequence's bottom-right diagonal, every j - (i + d) of a sequence lies in
+  // [-(Lk + Lq), Lk] of the longest: the same pairs, no overflow
+  p.window_lo = std::clamp<int64_t>(lo, -int64_t(max_q) - max_k, max_k);
+  p.window_hi = std::clamp<int64_t>(hi, -int64_t(max_q) - max_k, max_k);
+  in.cu_q = target.input(cu_q.contiguous());
+  in.cu_k = target.input(cu_k.contiguous());
+  p.cu_q = in.cu_q.data_ptr<int>();
+  p.cu_k = in.cu_k.data_ptr<int>();
+  return p;
+}
+
 struct AdditiveInputs {
   Tensor q, k, value, v, mask;
 };
@@ -341,49 +470,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sdpa_mod_bwd(
   ModInputs mods;
   p.mods = score_mods(target, mods, in.q, softcap, alibi_slopes, sinks, p.B, p.Hq);
   TORCH_CHECK(!sinks_grad || sinks.has_value(), "sinks_grad: needs sinks");
-  const auto opts = in.q.options();
-  // grad_out and out in the input dtype (the delta pre-pass reads both, the kernels grad_out),
-  // grad_out 16-byte aligned for the vector loads.
-  Tensor dout = grad_out.to(in.q.scalar_type()).contiguous();
+  // grad_out and out in the input dtype (the delta pre-pass reads both, the kernels grad_out)
+  const Tensor dout = grad_out.to(in.q.scalar_type()).contiguous();
   const Tensor o = out.to(in.q.scalar_type()).contiguous();
   check_saved(dout, o, lse, in.q, {p.B, p.Hq, p.Lq, p.Ev});
-  if (reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 != 0) dout = dout.clone();
-  const Tensor lse32 = target.input(lse.to(at::kFloat).contiguous());
-  Tensor glse;
-  if (grad_lse.has_value()) {
-    TORCH_CHECK(grad_lse->sizes() == lse.sizes() && grad_lse->device() == lse.device(),
-                "grad_lse: expected lse's shape ", lse.sizes(), " on its device, got ",
-                grad_lse->sizes());
-    glse = target.input(grad_lse->to(at::kFloat).contiguous());
-  }
-  const Tensor row_sums = huge_row_sums(target, p, lse32);
-  const Tensor dout_in = target.input(dout), o_in = target.input(o);
-  Tensor delta = target.empty({p.B, p.Hq, p.Lq}, opts.dtype(at::kFloat));
-  Tensor dq_acc = target.zeros({p.B, p.Hq, p.Lq, p.E}, opts.dtype(at::kFloat));
-  Tensor dk = target.empty({p.B, p.Hkv, p.Lk, p.E}, opts);
-  Tensor dv = target.empty({p.B, p.Hkv, p.Lk, p.Ev}, opts);
   const bool want_dmask = mask_grad && p.mask.kind == MaskKind::Additive;
-  Tensor dmask = want_dmask ? target.zeros({p.B, p.Hq, p.Lq, p.Lk}, opts) : in.q.new_empty({0});
-  p.out = const_cast<void*>(o_in.data_ptr());
-  p.dout = dout_in.data_ptr();
-  p.grad_lse = glse.defined() ? glse.data_ptr<float>() : nullptr;
-  p.lse = lse32.data_ptr<float>();
-  p.row_sums = row_sums.data_ptr<float>();
-  p.delta = delta.data_ptr<float>();
-  p.dq_acc = dq_acc.data_ptr<float>();
-  p.dk = dk.data_ptr();
-  p.dv = dv.data_ptr();
-  p.dmask = want_dmask ? dmask.data_ptr() : nullptr;
-  target.check(sdpa_bwd_delta(p, target.stream()));
-  target.check(run_sdpa_bwd(p, target.stream()));
-  // d lse_i / d sink = exp(sink - lse_i) / R_i (the sink's probability; R_i the row sum of a
-  // huge-lse row, 1 elsewhere), and the sink's value is 0: its score gradient is that
-  // probability times (0 - delta_i), summed over batches and rows.
-  const Tensor dsinks =
-      sinks_grad ? (-(at::exp(mods.sinks.view({1, p.Hq, 1}) - lse32) / row_sums * delta).sum(at::IntArrayRef{0, 2}))
-                       .to(sinks->scalar_type())
-                 : in.q.new_empty({0});
-  return {grad_for(dq_acc, q_in), grad_for(dk, k_in), grad_for(dv, v_in), dmask, dsinks};
+  Grads g = backward(target, p, in.q, dout, o, lse, grad_lse, {p.B, p.Hq, p.Lq},
+                     {p.B, p.Hkv, p.Lk}, want_dmask, sinks_grad ? mods.sinks : Tensor(), 1);
+  const Tensor dsinks = sinks_grad ? g.dsinks.to(sinks->scalar_type()) : in.q.new_empty({0});
+  return {grad_for(g.dq_acc, q_in), grad_for(g.dk, k_in), grad_for(g.dv, v_in), g.dmask, dsinks};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
@@ -546,6 +641,59 @@ std::tuple<Tensor, Tensor> kvcache_fwd(const Target& target, const Tensor& q_in,
   p.lse_part = split ? lse_part.data_ptr<float>() : nullptr;
   target.check(launch_kvcache_fwd(p, target.stream()));
   return {out, lse};
+}
+
+std::tuple<Tensor, Tensor> varlen_fwd(const Target& target, const Tensor& q, const Tensor& k,
+                                      const Tensor& v, const Tensor& cu_seqlens_q,
+                                      const Tensor& cu_seqlens_k, double scale,
+                                      int64_t window_lo, int64_t window_hi, double dropout_p,
+                                      const OptTensor& seed, double softcap,
+                                      const OptTensor& alibi_slopes, const OptTensor& sinks) {
+  VarlenInputs in;
+  SdpaParams p = varlen_params(target, in, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, window_lo,
+                               window_hi, dropout_p, seed);
+  ModInputs mods;
+  p.mods = score_mods(target, mods, q, softcap, alibi_slopes, sinks, p.B, p.Hq);
+  const auto opts = q.options();
+  // The kernels write (Hq, total_q, Ev) rows; the op returns (total_q, Hq, Ev).
+  Tensor out = target.empty({p.Hq, p.total_q, p.Ev}, opts);
+  Tensor lse = target.empty({p.Hq, p.total_q}, opts.dtype(at::kFloat));
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  target.check(run_sdpa_fwd(p, target.stream()));
+  return {out.transpose(0, 1).contiguous(), lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_bwd(
+    const Target& target, const Tensor& grad_out, const Tensor& q, const Tensor& k,
+    const Tensor& v, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k, const Tensor& out,
+    const Tensor& lse, double scale, int64_t window_lo, int64_t window_hi, double dropout_p,
+    const OptTensor& seed, const OptTensor& grad_lse, double softcap,
+    const OptTensor& alibi_slopes, const OptTensor& sinks, bool sinks_grad) {
+  VarlenInputs in;
+  SdpaParams p = varlen_params(target, in, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, window_lo,
+                               window_hi, dropout_p, seed);
+  ModInputs mods;
+  p.mods = score_mods(target, mods, q, softcap, alibi_slopes, sinks, p.B, p.Hq);
+  TORCH_CHECK(!sinks_grad || sinks.has_value(), "sinks_grad: needs sinks");
+  const std::vector<int64_t> shape{p.total_q, p.Hq, p.Ev};
+  const at::IntArrayRef out_shape(shape);
+  TORCH_CHECK(grad_out.sizes() == out_shape && out.sizes() == out_shape &&
+                  grad_out.device() == q.device() && out.device() == q.device(),
+              "grad_out, out: expected shape ", out_shape, " on ", q.device(), ", got ",
+              grad_out.sizes(), " and ", out.sizes());
+  // grad_out and out as (Hq, total_q, Ev) rows in the input dtype, as the kernels read them
+  auto rows_of = [&](const Tensor& t) {
+    return t.to(q.scalar_type()).transpose(0, 1).contiguous();
+  };
+  Grads g = backward(target, p, q, rows_of(grad_out), rows_of(out), lse, grad_lse,
+                     {p.Hq, p.total_q}, {p.Hkv, p.total_k}, false,
+                     sinks_grad ? mods.sinks : Tensor(), 0);
+  auto packed = [](const Tensor& t, const Tensor& like) {
+    return t.transpose(0, 1).to(like.scalar_type()).contiguous();
+  };
+  const Tensor dsinks = sinks_grad ? g.dsinks.to(sinks->scalar_type()) : q.new_empty({0});
+  return {packed(g.dq_acc, q), packed(g.dk, k), packed(g.dv, v), dsinks};
 }
 
 }  // namespace cuda

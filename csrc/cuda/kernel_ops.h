@@ -81,5 +81,22 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(const Target& target, const at::T
                                                const OptTensor& alibi_slopes = std::nullopt,
                                                const OptTensor& sinks = std::nullopt);
 
+// varlen_fwd / varlen_mod_fwd (packed sequences, csrc/ops.cpp; softcap 0: none).
+std::tuple<at::Tensor, at::Tensor> varlen_fwd(
+    const Target& target, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, double scale,
+    int64_t window_lo, int64_t window_hi, double dropout_p, const OptTensor& seed,
+    double softcap = 0.0, const OptTensor& alibi_slopes = std::nullopt,
+    const OptTensor& sinks = std::nullopt);
+
+// varlen_mod_bwd: (dq, dk, dv, dsinks); varlen_bwd is the same without modifiers.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
+    const Target& target, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    const at::Tensor& out, const at::Tensor& lse, double scale, int64_t window_lo,
+    int64_t window_hi, double dropout_p, const OptTensor& seed, const OptTensor& grad_lse,
+    double softcap = 0.0, const OptTensor& alibi_slopes = std::nullopt,
+    const OptTensor& sinks = std::nullopt, bool sinks_grad = false);
+
 }  // namespace cuda
 }  // namespace attnx

@@ -73,6 +73,18 @@ struct SdpaParams {
   float* dq_acc;
   void *dk, *dv, *dmask;
   float* delta;
+  // Packed variable-length batches (varlen_attention), when cu_q is set: batch index b is
+  // sequence n = b of B, whose queries are rows cu_q[n]..cu_q[n+1] - 1 of q (a (1, Hq, total_q,
+  // E) view, sq.b = 0) and keys rows cu_k[n].. of k and v; Lq and Lk are the longest
+  // sequence's (they size the grid), the sequence's own come from cu_q and cu_k (SeqView,
+  // common.cuh). Its band and ALiBi distances are aligned bottom-right (window_lo, window_hi
+  // relative to the diagonal j = i + Lk_n - Lq_n), its dropout is a batch-1 call's with the
+  // sequence's seed (attnx/_rng.py sequence_seed), and the buffers indexed by query row (out,
+  // lse, row sums, grad_out, grad_lse, delta, dq_acc) are (Hq, total_q, .), those indexed by
+  // key row (dk, dv) (Hkv, total_k, .). No mask.
+  const int* cu_q = nullptr;
+  const int* cu_k = nullptr;
+  int64_t total_q = 0, total_k = 0;
 };
 
 struct AdditiveParams {

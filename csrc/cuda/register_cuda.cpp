@@ -112,6 +112,45 @@ std::tuple<Tensor, Tensor> gpu_kvcache_mod_fwd(const Tensor& q, const Tensor& k_
                      window_hi, softcap, alibi_slopes, sinks);
 }
 
+std::tuple<Tensor, Tensor> gpu_varlen_mod_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                              const Tensor& cu_q, const Tensor& cu_k,
+                                              double scale, int64_t window_lo, int64_t window_hi,
+                                              double dropout_p, const OptTensor& seed,
+                                              double softcap, const OptTensor& alibi_slopes,
+                                              const OptTensor& sinks) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  return varlen_fwd(kGpu, q, k, v, cu_q, cu_k, scale, window_lo, window_hi, dropout_p, seed,
+                    softcap, alibi_slopes, sinks);
+}
+
+std::tuple<Tensor, Tensor> gpu_varlen_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const Tensor& cu_q, const Tensor& cu_k, double scale,
+                                          int64_t window_lo, int64_t window_hi, double dropout_p,
+                                          const OptTensor& seed) {
+  return gpu_varlen_mod_fwd(q, k, v, cu_q, cu_k, scale, window_lo, window_hi, dropout_p, seed,
+                            0.0, std::nullopt, std::nullopt);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> gpu_varlen_mod_bwd(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
+    const Tensor& cu_k, const Tensor& out, const Tensor& lse, double scale, int64_t window_lo,
+    int64_t window_hi, double dropout_p, const OptTensor& seed, const OptTensor& grad_lse,
+    double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks, bool sinks_grad) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  return varlen_bwd(kGpu, grad_out, q, k, v, cu_q, cu_k, out, lse, scale, window_lo, window_hi,
+                    dropout_p, seed, grad_lse, softcap, alibi_slopes, sinks, sinks_grad);
+}
+
+std::tuple<Tensor, Tensor, Tensor> gpu_varlen_bwd(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
+    const Tensor& cu_k, const Tensor& out, const Tensor& lse, double scale, int64_t window_lo,
+    int64_t window_hi, double dropout_p, const OptTensor& seed, const OptTensor& grad_lse) {
+  auto [dq, dk, dv, dsinks] =
+      gpu_varlen_mod_bwd(grad_out, q, k, v, cu_q, cu_k, out, lse, scale, window_lo, window_hi,
+                         dropout_p, seed, grad_lse, 0.0, std::nullopt, std::nullopt, false);
+  return {dq, dk, dv};
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace attnx
@@ -125,4 +164,8 @@ TORCH_LIBRARY_IMPL(attnx, CUDA, m) {
   m.impl("additive_bwd", &attnx::cuda::gpu_additive_bwd);
   m.impl("kvcache_fwd", &attnx::cuda::gpu_kvcache_fwd);
   m.impl("kvcache_mod_fwd", &attnx::cuda::gpu_kvcache_mod_fwd);
+  m.impl("varlen_fwd", &attnx::cuda::gpu_varlen_fwd);
+  m.impl("varlen_bwd", &attnx::cuda::gpu_varlen_bwd);
+  m.impl("varlen_mod_fwd", &attnx::cuda::gpu_varlen_mod_fwd);
+  m.impl("varlen_mod_bwd", &attnx::cuda::gpu_varlen_mod_bwd);
 }

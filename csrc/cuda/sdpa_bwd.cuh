@@ -42,6 +42,9 @@
 // Layout: q, k, v with contiguous last dims and any other strides; grad_out, out, dq_acc, dk,
 // dv, dmask, lse, delta and row sums contiguous. Loads are bounds-checked and zero-filled past
 // Lq, Lk, E, Ev, so any sizes work; fully masked rows (lse = -inf) give zero gradients.
+//
+// Packed sequences (p.cu_q set, launch.h): blockIdx.z is a sequence (SeqView, common.cuh, as in
+// the forward); key blocks past a shorter sequence's end return at once.
 #pragma once
 
 #include "common.cuh"
@@ -202,6 +205,8 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
   float* row_vals = reinterpret_cast<float*>(dSs + C::kSplit * BM * LDS);  // [stage][lse, delta, 1/R][BM]
 
   const int j0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+  const SeqView seq = seq_view(p, b);
+  if (j0 >= seq.Lk) return;  // a packed sequence shorter than the longest (the whole CTA)
   const int group = p.Hq / p.Hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;      // the fragments' row group and column pair
@@ -212,8 +217,8 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
   const bool dout_vec16 = p.Ev % (16 / sizeof(T)) == 0;
 
   // Query rows that can see a key of [j0, j0 + BN): j - hi <= i <= j - lo.
-  const int64_t ilo = max(int64_t(0), int64_t(j0) - p.window_hi);
-  const int64_t ihi = min(int64_t(p.Lq) - 1, int64_t(min(j0 + BN, p.Lk) - 1) - p.window_lo);
+  const int64_t ilo = max(int64_t(0), int64_t(j0) - seq.hi);
+  const int64_t ihi = min(int64_t(seq.Lq) - 1, int64_t(min(j0 + BN, seq.Lk) - 1) - seq.lo);
   const int qt0 = int(ilo / BM), nqt = ihi < ilo ? 0 : int(ihi / BM) - qt0 + 1;
   const int steps = group * nqt;  // (head of the group, query block) pairs
 
@@ -222,17 +227,17 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
   // Step s: query head hk * group + s / nqt, query block qt0 + s % nqt.
   auto load_step = [&](int s, int stage) {
     const int h = hk * group + s / nqt, i0 = (qt0 + s % nqt) * BM;
-    const int64_t bh = int64_t(b) * p.Hq + h;
-    const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
-    const T* dout = static_cast<const T*>(p.dout) + bh * p.Lq * p.Ev;
-    load_tile_async<T, D, LDH, kThreads>(Qs + stage * BM * LDH, q, p.sq.l, i0, BM, p.Lq, p.E,
+    const int64_t rows = query_rows(p, seq, b, h);
+    const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h + seq.q0 * p.sq.l;
+    const T* dout = static_cast<const T*>(p.dout) + rows * p.Ev;
+    load_tile_async<T, D, LDH, kThreads>(Qs + stage * BM * LDH, q, p.sq.l, i0, BM, seq.Lq, p.E,
                                          p.sq.vec16);
-    load_tile_async<T, D, LDH, kThreads>(dOs + stage * BM * LDH, dout, p.Ev, i0, BM, p.Lq, p.Ev,
-                                         dout_vec16);
+    load_tile_async<T, D, LDH, kThreads>(dOs + stage * BM * LDH, dout, p.Ev, i0, BM, seq.Lq,
+                                         p.Ev, dout_vec16);
     float* vals = row_vals + stage * C::kRowValues * BM;
     for (int r = threadIdx.x; r < BM; r += kThreads) {
-      const bool in = i0 + r < p.Lq;
-      const int64_t at = bh * p.Lq + i0 + r;
+      const bool in = i0 + r < seq.Lq;
+      const int64_t at = rows + i0 + r;
       vals[r] = in ? p.lse[at] : -INFINITY;
       vals[BM + r] = in ? p.delta[at] : 0.f;
       vals[2 * BM + r] = in ? 1.f / p.row_sums[at] : 1.f;
@@ -240,10 +245,10 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
   };
 
   if (steps > 0) {
-    const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h;
-    const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h;
-    load_tile_async<T, D, LDH, kThreads>(Ks, k, p.sk.l, j0, BN, p.Lk, p.E, p.sk.vec16);
-    load_tile_async<T, D, LDH, kThreads>(Vs, v, p.sv.l, j0, BN, p.Lk, p.Ev, p.sv.vec16);
+    const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h + seq.k0 * p.sk.l;
+    const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h + seq.k0 * p.sv.l;
+    load_tile_async<T, D, LDH, kThreads>(Ks, k, p.sk.l, j0, BN, seq.Lk, p.E, p.sk.vec16);
+    load_tile_async<T, D, LDH, kThreads>(Vs, v, p.sv.l, j0, BN, seq.Lk, p.Ev, p.sv.vec16);
     load_step(0, 0);
     cp_async_commit();
   }
@@ -259,7 +264,7 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
 
     const int h = hk * group + s / nqt, i0 = (qt0 + s % nqt) * BM;
     const int64_t bh = int64_t(b) * p.Hq + h;
-    const uint32_t key_bh = dropout_key_bh(p.drop, uint32_t(bh));
+    const uint32_t key_bh = sdpa_dropout_key(p, b, h);
     const T* Q = Qs + stage * BM * LDH;
     const T* dO = dOs + stage * BM * LDH;
     const float* lse_s = row_vals + stage * C::kRowValues * BM;
@@ -271,9 +276,9 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
 
     // A block wholly inside the sizes and the band, without a mask, admits every pair: its
     // scores skip the per-element test (the bulk of a long sequence's blocks).
-    const bool interior = p.mask.kind == MaskKind::None && i0 + BM <= p.Lq && j0 + BN <= p.Lk &&
-                          int64_t(j0) - (i0 + BM - 1) >= p.window_lo &&
-                          int64_t(j0 + BN - 1) - i0 <= p.window_hi;
+    const bool interior = p.mask.kind == MaskKind::None && i0 + BM <= seq.Lq &&
+                          j0 + BN <= seq.Lk && int64_t(j0) - (i0 + BM - 1) >= seq.lo &&
+                          int64_t(j0 + BN - 1) - i0 <= seq.hi;
 
     // P^T, in the S^T fragments; with a softcap, tanh of the capped scores in tc.
     float pt[NQ][4] = {};
@@ -287,11 +292,11 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
         const int il = query_of(n, e);
         float x = pt[n][e] * p.scale;
         if constexpr (kMods)
-          x = modified_score(x, p.mods, slope, fabsf(float(i0 + il - j0 - key_of(e))),
-                             tc[n][e]);
+          x = modified_score(x, p.mods, slope,
+                             fabsf(float(i0 + il + seq.diag - j0 - key_of(e))), tc[n][e]);
         const float sc = interior ? x
-                                  : admit<T>(x, p.mask, p.window_lo, p.window_hi, b, h, i0 + il,
-                                             j0 + key_of(e), p.Lq, p.Lk);
+                                  : admit<T>(x, p.mask, seq.lo, seq.hi, b, h, i0 + il,
+                                             j0 + key_of(e), seq.Lq, seq.Lk);
         const float lse = lse_s[il];
         pt[n][e] = (sc == -INFINITY || lse == -INFINITY) ? 0.f : fast_exp(sc - lse) * inv_r_s[il];
       }
@@ -344,7 +349,7 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
     }
 
     // dQ (BM x D) += dS K, by tasks of 16 rows x kDqCols columns, added into dq_acc at once.
-    float* dq = p.dq_acc + bh * p.Lq * p.E;
+    float* dq = p.dq_acc + query_rows(p, seq, b, h) * p.E;
     constexpr int kChunks = D / kDqCols;
     for (int task = warp; task < (BM / 16) * kChunks; task += kWarps) {
       const int r0 = (task / kChunks) * 16, dc0 = (task % kChunks) * kDqCols;
@@ -360,21 +365,21 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int i = i0 + r0 + g + (e >= 2 ? 8 : 0), c = dc0 + n * 8 + 2 * t + (e & 1);
-          if (i < p.Lq && c < p.E) atomicAdd(dq + int64_t(i) * p.E + c, acc[n][e] * p.scale);
+          if (i < seq.Lq && c < p.E) atomicAdd(dq + int64_t(i) * p.E + c, acc[n][e] * p.scale);
         }
     }
   }
 
   // dK (times scale) and dV of this warp's keys and columns, straight from the fragments.
-  const int64_t bhk = int64_t(b) * p.Hkv + hk;
-  T* dk_out = static_cast<T*>(p.dk) + bhk * p.Lk * p.E;
-  T* dv_out = static_cast<T*>(p.dv) + bhk * p.Lk * p.Ev;
+  const int64_t krows = key_rows(p, seq, b, hk);
+  T* dk_out = static_cast<T*>(p.dk) + krows * p.E;
+  T* dv_out = static_cast<T*>(p.dv) + krows * p.Ev;
 #pragma unroll
   for (int n = 0; n < ND; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int j = j0 + kr0 + g + (e >= 2 ? 8 : 0), c = c0 + n * 8 + 2 * t + (e & 1);
-      if (j >= p.Lk) continue;
+      if (j >= seq.Lk) continue;
       if (c < p.E) dk_out[int64_t(j) * p.E + c] = from_float<T>(dk[n][e] * p.scale);
       if (c < p.Ev) dv_out[int64_t(j) * p.Ev + c] = from_float<T>(dv[n][e]);
     }

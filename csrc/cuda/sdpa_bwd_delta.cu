@@ -1,6 +1,7 @@
 // The SDPA backward's pre-pass: delta_i = rowsum(dO_i * O_i) - grad_lse_i, the row constant of
 // dS = P (dP - delta), read by every key block of sdpa_bwd.cuh. One warp per row reads dO and O
-// in their own dtype (no fp32 copies) and sums in fp32.
+// in their own dtype (no fp32 copies) and sums in fp32. Rows as the backward indexes them
+// (SeqView: a batch, or a packed sequence).
 #include "common.cuh"
 
 namespace attnx {
@@ -12,8 +13,10 @@ constexpr int kRowsPerBlock = 4;
 template <typename T>
 __global__ void __launch_bounds__(32 * kRowsPerBlock) sdpa_bwd_delta_kernel(const SdpaParams p) {
   const int i = blockIdx.x * kRowsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (i >= p.Lq) return;  // whole warps: no barrier below
-  const int64_t row = (int64_t(blockIdx.z) * p.Hq + blockIdx.y) * p.Lq + i;
+  const int b = blockIdx.z, h = blockIdx.y;
+  const SeqView seq = seq_view(p, b);
+  if (i >= seq.Lq) return;  // whole warps: no barrier below
+  const int64_t row = query_rows(p, seq, b, h) + i;
   const T* o = static_cast<const T*>(p.out) + row * p.Ev;
   const T* dout = static_cast<const T*>(p.dout) + row * p.Ev;
   float sum = 0.f;

@@ -41,6 +41,11 @@
 // path (natural units, as with a float mask). The sink joins at the end as one more score of no
 // value: m and l absorb exp(sink - m) after the key tiles, so lse, the output's 1 / l and the
 // row sums R include it, and a row without an admissible key gets zeros and lse = the sink.
+//
+// Packed sequences (p.cu_q set, launch.h; varlen_attention): blockIdx.z is a sequence, whose
+// lengths, bottom-right band, ALiBi offset and first rows come from SeqView (common.cuh); the
+// grid is sized by the longest sequence, and the CTAs of query tiles past a shorter one's end
+// return at once. The kernel is the same: sizes that were parameters are SeqView's registers.
 #pragma once
 
 #include "common.cuh"
@@ -89,44 +94,47 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
   T* const Vs = Ks + 2 * BN * LD;  // stages 0 and 1
 
   const int i0 = blockIdx.x * kBM, h = blockIdx.y, b = blockIdx.z;
+  const SeqView seq = seq_view(p, b);
+  if (i0 >= seq.Lq) return;  // a packed sequence shorter than the longest (the whole CTA)
   const int hk = h / (p.Hq / p.Hkv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int64_t bh = int64_t(b) * p.Hq + h;
+  const int64_t rows = query_rows(p, seq, b, h);  // of out, lse and the row sums
   const bool sums = p.row_sums != nullptr;
 
   if (sums) {  // every thread reads the tile's lse, so all take the same branch
     bool any_huge = false;
-    for (int r = i0; r < min(i0 + kBM, p.Lq); ++r)
-      any_huge = any_huge || huge_lse(p.lse[bh * p.Lq + r]);
+    for (int r = i0; r < min(i0 + kBM, seq.Lq); ++r)
+      any_huge = any_huge || huge_lse(p.lse[rows + r]);
     if (!any_huge) {
       for (int r = threadIdx.x; r < kBM; r += kThreads)
-        if (i0 + r < p.Lq) p.row_sums[bh * p.Lq + i0 + r] = 1.f;
+        if (i0 + r < seq.Lq) p.row_sums[rows + i0 + r] = 1.f;
       return;
     }
   }
 
-  const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
-  const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h;
-  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h;
-  const uint32_t key_bh = dropout_key_bh(p.drop, uint32_t(bh));
+  const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h + seq.q0 * p.sq.l;
+  const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h + seq.k0 * p.sk.l;
+  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h + seq.k0 * p.sv.l;
+  const uint32_t key_bh = sdpa_dropout_key(p, b, h);
   // The modifiers act on the scaled score (tanh, ALiBi's distances): no folding with them.
   const bool fold = !kMods && p.scale > 0.f && p.mask.kind != MaskKind::Additive && !sums;
   const float slope = kMods ? alibi_slope(p.mods, bh) : 0.f;
   const float c = p.scale * kLog2e;  // used when fold
-  const bool active = i0 + warp * 16 < p.Lq;  // warp-uniform
+  const bool active = i0 + warp * 16 < seq.Lq;  // warp-uniform
 
   int t0, t1;
-  key_tile_range(i0, min(i0 + kBM, p.Lq) - 1, p.Lk, p.window_lo, p.window_hi, BN, t0, t1);
+  key_tile_range(i0, min(i0 + kBM, seq.Lq) - 1, seq.Lk, seq.lo, seq.hi, BN, t0, t1);
   auto load_kv = [&](int tile, int stage) {
     const int j0 = tile * BN;
-    load_tile_async<T, D, LD, kThreads>(Ks + stage * BN * LD, k, p.sk.l, j0, BN, p.Lk, p.E,
+    load_tile_async<T, D, LD, kThreads>(Ks + stage * BN * LD, k, p.sk.l, j0, BN, seq.Lk, p.E,
                                         p.sk.vec16);
-    load_tile_async<T, D, LD, kThreads>(Vs + stage * BN * LD, v, p.sv.l, j0, BN, p.Lk, p.Ev,
+    load_tile_async<T, D, LD, kThreads>(Vs + stage * BN * LD, v, p.sv.l, j0, BN, seq.Lk, p.Ev,
                                         p.sv.vec16);
   };
   if (t0 <= t1) {
-    load_tile_async<T, D, LD, kThreads>(Qs, q, p.sq.l, i0, kBM, p.Lq, p.E, p.sq.vec16);
+    load_tile_async<T, D, LD, kThreads>(Qs, q, p.sq.l, i0, kBM, seq.Lq, p.E, p.sq.vec16);
     load_kv(t0, 0);
   }
   cp_async_commit();
@@ -176,9 +184,9 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
       }
 
       // v: the raw score (fold) or the scaled score plus the mask; -inf where not admissible.
-      const bool interior = p.mask.kind == MaskKind::None && j0 + BN <= p.Lk &&
-                            int64_t(j0) - (i0 + kBM - 1) >= p.window_lo &&
-                            int64_t(j0 + BN - 1) - i0 <= p.window_hi;
+      const bool interior = p.mask.kind == MaskKind::None && j0 + BN <= seq.Lk &&
+                            int64_t(j0) - (i0 + kBM - 1) >= seq.lo &&
+                            int64_t(j0 + BN - 1) - i0 <= seq.hi;
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb)
@@ -188,11 +196,11 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
           if constexpr (kMods) {
             const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
             float tc;
-            x = modified_score(x, p.mods, slope, fabsf(float(i - j)), tc);
+            x = modified_score(x, p.mods, slope, fabsf(float(i + seq.diag - j)), tc);
           }
           if (!interior) {
             const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
-            x = admit<T>(x, p.mask, p.window_lo, p.window_hi, b, h, i, j, p.Lq, p.Lk);
+            x = admit<T>(x, p.mask, seq.lo, seq.hi, b, h, i, j, seq.Lq, seq.Lk);
           }
           s[nb][e] = x;
           mx[e / 2] = fmaxf(mx[e / 2], x);
@@ -270,14 +278,14 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = i0 + warp * 16 + g + 8 * r;
-    if (i >= p.Lq) continue;
+    if (i >= seq.Lq) continue;
     if (sums) {  // m is the natural-log scaled score here (fold is off)
-      const float lse = p.lse[bh * p.Lq + i];
-      if (t == 0) p.row_sums[bh * p.Lq + i] = huge_lse(lse) ? l[r] * fast_exp(m[r] - lse) : 1.f;
+      const float lse = p.lse[rows + i];
+      if (t == 0) p.row_sums[rows + i] = huge_lse(lse) ? l[r] * fast_exp(m[r] - lse) : 1.f;
       continue;
     }
     const float inv_l = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    T* out = static_cast<T*>(p.out) + (bh * p.Lq + i) * p.Ev;
+    T* out = static_cast<T*>(p.out) + (rows + i) * p.Ev;
 #pragma unroll
     for (int db = 0; db < DB; ++db)
 #pragma unroll
@@ -286,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
         if (col < p.Ev) out[col] = from_float<T>(o[db][2 * r + e] * inv_l);
       }
     const float m_nat = fold ? m[r] * p.scale : m[r];  // the row max of the scaled scores
-    if (t == 0) p.lse[bh * p.Lq + i] = l[r] > 0.f ? m_nat + logf(l[r]) : -INFINITY;
+    if (t == 0) p.lse[rows + i] = l[r] > 0.f ? m_nat + logf(l[r]) : -INFINITY;
   }
 }
 

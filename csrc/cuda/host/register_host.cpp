@@ -139,6 +139,43 @@ std::tuple<Tensor, Tensor> host_kvcache_mod_fwd(const Tensor& q, const Tensor& k
                      window_hi, softcap, alibi_slopes, sinks);
 }
 
+std::tuple<Tensor, Tensor> host_varlen_mod_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                              const Tensor& cu_q, const Tensor& cu_k,
+                                              double scale, int64_t window_lo, int64_t window_hi,
+                                              double dropout_p, const OptTensor& seed,
+                                              double softcap, const OptTensor& alibi_slopes,
+                                              const OptTensor& sinks) {
+  return varlen_fwd(kHost, q, k, v, cu_q, cu_k, scale, window_lo, window_hi, dropout_p, seed,
+                    softcap, alibi_slopes, sinks);
+}
+
+std::tuple<Tensor, Tensor> host_varlen_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const Tensor& cu_q, const Tensor& cu_k, double scale,
+                                          int64_t window_lo, int64_t window_hi, double dropout_p,
+                                          const OptTensor& seed) {
+  return host_varlen_mod_fwd(q, k, v, cu_q, cu_k, scale, window_lo, window_hi, dropout_p, seed,
+                            0.0, std::nullopt, std::nullopt);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> host_varlen_mod_bwd(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
+    const Tensor& cu_k, const Tensor& out, const Tensor& lse, double scale, int64_t window_lo,
+    int64_t window_hi, double dropout_p, const OptTensor& seed, const OptTensor& grad_lse,
+    double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks, bool sinks_grad) {
+  return varlen_bwd(kHost, grad_out, q, k, v, cu_q, cu_k, out, lse, scale, window_lo, window_hi,
+                    dropout_p, seed, grad_lse, softcap, alibi_slopes, sinks, sinks_grad);
+}
+
+std::tuple<Tensor, Tensor, Tensor> host_varlen_bwd(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
+    const Tensor& cu_k, const Tensor& out, const Tensor& lse, double scale, int64_t window_lo,
+    int64_t window_hi, double dropout_p, const OptTensor& seed, const OptTensor& grad_lse) {
+  auto [dq, dk, dv, dsinks] =
+      host_varlen_mod_bwd(grad_out, q, k, v, cu_q, cu_k, out, lse, scale, window_lo, window_hi,
+                         dropout_p, seed, grad_lse, 0.0, std::nullopt, std::nullopt, false);
+  return {dq, dk, dv};
+}
+
 // The primitives' self-tests (mma_selftest.h) on contiguous CPU tensors, in guarded buffers.
 Tensor guarded_input(const Tensor& t, at::ScalarType dtype, at::IntArrayRef sizes) {
   TORCH_CHECK(t.scalar_type() == dtype && t.sizes() == sizes, "expected a ", dtype, " tensor of ",
@@ -192,6 +229,10 @@ TORCH_LIBRARY_IMPL(attnx_cuda_host, CPU, m) {
   m.impl("additive_bwd", &attnx::cuda::host_additive_bwd);
   m.impl("kvcache_fwd", &attnx::cuda::host_kvcache_fwd);
   m.impl("kvcache_mod_fwd", &attnx::cuda::host_kvcache_mod_fwd);
+  m.impl("varlen_fwd", &attnx::cuda::host_varlen_fwd);
+  m.impl("varlen_bwd", &attnx::cuda::host_varlen_bwd);
+  m.impl("varlen_mod_fwd", &attnx::cuda::host_varlen_mod_fwd);
+  m.impl("varlen_mod_bwd", &attnx::cuda::host_varlen_mod_bwd);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
