@@ -3,7 +3,8 @@
 #
 # Everything a session lent an NVIDIA GPU runs first, in one command of at most 10 minutes, on a
 # machine with no network: builds attnx (its CUDA half for this GPU's architecture only), runs
-# tests/test_cuda.py and tests/test_triton.py on CUDA tensors, `attnx check`, compute-sanitizer
+# tests/test_cuda.py (with the cuda cases of the modifier, varlen and KV-cache tests) and
+# tests/test_triton.py on CUDA tensors, `attnx check`, compute-sanitizer
 # (memcheck, racecheck) on small cases of both GPU backends (scripts/gpu_sanitize_cases.py) and
 # the GPU benchmarks (benchmarks/gpu_additive_targets.py, then benchmarks/gpu.py). Writes OUTDIR/gpu_check.json and OUTDIR/gpu_check.log.
 #
@@ -77,7 +78,7 @@ say() { echo "$*" | tee -a "$log"; }
 command_of() {
   case "$1" in
     build) echo "env ATTNX_CUDA=1 ATTNX_CUDA_ARCHS='$arch' MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace && $PY -c 'import attnx, sys; i = attnx._ops.build_info(); print(i); sys.exit(0 if i and i[\"cuda\"] else \"attnx._C was built without CUDA\")'" ;;
-    test_cuda) echo "$PY -m pytest tests/test_cuda.py -v -rs -p no:cacheprovider" ;;
+    test_cuda) echo "$PY -m pytest tests/test_cuda.py tests/test_modifiers.py tests/test_varlen.py tests/test_kvcache.py -k cuda -v -rs -p no:cacheprovider" ;;
     test_triton) echo "$PY -m pytest tests/test_triton.py -v -rs -p no:cacheprovider$xdist" ;;
     check) echo "$PY -m attnx check --jobs $jobs --json $scratch/check.json" ;;
     memcheck) echo "$PY scripts/gpu_sanitize_cases.py cuda triton; PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 $PY scripts/gpu_sanitize_cases.py cuda triton" ;;

@@ -5,7 +5,7 @@
 
 SDPA with a float mask (its gradient too), dropout, GQA and a window; with a bool mask; causal;
 head dims off the kernels' tile sizes (59) and at them (128); additive attention with a mask,
-dropout, a window and its weights' gradient. Sizes are small so that a sanitizer run takes
+dropout, a window and its weights' gradient; packed sequences (varlen). Sizes are small so that a sanitizer run takes
 seconds. Run it once without the sanitizer first with TRITON_CACHE_AUTOTUNING=1 (as
 scripts/gpu_check.sh does): the Triton autotuner then reads its choice from the disk cache
 instead of timing every config under the sanitizer (so the sanitizer sees the configs the
@@ -17,6 +17,7 @@ interpreter: a check of this script itself (tests/test_gpu_check.py), not of mem
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -63,6 +64,26 @@ def additive_cases(backend: str) -> None:
     torch.autograd.grad(out.sum() + (weights * weights).sum(), (q, k, value, w, mask))
 
 
+def varlen_cases(backend: str) -> None:
+    """Packed sequences of odd lengths (an empty one, one without keys, Lq != Lk), causal GQA
+    with dropout, then sinks and ALiBi (the cuda kernels' modifier instantiation)."""
+    t, _ = _tensors(2)
+    torch.manual_seed(2)
+    lens = [(17, 40), (0, 3), (97, 97), (5, 0), (1, 64)]
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n[side] for n in lens)],
+                               dtype=torch.int32, device=DEVICE) for side in (0, 1))
+    q, k, v = t(int(cu_q[-1]), 4, 59), t(int(cu_k[-1]), 2, 59), t(int(cu_k[-1]), 2, 59)
+    out = attnx.varlen_attention(q, k, v, cu_q, cu_k, dropout_p=0.2, is_causal=True,
+                                 backend=backend)
+    torch.autograd.grad(out.sum(), (q, k, v))
+    if backend == "cuda":  # triton's varlen kernels take no modifiers yet
+        sinks = torch.zeros(4, device=DEVICE, requires_grad=True)
+        slopes = torch.full((4,), 0.25, device=DEVICE)
+        out = attnx.varlen_attention(q, k, v, cu_q, cu_k, window=(20, 0), softcap=5.0,
+                                     alibi_slopes=slopes, sinks=sinks, backend=backend)
+        torch.autograd.grad(out.sum(), (q, k, v, sinks))
+
+
 def main(argv=None) -> int:
     """Runs every group of cases of each backend named; one that raises is reported and the
     others still run (so that a compile error in one kernel leaves the rest sanitized)."""
@@ -78,7 +99,7 @@ def main(argv=None) -> int:
         if not status[name].usable:
             print(f"{name}: not run: {status[name].reason}")
             continue
-        for group in (sdpa_cases, additive_cases):
+        for group in (sdpa_cases, additive_cases, varlen_cases):
             try:
                 group(name)
                 if DEVICE == "cuda":

@@ -193,21 +193,59 @@ def test_continuing_from_a_cache_matches_one_forward(name):
     torch.testing.assert_close(rest, whole, atol=2e-5, rtol=1e-4)
 
 
-def test_packed_sequences_get_a_materialised_mask(sdpa_calls):
-    """A pattern attnx_mask does not compact (packed sequences, found from position_ids) is
-    materialised as for "sdpa", and still right."""
-    ids = _inputs(length=12)[0][:1]
-    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
-    model = _model("llama")
-    out = {}
-    with torch.no_grad():
-        for impl in ("eager", "attnx"):
-            model.set_attn_implementation(impl)
-            out[impl] = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
-        unpacked = model(input_ids=ids, use_cache=False).logits
-    torch.testing.assert_close(out["attnx"], out["eager"], atol=2e-5, rtol=1e-4)
-    assert not torch.allclose(out["attnx"], unpacked)  # the packing mattered
-    assert [c[2] for c in sdpa_calls[:2]] == [(1, 1, 12, 12)] * 2
+@pytest.fixture
+def varlen_calls(monkeypatch):
+    """What reaches attnx's varlen op from the attention function: (cu_seqlens, window,
+    is_causal, dropout_p) per call."""
+    calls = []
+    real = hf_attention._dispatch.varlen_attention
+
+    def spy(q, k, v, cu_q, cu_k, *args, **kw):
+        calls.append((cu_q.tolist(), kw.get("window"), kw.get("is_causal"), kw.get("dropout_p")))
+        return real(q, k, v, cu_q, cu_k, *args, **kw)
+
+    monkeypatch.setattr(hf_attention._dispatch, "varlen_attention", spy)
+    return calls
+
+
+PACKED_POSITIONS = [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [5, 6, 7, 8, 9, 10, 0, 1, 2, 3, 4, 5]]
+
+
+# (gpt_oss's masks take no position_ids in this transformers: its packed batches are not packed)
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
+def test_packed_sequences_run_on_varlen(name, sdpa_calls, varlen_calls):
+    """Packed sequences (position_ids that restart, no padding mask: transformers' padding-free
+    path) run as one varlen_attention call per layer, over both rows' sequences: logits and
+    gradients as the float64 eager model's (which materialises the block-diagonal mask),
+    sliding windows and soft caps included."""
+    ids = _inputs(batch=2, length=12)[0]
+    position_ids = torch.tensor(PACKED_POSITIONS)
+    mask = torch.ones_like(ids)
+
+    def run(impl, dtype):
+        model = _model(name, dtype)
+        model.set_attn_implementation(impl)
+        logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2),
+                              dtype=torch.float64).to(dtype)
+        (logits * weights).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return logits.detach(), grads
+
+    got = run("attnx", torch.float32)
+    want = run("eager", torch.float64)
+    base = run("eager", torch.float32)
+    for what, a, w, b in zip(("logits", "grads"), got, want, base):
+        assert_within(a, w, b, factor=3.0, floor=1e-5, what=what)
+    layers = _config(name).num_hidden_layers
+    assert not sdpa_calls and len(varlen_calls) == layers
+    assert varlen_calls[0][0] == [0, 5, 8, 12, 18, 24]  # row 0: 5, 3, 4 tokens; row 1: 6, 6
+    assert [c[1] for c in varlen_calls] == [(w[0], None) if w[0] is not None else None
+                                           for w in _WINDOWS[name]]
+    unpacked = _model(name)
+    unpacked.set_attn_implementation("attnx")
+    plain = unpacked(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert not torch.allclose(got[0], plain.detach())  # the packing mattered
 
 
 def test_static_cache_generation_matches_sdpa():

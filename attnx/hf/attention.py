@@ -35,6 +35,9 @@ class CompactMask:
     batch_size: int
     q_length: int
     kv_length: int
+    # packed sequences (q_length == kv_length, no padding): (B, L) integers, equal within a
+    # sequence (consecutive tokens), which attends only to itself; run as varlen_attention
+    sequence_ids: Optional[torch.Tensor] = None
 
     # generate() builds a step's masks ahead for compileable caches and passes them back in as
     # the model's attention_mask; transformers tells such a finished mask from a 2-D padding
@@ -84,6 +87,8 @@ def _with_compact_mask(mask: CompactMask, q, k, v, dropout, scale, gqa, modifier
     if (lq, lk) != (mask.q_length, mask.kv_length):
         raise ValueError(f"attention_mask: a CompactMask for (Lq, Lk) = ({mask.q_length}, "
                          f"{mask.kv_length}), got query and key lengths ({lq}, {lk})")
+    if mask.sequence_ids is not None:
+        return _packed(mask, q, k, v, dropout, scale, modifiers)
     padding, window = mask.padding, None
     if mask.causal:
         offset, w = lk - lq, mask.sliding_window  # query i sits at key position i + offset
@@ -102,6 +107,23 @@ def _with_compact_mask(mask: CompactMask, q, k, v, dropout, scale, gqa, modifier
     return _dispatch.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout, scale=scale, enable_gqa=gqa,
         window=window, **modifiers)
+
+
+def _packed(mask: CompactMask, q, k, v, dropout, scale, modifiers):
+    """A packed batch as one varlen_attention call: the B rows' tokens in a row, each run of
+    equal sequence ids one sequence (no padding anywhere); (B, H, L, .) in and out."""
+    b, lq = q.shape[0], q.shape[2]
+    ids = mask.sequence_ids.to(q.device).expand(b, lq)
+    starts = torch.ones_like(ids, dtype=torch.bool)  # a sequence starts each row, and where
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]         # the id changes
+    bounds = torch.cat([starts.flatten().nonzero().flatten(),
+                        torch.tensor([b * lq], device=q.device)])
+    cu = bounds.to(torch.int32)
+    packed = [t.transpose(1, 2).reshape(b * lq, t.shape[1], t.shape[3]) for t in (q, k, v)]
+    window = None if mask.sliding_window is None else (mask.sliding_window - 1, None)
+    out = _dispatch.varlen_attention(*packed, cu, cu, dropout_p=dropout, is_causal=mask.causal,
+                                     scale=scale, window=window, **modifiers)
+    return out.view(b, lq, q.shape[1], v.shape[3]).transpose(1, 2)
 
 
 def _decode_kernel_serves(q, k, v, dropout, modifiers) -> bool:
