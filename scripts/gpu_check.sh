@@ -31,6 +31,9 @@
 # The decoding benchmark (attention_with_kvcache, triton, against torch's SDPA and the copy
 # bandwidth) is its own call on the warm machine:
 #   run(command="python3 benchmarks/gpu_decode.py --out $OUT/decode.jsonl --deadline-s 400", timeout_s=600)
+# and so is the packed-batch one (varlen_attention, cuda and triton, against torch's varlen
+# flash kernel and its SDPA on the padded batch):
+#   run(command="python3 benchmarks/gpu_varlen.py --out $OUT/varlen.jsonl --deadline-s 300", timeout_s=600)
 # Python packages missing there travel as wheels (/work/.library/device/README.md): put them in
 # .whl/ at the repository root (ignored through .git/info/exclude), name .whl in the call's
 # carry, and this script installs them into a scratch folder on PYTHONPATH before the steps.

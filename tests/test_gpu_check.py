@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+import attnx
 from attnx.bench.shapes import Case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -299,3 +300,37 @@ def test_decode_bad_dtypes_and_no_gpu(capsys):
     if not HAS_GPU:
         assert decode.main(["--out", "unused.jsonl"]) == 2
         assert "no CUDA device" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- benchmarks/gpu_varlen.py
+
+varlen_bench = _load("gpu_varlen", "benchmarks/gpu_varlen.py")
+
+
+def test_varlen_plan_lengths_and_flops(capsys):
+    lens = varlen_bench.lengths(16384)
+    assert sum(lens) == 16384 and lens == varlen_bench.lengths(16384)  # fixed by its seed
+    assert all(varlen_bench.SHORTEST <= n <= varlen_bench.LONGEST for n in lens[:-1])
+    assert varlen_bench.lengths(10) == [10]
+    # causal forward 4 Hq D sum L^2 / 2, the step 3.5x that
+    assert varlen_bench.flops([2, 3], 64, "forward") == 4 * 16 * 64 * 13 / 2
+    assert varlen_bench.flops([2, 3], 64, "step") == 3.5 * 4 * 16 * 64 * 13 / 2
+    assert varlen_bench.main(["--plan", "--dtypes", "bf16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("bf16 D=128 step") and out[-1] == "4 cases x 4 providers"
+    with pytest.raises(SystemExit):
+        varlen_bench.main(["--plan", "--providers", "flash"])
+
+
+def test_varlen_providers_agree_on_the_cpu():
+    """The padded peer's packing and unpacking, against attnx's varlen reference on the CPU
+    (the GPU run checks every provider against it before timing)."""
+    lens = [5, 1, 9]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(15, 16, 8, generator=g)
+    k, v = (torch.randn(15, 4, 8, generator=g) for _ in range(2))
+    fns = varlen_bench._providers(lens, q, k, v)
+    want = fns["torch-sdpa-padded"](q, k, v)
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    got = attnx.varlen_attention(q, k, v, cu, cu, is_causal=True, backend="reference")
+    torch.testing.assert_close(want, got, atol=1e-5, rtol=1e-5)
