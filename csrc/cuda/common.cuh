@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../cpu/huge_lse.h"
 #include "../dropout_hash.h"
@@ -80,6 +81,14 @@ __device__ __forceinline__ bool huge_lse(float lse) {
 }
 
 __host__ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// launch(std::true_type{}) when `flag`, else launch(std::false_type{}): picks one of a kernel's
+// two instantiations on a bool template flag (the score modifiers' kMods, the merge's kSinks)
+// with one launch expression, `decltype(flag)::value` in it.
+template <typename Launch>
+cudaError_t launch_on_flag(bool flag, Launch&& launch) {
+  return flag ? launch(std::true_type{}) : launch(std::false_type{});
+}
 
 // What an SDPA kernel needs of its batch index b: SDPA's batch b (the params' sizes and band),
 // or packed sequence b (SdpaParams::cu_q): its lengths, its band shifted to its bottom-right

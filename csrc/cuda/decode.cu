@@ -304,19 +304,17 @@ cudaError_t launch_typed(const KvcacheParams& p, cudaStream_t stream) {
   const int row_tiles = ceil_div(p.Hq / p.Hkv * p.Lq, kRows);
   const dim3 grid(unsigned(p.splits * row_tiles), unsigned(p.Hkv), unsigned(p.B));
   const size_t smem = kvcache_smem_bytes(p.E, p.Ev);
-  cudaError_t err =
-      p.mods.any()
-          ? launch_kernel(kvcache_split_kernel<T, NC, true>, grid, dim3(kThreads), smem, stream, p)
-          : launch_kernel(kvcache_split_kernel<T, NC, false>, grid, dim3(kThreads), smem, stream,
-                          p);
+  cudaError_t err = launch_on_flag(p.mods.any(), [&](auto mods) {
+    return launch_kernel(kvcache_split_kernel<T, NC, decltype(mods)::value>, grid,
+                         dim3(kThreads), smem, stream, p);
+  });
   if (err != cudaSuccess || p.splits == 1) return err;
   const int64_t rows = int64_t(p.B) * p.Hq * p.Lq;
   const unsigned blocks = unsigned(min(rows, int64_t(1) << 20));  // more rows: a stride loop
-  return p.mods.sinks != nullptr
-             ? launch_kernel(kvcache_merge_kernel<T, true>, dim3(blocks), dim3(kThreads), 0,
-                             stream, p)
-             : launch_kernel(kvcache_merge_kernel<T, false>, dim3(blocks), dim3(kThreads), 0,
-                             stream, p);
+  return launch_on_flag(p.mods.sinks != nullptr, [&](auto sinks) {
+    return launch_kernel(kvcache_merge_kernel<T, decltype(sinks)::value>, dim3(blocks),
+                         dim3(kThreads), 0, stream, p);
+  });
 }
 
 template <typename T>

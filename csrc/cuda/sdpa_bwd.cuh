@@ -388,10 +388,10 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
 template <typename T, int D>
 cudaError_t launch(const SdpaParams& p, cudaStream_t stream) {
   const dim3 grid(ceil_div(p.Lk, kBN), p.Hkv, p.B);
-  return p.mods.any() ? launch_kernel(sdpa_bwd_kernel<T, D, true>, grid,
-                                      dim3(Config<D>::kThreads), Config<D>::smem_bytes, stream, p)
-                      : launch_kernel(sdpa_bwd_kernel<T, D, false>, grid,
-                                      dim3(Config<D>::kThreads), Config<D>::smem_bytes, stream, p);
+  return launch_on_flag(p.mods.any(), [&](auto mods) {
+    return launch_kernel(sdpa_bwd_kernel<T, D, decltype(mods)::value>, grid,
+                         dim3(Config<D>::kThreads), Config<D>::smem_bytes, stream, p);
+  });
 }
 
 }  // namespace sdpa_bwd_impl

@@ -301,10 +301,10 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
 template <typename T, int D>
 cudaError_t launch(const SdpaParams& p, cudaStream_t stream) {
   const dim3 grid(ceil_div(p.Lq, kBM), p.Hq, p.B);
-  return p.mods.any() ? launch_kernel(sdpa_fwd_kernel<T, D, true>, grid, dim3(kThreads),
-                                      Config<D>::smem_bytes, stream, p)
-                      : launch_kernel(sdpa_fwd_kernel<T, D, false>, grid, dim3(kThreads),
-                                      Config<D>::smem_bytes, stream, p);
+  return launch_on_flag(p.mods.any(), [&](auto mods) {
+    return launch_kernel(sdpa_fwd_kernel<T, D, decltype(mods)::value>, grid, dim3(kThreads),
+                         Config<D>::smem_bytes, stream, p);
+  });
 }
 
 }  // namespace sdpa_fwd_impl
