@@ -49,7 +49,7 @@ _SERVED = {"kvcache": ("cuda", "cpu", "triton", "reference"),
 # cuda lacks them).
 _SERVED_MODIFIERS = {"sdpa": ("cuda", "cpu", "triton", "reference"),
                      "kvcache": ("cuda", "cpu", "triton", "reference"),
-                     "varlen": ("cuda", "cpu", "reference")}
+                     "varlen": ("cuda", "cpu", "triton", "reference")}
 
 
 def _is_empty(op: str, call) -> bool:

@@ -1,6 +1,6 @@
 """attnx.varlen_attention (API.md): packed variable-length batches on the reference, cpu,
-triton and cuda backends (triton without the score modifiers; in Triton's interpreter on CPU
-tensors without a GPU, tests/conftest.py, on few and small cases: it runs each program in
+triton and cuda backends (triton's ALiBi only on sequences with Lq == Lk; in Triton's
+interpreter on CPU tensors without a GPU, tests/conftest.py, on few and small cases: it runs each program in
 Python; cuda in float16 and bfloat16, without a GPU through the host harness,
 ATTNX_CUDA_ON_CPU=1, csrc/cuda/host/).
 
@@ -319,6 +319,10 @@ def test_triton_auto_and_opcheck():
     torch.library.opcheck(torch.ops.attnx.triton_varlen_fwd.default, fwd,
                           test_utils=("test_schema", "test_faketensor",
                                       "test_autograd_registration"))
+    mods = (2.0, torch.tensor([[0.5, 0.25], [1.0, 0.1]], device=dev),
+            torch.tensor([0.5, -1.0], device=dev))
+    torch.library.opcheck(torch.ops.attnx.triton_varlen_fwd.default, fwd + mods,
+                          test_utils=("test_schema", "test_faketensor"))
     out, lse = torch.ops.attnx.triton_varlen_fwd(*fwd)
     torch.library.opcheck(torch.ops.attnx.triton_varlen_bwd.default,
                           (torch.randn_like(out), q.detach(), k, v, cu_q, cu_k, 4, 5,
@@ -356,8 +360,9 @@ BAD = [
     (dict(k=torch.randn(5, 3, 8), v=torch.randn(5, 3, 4)), ValueError,
      "k: expected a head count dividing 2"),
     (dict(v=torch.randn(5, 2, 4, dtype=torch.float64)), TypeError, "v: expected dtype torch.float32"),
-    (dict(backend="triton", softcap=1.0), ValueError,
-     "backend: 'triton' cannot run this call: it does not compute softcap in varlen"),
+    (dict(backend="triton", alibi_slopes=torch.ones(2)), ValueError,
+     "backend: 'triton' cannot run this call: .*(TRITON_INTERPRET|alibi_slopes only where every "
+     "sequence has Lq == Lk, got sequence 0 with \\(Lq, Lk\\) = \\(3, 2\\))"),
     (dict(backend="cuda"), ValueError,
      "backend: 'cuda' cannot run this call: the cuda backend takes CUDA tensors, got device cpu"),
     (dict(is_causal=1), TypeError, "is_causal: expected a bool"),
@@ -443,6 +448,58 @@ def test_modifiers_match_golden(backend, dtype, mod, is_causal):
     assert_within(out, want, base, floor=TOL[dtype])
     assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
     fin = torch.isfinite(want_lse)
+    assert_within(lse[fin], want_lse[fin].float(), want_lse[fin].float(), floor=1e-5, what="lse")
+    for name, a, w, b in zip(("dq", "dk", "dv", "dsinks"), got, want_g, base_g):
+        assert_within(a, w, b, factor=3.0, floor=TOL[dtype], what=name)
+
+
+# Lq == Lk in every sequence (ALiBi's distance is the same both ways): what triton takes ALiBi on
+SQUARE_LENS = [(17, 17), (1, 1), (0, 0), (40, 40), (9, 9)]
+
+
+@pytest.mark.parametrize("backend,dtype,mod,is_causal",
+                         # the interpreter runs each program in Python: few cases
+                         cases(["triton"], [(torch.float32, "all", True), (torch.bfloat16, "sinks", False),
+                                            (torch.float32, "softcap", False)]))
+def test_triton_modifiers_match_golden(backend, dtype, mod, is_causal):
+    """Output, lse and gradients (q, k, v, sinks) of triton's varlen with the modifiers, GQA,
+    against the float64 formula, on sequences with Lq == Lk (ALiBi's restriction there)."""
+    kw = dict(MODS[mod])
+    if isinstance(kw.get("alibi_slopes"), torch.Tensor) and kw["alibi_slopes"].dim() == 2:
+        kw["alibi_slopes"] = kw["alibi_slopes"][:len(SQUARE_LENS)]
+    q, k, v, cu_q, cu_k = pack(SQUARE_LENS, 4, 2, 16, 8, dtype, seed=7)
+    g = torch.randn(q.shape[0], 4, 8, generator=torch.Generator().manual_seed(5))
+    gl = torch.randn(4, q.shape[0], generator=torch.Generator().manual_seed(6))
+    sdtype = torch.float32 if dtype == torch.bfloat16 else dtype
+
+    def run(fn, sinks_dtype):
+        x, y, z = (t.detach().requires_grad_() for t in (q, k, v))
+        sinks = kw.get("sinks")
+        sinks = None if sinks is None else sinks.detach().to(sinks_dtype).clone().requires_grad_()
+        out, lse = fn(x, y, z, sinks)
+        ok = torch.isfinite(lse)
+        (out * g.to(out.dtype)).sum().add((lse.where(ok, 0) * gl.to(lse.dtype)).sum()).backward()
+        return (out.detach(), lse.detach()), (x.grad, y.grad, z.grad) + (
+            (sinks.grad,) if sinks is not None else ())
+
+    def call(x, y, z, s):
+        mods = {n: t.to(device(backend)) if isinstance(t, torch.Tensor) else t
+                for n, t in dict(kw, sinks=s).items()}
+        out, lse = attnx.varlen_attention(*on(backend, x, y, z, cu_q, cu_k), is_causal=is_causal,
+                                          backend=backend, return_lse=True, **mods)
+        return out.cpu(), lse.cpu()
+
+    alibi = kw.get("alibi_slopes")
+    gm = dict(softcap=kw.get("softcap"), sinks=None,
+              alibi=None if alibi is None else alibi.expand(len(SQUARE_LENS), -1))
+    (out, lse), got = run(call, sdtype)
+    (want, want_lse), want_g = run(lambda x, y, z, s: golden(
+        x, y, z, SQUARE_LENS, is_causal, **dict(gm, sinks=s)), torch.float64)
+    (base, _), base_g = run(lambda x, y, z, s: golden(
+        x, y, z, SQUARE_LENS, is_causal, dtype=dtype, **dict(gm, sinks=s)), sdtype)
+    assert_within(out, want, base, floor=TOL[dtype])
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
     assert_within(lse[fin], want_lse[fin].float(), want_lse[fin].float(), floor=1e-5, what="lse")
     for name, a, w, b in zip(("dq", "dk", "dv", "dsinks"), got, want_g, base_g):
         assert_within(a, w, b, factor=3.0, floor=TOL[dtype], what=name)

@@ -51,6 +51,11 @@ def unsupported(op: str, call) -> Optional[str]:
             "additive": lambda: (call.value.shape[-1],)}[op]()
     if max(dims) > MAX_HEAD_DIM:
         return f"the triton backend takes head dims up to {MAX_HEAD_DIM}, got {dims}"
+    if op == "varlen" and call.mods.alibi is not None:
+        uneven = next(((n, lq, lk) for n, (lq, lk) in enumerate(call.lens) if lq != lk), None)
+        if uneven is not None:  # attnx/triton/varlen.py: ALiBi's distance taken top-left
+            return ("its varlen kernels take alibi_slopes only where every sequence has "
+                    f"Lq == Lk, got sequence {uneven[0]} with (Lq, Lk) = {uneven[1:]}")
     return None
 
 
@@ -79,8 +84,9 @@ def kvcache(call: KvcacheCall):
 
 
 def varlen(call: VarlenCall):
-    from ..triton import varlen as kernels  # no modifiers (_dispatch._SERVED_MODIFIERS)
+    from ..triton import varlen as kernels
+    mods = call.mods
     return kernels.varlen_fwd(call.q, call.k, call.v, call.cu_q, call.cu_k,
                               max(lq for lq, _ in call.lens), max(lk for _, lk in call.lens),
                               call.scale, call.window_lo, call.window_hi, call.dropout_p,
-                              call.seed)
+                              call.seed, mods.softcap, mods.alibi, mods.sinks)

@@ -1,5 +1,8 @@
 """Packed variable-length attention (attnx.varlen_attention) in Triton: the kernels of sdpa.py in
-their VARLEN mode, without the score modifiers.
+their VARLEN mode, with the score modifiers (softcap, sinks, and ALiBi slopes (N, Hq), one row
+per sequence: the kernels measure ALiBi's distance |i - j| top-left, which is the bottom-right
+distance the API asks for only where Lq_n == Lk_n, so the backend takes ALiBi for such batches
+only, attnx/_backends/triton_backend.py).
 
 A program's batch index is the sequence n: the kernels load its row ranges from cu_seqlens, so
 the tensors' batch strides are 0 and their row strides those of the packed (total, H, D) layout.
@@ -23,8 +26,9 @@ def _strides(t: torch.Tensor) -> tuple:
     return (0, t.stride(1), t.stride(0), t.stride(2))
 
 
-def _args(q, k, v, max_q, max_k, window_lo, window_hi, dropout_p, seed):
-    """(rng words, strides of q, k, v and the absent mask, the clamped band, constexprs)."""
+def _args(q, k, v, max_q, max_k, window_lo, window_hi, dropout_p, seed, softcap, alibi, sinks):
+    """(rng words, strides of q, k, v and the absent mask, the clamped band, constexprs, the
+    modifiers' arguments (sdpa._modifier_args))."""
     # Shifted by Lk_n - Lq_n in the kernels: the clamp keeps every admissible pair of any
     # sequence and the shifted band within int32.
     lo, hi = common.clamped_band(window_lo, window_hi, max_q + max_k, max_q + max_k)
@@ -32,31 +36,34 @@ def _args(q, k, v, max_q, max_k, window_lo, window_hi, dropout_p, seed):
     strides = (*_strides(q), *_strides(k), *_strides(v), 0, 0, 0, 0)
     e, ev = q.shape[-1], v.shape[-1]
     (d1, d2), (dv1, dv2) = sdpa._head_blocks(e), sdpa._head_blocks(ev)
-    consts = dict(MASK_KIND=common.MASK_NONE, DROPOUT=dropout_p > 0, SOFTCAP=False, ALIBI=False,
-                  VARLEN=True, DOT_PREC=common.dot_precision(q.dtype),
+    mods = sdpa._modifier_args(q, softcap, alibi, sinks)
+    consts = dict(MASK_KIND=common.MASK_NONE, DROPOUT=dropout_p > 0, **mods[4], VARLEN=True, DOT_PREC=common.dot_precision(q.dtype),
                   LQ_BUCKET=common.length_bucket(max_q), LK_BUCKET=common.length_bucket(max_k),
                   BLOCK_D=d1, BLOCK_D2=d2, BLOCK_DV=dv1, BLOCK_DV2=dv2,
                   PAD_D=d1 + d2 != e or dv1 + dv2 != ev)
-    return rng, strides, lo, hi, consts
+    return rng, strides, lo, hi, consts, mods[:4]
 
 
 @common.register_op("triton_varlen_fwd")
 def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
-               window_lo: int, window_hi: int, dropout_p: float, seed: Optional[torch.Tensor]
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (total_q, Hq, Ev), lse (Hq, total_q) float32); max_seqlen_*: the longest lengths."""
-    rng, strides, lo, hi, consts = _args(q, k, v, max_seqlen_q, max_seqlen_k, window_lo,
-                                         window_hi, dropout_p, seed)
+               window_lo: int, window_hi: int, dropout_p: float, seed: Optional[torch.Tensor],
+               softcap: Optional[float] = None, alibi: Optional[torch.Tensor] = None,
+               sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (total_q, Hq, Ev), lse (Hq, total_q) float32, the sink included); max_seqlen_*: the
+    longest lengths; alibi float32 (N, Hq), sinks (Hq,)."""
+    rng, strides, lo, hi, consts, (slopes, sink, a_strides, cap) = _args(
+        q, k, v, max_seqlen_q, max_seqlen_k, window_lo, window_hi, dropout_p, seed, softcap,
+        alibi, sinks)
     tq, h, e = q.shape
     hkv, ev, n = k.shape[1], v.shape[-1], cu_seqlens_q.shape[0] - 1
     out = q.new_empty((tq, h, ev))
     lse = q.new_empty((h, tq), dtype=torch.float32)
     grid = lambda meta: common.tiles_grid(max_seqlen_q, meta["BLOCK_M"], n * h)  # noqa: E731
     common.launcher(sdpa._fwd_kernel)[grid](
-        q, k, v, q, out, lse, rng, q, q, *strides, *_strides(out), 0, 0,
+        q, k, v, q, out, lse, rng, slopes, sink, *strides, *_strides(out), *a_strides,
         h, max_seqlen_q, max_seqlen_k, e, ev, h // hkv, scale, lo, hi, 1.0 / (1.0 - dropout_p),
-        1.0, cu_seqlens_q, cu_seqlens_k, tq, HAS_SINKS=False, **consts)
+        cap, cu_seqlens_q, cu_seqlens_k, tq, HAS_SINKS=sinks is not None, **consts)
     return out, lse
 
 
@@ -65,11 +72,13 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                max_seqlen_k: int, out: torch.Tensor, lse: torch.Tensor, scale: float,
                window_lo: int, window_hi: int, dropout_p: float, seed: Optional[torch.Tensor],
-               grad_lse: Optional[torch.Tensor] = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv), contiguous; the three passes of sdpa_bwd."""
-    rng, strides, lo, hi, consts = _args(q, k, v, max_seqlen_q, max_seqlen_k, window_lo,
-                                         window_hi, dropout_p, seed)
+               grad_lse: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+               alibi: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks (empty without sinks)), contiguous; the three passes of sdpa_bwd."""
+    rng, strides, lo, hi, consts, (slopes, sink, a_strides, cap) = _args(
+        q, k, v, max_seqlen_q, max_seqlen_k, window_lo, window_hi, dropout_p, seed, softcap,
+        alibi, sinks)
     tq, h, e = q.shape
     tk, hkv, ev, n = k.shape[0], k.shape[1], v.shape[-1], cu_seqlens_q.shape[0] - 1
     cu = (cu_seqlens_q, cu_seqlens_k, tq)
@@ -81,11 +90,12 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     lengths = (max_seqlen_q, max_seqlen_k, e, ev, h // hkv)
     common.launcher(sdpa._prep_kernel)[
         lambda meta: common.tiles_grid(max_seqlen_q, meta["BLOCK_M"], n * h)](
-        q, k, q, out, grad_out, glse, lse, delta, dos, q, q, *strides[:8], *strides[12:],
-        *_strides(out), *_strides(grad_out), 0, 0, h, *lengths, scale, lo, hi,
-        common.HUGE_LSE, 1.0, *cu, consts["LQ_BUCKET"], consts["LK_BUCKET"],
-        MASK_KIND=common.MASK_NONE, HAS_GLSE=grad_lse is not None, SOFTCAP=False, ALIBI=False,
-        HAS_SINKS=False, VARLEN=True, DOT_PREC=consts["DOT_PREC"],
+        q, k, q, out, grad_out, glse, lse, delta, dos, slopes, sink, *strides[:8],
+        *strides[12:], *_strides(out), *_strides(grad_out), *a_strides, h, *lengths, scale, lo,
+        hi, common.HUGE_LSE, cap, *cu, consts["LQ_BUCKET"], consts["LK_BUCKET"],
+        MASK_KIND=common.MASK_NONE, HAS_GLSE=grad_lse is not None, SOFTCAP=consts["SOFTCAP"],
+        ALIBI=consts["ALIBI"], HAS_SINKS=sinks is not None, VARLEN=True,
+        DOT_PREC=consts["DOT_PREC"],
         PAD_D=common.head_block(e) != e or common.head_block(ev) != ev,
         BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
     split = sdpa._gqa_split(h // hkv, max_seqlen_k, n * hkv)
@@ -95,49 +105,58 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     else:  # fp32 partial sums of each slice of a group's query heads
         dk = k.new_empty((tk, hkv, split, e), dtype=torch.float32)
         dv = v.new_empty((tk, hkv, split, ev), dtype=torch.float32)
-    band = (scale, lo, hi, 1.0 / (1.0 - dropout_p), q, 0, 0, 1.0)
+    band = (scale, lo, hi, 1.0 / (1.0 - dropout_p), slopes, *a_strides, cap)
     common.launcher(sdpa._dkdv_kernel)[
         lambda meta: common.tiles_grid(max_seqlen_k, meta["BLOCK_N"], n * hkv * split)](
         q, k, v, q, dos, lse, delta, rng, dk, dv, q, *strides, *dos_strides,
         h, hkv, *lengths, split, *band, *cu, MASK_GRAD=False, **consts)
     if split > 1:
         dk, dv = dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype)
+    # as sdpa_bwd's: the sink's score gradient P_sink,i (0 - D_i), DELTA holding D_i / r_i
+    dsinks = q.new_empty((0,)) if sinks is None else (
+        -(torch.exp(sinks.float().view(h, 1) - lse) * delta).sum(1)).to(sinks.dtype)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     common.launcher(sdpa._dq_kernel)[
         lambda meta: common.tiles_grid(max_seqlen_q, meta["BLOCK_M"], n * h)](
         q, k, v, q, dos, lse, delta, rng, dq, *strides, *dos_strides,
         h, *lengths, *band, *cu, **consts)
-    return dq, dk, dv
+    return dq, dk, dv, dsinks
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                     window_lo, window_hi, dropout_p, seed):
-    same_device(q, k, v, cu_seqlens_q, cu_seqlens_k)
+                     window_lo, window_hi, dropout_p, seed, softcap=None, alibi=None, sinks=None):
+    same_device(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sinks)
     tq, h, _ = q.shape
     return q.new_empty((tq, h, v.shape[-1])), q.new_empty((h, tq), dtype=torch.float32)
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     out, lse, scale, window_lo, window_hi, dropout_p, seed, grad_lse=None):
-    same_device(q, grad_out, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse)
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+                     out, lse, scale, window_lo, window_hi, dropout_p, seed, grad_lse=None,
+                     softcap=None, alibi=None, sinks=None):
+    same_device(q, grad_out, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, grad_lse, alibi, sinks)
+    dsinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
+    return (*(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)),
+            dsinks)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, scale, lo, hi, p, seed = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, lo, hi, p, seed, softcap, alibi, sinks = inputs
     out, lse = output
-    ctx.args = (max_q, max_k, scale, lo, hi, p)
-    ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse, seed)
+    ctx.args = (max_q, max_k, scale, lo, hi, p, softcap)
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse, seed, alibi, sinks)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, cu_q, cu_k, out, lse, seed = ctx.saved_tensors
-    max_q, max_k, scale, lo, hi, p = ctx.args
-    dq, dk, dv = varlen_bwd(or_zeros(grad_out, out), q, k, v, cu_q, cu_k, max_q, max_k, out, lse,
-                            scale, lo, hi, p, seed, grad_lse)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    q, k, v, cu_q, cu_k, out, lse, seed, alibi, sinks = ctx.saved_tensors
+    max_q, max_k, scale, lo, hi, p, softcap = ctx.args
+    dq, dk, dv, dsinks = varlen_bwd(or_zeros(grad_out, out), q, k, v, cu_q, cu_k, max_q, max_k,
+                                    out, lse, scale, lo, hi, p, seed, grad_lse, softcap, alibi,
+                                    sinks)
+    # no gradient for the slopes: constants (attnx/_validate.py)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None,
+            dsinks if sinks is not None and ctx.needs_input_grad[14] else None)
 
 
 varlen_fwd.register_autograd(_backward, setup_context=_setup)

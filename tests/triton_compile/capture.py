@@ -31,7 +31,7 @@ class Variant:
     gqa: bool = False       # sdpa, varlen: 4 query heads on 2 kv heads
     weights: bool = False   # additive: return_weights and a loss on them
     paged: bool = False     # kvcache: a paged cache (block table) instead of a contiguous one
-    softcap: bool = False   # sdpa, kvcache: the score modifiers
+    softcap: bool = False   # sdpa, kvcache, varlen: the score modifiers
     alibi: bool = False
     sinks: bool = False
 
@@ -103,7 +103,7 @@ def _run_variant(v: Variant) -> None:
     seed = torch.tensor([12345, 678], dtype=torch.int64) if v.dropout else None
     lo, hi = -L, L
     mask_grad = v.mask == "float"
-    qb = 2 if v.op == "kvcache" else b
+    qb = {"kvcache": 2, "varlen": 3}.get(v.op, b)  # the slopes' rows: batches or sequences
     mods = (30.0 if v.softcap else None,
             torch.rand((qb, h), generator=gen) if v.alibi else None,
             torch.randn((h,), generator=gen) if v.sinks else None)
@@ -121,10 +121,11 @@ def _run_variant(v: Variant) -> None:
         cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
                       for n in (lq, lk))
         q, k, val = rand(sum(lq), h, d), rand(sum(lk), hkv, d), rand(sum(lk), hkv, d)
-        out, lse = varlen.varlen_fwd(q, k, val, cu_q, cu_k, L, L, d ** -0.5, -L, 0, p, seed)
+        out, lse = varlen.varlen_fwd(q, k, val, cu_q, cu_k, L, L, d ** -0.5, -L, 0, p, seed,
+                                     *mods)
         varlen.varlen_bwd(rand(sum(lq), h, d), q, k, val, cu_q, cu_k, L, L, rand(sum(lq), h, d),
                           torch.zeros(h, sum(lq)), d ** -0.5, -L, 0, p, seed,
-                          torch.zeros(h, sum(lq)))
+                          torch.zeros(h, sum(lq)), *mods)
     elif v.op == "sdpa":
         q, k, val = rand(b, h, L, d), rand(b, hkv, L, d), rand(b, hkv, L, d)
         out, lse = sdpa.sdpa_fwd(q, k, val, mask, d ** -0.5, lo, hi, p, seed, *mods)

@@ -36,9 +36,10 @@ CI = (
     Variant("sdpa", "fp32", 256, softcap=True, alibi=True, sinks=True),
     Variant("kvcache", "fp16", 64, softcap=True),
     Variant("kvcache", "bf16", 128, gqa=True, paged=True, softcap=True, alibi=True, sinks=True),
-    # packed sequences (the sdpa kernels' VARLEN mode; no mask or score modifiers there)
+    # packed sequences (the sdpa kernels' VARLEN mode; no mask there), with the modifiers
     Variant("varlen", "fp16", 64),
     Variant("varlen", "bf16", 128, gqa=True, dropout=True),
+    Variant("varlen", "fp16", 128, softcap=True, alibi=True, sinks=True),
 )
 
 
@@ -54,7 +55,8 @@ def full() -> list[Variant]:
                      dict(weights=True), dict(mask="float", dropout=True, weights=True)],
         "kvcache": [{}, dict(gqa=True), dict(paged=True), dict(gqa=True, paged=True),
                     dict(gqa=True, paged=True, softcap=True, alibi=True, sinks=True)],
-        "varlen": [{}, dict(dropout=True), dict(gqa=True), dict(dropout=True, gqa=True)],
+        "varlen": [{}, dict(dropout=True), dict(gqa=True), dict(dropout=True, gqa=True),
+                   dict(dropout=True, gqa=True, softcap=True, alibi=True, sinks=True)],
     }
     return [Variant(op, dt, d, **f) for op in ("sdpa", "additive", "kvcache", "varlen")
             for dt, d in itertools.product(DTYPES, HEAD_DIMS) for f in flags[op]]
