@@ -66,7 +66,8 @@ def additive_cases(backend: str) -> None:
 
 def varlen_cases(backend: str) -> None:
     """Packed sequences of odd lengths (an empty one, one without keys, Lq != Lk), causal GQA
-    with dropout, then sinks and ALiBi (the cuda kernels' modifier instantiation)."""
+    with dropout, then a window with softcap, sinks and (cuda) ALiBi: the kernels' modifier
+    instantiations."""
     t, _ = _tensors(2)
     torch.manual_seed(2)
     lens = [(17, 40), (0, 3), (97, 97), (5, 0), (1, 64)]
@@ -76,12 +77,12 @@ def varlen_cases(backend: str) -> None:
     out = attnx.varlen_attention(q, k, v, cu_q, cu_k, dropout_p=0.2, is_causal=True,
                                  backend=backend)
     torch.autograd.grad(out.sum(), (q, k, v))
-    if backend == "cuda":  # triton's varlen kernels take no modifiers yet
-        sinks = torch.zeros(4, device=DEVICE, requires_grad=True)
-        slopes = torch.full((4,), 0.25, device=DEVICE)
-        out = attnx.varlen_attention(q, k, v, cu_q, cu_k, window=(20, 0), softcap=5.0,
-                                     alibi_slopes=slopes, sinks=sinks, backend=backend)
-        torch.autograd.grad(out.sum(), (q, k, v, sinks))
+    sinks = torch.zeros(4, device=DEVICE, requires_grad=True)
+    # triton takes ALiBi in varlen only where every sequence has Lq == Lk (these do not)
+    slopes = torch.full((4,), 0.25, device=DEVICE) if backend == "cuda" else None
+    out = attnx.varlen_attention(q, k, v, cu_q, cu_k, window=(20, 0), softcap=5.0,
+                                 alibi_slopes=slopes, sinks=sinks, backend=backend)
+    torch.autograd.grad(out.sum(), (q, k, v, sinks))
 
 
 def main(argv=None) -> int:
