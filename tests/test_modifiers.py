@@ -17,34 +17,23 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 
 import pytest
 import torch
 
 import attnx
 from attnx import _dispatch, _ops, _rng, _validate
+from tests._backends import ON_GPU, cuda_reason, device
 from tests._compare import assert_within
 from tests._rerun import rerun_under, skip_unless_avx512
 
 HAS_CPU_KERNELS = _ops.has_kernel("sdpa_mod_fwd", "CPU") and _ops.has_kernel("kvcache_mod_fwd", "CPU")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 HAS_TRITON = _dispatch.backends()["triton"].usable
-ON_GPU = torch.cuda.is_available()  # else the cuda backend runs through the host harness
-
-
-def _cuda_reason():
-    if ON_GPU:
-        status = _dispatch.backends()["cuda"]
-        return None if status.usable else status.reason
-    return _ops.cuda_host()  # None once attnx._cuda_host is built and loaded
-
-
 MARKS = {
     "reference": [],
     "cpu": [pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")],
     "triton": [pytest.mark.skipif(not HAS_TRITON, reason=_dispatch.backends()["triton"].reason)],
-    "cuda": [pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason()))],
+    "cuda": [pytest.mark.skipif(cuda_reason() is not None, reason=str(cuda_reason()))],
 }
 BACKENDS = [pytest.param(b, marks=MARKS[b]) for b in ("reference", "cpu")]
 TRITON = pytest.param("triton", marks=MARKS["triton"])
@@ -56,21 +45,6 @@ def cases(backends, *axes):
     """pytest params (backend, *combination) of each backend with every combination of axes."""
     return [pytest.param(b, *combo, marks=MARKS[b])
             for b in backends for combo in itertools.product(*axes)]
-
-
-def device(backend: str) -> str:
-    """Where a backend's inputs live: the triton backend takes CUDA tensors unless it is
-    interpreting, the cuda backend unless it runs through the host harness."""
-    gpu = (backend == "triton" and not INTERPRET) or (backend == "cuda" and ON_GPU)
-    return "cuda" if gpu else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _cuda_harness(request, monkeypatch):
-    """The cuda backend's cases without a GPU run through the host harness."""
-    callspec = getattr(request.node, "callspec", None)
-    if not ON_GPU and callspec is not None and callspec.params.get("backend") == "cuda":
-        monkeypatch.setenv("ATTNX_CUDA_ON_CPU", "1")
 
 
 def to(dev, mods: dict) -> dict:

@@ -13,7 +13,6 @@ with no admissible key (causal with Lq > Lk) are among the cases.
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
@@ -21,26 +20,16 @@ import torch.nn.functional as F
 
 import attnx
 from attnx import _dispatch, _ops, _rng
+from tests._backends import ON_GPU, cuda_reason, device
 from tests._compare import assert_within
 
 HAS_CPU_KERNEL = _ops.has_kernel("varlen_fwd", "CPU")
 HAS_TRITON = _dispatch.backends()["triton"].usable
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-ON_GPU = torch.cuda.is_available()  # else the cuda backend runs through the host harness
-
-
-def _cuda_reason():
-    if ON_GPU:
-        status = _dispatch.backends()["cuda"]
-        return None if status.usable else status.reason
-    return _ops.cuda_host()  # None once attnx._cuda_host is built and loaded
-
-
 MARKS = {"reference": [],
          "cpu": [pytest.mark.skipif(not HAS_CPU_KERNEL, reason="attnx._C is not built")],
          "triton": [pytest.mark.skipif(not HAS_TRITON,
                                        reason=_dispatch.backends()["triton"].reason)],
-         "cuda": [pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason()))]}
+         "cuda": [pytest.mark.skipif(cuda_reason() is not None, reason=str(cuda_reason()))]}
 BACKENDS = [pytest.param(b, marks=MARKS[b]) for b in ("reference", "cpu")]
 TRITON = pytest.param("triton", marks=MARKS["triton"])
 CUDA = pytest.param("cuda", marks=MARKS["cuda"])
@@ -52,23 +41,9 @@ def cases(backends, *axes):
             for b in backends for combo in itertools.product(*axes)]
 
 
-def device(backend: str) -> str:
-    """Where a backend's inputs live: CUDA for triton unless Triton interprets on CPU, and for
-    cuda unless it runs through the host harness."""
-    gpu = (backend == "triton" and not INTERPRET) or (backend == "cuda" and ON_GPU)
-    return "cuda" if gpu else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _cuda_harness(request, monkeypatch):
-    """The cuda backend's cases without a GPU run through the host harness."""
-    callspec = getattr(request.node, "callspec", None)
-    if not ON_GPU and callspec is not None and callspec.params.get("backend") == "cuda":
-        monkeypatch.setenv("ATTNX_CUDA_ON_CPU", "1")
-
-
 def on(backend, *tensors):
     return tuple(t.to(device(backend)) for t in tensors)
+
 
 # (Lq, Lk) per sequence
 MIXED = [(17, 17), (1, 1), (0, 5), (97, 97), (5, 0), (3, 40), (40, 3)]
@@ -397,6 +372,18 @@ MODS = {
 }
 
 
+def run_with_modifiers(fn, q, k, v, sinks, sinks_dtype, g, gl):
+    """((out, lse), gradients of q, k, v (and sinks)) of fn(q, k, v, sinks) under the loss
+    sum(out g) + sum(lse gl) over the finite lse; sinks (or None) taken in sinks_dtype."""
+    x, y, z = (t.detach().requires_grad_() for t in (q, k, v))
+    sinks = None if sinks is None else sinks.detach().to(sinks_dtype).clone().requires_grad_()
+    out, lse = fn(x, y, z, sinks)
+    ok = torch.isfinite(lse)
+    (out * g.to(out.dtype)).sum().add((lse.where(ok, 0) * gl.to(lse.dtype)).sum()).backward()
+    grads = (x.grad, y.grad, z.grad) + ((sinks.grad,) if sinks is not None else ())
+    return (out.detach(), lse.detach()), grads
+
+
 def _golden_mods(kw):
     alibi = kw.get("alibi_slopes")
     if alibi is not None and alibi.dim() == 1:
@@ -418,14 +405,7 @@ def test_modifiers_match_golden(backend, dtype, mod, is_causal):
     gl = torch.randn(4, q.shape[0], generator=torch.Generator().manual_seed(6))
 
     def run(fn, sinks_dtype):
-        x, y, z = (t.detach().requires_grad_() for t in (q, k, v))
-        sinks = kw.get("sinks")
-        sinks = None if sinks is None else sinks.detach().to(sinks_dtype).clone().requires_grad_()
-        out, lse = fn(x, y, z, sinks)
-        ok = torch.isfinite(lse)
-        (out * g.to(out.dtype)).sum().add((lse.where(ok, 0) * gl.to(lse.dtype)).sum()).backward()
-        grads = (x.grad, y.grad, z.grad) + ((sinks.grad,) if sinks is not None else ())
-        return (out.detach(), lse.detach()), grads
+        return run_with_modifiers(fn, q, k, v, kw.get("sinks"), sinks_dtype, g, gl)
 
     sdtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     dev = device(backend)
@@ -473,14 +453,7 @@ def test_triton_modifiers_match_golden(backend, dtype, mod, is_causal):
     sdtype = torch.float32 if dtype == torch.bfloat16 else dtype
 
     def run(fn, sinks_dtype):
-        x, y, z = (t.detach().requires_grad_() for t in (q, k, v))
-        sinks = kw.get("sinks")
-        sinks = None if sinks is None else sinks.detach().to(sinks_dtype).clone().requires_grad_()
-        out, lse = fn(x, y, z, sinks)
-        ok = torch.isfinite(lse)
-        (out * g.to(out.dtype)).sum().add((lse.where(ok, 0) * gl.to(lse.dtype)).sum()).backward()
-        return (out.detach(), lse.detach()), (x.grad, y.grad, z.grad) + (
-            (sinks.grad,) if sinks is not None else ())
+        return run_with_modifiers(fn, q, k, v, kw.get("sinks"), sinks_dtype, g, gl)
 
     def call(x, y, z, s):
         mods = {n: t.to(device(backend)) if isinstance(t, torch.Tensor) else t
