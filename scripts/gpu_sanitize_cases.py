@@ -5,8 +5,8 @@
 
 SDPA with a float mask (its gradient too), dropout, GQA and a window; with a bool mask; causal;
 head dims off the kernels' tile sizes (59) and at them (128); additive attention with a mask,
-dropout, a window and its weights' gradient; packed sequences (varlen). Sizes are small so that a sanitizer run takes
-seconds. Run it once without the sanitizer first with TRITON_CACHE_AUTOTUNING=1 (as
+dropout, a window and its weights' gradient; packed sequences (varlen). Sizes are small so
+that a sanitizer run takes seconds. Run it once without the sanitizer first with TRITON_CACHE_AUTOTUNING=1 (as
 scripts/gpu_check.sh does): the Triton autotuner then reads its choice from the disk cache
 instead of timing every config under the sanitizer (so the sanitizer sees the configs the
 autotuner picked, not every config).

@@ -9,8 +9,9 @@ kvcache_mod_fwd: the kernels' kMods instantiations; sinks' gradient from the bac
 the host); KV-cache decoding
 (attention_with_kvcache, csrc/cuda/decode.cu) head dims E, Ev up to 256; packed batches
 (varlen_attention: the SDPA kernels, one grid z index per sequence, with and without the
-modifiers); at most 65535 batches (sequences) and heads (the CUDA grid's y and z dims); a GPU of compute capability 8.0 or more whose opt-in
-shared memory per block holds what the call's kernels request, decided per call.
+modifiers); at most 65535 batches (sequences) and heads (the CUDA grid's y and z dims); a GPU
+of compute capability 8.0 or more whose opt-in shared memory per block holds what the call's
+kernels request, decided per call.
 
 The shared memory a launch requests is read from the extension (`attnx._C.cuda_smem_bytes`,
 the kernels' own Config::smem_bytes), never restated in code here; the figures below are as of

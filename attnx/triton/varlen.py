@@ -36,12 +36,13 @@ def _args(q, k, v, max_q, max_k, window_lo, window_hi, dropout_p, seed, softcap,
     strides = (*_strides(q), *_strides(k), *_strides(v), 0, 0, 0, 0)
     e, ev = q.shape[-1], v.shape[-1]
     (d1, d2), (dv1, dv2) = sdpa._head_blocks(e), sdpa._head_blocks(ev)
-    mods = sdpa._modifier_args(q, softcap, alibi, sinks)
-    consts = dict(MASK_KIND=common.MASK_NONE, DROPOUT=dropout_p > 0, **mods[4], VARLEN=True, DOT_PREC=common.dot_precision(q.dtype),
+    *mod_args, flags = sdpa._modifier_args(q, softcap, alibi, sinks)
+    consts = dict(MASK_KIND=common.MASK_NONE, DROPOUT=dropout_p > 0, **flags, VARLEN=True,
+                  DOT_PREC=common.dot_precision(q.dtype),
                   LQ_BUCKET=common.length_bucket(max_q), LK_BUCKET=common.length_bucket(max_k),
                   BLOCK_D=d1, BLOCK_D2=d2, BLOCK_DV=dv1, BLOCK_DV2=dv2,
                   PAD_D=d1 + d2 != e or dv1 + dv2 != ev)
-    return rng, strides, lo, hi, consts, mods[:4]
+    return rng, strides, lo, hi, consts, tuple(mod_args)
 
 
 @common.register_op("triton_varlen_fwd")

@@ -317,7 +317,8 @@ Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout
     view[head_dim] = p.Hq;
     for (int64_t d = 0; d < int64_t(rows.size()); ++d)
       if (d != head_dim) dims.push_back(d);
-    g.dsinks = (-(at::exp(sinks32.view(view) - lse32) / row_sums * delta)).sum(at::IntArrayRef(dims));
+    g.dsinks =
+        (-(at::exp(sinks32.view(view) - lse32) / row_sums * delta)).sum(at::IntArrayRef(dims));
   }
   return g;
 }

@@ -136,7 +136,8 @@ def _accepted_spills(rows: list[dict]) -> set:
 def failures(rows: list[dict]) -> list[str]:
     """One line per broken bound: a compile error; shared memory over the arch's opt-in limit
     or over the pruning rule's estimate; spills of a fp16/bf16 unit at head dim <= 128 (less
-    SPILL_EXCEPTIONS and SPILL_RULES); a 32-bit product of two runtime integers in the TTIR (aot.narrow_products);
+    SPILL_EXCEPTIONS and SPILL_RULES); a 32-bit product of two runtime integers in the TTIR
+    (aot.narrow_products);
     an SDPA kernel transposing computed tiles (aot.computed_transposes); an sm_90 fp16/bf16
     SDPA kernel without wgmma though its config has a 64-row dot (WGMMA_ROWS); an fp16/bf16
     SDPA forward without mask or dropout whose in-band loop does mask arithmetic or does not
