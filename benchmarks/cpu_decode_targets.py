@@ -9,6 +9,14 @@ bandwidth under the same load. attnx's bandwidth is the K and V bytes it must re
 (B * Hkv * L * 2D * 4) over its time; its fraction is against the read bandwidth of the same
 round. Medians with min/max. Writes benchmarks/results/cpu-decode-<date>.json.
 
+The compute side, measured in the same run: the work is 4 * B * Hq * Lq * L * D FLOPs (q.k and
+p.v, a multiply and an add each; the causal band of Lq = 4 drops 6 keys of L), and no fp32
+kernel beats the CPU's FMA ceiling (benchmarks/fma_peak.py). At Lq = 4 with Hq / Hkv = 4 the
+FLOPs per byte read are 4x Lq = 1's: where the FLOPs take longer at the ceiling than the bytes
+at the read bandwidth (a 2-core Zen 4: 230 GFLOP/s, ~33 GB/s), the case is compute-bound and
+70% of the bandwidth is out of reach of any kernel; `roofline_fraction` (the larger floor over
+attnx's time) then says how close attnx is to what the CPU allows.
+
     python benchmarks/cpu_decode_targets.py [--quick] [--repeats N] [--threads T]
 
 On a machine shared with other work, a 2-thread region waits for whichever thread the OS has
@@ -29,6 +37,7 @@ import torch.nn.functional as F
 
 import attnx
 from cpu_sdpa_targets import machine, summary, timed
+from fma_peak import fma_peak
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 SPEEDUP_TARGET, BANDWIDTH_TARGET, PAGED_TARGET = 1.5, 0.70, 1.10
@@ -48,7 +57,7 @@ def paged(cache: torch.Tensor, g: torch.Generator):
     return shuffled, perm.view(b, nb).to(torch.int32)
 
 
-def case(b: int, n: int, lq: int, repeats: int, sink: torch.Tensor) -> dict:
+def case(b: int, n: int, lq: int, repeats: int, sink: torch.Tensor, peak_gflops) -> dict:
     g = torch.Generator().manual_seed(0)
     q = torch.randn(b, HQ, lq, D, generator=g)
     k, v = (torch.randn(b, HKV, n, D, generator=g) for _ in range(2))
@@ -81,6 +90,13 @@ def case(b: int, n: int, lq: int, repeats: int, sink: torch.Tensor) -> dict:
     row["attnx_bandwidth_gbs"] = statistics.median(attnx_bw) / 1e9
     # per round, so that load hitting one round hits both sides of its ratio
     row["bandwidth_fraction"] = statistics.median(a / r for a, r in zip(attnx_bw, read_bw))
+    row["flops"] = 4 * b * HQ * lq * n * D
+    row["attnx_gflops"] = row["flops"] / row["attnx"]["median_s"] / 1e9
+    memory_floor = kv_bytes / (row["read_bandwidth_gbs"] * 1e9)
+    if peak_gflops:
+        compute_floor = row["flops"] / (peak_gflops * 1e9)
+        row["compute_bound"] = compute_floor > memory_floor
+        row["roofline_fraction"] = max(memory_floor, compute_floor) / row["attnx"]["median_s"]
     row["speedup"] = row["torch"]["median_s"] / row["attnx"]["median_s"]
     row["paged_over_contiguous"] = row["attnx_paged"]["median_s"] / row["attnx"]["median_s"]
     return row
@@ -96,17 +112,21 @@ def main() -> None:
     repeats = args.repeats or (5 if args.quick else 9)
     if args.threads:
         torch.set_num_threads(args.threads)
+    peak = fma_peak(3)
     sink = torch.randn(128 * 1024 * 1024)  # 512 MiB: far past any cache
     header = (f"{'B':>2} {'L':>6} {'Lq':>3} | {'torch ms':>9} {'attnx ms':>9} {'paged ms':>9} | "
-              f"{'speedup':>7} | {'attnx GB/s':>10} {'read GB/s':>9} {'fraction':>8} | {'paged/contig':>12}")
+              f"{'speedup':>7} | {'attnx GB/s':>10} {'read GB/s':>9} {'fraction':>8} | {'GFLOP/s':>6} "
+              f"{'roofline':>9} | {'paged/contig':>12}")
     print(f"threads: {torch.get_num_threads()}, targets: >= {SPEEDUP_TARGET}x torch, >= "
-          f"{BANDWIDTH_TARGET:.0%} of read bandwidth, paged <= {PAGED_TARGET:.2f}x contiguous")
+          f"{BANDWIDTH_TARGET:.0%} of read bandwidth, paged <= {PAGED_TARGET:.2f}x contiguous; "
+          f"FMA ceiling {peak['gflops'] if peak else 'n/a'} GFLOP/s (roofline: c compute-bound, "
+          f"m memory-bound)")
     print(header)
     print("-" * len(header))
     rows = []
     for b, n in (QUICK if args.quick else CASES):
         for lq in (1, 4):
-            r = case(b, n, lq, repeats, sink)
+            r = case(b, n, lq, repeats, sink, peak and peak["gflops"])
             rows.append(r)
             miss = [w for w, bad in (("speed", r["speedup"] < SPEEDUP_TARGET),
                                      ("bw", r["bandwidth_fraction"] < BANDWIDTH_TARGET),
@@ -114,12 +134,14 @@ def main() -> None:
             print(f"{b:>2} {n:>6} {lq:>3} | {r['torch']['median_s'] * 1e3:>9.2f} "
                   f"{r['attnx']['median_s'] * 1e3:>9.2f} {r['attnx_paged']['median_s'] * 1e3:>9.2f} | "
                   f"{r['speedup']:>6.2f}x | {r['attnx_bandwidth_gbs']:>10.1f} {r['read_bandwidth_gbs']:>9.1f} "
-                  f"{r['bandwidth_fraction']:>8.0%} | {r['paged_over_contiguous']:>11.2f}x"
+                  f"{r['bandwidth_fraction']:>8.0%} | {r['attnx_gflops']:>6.1f} "
+                  f"{r.get('roofline_fraction', float('nan')):>8.0%}{'c' if r.get('compute_bound') else 'm'} | "
+                  f"{r['paged_over_contiguous']:>11.2f}x"
                   f"{'  MISS ' + ','.join(miss) if miss else ''}", flush=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     result = {
         "benchmark": "cpu_decode_targets", "quick": args.quick, "date": now.isoformat(),
-        "machine": machine(),
+        "machine": machine(), "fma_peak": peak,
         "torch": torch.__version__, "attnx": attnx.__version__, "repeats": repeats,
         "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "dtype": "float32", "paged_block_size": BLOCK},
         "targets": {"speedup": SPEEDUP_TARGET, "bandwidth_fraction": BANDWIDTH_TARGET,

@@ -183,6 +183,23 @@ def test_llama_shape(backend):
              lengths=[700, 33], scale=0.05)
 
 
+# (Hq, Hkv, Lq): rows per kv head R = Hq / Hkv x Lq. The CPU kernel computes rows as the lanes
+# of a vector in groups of 16 (AVX-512; 8 on AVX2), a last group where more than half full, and
+# the rest four rows at a time: whole groups, a partial one, groups whose queries wrap past
+# Lq - 1 (R % Lq != 0 at the group's edge), rows left to the four-row products, Lq = 1.
+ROW_GROUPS = [(8, 1, 2), (8, 1, 3), (6, 2, 3), (4, 1, 5), (16, 1, 1), (12, 2, 7)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("mode", ["causal", "window"])
+@pytest.mark.parametrize("hq, hkv, lq", ROW_GROUPS,
+                         ids=[f"hq{a}-hkv{b}-lq{c}" for a, b, c in ROW_GROUPS])
+def test_row_groups(backend, paged, mode, hq, hkv, lq):
+    run_case(backend, torch.float32, paged=paged, lq=lq, lnew=min(lq, 2), hq=hq, hkv=hkv,
+             lengths=[0, 5, 40, 97], **MODES[mode])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_float64(backend):
     run_case(backend, torch.float64, paged=True, lq=3, lnew=2, window=(50, None))
@@ -307,7 +324,8 @@ def test_avx2_path_matches_reference():
     """ATTNX_CPU_AVX512=0 runs the 8-lane products, what CPUs without AVX-512 get."""
     skip_unless_avx512()
     rerun_under("ATTNX_CPU_AVX512", __file__,
-                "(matches_reference or llama or odd_block or float32_range) and cpu and not avx2",
+                "(matches_reference or row_groups or llama or odd_block or float32_range) and cpu"
+                " and not avx2",
                 probe="cpu_vector", expect=("avx2", "baseline"))
 
 

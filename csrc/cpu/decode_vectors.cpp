@@ -2,7 +2,9 @@
 #pragma GCC optimize("fp-contract=fast")
 #include "decode_vectors.h"
 
+#include <algorithm>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "sdpa_tile.h"
@@ -61,8 +63,8 @@ ATTNX_BODY void fetch_ahead(const Ahead<T>& ahead, int64_t t) {
 }
 
 // Four keys per pass over the ROWS query rows: each key vector loaded once serves every row
-// (two rows: 6 loads per 8 FMAs, not 10 — Zen 4 issues one 512-bit load a cycle), and the
-// independent FMA chains hide the FMA latency.
+// (four rows: 8 loads per 16 FMAs; two: 6 per 8, not 10 — Zen 4 issues one 512-bit load a
+// cycle), and the independent FMA chains hide the FMA latency.
 template <int W, int ROWS>
 ATTNX_BODY void dot_rows_body(const float* const* q, const float* const* k, int64_t n, int64_t e,
                               float* const* s, const Ahead<float>& ahead) {
@@ -73,18 +75,18 @@ ATTNX_BODY void dot_rows_body(const float* const* q, const float* const* k, int6
     // (unrolled by hand into named values: GCC kept arrays of vectors on the stack)
     const float *k0 = k[t], *k1 = k[t + 1], *k2 = k[t + 2], *k3 = k[t + 3];
     vf<W> a[ROWS][4];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int rr = 0; rr < ROWS; ++rr) a[rr][0] = a[rr][1] = a[rr][2] = a[rr][3] = vf<W>{};
     for (int64_t c = 0; c < ew; c += W) {
       const vf<W> x0 = load<W>(k0 + c), x1 = load<W>(k1 + c), x2 = load<W>(k2 + c),
                   x3 = load<W>(k3 + c);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int rr = 0; rr < ROWS; ++rr) {
         const vf<W> qv = load<W>(q[rr] + c);
         a[rr][0] += qv * x0, a[rr][1] += qv * x1, a[rr][2] += qv * x2, a[rr][3] += qv * x3;
       }
     }
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int rr = 0; rr < ROWS; ++rr) {
       hsum4(a[rr][0], a[rr][1], a[rr][2], a[rr][3], s[rr] + t);
       for (int64_t c = ew; c < e; ++c)
@@ -118,7 +120,7 @@ ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const floa
     for (int64_t t = 0; t < n; ++t) fetch_ahead(ahead, t);
   for (; c + U * W <= ev; c += U * W) {
     vf<W> acc[ROWS][U];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int rr = 0; rr < ROWS; ++rr)
 #pragma GCC unroll 8
       for (int u = 0; u < U; ++u) acc[rr][u] = load<W>(o[rr] + c + u * W);
@@ -126,16 +128,16 @@ ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const floa
       if (c == 0) fetch_ahead(ahead, t);
       const float* row = v[t] + c;
       vf<W> pt[ROWS];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int rr = 0; rr < ROWS; ++rr) pt[rr] = vf<W>{} + p[rr][t];
 #pragma GCC unroll 8
       for (int u = 0; u < U; ++u) {
         const vf<W> x = load<W>(row + u * W);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int rr = 0; rr < ROWS; ++rr) acc[rr][u] += pt[rr] * x;
       }
     }
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int rr = 0; rr < ROWS; ++rr)
 #pragma GCC unroll 8
       for (int u = 0; u < U; ++u) store<W>(o[rr] + c + u * W, acc[rr][u]);
@@ -156,19 +158,149 @@ ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const floa
   }
 }
 
-// One body per row count, so that the row loops unroll.
+// One body per row count, so that the row loops unroll. AVX-512's 32 registers hold four rows'
+// accumulators, AVX2's 16 two: there, rows 3 and 4 go in a second call.
 template <int W>
 ATTNX_BODY void dot_rows_any(int rows, const float* const* q, const float* const* k, int64_t n,
                              int64_t e, float* const* s, const Ahead<float>& ahead) {
-  if (rows == 2) return dot_rows_body<W, 2>(q, k, n, e, s, ahead);
-  dot_rows_body<W, 1>(q, k, n, e, s, ahead);
+  if constexpr (W == 16) {
+    switch (rows) {
+      case 4: return dot_rows_body<W, 4>(q, k, n, e, s, ahead);
+      case 3: return dot_rows_body<W, 3>(q, k, n, e, s, ahead);
+      case 2: return dot_rows_body<W, 2>(q, k, n, e, s, ahead);
+      default: return dot_rows_body<W, 1>(q, k, n, e, s, ahead);
+    }
+  } else {
+    if (rows == 1) return dot_rows_body<W, 1>(q, k, n, e, s, ahead);
+    dot_rows_body<W, 2>(q, k, n, e, s, ahead);
+    if (rows == 3) dot_rows_body<W, 1>(q + 2, k, n, e, s + 2, {});
+    if (rows == 4) dot_rows_body<W, 2>(q + 2, k, n, e, s + 2, {});
+  }
 }
 template <int W>
 ATTNX_BODY void add_rows_any(int rows, float* const* o, const float* const* p,
                              const float* const* v, int64_t n, int64_t ev,
                              const Ahead<float>& ahead) {
-  if (rows == 2) return add_rows_body<W, 2>(o, p, v, n, ev, ahead);
-  add_rows_body<W, 1>(o, p, v, n, ev, ahead);
+  // Two rows at a time even on AVX-512: four would take two passes over each value row, whose
+  // first touch then no longer streams in order (14% slower at Lq = 1 from memory, one thread).
+  if (rows == 1) return add_rows_body<W, 1>(o, p, v, n, ev, ahead);
+  add_rows_body<W, 2>(o, p, v, n, ev, ahead);
+  if (rows == 3) add_rows_body<W, 1>(o + 2, p + 2, v, n, ev, {});
+  if (rows == 4) add_rows_body<W, 2>(o + 2, p + 2, v, n, ev, {});
+}
+
+// The lines of `ahead`'s rows fetched evenly over `steps` calls of step(), in order, without a
+// division per step (a run of lines at one step would overflow the queue of misses).
+struct Spread {
+  const Ahead<float>& ahead;
+  const int64_t row_bytes, total, steps;
+  int64_t acc = 0, row = 0, off = 0;
+  Spread(const Ahead<float>& a, int64_t steps_)
+      : ahead(a), row_bytes(a.len * static_cast<int64_t>(sizeof(float))),
+        total(a.n * ((row_bytes + 63) / 64)), steps(std::max<int64_t>(1, steps_)) {}
+  inline __attribute__((always_inline)) void step() {
+    for (acc += total; acc >= steps; acc -= steps) {
+      __builtin_prefetch(reinterpret_cast<const char*>(ahead.rows[row]) + off, 0, 2);
+      if ((off += 64) >= row_bytes) off = 0, ++row;
+    }
+  }
+};
+
+// KB keys per pass, each an independent FMA chain (8 cover the FMA latency of two pipes), their
+// row pointers in general registers: per column c, one load of qt and KB broadcast FMAs.
+template <int W, int KB>
+ATTNX_BODY void lane_scores_body(const float* qt, const float* const* k, int64_t n, int64_t e,
+                                 float* st, const Ahead<float>& ahead) {
+  // fetches once per 8 columns, out of the loop that needs every general register
+  Spread spread(ahead, (n + KB - 1) / KB * ((e + 7) / 8));
+  int64_t t = 0;
+  for (; t + KB <= n; t += KB) {
+    const float* kr[KB];
+    vf<W> acc[KB];
+#pragma GCC unroll 8
+    for (int u = 0; u < KB; ++u) kr[u] = k[t + u], acc[u] = vf<W>{};
+    for (int64_t c8 = 0; c8 < e; c8 += 8) {
+      spread.step();
+      const int64_t c_end = std::min(e, c8 + 8);
+      for (int64_t c = c8; c < c_end; ++c) {
+        const vf<W> qv = load<W>(qt + c * W);
+#pragma GCC unroll 8
+        for (int u = 0; u < KB; ++u) acc[u] += qv * kr[u][c];
+      }
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < KB; ++u) store<W>(st + (t + u) * W, acc[u]);
+  }
+  for (; t < n; ++t) {
+    vf<W> acc{};
+    for (int64_t c = 0; c < e; ++c) {
+      if (c % 8 == 0) spread.step();
+      acc += load<W>(qt + c * W) * k[t][c];
+    }
+    store<W>(st + t * W, acc);
+  }
+}
+
+template <int W>
+ATTNX_BODY void lane_softmax_body(float* st, int64_t n, float* m, float* l, float* alpha) {
+  const vf<W> ninf = splat<W>(-std::numeric_limits<float>::infinity());
+  const vf<W> log2e = splat<W>(1.44269504088896341f);
+  const vf<W> m_old = load<W>(m);
+  vf<W> top = m_old;
+  for (int64_t t = 0; t < n; ++t) {
+    const vf<W> x = load<W>(st + t * W);
+    top = x > top ? x : top;
+  }
+  // A lane with no admitted key yet keeps max -inf: subtracting 0 there keeps exp(-inf - -inf)
+  // = NaN out (its terms and its alpha are exp(-inf) = 0).
+  const vf<W> sub = top == ninf ? vf<W>{} : top;
+  vf<W> sum{};
+  for (int64_t t = 0; t < n; ++t) {
+    const vf<W> p = exp2v<W>((load<W>(st + t * W) - sub) * log2e);
+    store<W>(st + t * W, p);
+    sum += p;
+  }
+  const vf<W> a = exp2v<W>((m_old - sub) * log2e);
+  store<W>(alpha, a);
+  store<W>(l, load<W>(l) * a + sum);
+  store<W>(m, top);
+}
+
+// CB columns of the transposed output in registers per pass over the keys: per key, one load
+// of its probabilities (a vector over the rows) and CB FMAs broadcasting its values from memory,
+// as lane_scores does with the keys. The rows' alpha is applied as the columns are loaded.
+template <int W, int CB>
+ATTNX_BODY void lane_add_pass(float* ot, int64_t c0, vf<W> alpha, const float* st,
+                              const float* const* v, int64_t n, Spread& spread) {
+  vf<W> acc[CB];
+#pragma GCC unroll 16
+  for (int u = 0; u < CB; ++u) acc[u] = load<W>(ot + (c0 + u) * W) * alpha;
+  for (int64_t t = 0; t < n; ++t) {
+    spread.step();
+    const vf<W> p = load<W>(st + t * W);
+    const float* row = v[t] + c0;
+    // Opaque to GCC, which otherwise keeps CB offsets c0 + u live across the keys (out of
+    // general registers, shuffled through vector ones: 2x the loop's instructions).
+    asm("" : "+r"(row));
+#pragma GCC unroll 16
+    for (int u = 0; u < CB; ++u) acc[u] += p * row[u];
+  }
+#pragma GCC unroll 16
+  for (int u = 0; u < CB; ++u) store<W>(ot + (c0 + u) * W, acc[u]);
+}
+
+template <int W>
+ATTNX_BODY void lane_add_body(float* ot, const float* alpha, const float* st,
+                              const float* const* v, int64_t n, int64_t ev,
+                              const Ahead<float>& ahead) {
+  // CB accumulators within the ISA's registers (32 zmm; 16 ymm, where AVX2 broadcasts into a
+  // register of its own)
+  constexpr int CB = W == 16 ? 16 : 8;
+  Spread spread(ahead, ((ev / CB) + ev % CB) * n);
+  const vf<W> a = load<W>(alpha);
+  int64_t c = 0;
+  for (; c + CB <= ev; c += CB) lane_add_pass<W, CB>(ot, c, a, st, v, n, spread);
+  for (; c < ev; ++c) lane_add_pass<W, 1>(ot, c, a, st, v, n, spread);
 }
 
 #ifdef ATTNX_X86_DISPATCH
@@ -190,6 +322,31 @@ ATTNX_AVX512 void add_rows_avx512(int rows, float* const* o, const float* const*
                                   const float* const* v, int64_t n, int64_t ev,
                                   const Ahead<float>& ahead) {
   add_rows_any<16>(rows, o, p, v, n, ev, ahead);
+}
+
+ATTNX_AVX2 void lane_scores_avx2(const float* qt, const float* const* k, int64_t n, int64_t e,
+                                 float* st, const Ahead<float>& ahead) {
+  lane_scores_body<8, 8>(qt, k, n, e, st, ahead);
+}
+ATTNX_AVX512 void lane_scores_avx512(const float* qt, const float* const* k, int64_t n,
+                                     int64_t e, float* st, const Ahead<float>& ahead) {
+  lane_scores_body<16, 8>(qt, k, n, e, st, ahead);
+}
+ATTNX_AVX2 void lane_softmax_avx2(float* st, int64_t n, float* m, float* l, float* alpha) {
+  lane_softmax_body<8>(st, n, m, l, alpha);
+}
+ATTNX_AVX512 void lane_softmax_avx512(float* st, int64_t n, float* m, float* l, float* alpha) {
+  lane_softmax_body<16>(st, n, m, l, alpha);
+}
+ATTNX_AVX2 void lane_add_avx2(float* ot, const float* alpha, const float* st,
+                              const float* const* v, int64_t n, int64_t ev,
+                              const Ahead<float>& ahead) {
+  lane_add_body<8>(ot, alpha, st, v, n, ev, ahead);
+}
+ATTNX_AVX512 void lane_add_avx512(float* ot, const float* alpha, const float* st,
+                                  const float* const* v, int64_t n, int64_t ev,
+                                  const Ahead<float>& ahead) {
+  lane_add_body<16>(ot, alpha, st, v, n, ev, ahead);
 }
 
 enum class Isa { baseline, avx2, avx512 };
@@ -226,6 +383,48 @@ void add_rows(int rows, float* const* o, const float* const* p, const float* con
   }
 #endif
   add_rows_any<8>(rows, o, p, v, n, ev, ahead);
+}
+
+int lane_width() {
+#ifdef ATTNX_X86_DISPATCH
+  if (isa() == Isa::avx512) return 16;
+#endif
+  return 8;
+}
+
+void lane_scores(const float* qt, const float* const* k, int64_t n, int64_t e, float* st,
+                 Ahead<float> ahead) {
+#ifdef ATTNX_X86_DISPATCH
+  switch (isa()) {
+    case Isa::avx512: return lane_scores_avx512(qt, k, n, e, st, ahead);
+    case Isa::avx2: return lane_scores_avx2(qt, k, n, e, st, ahead);
+    case Isa::baseline: break;
+  }
+#endif
+  lane_scores_body<8, 8>(qt, k, n, e, st, ahead);
+}
+
+void lane_softmax(float* st, int64_t n, float* m, float* l, float* alpha) {
+#ifdef ATTNX_X86_DISPATCH
+  switch (isa()) {
+    case Isa::avx512: return lane_softmax_avx512(st, n, m, l, alpha);
+    case Isa::avx2: return lane_softmax_avx2(st, n, m, l, alpha);
+    case Isa::baseline: break;
+  }
+#endif
+  lane_softmax_body<8>(st, n, m, l, alpha);
+}
+
+void lane_add(float* ot, const float* alpha, const float* st, const float* const* v, int64_t n,
+              int64_t ev, Ahead<float> ahead) {
+#ifdef ATTNX_X86_DISPATCH
+  switch (isa()) {
+    case Isa::avx512: return lane_add_avx512(ot, alpha, st, v, n, ev, ahead);
+    case Isa::avx2: return lane_add_avx2(ot, alpha, st, v, n, ev, ahead);
+    case Isa::baseline: break;
+  }
+#endif
+  lane_add_body<8>(ot, alpha, st, v, n, ev, ahead);
 }
 
 void dot_rows(int rows, const double* const* q, const double* const* k, int64_t n, int64_t e,

@@ -16,17 +16,38 @@ struct Ahead {
   int64_t n = 0, len = 0;
 };
 
-// For each of `rows` (1 or 2) query rows q[rr]: s[rr][t] = dot(q[rr], k[t][0, e)), t in [0, n).
-// Two rows sharing the keys (two query heads of a GQA group) load each key once for both.
+// For each of `rows` (1 to 4) query rows q[rr]: s[rr][t] = dot(q[rr], k[t][0, e)), t in [0, n).
+// Rows sharing the keys (query heads of a GQA group) load each key once for all of them.
 void dot_rows(int rows, const float* const* q, const float* const* k, int64_t n, int64_t e,
               float* const* s, Ahead<float> ahead = {});
 void dot_rows(int rows, const double* const* q, const double* const* k, int64_t n, int64_t e,
               double* const* s, Ahead<double> ahead = {});
 
-// For each of `rows` (1 or 2) rows: o[rr][0, ev) += sum over t in [0, n) of p[rr][t] v[t][0, ev).
+// For each of `rows` (1 to 4) rows: o[rr][0, ev) += sum over t in [0, n) of p[rr][t] v[t][0, ev).
 void add_rows(int rows, float* const* o, const float* const* p, const float* const* v, int64_t n,
               int64_t ev, Ahead<float> ahead = {});
 void add_rows(int rows, double* const* o, const double* const* p, const double* const* v,
               int64_t n, int64_t ev, Ahead<double> ahead = {});
+
+// Query rows as the lanes of a vector (float32 only), for groups of many rows (Lq > 1 times a
+// GQA group): each key's score comes out for every row at once with no horizontal sums, and
+// the online softmax runs down the lanes. A lane tile st holds n keys x lane_width() rows
+// (st[t * W + r]); qt, a group's query rows transposed (qt[c * W + r], zero past its rows).
+int lane_width();  // W: 16 on AVX-512, else 8
+
+// st[t * W + r] = dot(q_r, k[t][0, e)) for t in [0, n).
+void lane_scores(const float* qt, const float* const* k, int64_t n, int64_t e, float* st,
+                 Ahead<float> ahead = {});
+
+// The online softmax of a lane tile, per lane r: m[r] <- max(m[r], st[., r]); st <- exp(st -
+// m[r]) (0 for -inf: masked keys); l[r] <- l[r] alpha[r] + the sum of the new st[., r], where
+// alpha[r] = exp(old m[r] - new m[r]) is returned for the output rows (0 while a row has
+// admitted no key).
+void lane_softmax(float* st, int64_t n, float* m, float* l, float* alpha);
+
+// ot[c * W + r] <- alpha[r] ot[c * W + r] + sum over t in [0, n) of st[t * W + r] v[t][c], c in
+// [0, ev): the output rows held transposed, a vector over the rows per column.
+void lane_add(float* ot, const float* alpha, const float* st, const float* const* v, int64_t n,
+              int64_t ev, Ahead<float> ahead = {});
 
 }  // namespace attnx::cpu

@@ -21,10 +21,6 @@ namespace {
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 template <int W>
-ATTNX_BODY vf<W> splat(float x) {
-  return vf<W>{} + x;
-}
-template <int W>
 ATTNX_BODY vu<W> splatu(uint32_t x) {
   return vu<W>{} + x;
 }
@@ -47,29 +43,6 @@ ATTNX_BODY void store_tail(float* p, int64_t n, vf<W> v) {
   float buf[W];
   store<W>(buf, v);
   for (int64_t t = 0; t < n; ++t) p[t] = buf[t];
-}
-
-// 2^y for y <= 0, y = x log2(e) in exp_sum: y's rounded to an integer n and a fraction
-// |f| <= 1/2, 2^f by a degree-5 polynomial (fitted for relative error: 9e-8, 1.6e-7 with
-// float rounding), n added to the exponent bits. Exactly 0 below -125 (so 2^-inf = 0).
-// Softmax arguments are never positive, so there is no overflow clamp. The AVX2 and AVX-512
-// bodies give the same values bitwise (both contract the polynomial to FMAs).
-template <int W>
-ATTNX_BODY vf<W> exp2v(vf<W> y) {
-  // Below -125 the result is 0: the mask at the end discards whatever the rounding makes of
-  // such y (-inf included), so they need no clamp (7% of exp_sum's time).
-  const vi<W> dead = y < splat<W>(-125.0f);
-  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer n
-  const vf<W> t = y + splat<W>(magic);
-  const vf<W> f = y - (t - splat<W>(magic));
-  vf<W> p = splat<W>(1.32647e-3f);
-  p = p * f + splat<W>(9.67151e-3f);
-  p = p * f + splat<W>(5.550734e-2f);
-  p = p * f + splat<W>(2.4022242e-1f);
-  p = p * f + splat<W>(6.9314698e-1f);
-  p = p * f + splat<W>(1.0f);
-  // t's bits are magic's plus n, and magic's low 9 bits are 0: shifted by 23, they are n's.
-  return (vf<W>)(((vi<W>)p + ((vi<W>)t << 23)) & ~dead);
 }
 
 template <int W>
