@@ -40,6 +40,51 @@ def test_additive_flops_formula():
     assert flops.forward(_case("additive", causal=True, b=4, h=1, lq=5, lk=7, d=32, ev=16)) == flops.forward(c) / 2
 
 
+def test_kvcache_and_varlen_flops():
+    kv = Case("kvcache", 2, 8, 4, 300, 64, 64, True, "float32", "cpu", kv_heads=2)
+    assert flops.forward(kv) == 4 * 2 * 8 * 4 * 300 * 64  # every query against the whole cache
+    lens = (5, 17, 40)
+    packed = Case("varlen", 3, 2, 62, 62, 16, 16, False, "float32", "cpu", lengths=lens)
+    per_sequence = sum(flops.forward(_case(b=1, h=2, lq=n, lk=n, d=16, ev=16)) for n in lens)
+    assert flops.forward(packed) == per_sequence
+    causal = Case("varlen", 3, 2, 62, 62, 16, 16, True, "float32", "cpu", lengths=lens)
+    assert flops.count(causal, "forward_backward") == 3.5 * per_sequence / 2
+
+
+def _provider(name: str, op: str) -> Provider:
+    found = {(p.name, p.op): p for p in providers.discover("cpu", probe_flex=False,
+                                                           probe_compile=False)}
+    return found[(name, op)]
+
+
+@pytest.mark.parametrize("lq", [1, 4])
+def test_kvcache_providers_compute_the_same(lq):
+    """A benchmark of different problems is worth nothing: attnx and torch's peer agree."""
+    c = Case("kvcache", 2, 8, lq, 33, 16, 16, True, "float32", "cpu", kv_heads=2)
+    x = make_inputs(c)
+    with torch.no_grad():
+        got, want = (_provider(name, "kvcache").run(x, True) for name in ("attnx-cpu", "torch-sdpa"))
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_providers_compute_the_same(causal):
+    """attnx on the packed batch and torch's SDPA on the same tokens padded (the peer's layout,
+    with its key-padding mask where not causal) agree on the real tokens."""
+    lens = (5, 17, 9)
+    c = Case("varlen", 3, 2, 31, 31, 8, 8, causal, "float32", "cpu", lengths=lens)
+    packed = make_inputs(c, "packed")
+    padded = make_inputs(c, "padded")
+    assert padded["q"].shape == (3, 2, 17, 8) and (padded["key_padding"] is None) == causal
+    real = torch.arange(17).view(1, -1) < torch.tensor(lens).view(-1, 1)
+    for name in ("q", "k", "v"):  # the packed tokens in the padded layout
+        padded[name] = torch.zeros(3, 17, 2, 8).index_put_((real,), packed[name]).transpose(1, 2)
+    with torch.no_grad():
+        got = _provider("attnx-cpu", "varlen").run(packed, causal)
+        want = _provider("torch-sdpa-padded", "varlen").run(padded, causal)
+    torch.testing.assert_close(got, want.transpose(1, 2)[real])
+
+
 def _assert_additive_matches_reference(run):
     import attnx
 
@@ -161,6 +206,27 @@ def test_table_lists_errors_and_spread():
     text = report.table(doc)
     assert "| 2.000 | 1.500-3.000 | 500.0 | 50 | 2.0 |" in text
     assert "error: RuntimeError: boom" in text
+
+
+def test_quick_kvcache_and_varlen_run(tmp_path, capsys):
+    """`attnx bench --ops kvcache,varlen`: decoding forward only, varlen forward and training
+    step, attnx against torch's peers, in the table, results.json and two plots."""
+    main(["--quick", "--ops", "kvcache,varlen", "--out", str(tmp_path), "--repeats", "2",
+          "--threads", "1", "--no-memory",
+          "--providers", "attnx-cpu,torch-sdpa,torch-sdpa-padded"])
+    doc = json.loads((tmp_path / "results.json").read_text())
+    seen = {(r["case"]["op"], r["pass"], r["provider"]) for r in doc["results"]
+            if "error" not in r["time"]}
+    assert seen == {("kvcache", "forward", "attnx-cpu"), ("kvcache", "forward", "torch-sdpa"),
+                    ("varlen", "forward", "attnx-cpu"), ("varlen", "forward", "torch-sdpa-padded"),
+                    ("varlen", "forward_backward", "attnx-cpu"),
+                    ("varlen", "forward_backward", "torch-sdpa-padded")}
+    for r in doc["results"]:
+        assert r["flops"] == flops.count(Case(**r["case"]), r["pass"])
+    out = capsys.readouterr().out
+    assert "Hq8/2 Lq4 cache256" in out and "N3 H2 tokens121 (17-64)" in out
+    for name in ("throughput_kvcache", "throughput_varlen"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_unknown_provider_is_a_clear_error():

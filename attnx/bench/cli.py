@@ -31,7 +31,9 @@ def parser() -> argparse.ArgumentParser:
         "and flash-attn/xformers when installed. Prints a table and writes results.json and "
         "PNG plots to --out."))
     p.add_argument("--ops", type=_csv(str), default=("sdpa", "additive"),
-                   help="sdpa,additive; or hf alone: a small Llama-style transformers model, "
+                   help="sdpa,additive,kvcache,varlen (kvcache: decoding against a full cache, "
+                        "forward only; varlen: one packed batch of mixed lengths against torch "
+                        "on it padded); or hf alone: a small Llama-style transformers model, "
                         "attn_implementation attnx against sdpa (forward, generate; tokens/s)")
     p.add_argument("--seqlens", type=_csv(int), help="sequence lengths (Lq = Lk), e.g. 512,1024")
     p.add_argument("--head-dims", type=_csv(int), help="SDPA head dims, e.g. 64,128")
@@ -127,9 +129,9 @@ def run(args, argv) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
-    unknown_ops = set(args.ops) - {"sdpa", "additive"}
+    unknown_ops = set(args.ops) - set(shapes.OPS)
     if unknown_ops:
-        raise SystemExit(f"--ops: unknown {sorted(unknown_ops)}; choose from sdpa, additive")
+        raise SystemExit(f"--ops: unknown {sorted(unknown_ops)}; choose from {', '.join(shapes.OPS)}")
     sweep = _sweep(args, device)
     names = set(args.providers or ())
     probe_flex = "sdpa" in args.ops and (not args.quick or "torch-flex" in names)
@@ -150,7 +152,8 @@ def run(args, argv) -> dict:
         memory.GPU_METHOD if device == "cuda" else memory.CPU_METHOD)
     doc["gemm"] = machine.gemm_rate(device, sweep.repeats, small=args.quick)
     doc["load_average_before"] = machine.load_average()
-    work = [(c, p) for op in args.ops for c in shapes.cases(op, sweep, device) for p in sweep.passes]
+    work = [(c, p) for op in args.ops for c in shapes.cases(op, sweep, device) for p in sweep.passes
+            if op in shapes.TRAINABLE or p == "forward"]
     progress = Progress(len(work))
     results = []
     mem_reason = None if device == "cuda" else memory.rss_supported()
@@ -188,8 +191,10 @@ def main(argv=None) -> int:
     pngs = plots.write_all(doc, args.out)
     print(report.header(doc))
     print(report.table(doc))
-    print()
-    print(report.summary(doc))
+    pivot = report.summary(doc)
+    if pivot:
+        print()
+        print(pivot)
     print(f"wrote {path}" + "".join(f"\nwrote {p}" for p in pngs))
     return 0
 

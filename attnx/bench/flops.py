@@ -8,6 +8,9 @@ and tanh as 1: forward 4A + 2Ev (q_i + k_j, tanh, the dot with v as A multiply-a
 backward 12A + 4Ev (recomputing the scores 4A; dtanh = dS * v * (1 - t^2) 4A; accumulating it
 into dq_i and dk_j 2A and dS * t into dv 2A; dP = dO V^T and dV = P^T dO 2Ev each). Causal halves
 the pairs. (A count of 3A + 2Ev, also seen, takes the v dot-product as A FLOPs.)
+Packed sequences (varlen) count as flash-attention counts them, over the real tokens only:
+4 * H * D * sum_n L_n^2, halved for causal. Decoding (kvcache) counts every query against the
+whole cache, 4 * B * Hq * Lq * L * D (the causal band drops Lq - 1 keys of L: not halved).
 These are conventions for comparing providers on the same problem, not hardware counters.
 """
 
@@ -20,18 +23,23 @@ BACKWARD_FACTOR = 2.5  # flash-attention's convention for SDPA
 
 def pairs(case: Case) -> float:
     """Number of (query, key) pairs computed, with causal taken as half the square."""
-    n = case.batch * case.heads * case.seqlen_q * case.seqlen_k
+    if case.op == "kvcache":
+        return case.batch * case.heads * case.seqlen_q * case.seqlen_k
+    if case.op == "varlen":
+        n = case.heads * sum(length * length for length in case.lengths)
+    else:
+        n = case.batch * case.heads * case.seqlen_q * case.seqlen_k
     return n / 2 if case.causal else n
 
 
 def forward(case: Case) -> float:
-    if case.op == "sdpa":
-        return 4.0 * pairs(case) * case.head_dim
-    return pairs(case) * (4.0 * case.head_dim + 2.0 * case.value_dim)
+    if case.op == "additive":
+        return pairs(case) * (4.0 * case.head_dim + 2.0 * case.value_dim)
+    return 4.0 * pairs(case) * case.head_dim
 
 
 def backward(case: Case) -> float:
-    if case.op == "sdpa":
+    if case.op in ("sdpa", "varlen"):
         return BACKWARD_FACTOR * forward(case)
     return pairs(case) * (12.0 * case.head_dim + 4.0 * case.value_dim)
 

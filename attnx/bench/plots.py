@@ -54,7 +54,7 @@ def _log2_x(ax, xs):
     ax.xaxis.set_minor_locator(ticker.NullLocator())
 
 
-def _draw(ax, series, title, ylabel, logy=False, gemm=None):
+def _draw(ax, series, title, ylabel, logy=False, gemm=None, xlabel="sequence length (Lq = Lk)"):
     if gemm is not None:  # the machine's GEMM rate: the ceiling the kernels are read against
         ax.axhline(gemm[0], color="gray", linestyle="--", linewidth=1, label=gemm[1])
     several_shapes = len({s for _, s in series}) > 1
@@ -79,7 +79,7 @@ def _draw(ax, series, title, ylabel, logy=False, gemm=None):
     else:
         ax.set_ylim(bottom=0)
     ax.set_title(title)
-    ax.set_xlabel("sequence length (Lq = Lk)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
     if series:
@@ -122,7 +122,59 @@ def write_all(doc: dict, out_dir: str) -> list:
                                logy=True))
     if "additive" in ops:
         paths.append(_additive_vs_naive(doc, passes, os.path.join(out_dir, "additive_vs_naive.png"), where))
+    if any(r["case"]["op"] == "kvcache" for r in doc["results"]):
+        paths.append(_kvcache(doc, div, label, os.path.join(out_dir, "throughput_kvcache.png"), where))
+    if any(r["case"]["op"] == "varlen" for r in doc["results"]):
+        paths.append(_varlen(doc, div, label, os.path.join(out_dir, "throughput_varlen.png"), where))
     return paths
+
+
+def _kvcache(doc, div, label, path, where):
+    """Decoding throughput against the cache length, a line per provider and (B, Lq)."""
+    value, series = _throughput(div), defaultdict(list)
+    for r in doc["results"]:
+        c = r["case"]
+        if c["op"] == "kvcache" and value(r) is not None:
+            series[(r["provider"], f"B{c['batch']} Lq{c['seqlen_q']}")].append((c["seqlen_k"], value(r)))
+    fig, ax = plt.subplots(figsize=(7, 5))
+    _draw(ax, {k: sorted(v) for k, v in series.items()}, "forward (decoding step)",
+          f"throughput ({label})", xlabel="cache length (keys per sequence)")
+    fig.suptitle(f"attention_with_kvcache throughput ({where})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _varlen(doc, div, label, path, where):
+    """Packed-batch throughput per provider (bars), a panel per pass, causal and not side by side."""
+    value = _throughput(div)
+    passes = [p for p in PASS_TITLES if any(r["pass"] == p and r["case"]["op"] == "varlen"
+                                            for r in doc["results"])]
+    fig, axes = plt.subplots(1, len(passes), figsize=(5.5 * len(passes), 4.5), squeeze=False)
+    for col, pass_ in enumerate(passes):
+        ax = axes[0][col]
+        bars = {}
+        for r in doc["results"]:
+            c = r["case"]
+            if c["op"] == "varlen" and r["pass"] == pass_ and value(r) is not None:
+                bars[(r["provider"], "causal" if c["causal"] else "not causal")] = value(r)
+        names = sorted({p for p, _ in bars})
+        for i, causal in enumerate(("not causal", "causal")):
+            ys = [bars.get((p, causal), (0.0, None, None))[0] for p in names]
+            ax.bar([x + 0.4 * i for x in range(len(names))], ys, width=0.4, label=causal)
+        ax.set_xticks([x + 0.2 for x in range(len(names))], names, rotation=20, fontsize=7)
+        ax.set_title(PASS_TITLES[pass_])
+        ax.set_ylabel(f"throughput ({label})")
+        ax.legend(fontsize=7)
+    c = next(r["case"] for r in doc["results"] if r["case"]["op"] == "varlen")
+    lens = c["lengths"]
+    fig.suptitle(f"varlen_attention, {len(lens)} sequences of {min(lens)}-{max(lens)} tokens "
+                 f"({sum(lens)} in all) ({where})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _additive_vs_naive(doc, passes, path, where):

@@ -30,10 +30,10 @@ COMPILE_PROBE_SECONDS = 60
 @dataclass
 class Provider:
     name: str
-    op: str  # "sdpa" or "additive"
+    op: str  # "sdpa", "additive", "kvcache" or "varlen" (shapes.OPS)
     run: Optional[Callable] = None  # run(inputs: dict, causal: bool) -> Tensor
     reason: Optional[str] = None  # why it cannot run here; None when it can
-    layout: str = "bhld"  # "blhd" for libraries that take (B, L, H, D)
+    layout: str = "bhld"  # "blhd" for libraries that take (B, L, H, D); varlen: "packed"/"padded"
     context: Callable = field(default=contextlib.nullcontext)  # entered around each timed block
 
     @property
@@ -52,8 +52,53 @@ def _attnx(backend: str, status) -> list:
         return attnx.additive_attention(x["q"], x["k"], x["value"], x["v"], is_causal=causal,
                                         backend=backend)
 
+    def kvcache(x, causal):
+        return attnx.attention_with_kvcache(x["q"], x["k_cache"], x["v_cache"], x["seqlens"],
+                                            is_causal=causal, backend=backend)
+
+    def varlen(x, causal):
+        cu, longest = x["cu_seqlens"], x["longest"]
+        return attnx.varlen_attention(x["q"], x["k"], x["v"], cu, cu, longest, longest,
+                                      is_causal=causal, backend=backend)
+
     return [Provider(f"attnx-{backend}", "sdpa", sdpa, reason),
-            Provider(f"attnx-{backend}", "additive", additive, reason)]
+            Provider(f"attnx-{backend}", "additive", additive, reason),
+            Provider(f"attnx-{backend}", "kvcache", kvcache, reason),
+            Provider(f"attnx-{backend}", "varlen", varlen, reason, layout="packed")]
+
+
+def _torch_peers() -> list:
+    """What a user runs instead of the kvcache and varlen ops: torch's SDPA (its own choice of
+    kernel) over the cache as it is (GQA through enable_gqa, the bottom-right band as a bool
+    mask when Lq > 1), and over the packed batch padded to its longest sequence."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def decode(x, causal):
+        return sdpa(x["q"], x["k_cache"], x["v_cache"], attn_mask=x["band"] if causal else None,
+                    enable_gqa=True)
+
+    def padded(x, causal):
+        return sdpa(x["q"], x["k"], x["v"], attn_mask=x["key_padding"], is_causal=causal)
+
+    return [Provider("torch-sdpa", "kvcache", decode),
+            Provider("torch-sdpa-padded", "varlen", padded, layout="padded")]
+
+
+def _torch_varlen(device: str) -> Provider:
+    """torch's own packed-sequence kernel (torch.nn.attention.varlen, CUDA only)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as exc:
+        return Provider("torch-varlen", "varlen", reason=f"no torch.nn.attention.varlen here ({exc})")
+    if device != "cuda":
+        return Provider("torch-varlen", "varlen", reason="torch's varlen_attn runs on CUDA only")
+
+    def run(x, causal):
+        cu, longest = x["cu_seqlens"], x["longest"]
+        return varlen_attn(x["q"], x["k"], x["v"], cu, cu, longest, longest,
+                           window_size=(-1, 0) if causal else (-1, -1))
+
+    return Provider("torch-varlen", "varlen", run, layout="packed")
 
 
 def _torch_sdpa(kernel: str, device: str) -> Provider:
@@ -208,6 +253,7 @@ def discover(device: str, probe_flex: bool = True, probe_compile: bool = True) -
         found += _attnx(name, status[name])
     found += [_torch_sdpa(k, device) for k in TORCH_SDPA_KERNELS.get(device, ())]
     found.append(_flex(device, probe_flex))
+    found += _torch_peers() + [_torch_varlen(device)]
     found += [Provider("naive", "sdpa", naive_sdpa), Provider("naive", "additive", naive_additive)]
     found.append(_compiled_additive(device, probe_compile))
     found += [_flash_attn(device), _xformers(device)]

@@ -34,6 +34,22 @@ def _mb(mem: dict) -> str:
     return f"{mem['bytes'] / 2**20:.1f}"
 
 
+def _dims(c: dict) -> str:
+    return f"A{c['head_dim']} Ev{c['value_dim']}" if c["op"] == "additive" else f"D{c['head_dim']}"
+
+
+def _shape(c: dict) -> str:
+    if c["op"] == "kvcache":
+        size = f"B{c['batch']} Hq{c['heads']}/{c['kv_heads']} Lq{c['seqlen_q']} cache{c['seqlen_k']}"
+    elif c["op"] == "varlen":
+        lens = c["lengths"]
+        size = f"N{len(lens)} H{c['heads']} tokens{c['seqlen_q']} ({min(lens)}-{max(lens)})"
+    else:
+        size = (f"B{c['batch']} H{c['heads']} L{c['seqlen_q']}"
+                + ("" if c["seqlen_q"] == c["seqlen_k"] else f"/{c['seqlen_k']}"))
+    return f"{size} {_dims(c)} {c['dtype']}" + (" causal" if c["causal"] else "")
+
+
 def table(doc: dict) -> str:
     """A markdown table of every result: median time with its min-max, throughput, memory."""
     div, label = unit(doc["device"]["type"])
@@ -41,10 +57,7 @@ def table(doc: dict) -> str:
     rows = []
     for r in doc["results"]:
         c = r["case"]
-        shape = (f"B{c['batch']} H{c['heads']} L{c['seqlen_q']}"
-                 + ("" if c["seqlen_q"] == c["seqlen_k"] else f"/{c['seqlen_k']}")
-                 + (f" D{c['head_dim']}" if c["op"] == "sdpa" else f" A{c['head_dim']} Ev{c['value_dim']}")
-                 + f" {c['dtype']}" + (" causal" if c["causal"] else ""))
+        shape = _shape(c)
         t = r["time"]
         if "error" in t:
             timing = [f"error: {t['error']}", "", "", ""]
@@ -72,17 +85,21 @@ def header(doc: dict) -> str:
 
 def summary(doc: dict) -> str:
     """Throughput pivot: one row per (op, pass, causal, shape, provider), one column per
-    sequence length; "err" where the provider failed."""
+    sequence length; "err" where the provider failed. (kvcache and varlen cases have shapes of
+    their own: the table's rows list them.)"""
     div, label = unit(doc["device"]["type"])
     rows, seqlens = {}, set()
     for r in doc["results"]:
         c = r["case"]
-        dims = f"D{c['head_dim']}" if c["op"] == "sdpa" else f"A{c['head_dim']} Ev{c['value_dim']}"
-        key = (c["op"], r["pass"], "causal" if c["causal"] else "", f"H{c['heads']} {dims} {c['dtype']}",
-               r["provider"])
+        if c["op"] not in ("sdpa", "additive"):
+            continue
+        key = (c["op"], r["pass"], "causal" if c["causal"] else "",
+               f"H{c['heads']} {_dims(c)} {c['dtype']}", r["provider"])
         seqlens.add(c["seqlen_q"])
         cell = "err" if "error" in r["time"] else f"{r['flops_per_s'] / div:.1f}"
         rows.setdefault(key, {})[c["seqlen_q"]] = cell
+    if not rows:
+        return ""
     cols = sorted(seqlens)
     head = ["op", "pass", "causal", "shape", "provider"] + [f"L={n}" for n in cols]
     lines = [f"{label} (median; batch x L held constant per op)", "",

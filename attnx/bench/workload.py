@@ -22,11 +22,35 @@ def make_inputs(case: Case, layout: str = "bhld", requires_grad: bool = False, s
         return t.requires_grad_(requires_grad)
 
     b, h, lq, lk = case.batch, case.heads, case.seqlen_q, case.seqlen_k
+    if case.op == "kvcache":  # every sequence's cache full; torch's peer takes the band as a mask
+        band = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq).to(case.device)
+        return {"q": rand(b, h, lq, case.head_dim), "k_cache": rand(b, case.kv_heads, lk, case.head_dim),
+                "v_cache": rand(b, case.kv_heads, lk, case.value_dim),
+                "seqlens": torch.full((b,), lk, dtype=torch.int32, device=case.device),
+                "band": None if lq == 1 else band}
+    if case.op == "varlen":
+        return _varlen_inputs(case, layout, rand)
     if case.op == "sdpa":
         return {"q": rand(b, h, lq, case.head_dim), "k": rand(b, h, lk, case.head_dim),
                 "v": rand(b, h, lk, case.value_dim)}
     return {"q": rand(b, h, lq, case.head_dim), "k": rand(b, h, lk, case.head_dim),
             "value": rand(b, h, lk, case.value_dim), "v": rand(case.head_dim) / case.head_dim ** 0.5}
+
+
+def _varlen_inputs(case: Case, layout: str, rand) -> dict:
+    """The packed batch ("packed": (total, H, D) rows and cu_seqlens), or the same batch padded
+    at each sequence's end to the longest ("padded": (N, H, Lmax, D) and, not causal, the
+    key-padding mask; causal needs none, a real query never reaching a padded key)."""
+    lens, h = tuple(case.lengths), case.heads  # a list when the case comes back from JSON
+    if layout == "packed":
+        cu = torch.tensor((0,) + lens).cumsum(0).to(device=case.device, dtype=torch.int32)
+        return {"q": rand(case.seqlen_q, h, case.head_dim), "k": rand(case.seqlen_k, h, case.head_dim),
+                "v": rand(case.seqlen_k, h, case.value_dim), "cu_seqlens": cu, "longest": max(lens)}
+    n, longest = len(lens), max(lens)
+    real = (torch.arange(longest).view(1, -1) < torch.tensor(lens).view(-1, 1)).to(case.device)
+    return {"q": rand(n, h, longest, case.head_dim), "k": rand(n, h, longest, case.head_dim),
+            "v": rand(n, h, longest, case.value_dim),
+            "key_padding": None if case.causal else real.view(n, 1, 1, longest)}
 
 
 def make_step(provider: Provider, case: Case, pass_: str) -> Callable[[], object]:
@@ -49,7 +73,7 @@ def make_step(provider: Provider, case: Case, pass_: str) -> Callable[[], object
         return forward
 
     x = make_inputs(case, provider.layout, requires_grad=True)
-    leaves = list(x.values())
+    leaves = [t for t in x.values() if isinstance(t, torch.Tensor) and t.requires_grad]
     if pass_ == "backward":
         out = call(x)
         grad = torch.randn_like(out)
