@@ -1,8 +1,7 @@
 """attnx.varlen_attention (API.md): packed variable-length batches on the reference, cpu,
-triton and cuda backends (triton's ALiBi only on sequences with Lq == Lk; in Triton's
-interpreter on CPU tensors without a GPU, tests/conftest.py, on few and small cases: it runs each program in
-Python; cuda in float16 and bfloat16, without a GPU through the host harness,
-ATTNX_CUDA_ON_CPU=1, csrc/cuda/host/).
+triton and cuda backends (triton in Triton's interpreter on CPU tensors without a GPU,
+tests/conftest.py, on few and small cases: it runs each program in Python; cuda in float16 and
+bfloat16, without a GPU through the host harness, ATTNX_CUDA_ON_CPU=1, csrc/cuda/host/).
 
 The golden value is plain torch SDPA in float64 run on each sequence alone, the bottom-right
 band as a bool mask and GQA heads repeated; the bound is a small multiple of what the same
@@ -335,9 +334,10 @@ BAD = [
     (dict(k=torch.randn(5, 3, 8), v=torch.randn(5, 3, 4)), ValueError,
      "k: expected a head count dividing 2"),
     (dict(v=torch.randn(5, 2, 4, dtype=torch.float64)), TypeError, "v: expected dtype torch.float32"),
-    (dict(backend="triton", alibi_slopes=torch.ones(2)), ValueError,
-     "backend: 'triton' cannot run this call: .*(TRITON_INTERPRET|alibi_slopes only where every "
-     "sequence has Lq == Lk, got sequence 0 with \\(Lq, Lk\\) = \\(3, 2\\))"),
+    (dict(backend="triton", **{n: torch.randn(5, h, 8, dtype=torch.float64)
+                               for n, h in (("q", 2), ("k", 1), ("v", 1))}), ValueError,
+     "backend: 'triton' cannot run this call: .*(TRITON_INTERPRET|takes float16, bfloat16 and "
+     "float32, got torch.float64)"),
     (dict(backend="cuda"), ValueError,
      "backend: 'cuda' cannot run this call: the cuda backend takes CUDA tensors, got device cpu"),
     (dict(is_causal=1), TypeError, "is_causal: expected a bool"),
@@ -433,21 +433,24 @@ def test_modifiers_match_golden(backend, dtype, mod, is_causal):
         assert_within(a, w, b, factor=3.0, floor=TOL[dtype], what=name)
 
 
-# Lq == Lk in every sequence (ALiBi's distance is the same both ways): what triton takes ALiBi on
-SQUARE_LENS = [(17, 17), (1, 1), (0, 0), (40, 40), (9, 9)]
+# Lq != Lk both ways (ALiBi's and the band's bottom-right alignment), lengths 0 and 1, a
+# sequence without keys: few and short, the interpreter runs each program in Python
+TRITON_LENS = [(17, 17), (1, 1), (3, 20), (20, 3), (0, 4), (9, 0)]
 
 
 @pytest.mark.parametrize("backend,dtype,mod,is_causal",
                          # the interpreter runs each program in Python: few cases
-                         cases(["triton"], [(torch.float32, "all", True), (torch.bfloat16, "sinks", False),
-                                            (torch.float32, "softcap", False)]))
+                         cases(["triton"], [(torch.float32, "all", True),
+                                            (torch.bfloat16, "sinks", False),
+                                            (torch.float32, "softcap", False),
+                                            (torch.float32, "alibi", False)]))
 def test_triton_modifiers_match_golden(backend, dtype, mod, is_causal):
     """Output, lse and gradients (q, k, v, sinks) of triton's varlen with the modifiers, GQA,
-    against the float64 formula, on sequences with Lq == Lk (ALiBi's restriction there)."""
+    against the float64 formula."""
     kw = dict(MODS[mod])
     if isinstance(kw.get("alibi_slopes"), torch.Tensor) and kw["alibi_slopes"].dim() == 2:
-        kw["alibi_slopes"] = kw["alibi_slopes"][:len(SQUARE_LENS)]
-    q, k, v, cu_q, cu_k = pack(SQUARE_LENS, 4, 2, 16, 8, dtype, seed=7)
+        kw["alibi_slopes"] = kw["alibi_slopes"][:len(TRITON_LENS)]
+    q, k, v, cu_q, cu_k = pack(TRITON_LENS, 4, 2, 16, 8, dtype, seed=7)
     g = torch.randn(q.shape[0], 4, 8, generator=torch.Generator().manual_seed(5))
     gl = torch.randn(4, q.shape[0], generator=torch.Generator().manual_seed(6))
     sdtype = torch.float32 if dtype == torch.bfloat16 else dtype
@@ -464,18 +467,46 @@ def test_triton_modifiers_match_golden(backend, dtype, mod, is_causal):
 
     alibi = kw.get("alibi_slopes")
     gm = dict(softcap=kw.get("softcap"), sinks=None,
-              alibi=None if alibi is None else alibi.expand(len(SQUARE_LENS), -1))
+              alibi=None if alibi is None else alibi.expand(len(TRITON_LENS), -1))
     (out, lse), got = run(call, sdtype)
     (want, want_lse), want_g = run(lambda x, y, z, s: golden(
-        x, y, z, SQUARE_LENS, is_causal, **dict(gm, sinks=s)), torch.float64)
+        x, y, z, TRITON_LENS, is_causal, **dict(gm, sinks=s)), torch.float64)
     (base, _), base_g = run(lambda x, y, z, s: golden(
-        x, y, z, SQUARE_LENS, is_causal, dtype=dtype, **dict(gm, sinks=s)), sdtype)
+        x, y, z, TRITON_LENS, is_causal, dtype=dtype, **dict(gm, sinks=s)), sdtype)
     assert_within(out, want, base, floor=TOL[dtype])
     fin = torch.isfinite(want_lse)
     assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
     assert_within(lse[fin], want_lse[fin].float(), want_lse[fin].float(), floor=1e-5, what="lse")
     for name, a, w, b in zip(("dq", "dk", "dv", "dsinks"), got, want_g, base_g):
         assert_within(a, w, b, factor=3.0, floor=TOL[dtype], what=name)
+
+
+@pytest.mark.parametrize("backend", cases(["triton"]))
+def test_triton_alibi_rows_of_huge_lse(backend):
+    """Scores of hundreds (|lse| >= common.HUGE_LSE): the backward's pre-pass then re-reads the
+    keys for its row sums, ALiBi's bottom-right distance included (Lq != Lk)."""
+    lens = [(3, 20), (20, 3), (5, 5)]
+    slopes = torch.tensor([[0.5, 2.0], [1.0, 0.25], [3.0, 0.5]])
+    q, k, v, cu_q, cu_k = pack(lens, 2, 1, 16, 8, torch.float32, seed=8)
+    g = torch.randn(q.shape[0], 2, 8, generator=torch.Generator().manual_seed(5))
+    gl = torch.randn(2, q.shape[0], generator=torch.Generator().manual_seed(6))
+
+    def call(x, y, z, _):
+        out, lse = attnx.varlen_attention(*on(backend, x, y, z, cu_q, cu_k), is_causal=True,
+                                          scale=40.0, alibi_slopes=slopes.to(device(backend)),
+                                          backend=backend, return_lse=True)
+        return out.cpu(), lse.cpu()
+
+    def gold(dtype):
+        return lambda x, y, z, _: golden(x, y, z, lens, True, scale=40.0, dtype=dtype,
+                                         alibi=slopes)
+    (out, lse), got = run_with_modifiers(call, q, k, v, None, None, g, gl)
+    (want, want_lse), want_g = run_with_modifiers(gold(torch.float64), q, k, v, None, None, g, gl)
+    (base, _), base_g = run_with_modifiers(gold(torch.float32), q, k, v, None, None, g, gl)
+    assert want_lse[torch.isfinite(want_lse)].abs().max() > 256  # the huge rows are there
+    assert_within(out, want, base, floor=TOL[torch.float32])
+    for name, a, w, b in zip(("dq", "dk", "dv"), got, want_g, base_g):
+        assert_within(a, w, b, factor=3.0, floor=TOL[torch.float32], what=name)
 
 
 @pytest.mark.parametrize("backend", MOD_BACKENDS)

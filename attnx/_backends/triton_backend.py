@@ -51,11 +51,6 @@ def unsupported(op: str, call) -> Optional[str]:
             "additive": lambda: (call.value.shape[-1],)}[op]()
     if max(dims) > MAX_HEAD_DIM:
         return f"the triton backend takes head dims up to {MAX_HEAD_DIM}, got {dims}"
-    if op == "varlen" and call.mods.alibi is not None:
-        uneven = next(((n, lq, lk) for n, (lq, lk) in enumerate(call.lens) if lq != lk), None)
-        if uneven is not None:  # attnx/triton/varlen.py: ALiBi's distance taken top-left
-            return ("its varlen kernels take alibi_slopes only where every sequence has "
-                    f"Lq == Lk, got sequence {uneven[0]} with (Lq, Lk) = {uneven[1:]}")
     return None
 
 

@@ -109,12 +109,17 @@ def _head_bases(K, V, M, b, h, hk, skb, skh, svb, svh, smb, smh):
 
 
 @triton.jit
-def _slope(SLOPES, b, h, sab, sah, ALIBI: tl.constexpr):
-    """The ALiBi slope of batch b, query head h (0.0, unread, without ALIBI)."""
+def _alibi(SLOPES, b, h, sab, sah, Lq, Lk, ALIBI: tl.constexpr, VARLEN: tl.constexpr):
+    """(ALiBi's slope for batch b, query head h (0.0, unread, without ALIBI); the shift of its
+    diagonal: query i's is key i + shift, 0 (top-left) for SDPA, Lk - Lq (bottom-right, as the
+    band) for a packed sequence)."""
     slope = 0.0
     if ALIBI:
         slope = tl.load(SLOPES + b * sab + h * sah)
-    return slope
+    shift = 0
+    if VARLEN:
+        shift = Lk - Lq
+    return slope, shift
 
 
 @triton.jit
@@ -142,7 +147,7 @@ def _varlen_row_keys(RNG, n, h, offs_m):
 @triton.jit
 def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs_m, row_ok,
                 offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc,
-                window_lo, window_hi, key_row, threshold, inv_keep, cap, slope,
+                window_lo, window_hi, key_row, threshold, inv_keep, cap, slope, shift,
                 EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                 DOT_PREC: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -174,8 +179,8 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
         else:
             ok = row_ok[:, None]  # only read by the mask loads
         if (MASK_KIND == 2 or SOFTCAP) or ALIBI:  # natural units (Triton takes no a or b or c)
-            s, _ = modified(qk * sc, cap, slope, offs_m[:, None], offs_n[None, :], SOFTCAP,
-                            ALIBI)
+            s, _ = modified(qk * sc, cap, slope, offs_m[:, None] + shift, offs_n[None, :],
+                            SOFTCAP, ALIBI)
             if MASK_KIND == 2:
                 s += tl.load(m_base + offsets(offs_m, offs_n, smm, smn), mask=ok,
                              other=0.0).to(tl.float32)
@@ -268,7 +273,7 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS,
             key_row, threshold = _varlen_row_keys(RNG, b, h, offs_m)
         else:
             key_row, threshold = row_keys(RNG, bh, offs_m)
-    slope = _slope(SLOPES, b, h, sab, sah, ALIBI)
+    slope, shift = _alibi(SLOPES, b, h, sab, sah, Lq, Lk, ALIBI, VARLEN)
     m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_DV)
     acc2 = tl.zeros([BLOCK_M, offs_dv2.shape[0]], tl.float32)
     start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
@@ -276,17 +281,20 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS,
     acc, acc2, l_i, m_i = _fwd_blocks(
         acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, start, lo, offs_m, row_ok, offs_d,
         offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc, window_lo,
-        window_hi, key_row, threshold, inv_keep, cap, slope, True, MASK_KIND, DROPOUT, SOFTCAP,
+        window_hi, key_row, threshold, inv_keep, cap, slope, shift, True, MASK_KIND, DROPOUT,
+        SOFTCAP,
         ALIBI, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
     acc, acc2, l_i, m_i = _fwd_blocks(
         acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs_m, row_ok, offs_d,
         offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc, window_lo,
-        window_hi, key_row, threshold, inv_keep, cap, slope, False, MASK_KIND, DROPOUT, SOFTCAP,
+        window_hi, key_row, threshold, inv_keep, cap, slope, shift, False, MASK_KIND, DROPOUT,
+        SOFTCAP,
         ALIBI, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
     acc, acc2, l_i, m_i = _fwd_blocks(
         acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, hi, end, offs_m, row_ok, offs_d,
         offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc, window_lo,
-        window_hi, key_row, threshold, inv_keep, cap, slope, True, MASK_KIND, DROPOUT, SOFTCAP,
+        window_hi, key_row, threshold, inv_keep, cap, slope, shift, True, MASK_KIND, DROPOUT,
+        SOFTCAP,
         ALIBI, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
     if (MASK_KIND != 2 and not SOFTCAP) and not ALIBI:
         m_i = m_i * LN2  # back to natural units (-inf stays -inf)
@@ -313,7 +321,8 @@ def _probs(qk, ok, m_ptrs, lse, sc, cap, slope, offs_i, offs_j, EDGE: tl.constex
     """(probabilities of a score tile qk (q . k, unscaled) from the saved lse, broadcast to the
     tile's shape (+inf on empty rows, so they come out 0); the softcap's tanh, common.modified).
     ok: admissible pairs on EDGE tiles, else where the mask may be read; offs_i, offs_j: the
-    query and key positions broadcast to the tile (read by ALiBi). Without a float mask or a
+    query positions (plus ALiBi's shift, _alibi) and key positions broadcast to the tile (read
+    by ALiBi). Without a float mask or a
     modifier one FMA per score feeds exp2; otherwise scores stay in natural units (see
     _fwd_blocks)."""
     t = qk
@@ -393,7 +402,7 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS,
                   E, True, PAD_D)
     start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
     end = tl.where(tl.max(huge.to(tl.int32), 0) > 0, end, start)
-    slope = _slope(SLOPES, b, h, sab, sah, ALIBI)
+    slope, shift = _alibi(SLOPES, b, h, sab, sah, Lq, Lk, ALIBI, VARLEN)
     total = tl.zeros([BLOCK_M], tl.float32)
     if HAS_SINKS:
         total += tl.exp(tl.load(SINKS + h).to(tl.float32) - lse)
@@ -401,7 +410,7 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS,
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kt = load_tile(k_base + offsets(offs_d, offs_n, skd, skn), offs_d, offs_n, E, Lk, PAD_D,
                        True)
-        s = modified(dot(q, kt, DOT_PREC) * scale, cap, slope, offs_m[:, None],
+        s = modified(dot(q, kt, DOT_PREC) * scale, cap, slope, offs_m[:, None] + shift,
                      offs_n[None, :], SOFTCAP, ALIBI)[0]
         s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
         total += tl.sum(tl.math.exp2((s - lse[:, None]) * LOG2E), 1)
@@ -425,7 +434,7 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS,
 def _dkdv_blocks(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, LSE, DELTA,
                  RNG, bh, seq, lo, hi, offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk,
                  E, Ev, sqm, sqd, sdm, sdd, smm, smn, sc,
-                 window_lo, window_hi, inv_keep, cap, slope,
+                 window_lo, window_hi, inv_keep, cap, slope, shift,
                  EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                  MASK_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                  VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, PAD_D: tl.constexpr,
@@ -459,8 +468,8 @@ def _dkdv_blocks(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_bas
         else:
             ok = col_ok[:, None]  # only read by the mask loads
         pt, tt = _probs(qkt, ok, m_base + offsets(offs_n, offs_m, smn, smm), lse[None, :], sc,
-                        cap, slope, offs_m[None, :], offs_n[:, None], EDGE, MASK_KIND, SOFTCAP,
-                        ALIBI)
+                        cap, slope, offs_m[None, :] + shift, offs_n[:, None], EDGE, MASK_KIND,
+                        SOFTCAP, ALIBI)
         if DROPOUT:
             if VARLEN:
                 key_row, threshold = _varlen_row_keys(RNG, seq, bh, offs_m)
@@ -564,27 +573,27 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
             lse_base = LSE + h * TOTAL_Q + q0
             delta_base = DELTA + h * TOTAL_Q + q0
             rng_head = h
-        slope = _slope(SLOPES, b, h, sab, sah, ALIBI)
+        slope, shift = _alibi(SLOPES, b, h, sab, sah, Lq, Lk, ALIBI, VARLEN)
         dk, dk2, dv, dv2 = _dkdv_blocks(
             dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, lse_base,
             delta_base, RNG, rng_head, b, start, lo,
             offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk, E, Ev, sqm, sqd, sdm, sdd,
             smm, smn, sc,
-            window_lo, window_hi, inv_keep, cap, slope, True, MASK_KIND, DROPOUT, MASK_GRAD,
+            window_lo, window_hi, inv_keep, cap, slope, shift, True, MASK_KIND, DROPOUT, MASK_GRAD,
             SOFTCAP, ALIBI, VARLEN, DOT_PREC, PAD_D, BLOCK_M, BLOCK_D2, BLOCK_DV2)
         dk, dk2, dv, dv2 = _dkdv_blocks(
             dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, lse_base,
             delta_base, RNG, rng_head, b, lo, hi,
             offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk, E, Ev, sqm, sqd, sdm, sdd,
             smm, smn, sc,
-            window_lo, window_hi, inv_keep, cap, slope, False, MASK_KIND, DROPOUT, MASK_GRAD,
+            window_lo, window_hi, inv_keep, cap, slope, shift, False, MASK_KIND, DROPOUT, MASK_GRAD,
             SOFTCAP, ALIBI, VARLEN, DOT_PREC, PAD_D, BLOCK_M, BLOCK_D2, BLOCK_DV2)
         dk, dk2, dv, dv2 = _dkdv_blocks(
             dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_base, lse_base,
             delta_base, RNG, rng_head, b, hi, end,
             offs_n, col_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lq, Lk, E, Ev, sqm, sqd, sdm, sdd,
             smm, smn, sc,
-            window_lo, window_hi, inv_keep, cap, slope, True, MASK_KIND, DROPOUT, MASK_GRAD,
+            window_lo, window_hi, inv_keep, cap, slope, shift, True, MASK_KIND, DROPOUT, MASK_GRAD,
             SOFTCAP, ALIBI, VARLEN, DOT_PREC, PAD_D, BLOCK_M, BLOCK_D2, BLOCK_DV2)
     # dK and dV (or their slices' partial sums) are contiguous: (programs' heads, Lk, E); VARLEN:
     # (total_k, Hkv * SPLIT, E), rows of Hkv * SPLIT heads.
@@ -612,7 +621,7 @@ def _store_cols(base, x, rows, offs_d, row_ok, D, stride):
 def _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, lo, hi, offs_m,
                row_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm,
                smn, sc, window_lo, window_hi, key_row, threshold,
-               inv_keep, cap, slope, EDGE: tl.constexpr, MASK_KIND: tl.constexpr,
+               inv_keep, cap, slope, shift, EDGE: tl.constexpr, MASK_KIND: tl.constexpr,
                DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                DOT_PREC: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D2: tl.constexpr, BLOCK_DV2: tl.constexpr):
@@ -640,7 +649,8 @@ def _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, lo, 
         else:
             ok = row_ok[:, None]
         p, t = _probs(qk, ok, m_base + offsets(offs_m, offs_n, smm, smn), lse[:, None], sc, cap,
-                      slope, offs_m[:, None], offs_n[None, :], EDGE, MASK_KIND, SOFTCAP, ALIBI)
+                      slope, offs_m[:, None] + shift, offs_n[None, :], EDGE, MASK_KIND, SOFTCAP,
+                      ALIBI)
         if DROPOUT:
             dp = tl.where(keep(key_row, offs_n, threshold), dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
@@ -712,7 +722,7 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
     if VARLEN:
         k_base += k0 * skn
         v_base += k0 * svn
-    slope = _slope(SLOPES, b, h, sab, sah, ALIBI)
+    slope, shift = _alibi(SLOPES, b, h, sab, sah, Lq, Lk, ALIBI, VARLEN)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq2 = tl.zeros([BLOCK_M, offs_d2.shape[0]], tl.float32)
     start, end = key_range(m0, Lq, Lk, window_lo, window_hi, BLOCK_M, BLOCK_N)
@@ -720,17 +730,20 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
     dq, dq2 = _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, start, lo,
                          offs_m, row_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd,
                          svn, svd, smm, smn, sc, window_lo, window_hi, key_row, threshold,
-                         inv_keep, cap, slope, True, MASK_KIND, DROPOUT, SOFTCAP, ALIBI, DOT_PREC,
+                         inv_keep, cap, slope, shift, True, MASK_KIND, DROPOUT, SOFTCAP, ALIBI,
+                         DOT_PREC,
                          PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
     dq, dq2 = _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, lo, hi,
                          offs_m, row_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd,
                          svn, svd, smm, smn, sc, window_lo, window_hi, key_row, threshold,
-                         inv_keep, cap, slope, False, MASK_KIND, DROPOUT, SOFTCAP, ALIBI, DOT_PREC,
+                         inv_keep, cap, slope, shift, False, MASK_KIND, DROPOUT, SOFTCAP, ALIBI,
+                         DOT_PREC,
                          PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
     dq, dq2 = _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, hi, end,
                          offs_m, row_ok, offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd,
                          svn, svd, smm, smn, sc, window_lo, window_hi, key_row, threshold,
-                         inv_keep, cap, slope, True, MASK_KIND, DROPOUT, SOFTCAP, ALIBI, DOT_PREC,
+                         inv_keep, cap, slope, shift, True, MASK_KIND, DROPOUT, SOFTCAP, ALIBI,
+                         DOT_PREC,
                          PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
     out = DQ + (bh64 * Lq + m) * E
     stride = E

@@ -1,8 +1,6 @@
 """Packed variable-length attention (attnx.varlen_attention) in Triton: the kernels of sdpa.py in
 their VARLEN mode, with the score modifiers (softcap, sinks, and ALiBi slopes (N, Hq), one row
-per sequence: the kernels measure ALiBi's distance |i - j| top-left, which is the bottom-right
-distance the API asks for only where Lq_n == Lk_n, so the backend takes ALiBi for such batches
-only, attnx/_backends/triton_backend.py).
+per sequence, its distance |i + Lk_n - Lq_n - j| aligned bottom-right as the band).
 
 A program's batch index is the sequence n: the kernels load its row ranges from cu_seqlens, so
 the tensors' batch strides are 0 and their row strides those of the packed (total, H, D) layout.
