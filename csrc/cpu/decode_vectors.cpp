@@ -53,14 +53,28 @@ ATTNX_BODY void hsum4(vf<16> a0, vf<16> a1, vf<16> a2, vf<16> a3, float* out) {
         __builtin_shufflevector(q, q, 8, 9, 10, 11), __builtin_shufflevector(q, q, 12, 13, 14, 15), out);
 }
 
-// Row t of `ahead` (if any) towards L2, a cache line at a time.
-template <typename T>
-ATTNX_BODY void fetch_ahead(const Ahead<T>& ahead, int64_t t) {
-  if (t >= ahead.n) return;
-  const char* p = reinterpret_cast<const char*>(ahead.rows[t]);
-  for (int64_t off = 0; off < ahead.len * static_cast<int64_t>(sizeof(T)); off += 64)
-    __builtin_prefetch(p + off, 0, 2);
-}
+// The lines of `ahead`'s rows fetched evenly over `steps` calls of step(), in order, without a
+// division per step: a row at a time (8 lines at E = 128) overflows the CPU's queue of misses,
+// the prefetch then stalls (13% of the four-row products' time at Lq = 1 before this).
+// rest() fetches what steps left (fewer steps than planned: a block shorter than the next).
+struct Spread {
+  const Ahead<float>& ahead;
+  const int64_t row_bytes, total, steps;
+  int64_t acc = 0, row = 0, off = 0;
+  Spread(const Ahead<float>& a, int64_t steps_)
+      : ahead(a), row_bytes(a.len * static_cast<int64_t>(sizeof(float))),
+        total(a.n * ((row_bytes + 63) / 64)), steps(std::max<int64_t>(1, steps_)) {}
+  inline __attribute__((always_inline)) void fetch() {
+    __builtin_prefetch(reinterpret_cast<const char*>(ahead.rows[row]) + off, 0, 2);
+    if ((off += 64) >= row_bytes) off = 0, ++row;
+  }
+  inline __attribute__((always_inline)) void step() {
+    for (acc += total; acc >= steps; acc -= steps) fetch();
+  }
+  void rest() {
+    while (row < ahead.n) fetch();
+  }
+};
 
 // Four keys per pass over the ROWS query rows: each key vector loaded once serves every row
 // (four rows: 8 loads per 16 FMAs; two: 6 per 8, not 10 — Zen 4 issues one 512-bit load a
@@ -69,15 +83,16 @@ template <int W, int ROWS>
 ATTNX_BODY void dot_rows_body(const float* const* q, const float* const* k, int64_t n, int64_t e,
                               float* const* s, const Ahead<float>& ahead) {
   const int64_t ew = e - e % W;
+  Spread spread(ahead, n / 4 * (ew / W));
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
-    for (int64_t u = t; u < t + 4; ++u) fetch_ahead(ahead, u);
     // (unrolled by hand into named values: GCC kept arrays of vectors on the stack)
     const float *k0 = k[t], *k1 = k[t + 1], *k2 = k[t + 2], *k3 = k[t + 3];
     vf<W> a[ROWS][4];
 #pragma GCC unroll 4
     for (int rr = 0; rr < ROWS; ++rr) a[rr][0] = a[rr][1] = a[rr][2] = a[rr][3] = vf<W>{};
     for (int64_t c = 0; c < ew; c += W) {
+      spread.step();
       const vf<W> x0 = load<W>(k0 + c), x1 = load<W>(k1 + c), x2 = load<W>(k2 + c),
                   x3 = load<W>(k3 + c);
 #pragma GCC unroll 4
@@ -93,7 +108,7 @@ ATTNX_BODY void dot_rows_body(const float* const* q, const float* const* k, int6
         for (int u = 0; u < 4; ++u) s[rr][t + u] += q[rr][c] * k[t + u][c];
     }
   }
-  for (int64_t u = t; u < ahead.n; ++u) fetch_ahead(ahead, u);  // a block shorter than the next
+  spread.rest();
   for (; t < n; ++t) {
     for (int rr = 0; rr < ROWS; ++rr) {
       vf<W> a{};
@@ -115,9 +130,7 @@ ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const floa
                               int64_t n, int64_t ev, const Ahead<float>& ahead) {
   constexpr int U = (ROWS == 2 && W == 8) ? 4 : 8;
   int64_t c = 0;
-  for (int64_t t = n; t < ahead.n; ++t) fetch_ahead(ahead, t);  // a block shorter than the next
-  if (ev < U * W)
-    for (int64_t t = 0; t < n; ++t) fetch_ahead(ahead, t);
+  Spread spread(ahead, ev < U * W ? 0 : n);  // over the keys of the first pass
   for (; c + U * W <= ev; c += U * W) {
     vf<W> acc[ROWS][U];
 #pragma GCC unroll 4
@@ -125,7 +138,7 @@ ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const floa
 #pragma GCC unroll 8
       for (int u = 0; u < U; ++u) acc[rr][u] = load<W>(o[rr] + c + u * W);
     for (int64_t t = 0; t < n; ++t) {
-      if (c == 0) fetch_ahead(ahead, t);
+      if (c == 0) spread.step();
       const float* row = v[t] + c;
       vf<W> pt[ROWS];
 #pragma GCC unroll 4
@@ -142,6 +155,7 @@ ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const floa
 #pragma GCC unroll 8
       for (int u = 0; u < U; ++u) store<W>(o[rr] + c + u * W, acc[rr][u]);
   }
+  spread.rest();
   for (; c + W <= ev; c += W) {
     for (int rr = 0; rr < ROWS; ++rr) {
       vf<W> acc = load<W>(o[rr] + c);
@@ -188,23 +202,6 @@ ATTNX_BODY void add_rows_any(int rows, float* const* o, const float* const* p,
   if (rows == 3) add_rows_body<W, 1>(o + 2, p + 2, v, n, ev, {});
   if (rows == 4) add_rows_body<W, 2>(o + 2, p + 2, v, n, ev, {});
 }
-
-// The lines of `ahead`'s rows fetched evenly over `steps` calls of step(), in order, without a
-// division per step (a run of lines at one step would overflow the queue of misses).
-struct Spread {
-  const Ahead<float>& ahead;
-  const int64_t row_bytes, total, steps;
-  int64_t acc = 0, row = 0, off = 0;
-  Spread(const Ahead<float>& a, int64_t steps_)
-      : ahead(a), row_bytes(a.len * static_cast<int64_t>(sizeof(float))),
-        total(a.n * ((row_bytes + 63) / 64)), steps(std::max<int64_t>(1, steps_)) {}
-  inline __attribute__((always_inline)) void step() {
-    for (acc += total; acc >= steps; acc -= steps) {
-      __builtin_prefetch(reinterpret_cast<const char*>(ahead.rows[row]) + off, 0, 2);
-      if ((off += 64) >= row_bytes) off = 0, ++row;
-    }
-  }
-};
 
 // KB keys per pass, each an independent FMA chain (8 cover the FMA latency of two pipes), their
 // row pointers in general registers: per column c, one load of qt and KB broadcast FMAs.

@@ -8,8 +8,9 @@ namespace attnx::cpu {
 
 // Rows to fetch towards L2 while a product runs: rows[0, n) of `len` values each (n = 0: none),
 // so that reading the next block from memory overlaps computing on this one. The caller
-// spreads a block's rows over its products: a burst of prefetches at a block's start
-// overflows the CPU's queue of misses and leaves memory idle for the rest of the block.
+// shares a block's rows out over its products, and each product spreads its share's lines
+// evenly over its loop: a burst of prefetches overflows the CPU's queue of misses, stalls the
+// product and leaves memory idle for the rest of the block.
 template <typename T>
 struct Ahead {
   const T* const* rows = nullptr;
