@@ -68,6 +68,7 @@ struct Spread {
     __builtin_prefetch(reinterpret_cast<const char*>(ahead.rows[row]) + off, 0, 2);
     if ((off += 64) >= row_bytes) off = 0, ++row;
   }
+  // (a product calls it `steps` times at most: then `row` stays below ahead.n)
   inline __attribute__((always_inline)) void step() {
     for (acc += total; acc >= steps; acc -= steps) fetch();
   }
@@ -208,8 +209,9 @@ ATTNX_BODY void add_rows_any(int rows, float* const* o, const float* const* p,
 template <int W, int KB>
 ATTNX_BODY void lane_scores_body(const float* qt, const float* const* k, int64_t n, int64_t e,
                                  float* st, const Ahead<float>& ahead) {
-  // fetches once per 8 columns, out of the loop that needs every general register
-  Spread spread(ahead, (n + KB - 1) / KB * ((e + 7) / 8));
+  // fetches once per 8 columns, out of the loop that needs every general register: a step per
+  // 8 columns of each pass of KB keys and of each key left over
+  Spread spread(ahead, (n / KB + n % KB) * ((e + 7) / 8));
   int64_t t = 0;
   for (; t + KB <= n; t += KB) {
     const float* kr[KB];
