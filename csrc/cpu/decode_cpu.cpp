@@ -35,8 +35,8 @@ namespace {
 
 using at::Tensor;
 
-// Keys per block: a block's K and V rows (2 x 64 x 512 bytes at E = 128, float32) stay in L2
-// while the group's rows use them.
+// Keys per block: a block's K and V rows (2 x 16 x 512 bytes at E = 128, float32) stay in L1
+// while the group's rows use them (32 or 64 keys: no faster at Lq = 1 or 4).
 constexpr int64_t BLOCK_KEYS = 16;
 // Fewest keys per slice: shorter slices cost more in the merge than they gain in balance.
 constexpr int64_t MIN_SLICE = 512;
@@ -267,13 +267,14 @@ void run(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& 
         const int64_t n_far = std::clamp<int64_t>(sl.j1 - far0, 0, BLOCK_KEYS);
         krows.rows(sl.b, h, far0, n_far, kp_far);
         vrows.rows(sl.b, h, far0, n_far, vp_far);
-        int64_t share = 0;  // rows done, for spreading the next block's fetches
+        int64_t share = 0;  // rows done, for spreading the far block's fetches
         if constexpr (std::is_same_v<T, float>) {
           if (lanes)
             lanes->block(kp, vp, n, j0, diag, lo, hi, kp_far, vp_far, n_far, share, mods);
         }
         // The other rows in fours of query heads at the same query i (row r = g * Lq + i): they
-        // admit the same keys, so the products load each K and V vector once for all four.
+        // admit the same keys, so the products load each K vector once for the four (AVX2: for
+        // two) and each V vector once per two rows.
         for (int64_t i = 0; i < d.Lq; ++i) {
           // the first query head whose row of query i is not a lane
           const int64_t g0 = std::max<int64_t>(0, (lr.rows - i + d.Lq - 1) / d.Lq);
@@ -470,7 +471,8 @@ std::tuple<Tensor, Tensor> decode(const Tensor& q, const Tensor& k_cache_in,
   if (q.scalar_type() == at::kFloat && !(at::isfinite(out).all().item<bool>() &&
                                          !at::isnan(lse).any().item<bool>() &&
                                          !at::isposinf(lse).any().item<bool>())) {
-    // float32 overflowed (scores past its range) or the inputs hold non-finite values; float64
+    // float32 overflowed (scores past its range) or the inputs hold non-finite values (the
+    // lanes multiply a refused key's value row by p = 0: an inf there lands here too); float64
     // holds every product of float32 values, and keeps the inputs' own non-finite values.
     auto [out64, lse64] = attend(d, q.to(at::kDouble), k_cache.to(at::kDouble),
                                  v_cache.to(at::kDouble), lens, table, scale, lo, hi, mods);

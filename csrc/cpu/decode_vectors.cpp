@@ -56,7 +56,8 @@ ATTNX_BODY void hsum4(vf<16> a0, vf<16> a1, vf<16> a2, vf<16> a3, float* out) {
 // The lines of `ahead`'s rows fetched evenly over `steps` calls of step(), in order, without a
 // division per step: a row at a time (8 lines at E = 128) overflows the CPU's queue of misses,
 // the prefetch then stalls (13% of the four-row products' time at Lq = 1 before this).
-// rest() fetches what steps left (fewer steps than planned: a block shorter than the next).
+// rest() fetches the lot where a loop made no step (dot_rows on fewer than 4 keys or e < W,
+// add_rows with ev < U W).
 struct Spread {
   const Ahead<float>& ahead;
   const int64_t row_bytes, total, steps;

@@ -18,7 +18,8 @@ struct Ahead {
 };
 
 // For each of `rows` (1 to 4) query rows q[rr]: s[rr][t] = dot(q[rr], k[t][0, e)), t in [0, n).
-// Rows sharing the keys (query heads of a GQA group) load each key once for all of them.
+// Rows sharing the keys (query heads of a GQA group) load each key once for all of them (AVX2:
+// two rows per pass).
 void dot_rows(int rows, const float* const* q, const float* const* k, int64_t n, int64_t e,
               float* const* s, Ahead<float> ahead = {});
 void dot_rows(int rows, const double* const* q, const double* const* k, int64_t n, int64_t e,
@@ -30,8 +31,8 @@ void add_rows(int rows, float* const* o, const float* const* p, const float* con
 void add_rows(int rows, double* const* o, const double* const* p, const double* const* v,
               int64_t n, int64_t ev, Ahead<double> ahead = {});
 
-// Query rows as the lanes of a vector (float32 only), for groups of many rows (Lq > 1 times a
-// GQA group): each key's score comes out for every row at once with no horizontal sums, and
+// Query rows as the lanes of a vector (float32 only), for groups of many rows (Hq / Hkv x Lq >
+// W / 2): each key's score comes out for every row at once with no horizontal sums, and
 // the online softmax runs down the lanes. A lane tile st holds n keys x lane_width() rows
 // (st[t * W + r]); qt, a group's query rows transposed (qt[c * W + r], zero past its rows).
 int lane_width();  // W: 16 on AVX-512, else 8

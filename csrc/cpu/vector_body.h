@@ -56,8 +56,8 @@ ATTNX_BODY vf<W> splat(float x) {
 // 2^y for y <= 0 (y = x log2(e) in the softmax kernels: exp_sum, decode_vectors): y's rounded
 // to an integer n and a fraction |f| <= 1/2, 2^f by a degree-5 polynomial (fitted for relative
 // error: 9e-8, 1.6e-7 with float rounding), n added to the exponent bits. Exactly 0 below -125
-// (so 2^-inf = 0). Softmax arguments are never positive, so there is no overflow clamp. The AVX2 and AVX-512
-// bodies give the same values bitwise (both contract the polynomial to FMAs).
+// (so 2^-inf = 0). Softmax arguments are never positive, so there is no overflow clamp. The
+// AVX2 and AVX-512 bodies give the same values bitwise (both contract the polynomial to FMAs).
 template <int W>
 ATTNX_BODY vf<W> exp2v(vf<W> y) {
   // Below -125 the result is 0: the mask at the end discards whatever the rounding makes of
