@@ -96,6 +96,9 @@ CASES = {
     "lq_97": (dict(b=1, h=1, lq=97, lk=17, a=40, ev=3), {}),
     # A of whole 16-lane vectors, keys in blocks of 4 and a tail of 2 (csrc/cpu/additive_terms.h)
     "a256": (dict(b=1, h=2, lq=13, lk=30, a=256, ev=8), {}),
+    # value sums of kSumRows query rows at once: whole vectors of Ev and a tail, the group's rows
+    # with different bands (the last group holds 2 rows)
+    "ev_vectors_window": (dict(b=1, h=2, lq=10, lk=40, a=32, ev=37), dict(window=(5, 30))),
     "causal": (dict(b=2, h=2, lq=17, lk=17, a=20, ev=6), dict(is_causal=True)),
     "window": (dict(b=2, h=2, lq=17, lk=23, a=20, ev=6), dict(window=(3, 2))),
     "causal_window": (dict(b=1, h=2, lq=17, lk=17, a=20, ev=6), dict(is_causal=True, window=(4, None))),

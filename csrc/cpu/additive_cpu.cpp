@@ -240,50 +240,83 @@ void add_scores(const Problem<acc_t>& pb, int64_t bh, int64_t i, int64_t j0, int
 
 // Returns whether an output or an lse came out NaN or +inf (float64_rerun.h), found as the rows
 // are written: a separate isfinite pass over out cost a fifth of the call at B64 L32.
+// A task is kSumRows consecutive query rows of one (b, h): their value sums share each load of
+// a value row (additive_terms.h), over the keys any of them admits, each row's probabilities
+// zero outside its own.
 template <typename scalar_t, typename acc_t>
 bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weights) {
+  constexpr int64_t G = additive::kSumRows;
+  constexpr acc_t ninf = -std::numeric_limits<acc_t>::infinity();
+  const int64_t groups = (pb.Lq + G - 1) / G;
   std::atomic<bool> non_finite{false};
-  parallel_tasks(pb.B * pb.H * pb.Lq, [&](Tasks& tasks) {
-    std::vector<acc_t> s(pb.Lk), tmp(pb.Lk), acc(pb.Ev);
-    for (int64_t r; tasks.next(r);) {
-      const int64_t bh = r / pb.Lq, i = r % pb.Lq;
+  parallel_tasks(pb.B * pb.H * groups, [&](Tasks& tasks) {
+    std::vector<acc_t> s(G * pb.Lk), tmp(pb.Lk), acc(G * pb.Ev);
+    for (int64_t task; tasks.next(task);) {
+      const int64_t bh = task / groups, i0 = task % groups * G, i1 = std::min(pb.Lq, i0 + G);
       const int64_t b = bh / pb.H, h = bh % pb.H;
-      const auto [j0, j1] = pb.band(i);
-      pb.mask.fill(b, h, i, j0, j1, s.data());
-      add_scores(pb, bh, i, j0, j1, s.data(), tmp.data());
-      acc_t m = -std::numeric_limits<acc_t>::infinity();
-      for (int64_t j = j0; j < j1; ++j) m = std::max(m, s[j]);
-      scalar_t* o = out + r * pb.Ev;
-      scalar_t* w = weights ? weights + r * pb.Lk : nullptr;
-      if (m == -std::numeric_limits<acc_t>::infinity()) {  // no admissible key
-        std::fill(o, o + pb.Ev, scalar_t(0));
-        lse[r] = -std::numeric_limits<float>::infinity();
-        continue;
+      int64_t u0 = pb.Lk, u1 = 0;  // the keys some row of the group admits: [u0, u1)
+      bool bad = false;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = bh * pb.Lq + i;
+        acc_t* p = s.data() + (i - i0) * pb.Lk;
+        const auto [j0, j1] = pb.band(i);
+        pb.mask.fill(b, h, i, j0, j1, p);
+        add_scores(pb, bh, i, j0, j1, p, tmp.data());
+        const acc_t m = row_max(p + j0, j1 - j0);
+        if (m == ninf) {  // no admissible key: zero probabilities, a zero output row
+          std::fill(p + j0, p + j1, acc_t(0));
+          lse[r] = -std::numeric_limits<float>::infinity();
+          continue;
+        }
+        const acc_t sum = exp_sum(p + j0, j1 - j0, m);  // exp(-inf) = 0 for masked keys
+        lse[r] = static_cast<float>(m + std::log(sum));
+        bad |= std::isnan(lse[r]) || lse[r] == std::numeric_limits<float>::infinity();
+        const acc_t inv = acc_t(1) / sum;
+        const auto row_key = pb.drop.row_key(bh, i);
+        scalar_t* w = weights ? weights + r * pb.Lk : nullptr;
+        for (int64_t j = j0; j < j1; ++j) {
+          p[j] *= inv * static_cast<acc_t>(pb.drop.factor(row_key, j));
+          if (w) w[j] = static_cast<scalar_t>(p[j]);
+        }
+        u0 = std::min(u0, j0);
+        u1 = std::max(u1, j1);
       }
-      const acc_t sum = exp_sum(s.data() + j0, j1 - j0, m);  // exp(-inf) = 0 for masked keys
-      lse[r] = static_cast<float>(m + std::log(sum));
-      const acc_t inv = acc_t(1) / sum;
-      const auto row_key = pb.drop.row_key(bh, i);
-      for (int64_t j = j0; j < j1; ++j) {
-        s[j] *= inv * static_cast<acc_t>(pb.drop.factor(row_key, j));
-        if (w) w[j] = static_cast<scalar_t>(s[j]);
+      u1 = std::max(u0, u1);
+      for (int64_t i = i0; i < i1; ++i) {  // each row's probabilities over [u0, u1)
+        acc_t* p = s.data() + (i - i0) * pb.Lk;
+        const auto [j0, j1] = pb.band(i);
+        std::fill(p + u0, p + std::max(u0, std::min(j0, u1)), acc_t(0));
+        std::fill(p + std::min(u1, std::max(j1, u0)), p + u1, acc_t(0));
       }
+      scalar_t* o = out + (bh * pb.Lq + i0) * pb.Ev;
+      const int64_t n_out = (i1 - i0) * pb.Ev;
       if constexpr (std::is_same_v<acc_t, float>) {
-        additive::weighted_sum(s.data() + j0, pb.value_row(bh, j0), j1 - j0, pb.Ev, acc.data());
+        float* sums = acc.data();
+        if constexpr (std::is_same_v<scalar_t, float>) sums = o;  // straight into out
+        additive::weighted_sums(s.data() + u0, pb.Lk, i1 - i0, pb.value_row(bh, u0), u1 - u0,
+                                pb.Ev, sums, pb.Ev);
       } else {
         std::fill(acc.begin(), acc.end(), acc_t(0));
-        for (int64_t j = j0; j < j1; ++j) {
-          if (s[j] != acc_t(0)) axpy(s[j], pb.value_row(bh, j), acc.data(), pb.Ev);
+        for (int64_t i = i0; i < i1; ++i) {
+          const acc_t* p = s.data() + (i - i0) * pb.Lk;
+          for (int64_t j = u0; j < u1; ++j) {
+            if (p[j] != acc_t(0)) {
+              axpy(p[j], pb.value_row(bh, j), acc.data() + (i - i0) * pb.Ev, pb.Ev);
+            }
+          }
         }
       }
-      float zero = 0.0f;  // NaN once any value (as stored) is NaN or infinite
-      for (int64_t e = 0; e < pb.Ev; ++e) {
-        o[e] = static_cast<scalar_t>(acc[e]);
-        zero += static_cast<float>(o[e]) * 0.0f;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        bad |= !additive::all_finite(o, n_out);
+      } else {
+        float zero = 0.0f;  // NaN once any value (as stored) is NaN or infinite
+        for (int64_t e = 0; e < n_out; ++e) {
+          o[e] = static_cast<scalar_t>(acc[e]);
+          zero += static_cast<float>(o[e]) * 0.0f;
+        }
+        bad |= zero != 0.0f;
       }
-      if (zero != 0.0f || std::isnan(lse[r]) || lse[r] == std::numeric_limits<float>::infinity()) {
-        non_finite.store(true, std::memory_order_relaxed);
-      }
+      if (bad) non_finite.store(true, std::memory_order_relaxed);
     }
   });
   return non_finite.load();

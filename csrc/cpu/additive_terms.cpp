@@ -14,6 +14,7 @@ namespace attnx::cpu::additive {
 namespace {
 
 constexpr int kKeys = 4;  // keys per loaded query vector
+static_assert(kSumRows == 4, "weighted_sums_any dispatches the remainders 1-3");
 
 #ifdef ATTNX_X86_DISPATCH
 // 1 / x from the hardware estimate (vrcp14ps: 14 bits; vrcpps: 12) and one Newton step, which
@@ -49,6 +50,25 @@ ATTNX_BODY float hsum(vf<W> x) {
   float s = 0.0f;
   for (int l = 0; l < W; ++l) s += x[l];
   return s;
+}
+
+// The lane sums of four vectors, as one 4-lane vector: a shuffle tree (a serial sum per vector
+// was a seventh of exp_scores' time at A = 256).
+ATTNX_BODY vf<4> hsum4(vf<8> a, vf<8> b, vf<8> c, vf<8> d) {
+  const vf<8> ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);  // a: 0-3, b: 4-7
+  const vf<8> cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+  const vf<8> x = __builtin_shufflevector(ab, cd, 0, 1, 8, 9, 4, 5, 12, 13) +
+                  __builtin_shufflevector(ab, cd, 2, 3, 10, 11, 6, 7, 14, 15);  // a a c c b b d d
+  return __builtin_shufflevector(x, x, 0, 4, 2, 6) + __builtin_shufflevector(x, x, 1, 5, 3, 7);
+}
+ATTNX_BODY vf<8> fold(vf<16> x) {
+  return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+ATTNX_BODY vf<4> hsum4(vf<16> a, vf<16> b, vf<16> c, vf<16> d) {
+  return hsum4(fold(a), fold(b), fold(c), fold(d));
 }
 
 // e^y for |y| <= 80: y = n ln2 + f with n an integer (rounded through the 1.5 * 2^23 shift)
@@ -119,7 +139,8 @@ ATTNX_BODY void exp_scores_body(const float* eq, const float* ek, const float* v
       const vf<W> x = load<W>(eq + a), va = load<W>(v + a);
       for (int t = 0; t < kKeys; ++t) acc[t] += va * r_of<W, kRcp>(x, load<W>(k + t * ap + a));
     }
-    for (int t = 0; t < kKeys; ++t) s[j + t] = vsum - 2.0f * hsum<W>(acc[t]);
+    static_assert(kKeys == 4, "hsum4 sums four keys");
+    store<4>(s + j, vsum - 2.0f * hsum4(acc[0], acc[1], acc[2], acc[3]));
   }
   for (; j < n; ++j) {
     vf<W> acc = {};
@@ -169,28 +190,58 @@ ATTNX_BODY void exp_grads_body(const float* eq, const float* ek, const float* ds
   }
 }
 
-// Four vectors of out in registers across all n rows, then the next four, then the tail.
-template <int W>
-ATTNX_BODY void weighted_sum_body(const float* p, const float* rows, int64_t n, int64_t ev,
-                                  float* out) {
+// The probability rows of G query rows times the same value rows: each loaded value vector
+// feeds G rows' sums (one row at a time re-read every value row per query row: at Lk = 32,
+// Ev = 256 that is the whole 32 KiB block from L2 for every row). U vectors of each of the G
+// output rows stay in registers across all n value rows (U = 4 in 32 AVX-512 registers: four
+// lines of each value row per pass), then the next U, then the tail.
+template <int W, int G>
+ATTNX_BODY void weighted_sums_body(const float* p, int64_t ps, const float* rows, int64_t n,
+                                   int64_t ev, float* out, int64_t os) {
+  constexpr int U = W == 16 ? 4 : 2;
   int64_t e = 0;
-  for (; e + 4 * W <= ev; e += 4 * W) {
-    vf<W> acc[4] = {};
+  for (; e + U * W <= ev; e += U * W) {
+    vf<W> acc[G][U] = {};
     for (int64_t j = 0; j < n; ++j) {
-      if (p[j] == 0.0f) continue;
-      for (int u = 0; u < 4; ++u) acc[u] += p[j] * load<W>(rows + j * ev + e + u * W);
+      vf<W> x[U];
+      for (int u = 0; u < U; ++u) x[u] = load<W>(rows + j * ev + e + u * W);
+      for (int g = 0; g < G; ++g) {
+        const float pg = p[g * ps + j];
+        for (int u = 0; u < U; ++u) acc[g][u] += pg * x[u];
+      }
     }
-    for (int u = 0; u < 4; ++u) store<W>(out + e + u * W, acc[u]);
+    for (int g = 0; g < G; ++g) {
+      for (int u = 0; u < U; ++u) store<W>(out + g * os + e + u * W, acc[g][u]);
+    }
   }
   for (; e + W <= ev; e += W) {
-    vf<W> acc = {};
-    for (int64_t j = 0; j < n; ++j) acc += p[j] * load<W>(rows + j * ev + e);
-    store<W>(out + e, acc);
+    vf<W> acc[G] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      const vf<W> x = load<W>(rows + j * ev + e);
+      for (int g = 0; g < G; ++g) acc[g] += p[g * ps + j] * x;
+    }
+    for (int g = 0; g < G; ++g) store<W>(out + g * os + e, acc[g]);
   }
   for (; e < ev; ++e) {
-    float acc = 0.0f;
-    for (int64_t j = 0; j < n; ++j) acc += p[j] * rows[j * ev + e];
-    out[e] = acc;
+    float acc[G] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      for (int g = 0; g < G; ++g) acc[g] += p[g * ps + j] * rows[j * ev + e];
+    }
+    for (int g = 0; g < G; ++g) out[g * os + e] = acc[g];
+  }
+}
+
+template <int W>
+ATTNX_BODY void weighted_sums_any(const float* p, int64_t ps, int64_t g, const float* rows,
+                                  int64_t n, int64_t ev, float* out, int64_t os) {
+  for (; g >= kSumRows; g -= kSumRows, p += kSumRows * ps, out += kSumRows * os) {
+    weighted_sums_body<W, kSumRows>(p, ps, rows, n, ev, out, os);
+  }
+  switch (g) {
+    case 3: return weighted_sums_body<W, 3>(p, ps, rows, n, ev, out, os);
+    case 2: return weighted_sums_body<W, 2>(p, ps, rows, n, ev, out, os);
+    case 1: return weighted_sums_body<W, 1>(p, ps, rows, n, ev, out, os);
+    default: return;
   }
 }
 
@@ -239,13 +290,13 @@ ATTNX_AVX2 void exp_grads_avx2(const float* eq, const float* ek, const float* ds
                                int64_t n, float* dq, float* dk, float* dvr) {
   exp_grads_body<8, true>(eq, ek, ds, ap, n, dq, dk, dvr);
 }
-ATTNX_AVX512 void weighted_sum_avx512(const float* p, const float* rows, int64_t n, int64_t ev,
-                                      float* out) {
-  weighted_sum_body<16>(p, rows, n, ev, out);
+ATTNX_AVX512 void weighted_sums_avx512(const float* p, int64_t ps, int64_t g, const float* rows,
+                                       int64_t n, int64_t ev, float* out, int64_t os) {
+  weighted_sums_any<16>(p, ps, g, rows, n, ev, out, os);
 }
-ATTNX_AVX2 void weighted_sum_avx2(const float* p, const float* rows, int64_t n, int64_t ev,
-                                  float* out) {
-  weighted_sum_body<8>(p, rows, n, ev, out);
+ATTNX_AVX2 void weighted_sums_avx2(const float* p, int64_t ps, int64_t g, const float* rows,
+                                   int64_t n, int64_t ev, float* out, int64_t os) {
+  weighted_sums_any<8>(p, ps, g, rows, n, ev, out, os);
 }
 ATTNX_AVX512 bool exp2x_row_avx512(const float* x, int64_t n, int64_t ap, float* e) {
   return exp2x_row_body<16>(x, n, ap, e);
@@ -294,9 +345,10 @@ void exp_grads(const float* eq, const float* ek, const float* ds, int64_t ap, in
   exp_grads_body<8, false>(eq, ek, ds, ap, n, dq, dk, dvr);
 }
 
-void weighted_sum(const float* p, const float* rows, int64_t n, int64_t ev, float* out) {
-  ATTNX_PICK(weighted_sum, p, rows, n, ev, out);
-  weighted_sum_body<8>(p, rows, n, ev, out);
+void weighted_sums(const float* p, int64_t ps, int64_t g, const float* rows, int64_t n,
+                   int64_t ev, float* out, int64_t os) {
+  ATTNX_PICK(weighted_sums, p, ps, g, rows, n, ev, out, os);
+  weighted_sums_any<8>(p, ps, g, rows, n, ev, out, os);
 }
 
 double term_seconds(int64_t terms) {

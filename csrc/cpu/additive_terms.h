@@ -36,9 +36,14 @@ void exp_scores(const float* eq, const float* ek, const float* v, float vsum, in
 void exp_grads(const float* eq, const float* ek, const float* ds, int64_t ap, int64_t n,
                float* dq, float* dk, float* dvr);
 
-// out[e] = sum_j p[j] rows[j ev + e] for e < ev: a query row's probabilities times the values
-// (with the same vector bodies; not a term, but at Ev ~ A as much work as the sum over them).
-void weighted_sum(const float* p, const float* rows, int64_t n, int64_t ev, float* out);
+// Query rows whose value sums share each value load (the forward's task: a group of rows).
+constexpr int64_t kSumRows = 4;
+
+// out[r os + e] = sum_j p[r ps + j] rows[j ev + e] for r < g, e < ev: g query rows'
+// probabilities times the values (with the same vector bodies; not a term, but at Ev ~ A as
+// much work as the sum over them), kSumRows rows per pass over the values.
+void weighted_sums(const float* p, int64_t ps, int64_t g, const float* rows, int64_t n,
+                   int64_t ev, float* out, int64_t os);
 
 // Seconds one thread takes for `terms` terms of exp_scores' instruction sequence on registers
 // only (no loads): the vector limit the benchmarks compare exp_scores against.
