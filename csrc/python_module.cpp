@@ -2,7 +2,10 @@
 // registrations); build_info tells `attnx info` what this binary was compiled with.
 #include <torch/extension.h>
 
+#include <string>
+
 #include "cpu/additive_terms.h"
+#include "cpu/cpu_choice.h"
 #include "cpu/sdpa_panels.h"
 #include "cpu/sdpa_tile.h"
 #ifdef ATTNX_WITH_CUDA
@@ -28,11 +31,26 @@ pybind11::dict build_info() {
 #else
       false;
 #endif
-  // Which engine runs the float32 CPU SDPA products (csrc/cpu/sdpa_products.h).
-  info["cpu_gemm"] = attnx::cpu::panels_available() ? "panels" : "blas";
-  // Which instruction set runs the CPU kernels' row operations (csrc/cpu/sdpa_tile.h), and with
-  // it the panel micro-kernel's width (csrc/cpu/sdpa_panels.h).
+  // Which engine runs the float32 CPU SDPA products (csrc/cpu/sdpa_products.h), and which
+  // instruction set the CPU kernels' row operations (csrc/cpu/sdpa_tile.h) and the panel
+  // micro-kernel's width (csrc/cpu/sdpa_panels.h): chosen at first use (csrc/cpu/cpu_choice.h),
+  // which asking here triggers; how each was chosen, and the times where measured.
+  const auto& engine = attnx::cpu::engine_choice();
+  const auto& vector = attnx::cpu::vector_choice();
+  info["cpu_gemm"] = engine.panels ? "panels" : "blas";
   info["cpu_vector"] = attnx::cpu::vector_isa();
+  pybind11::dict how;
+  how["gemm"] = engine.how;
+  how["vector"] = vector.how;
+  if (std::string(engine.how) == "measured") {
+    how["gemm_seconds"] = pybind11::dict(pybind11::arg("panels") = engine.panels_s,
+                                         pybind11::arg("blas") = engine.blas_s);
+  }
+  if (std::string(vector.how) == "measured") {
+    how["vector_seconds"] = pybind11::dict(pybind11::arg("avx512") = vector.wide_s,
+                                           pybind11::arg("avx2") = vector.narrow_s);
+  }
+  info["cpu_choice"] = how;
   return info;
 }
 

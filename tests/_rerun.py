@@ -1,6 +1,7 @@
 """Reruns part of a test file in a subprocess with an environment switch set.
 
-This is how one machine tests the CPU paths it would not take by itself: `ATTNX_CPU_AVX512=0`
+This is how one machine tests the CPU paths it would not take by itself (tests/conftest.py fixes
+the panels and AVX-512 for the main run, where the CPU has them): `ATTNX_CPU_AVX512=0`
 (the 8-lane AVX2 bodies CPUs without AVX-512 run) and `ATTNX_CPU_PANELS=0` (the BLAS engine
 CPUs without AVX2 run). The switches are read once per process, hence the subprocess.
 """

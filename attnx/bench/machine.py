@@ -14,6 +14,7 @@ import attnx
 # attnx.backends() is shadowed by the attnx.backends package once a backend module is imported
 from attnx._dispatch import backends as backend_status
 
+from ..info import cpu_description
 from . import timing
 
 
@@ -32,10 +33,12 @@ def device_name(device: str) -> str:
 
 def cpu_kernels() -> dict:
     """What attnx's CPU kernels run on here: the float32 GEMM engine and the instruction set of
-    the row operations and the micro-kernel (both chosen at run time: the same build runs
-    differently on Zen 3 and Zen 4)."""
+    the row operations and the micro-kernel, and how each was chosen (measured at first use, or
+    fixed by the environment: csrc/cpu/cpu_choice.h; the same build runs differently on Zen 3,
+    Zen 4 and Intel), with the CPU as Linux names it (vendor, model, ISA, caches)."""
     built = attnx._ops.build_info() or {}
-    return {"gemm": built.get("cpu_gemm"), "vector": built.get("cpu_vector")}
+    return {"gemm": built.get("cpu_gemm"), "vector": built.get("cpu_vector"),
+            "choice": built.get("cpu_choice"), "cpu": cpu_description()}
 
 
 def git_commit() -> str | None:

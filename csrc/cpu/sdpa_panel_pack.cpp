@@ -118,7 +118,7 @@ float pack_panels(const float* b, int64_t k, int64_t n, int64_t bks, int64_t bns
   float top = 0.0f;
   int64_t done = 0;
 #ifdef ATTNX_PANELS_X86
-  if (panels_available()) done = pack_vectorized(b, k, n, bks, bns, dst, top);
+  if (panels_supported()) done = pack_vectorized(b, k, n, bks, bns, dst, top);
 #endif
   for (int64_t p = done; p < panel_count(n); ++p) {
     const int64_t j0 = p * PANEL;

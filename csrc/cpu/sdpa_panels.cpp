@@ -4,9 +4,11 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <string>
 
+#include "line_vector.h"
 #include "sdpa_tile.h"
 
 #ifdef ATTNX_PANELS_X86
@@ -149,20 +151,12 @@ void strips(int64_t m, int64_t k, float alpha, const float* a, int64_t ars, int6
   }
 }
 
-}  // namespace
-
-bool panels_available() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          !forced_off();
-  return yes;
-}
-
-void panel_gemm(int64_t m, int64_t np, int64_t k, float alpha, const float* a, int64_t ars,
-                int64_t aks, const float* bp, int64_t pstride, bool accumulate, float* c,
-                int64_t ldc) {
+// C = alpha A B (+ C) on the 512-bit micro-kernel (wide) or the 256-bit one.
+void panel_gemm_as(bool wide, int64_t m, int64_t np, int64_t k, float alpha, const float* a,
+                   int64_t ars, int64_t aks, const float* bp, int64_t pstride, bool accumulate,
+                   float* c, int64_t ldc) {
   // Panel-outer: one or two panels (k x 16 each) stay in L1 while every row strip of A streams
   // past them (two panels of 256 keys fill a 32 KiB L1 alone; still faster than one at a time).
-  static const bool wide = vector_isa_is_avx512();
   const int64_t step = wide ? 2 : 1;
   const auto run = wide ? strips<2> : strips<1>;
   int64_t p = 0;
@@ -176,8 +170,43 @@ void panel_gemm(int64_t m, int64_t np, int64_t k, float alpha, const float* a, i
               ldc, nullptr, 0);
   }
 }
+
+}  // namespace
+
+bool panels_supported() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          !forced_off();
+  return yes;
+}
+
+void panel_gemm(int64_t m, int64_t np, int64_t k, float alpha, const float* a, int64_t ars,
+                int64_t aks, const float* bp, int64_t pstride, bool accumulate, float* c,
+                int64_t ldc) {
+  static const bool wide = vector_isa_is_avx512();
+  panel_gemm_as(wide, m, np, k, alpha, a, ars, aks, bp, pstride, accumulate, c, ldc);
+}
+
+double panel_gemm_seconds(bool wide) {
+  constexpr int64_t M = 96, D = 64, N = 256, REPS = 8;
+  static thread_local line_vector<float> a(M * N), kp(D * N), vp(N * D), c(M * N);
+  std::fill(a.begin(), a.end(), 0.01f);  // small values: no denormals, no overflow
+  std::fill(kp.begin(), kp.end(), 0.02f);
+  std::fill(vp.begin(), vp.end(), 0.03f);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < REPS; ++r) {
+    panel_gemm_as(wide, M, N / PANEL, D, 1.0f, a.data(), D, 1, kp.data(), D * PANEL, false,
+                  c.data(), N);  // S: A's first D columns as Q
+    panel_gemm_as(wide, M, D / PANEL, N, 1.0f, a.data(), N, 1, vp.data(), N * PANEL, true,
+                  c.data(), N);  // O += P V into C's first D columns
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  asm volatile("" : : "r"(c.data()) : "memory");  // C is used
+  return std::chrono::duration<double>(t1 - t0).count() / REPS;
+}
 #else
-bool panels_available() { return false; }
+bool panels_supported() { return false; }
+
+double panel_gemm_seconds(bool) { return 0.0; }
 
 void panel_gemm(int64_t, int64_t, int64_t, float, const float*, int64_t, int64_t, const float*,
                 int64_t, bool, float*, int64_t) {

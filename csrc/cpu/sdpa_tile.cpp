@@ -2,6 +2,7 @@
 #pragma GCC optimize("fp-contract=fast")
 #include "sdpa_tile.h"
 
+#include "cpu_choice.h"
 #include "score_mods.h"
 
 #include <algorithm>
@@ -240,18 +241,14 @@ ATTNX_BODY float mask_body(float* s, const uint8_t* bits, int64_t pos, int64_t n
 enum class Isa { baseline, avx2, avx512 };
 
 #ifdef ATTNX_X86_DISPATCH
+// AVX-512 or AVX2 as measured at first use, or as ATTNX_CPU_AVX512 fixes it (cpu_choice.h):
 // ATTNX_CPU_AVX512=0 keeps the AVX2 bodies on a CPU that has AVX-512, so that what CPUs
 // without it run can be tested and compared there.
-Isa detect_isa() {
-  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return Isa::baseline;
-  const char* off = std::getenv("ATTNX_CPU_AVX512");
-  if (off != nullptr && std::string(off) == "0") return Isa::avx2;
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return avx512 ? Isa::avx512 : Isa::avx2;
-}
 Isa isa() {
-  static const Isa chosen = detect_isa();
+  static const Isa chosen = [] {
+    const std::string name = vector_choice().isa;
+    return name == "avx512" ? Isa::avx512 : name == "avx2" ? Isa::avx2 : Isa::baseline;
+  }();
   return chosen;
 }
 // name_avx2 and name_avx512: the body of `name` compiled for each, 8 and 16 lanes.

@@ -1,0 +1,79 @@
+// The measured choices of cpu_choice.h.
+#include "cpu_choice.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+#include <string>
+
+#include "sdpa_cpu.h"
+#include "sdpa_panels.h"
+
+namespace attnx::cpu {
+namespace {
+
+// "0", "1" or unset (anything else counts as unset).
+int env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return -1;
+  const std::string s(v);
+  return s == "0" ? 0 : s == "1" ? 1 : -1;
+}
+
+constexpr int kRounds = 5;
+
+VectorChoice choose_vector() {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) {
+    return {"baseline", "no AVX2 and FMA"};
+  }
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  if (!avx512) return {"avx2", "no AVX-512"};
+  switch (env_flag("ATTNX_CPU_AVX512")) {
+    case 0: return {"avx2", "ATTNX_CPU_AVX512=0"};
+    case 1: return {"avx512", "ATTNX_CPU_AVX512=1"};
+    default: break;
+  }
+  double wide = std::numeric_limits<double>::infinity(), narrow = wide;
+  for (int r = 0; r < kRounds; ++r) {  // interleaved: a slow stretch of the machine hits both
+    wide = std::min(wide, panel_gemm_seconds(true));
+    narrow = std::min(narrow, panel_gemm_seconds(false));
+  }
+  const bool keep = narrow >= (1.0 - kMargin) * wide;
+  return {keep ? "avx512" : "avx2", "measured", wide, narrow};
+#else
+  return {"baseline", "not x86"};
+#endif
+}
+
+EngineChoice choose_engine() {
+  if (!panels_supported()) {
+    return {false, env_flag("ATTNX_CPU_PANELS") == 0 ? "ATTNX_CPU_PANELS=0" : "no AVX2 and FMA"};
+  }
+  if (env_flag("ATTNX_CPU_PANELS") == 1) return {true, "ATTNX_CPU_PANELS=1"};
+  sdpa_forward_seconds(true);  // first touches: the kept buffers, the thread pool
+  sdpa_forward_seconds(false);
+  double panels = std::numeric_limits<double>::infinity(), blas = panels;
+  for (int r = 0; r < kRounds; ++r) {
+    panels = std::min(panels, sdpa_forward_seconds(true));
+    blas = std::min(blas, sdpa_forward_seconds(false));
+  }
+  return {blas >= (1.0 - kMargin) * panels, "measured", panels, blas};
+}
+
+}  // namespace
+
+const VectorChoice& vector_choice() {
+  static const VectorChoice chosen = choose_vector();
+  return chosen;
+}
+
+const EngineChoice& engine_choice() {
+  static const EngineChoice chosen = choose_engine();
+  return chosen;
+}
+
+bool panels_available() { return engine_choice().panels; }
+
+}  // namespace attnx::cpu

@@ -1,0 +1,38 @@
+// The CPU kernels' choices that depend on the CPU, made once per process at first use: by
+// measurement where the CPU offers more than one, unless the environment fixes them. A same
+// build runs on Zen 3 (AVX2), Zen 4 (AVX-512 on two 256-bit halves) and Intel Xeons (two
+// 512-bit FMA units, or clocks that drop under 512-bit code): which micro-kernel width and
+// which GEMM engine is faster differs between them, so it is timed, not assumed.
+//
+// - The vector width (AVX-512 or AVX2, with it the row operations' bodies): one attention
+//   tile's two products (S = Q K^T and O += P V at D = 64, 96 query rows x 256 keys) on the
+//   512-bit micro-kernel and on the 256-bit one, one thread, interleaved rounds, best of each;
+//   AVX-512 unless AVX2 is at least kMargin faster. ATTNX_CPU_AVX512=0 / =1 fixes it.
+// - The float32 SDPA engine (attnx's panels or BLAS): a small forward (B 1, H 4, L 256, D 64)
+//   through both, on the process's threads; the panels unless BLAS is at least kMargin
+//   faster. ATTNX_CPU_PANELS=0 / =1 fixes it.
+// The margin keeps the default where both are about as fast (Zen 4's widths), so a noisy
+// machine does not flip between them from one process to the next. Both choices cost a few
+// milliseconds once; `attnx info` and the benchmarks' results files show them and their times.
+#pragma once
+
+namespace attnx::cpu {
+
+constexpr double kMargin = 0.10;
+
+struct VectorChoice {
+  const char* isa;   // "avx512", "avx2" or "baseline"
+  const char* how;   // "measured", the environment variable that fixed it, or why no choice
+  double wide_s = 0, narrow_s = 0;  // the tile's products on 512-bit / 256-bit (measured only)
+};
+
+struct EngineChoice {
+  bool panels;
+  const char* how;
+  double panels_s = 0, blas_s = 0;  // the small forward on each engine (measured only)
+};
+
+const VectorChoice& vector_choice();
+const EngineChoice& engine_choice();
+
+}  // namespace attnx::cpu

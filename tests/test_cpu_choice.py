@@ -1,0 +1,109 @@
+"""The CPU kernels' choices made at first use (csrc/cpu/cpu_choice.h): measured where the CPU
+offers two, fixed by the environment where it says so, and shown by `attnx info`.
+
+Each case runs in a subprocess: the choices are made once per process (and tests/conftest.py
+fixes them for the suite's own process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from attnx import _ops
+from attnx.info import cpu_description
+
+MARGIN = 0.10  # cpu_choice.h's kMargin
+ISA = set(cpu_description().get("isa", []))
+HAS_AVX2 = {"avx2", "fma"} <= ISA
+HAS_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= ISA
+
+pytestmark = pytest.mark.skipif(_ops.LOAD_ERROR is not None, reason="no native extension")
+
+
+def choices(**env_vars) -> dict:
+    """build_info() of a fresh process whose environment has ATTNX_CPU_* set as given only."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNX_CPU_")}
+    env.update(env_vars)
+    code = "import json; from attnx import _ops; print(json.dumps(_ops.build_info()))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_choices_are_measured_and_follow_the_rule():
+    info = choices()
+    how = info["cpu_choice"]
+    if not HAS_AVX2:
+        assert (info["cpu_gemm"], how["gemm"]) == ("blas", "no AVX2 and FMA")
+        assert info["cpu_vector"] == "baseline"
+        return
+    assert how["gemm"] == "measured"
+    t = how["gemm_seconds"]
+    assert t["panels"] > 0 and t["blas"] > 0
+    # BLAS only where it is faster by the margin: a close call keeps the panels
+    assert info["cpu_gemm"] == ("blas" if t["blas"] < (1 - MARGIN) * t["panels"] else "panels")
+    if not HAS_AVX512:
+        assert (info["cpu_vector"], how["vector"]) == ("avx2", "no AVX-512")
+        return
+    assert how["vector"] == "measured"
+    t = how["vector_seconds"]
+    assert t["avx512"] > 0 and t["avx2"] > 0
+    assert info["cpu_vector"] == ("avx2" if t["avx2"] < (1 - MARGIN) * t["avx512"] else "avx512")
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="one engine and one width only: nothing to fix")
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_environment_fixes_the_choices(value):
+    info = choices(ATTNX_CPU_PANELS=value, ATTNX_CPU_AVX512=value)
+    how = info["cpu_choice"]
+    assert how["gemm"] == f"ATTNX_CPU_PANELS={value}" and "gemm_seconds" not in how
+    assert info["cpu_gemm"] == ("panels" if value == "1" else "blas")
+    if HAS_AVX512:
+        assert how["vector"] == f"ATTNX_CPU_AVX512={value}" and "vector_seconds" not in how
+        assert info["cpu_vector"] == ("avx512" if value == "1" else "avx2")
+    else:
+        assert (info["cpu_vector"], how["vector"]) == ("avx2", "no AVX-512")
+
+
+def test_first_use_leaves_torchs_random_stream_alone():
+    code = ("import torch; from attnx import _ops\n"
+            "torch.manual_seed(0); _ops.build_info(); a = torch.rand(4)\n"
+            "torch.manual_seed(0); b = torch.rand(4)\n"
+            "print(bool((a == b).all()))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNX_CPU_")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
+                         text=True).stdout
+    assert out.strip().splitlines()[-1] == "True"
+
+
+def test_info_names_the_cpu_and_the_choices():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNX_CPU_")}
+    out = subprocess.run([sys.executable, "-m", "attnx", "info"], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    cpu = cpu_description()
+    line = next(ln for ln in out.splitlines() if ln.startswith("CPU        "))
+    assert cpu["model_name"] in line
+    for flag in cpu.get("isa", []):
+        assert flag in line
+    for level, size in cpu.get("caches", {}).items():
+        if level != "L1i":
+            assert f"{level} {size}" in line
+    kernels = next(ln for ln in out.splitlines() if ln.startswith("CPU kernels"))
+    info = choices()
+    assert f"GEMM {info['cpu_gemm']} ({info['cpu_choice']['gemm']}" in kernels
+    assert f"vector ISA {info['cpu_vector']} ({info['cpu_choice']['vector']}" in kernels
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="Linux names the CPU there")
+def test_cpu_description_reads_cpuinfo():
+    cpu = cpu_description()
+    with open("/proc/cpuinfo") as f:
+        text = f.read()
+    assert cpu["model_name"] in text and cpu["vendor"] in text
+    flags = next(ln for ln in text.splitlines() if ln.startswith("flags")).split(":", 1)[1].split()
+    assert set(cpu["isa"]) <= set(flags)
+    assert ("avx2" in flags) == ("avx2" in cpu["isa"])
