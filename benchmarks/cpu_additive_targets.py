@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -78,13 +79,21 @@ def time_case(b: int, l: int, a: int, reps: int, compiled) -> dict:
             step(fn, inputs, d_out, backward)
             step(fn, inputs, d_out, backward)
         times = {p: [] for p in providers}
+        faults = {p: [] for p in providers}
         for _ in range(reps):
             for p, fn in providers.items():
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t0 = time.perf_counter()
                 step(fn, inputs, d_out, backward)
                 times[p].append(time.perf_counter() - t0)
+                faults[p].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         med = {p: statistics.median(t) for p, t in times.items()}
+        # page faults per call: fresh output pages cost ~2-3 us each on this VM, and whether
+        # an output's pages are fresh depends on glibc's heap state, which the other provider's
+        # allocations move (B64 L32: attnx's 2 MiB output faults 512 pages = ~1.4 ms after a
+        # torch.compile call, none when attnx runs alone)
         res[mode] = {"median_s": med, "runs_s": times,
+                     "page_faults_per_call": {p: statistics.median(f) for p, f in faults.items()},
                      "speedup": med["compile_naive"] / med["attnx"]}
     return res
 
@@ -142,7 +151,7 @@ def main() -> None:
     print(f"additive attention float32, H=1 Ev={EV}: attnx cpu vs torch.compile(naive), "
           f"{args.reps} interleaved runs, medians; CPU {machine()['cpu']}, vector {cpu_kernels()['vector']}")
     print(f"{'thr':>3} {'B':>3} {'L':>4} {'A':>4} | {'fwd ms':>7} {'cmp ms':>7} {'ratio':>6} {'eff':>5}"
-          f" | {'f+b ms':>7} {'cmp ms':>7} {'ratio':>6} {'eff3':>5}")
+          f" | {'f+b ms':>7} {'cmp ms':>7} {'ratio':>6} {'eff3':>5} | faults/fwd")
     met = True
     for run in runs:
         for c in run["cases"]:
@@ -153,7 +162,8 @@ def main() -> None:
                   f"{f['median_s']['attnx'] * 1e3:>7.2f} {f['median_s']['compile_naive'] * 1e3:>7.2f} "
                   f"{f['speedup']:>5.1f}x {'' if eff is None else f'{eff:.0%}':>5} | "
                   f"{fb['median_s']['attnx'] * 1e3:>7.2f} {fb['median_s']['compile_naive'] * 1e3:>7.2f} "
-                  f"{fb['speedup']:>5.1f}x {'' if eff3 is None else f'{eff3:.0%}':>5}")
+                  f"{fb['speedup']:>5.1f}x {'' if eff3 is None else f'{eff3:.0%}':>5} | "
+                  f"{f['page_faults_per_call']['attnx']:>5.0f}")
             met &= f["speedup"] >= TARGET_SPEEDUP and fb["speedup"] >= TARGET_SPEEDUP
             met &= eff is not None and eff >= TARGET_EFFICIENCY
         if run["term_rate_per_thread"]:
