@@ -21,7 +21,8 @@ def _triton_version() -> str:
     return triton.__version__
 
 
-# The vector extensions the CPU kernels can use (csrc/cpu/cpu_choice.h), as /proc/cpuinfo names them.
+# The vector extensions the CPU kernels can use (csrc/cpu/cpu_choice.h), as /proc/cpuinfo names
+# them.
 _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16",
               "avx512_fp16", "amx_tile")
 
@@ -73,7 +74,8 @@ def _choice_line(built: dict) -> str:
     gemm = f"{built.get('cpu_gemm')} ({how.get('gemm', '?')}"
     if "gemm_seconds" in how:
         t = how["gemm_seconds"]
-        gemm += f": a small forward {t['panels'] * 1e3:.2f} ms on the panels, {t['blas'] * 1e3:.2f} on BLAS"
+        gemm += (f": a small forward {t['panels'] * 1e3:.2f} ms on the panels, "
+                 f"{t['blas'] * 1e3:.2f} on BLAS")
     vector = f"{built.get('cpu_vector')} ({how.get('vector', '?')}"
     if "vector_seconds" in how:
         t = how["vector_seconds"]

@@ -8,12 +8,16 @@
 //   tile's two products (S = Q K^T and O += P V at D = 64, 96 query rows x 256 keys) on the
 //   512-bit micro-kernel and on the 256-bit one, one thread, interleaved rounds, best of each;
 //   AVX-512 unless AVX2 is at least kMargin faster. ATTNX_CPU_AVX512=0 / =1 fixes it.
-// - The float32 SDPA engine (attnx's panels or BLAS): a small forward (B 1, H 4, L 256, D 64)
+// - The float32 SDPA engine (attnx's panels or BLAS): a small forward (B 1, H 4, L 512, D 64)
 //   through both, on the process's threads; the panels unless BLAS is at least kMargin
 //   faster. ATTNX_CPU_PANELS=0 / =1 fixes it.
 // The margin keeps the default where both are about as fast (Zen 4's widths), so a noisy
-// machine does not flip between them from one process to the next. Both choices cost a few
-// milliseconds once; `attnx info` and the benchmarks' results files show them and their times.
+// machine does not flip between them from one process to the next; the rounds alternate, so a
+// slow stretch of a shared machine hits both. The forward is L = 512, not smaller: the panels'
+// lead grows with L (packing K and V once per head pays off over more queries), and at L = 256
+// it was within the noise of a shared 2-core VM. Both choices together cost ~40 ms once, at
+// the first float32 CPU call (2-core VM); `attnx info` and the results files show them and
+// their times.
 #pragma once
 
 namespace attnx::cpu {
