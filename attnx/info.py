@@ -27,6 +27,11 @@ _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx
               "avx512_fp16", "amx_tile")
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
 def cpu_description() -> dict:
     """The CPU as Linux names it: vendor, model name, family and model numbers, the vector
     extensions attnx's CPU kernels can use and the cache sizes of CPU 0 (what results files
@@ -48,9 +53,7 @@ def cpu_description() -> dict:
     caches = {}
     for index in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
         try:
-            level = open(os.path.join(index, "level")).read().strip()
-            kind = open(os.path.join(index, "type")).read().strip()
-            size = open(os.path.join(index, "size")).read().strip()
+            level, kind, size = (_read(os.path.join(index, f)) for f in ("level", "type", "size"))
         except OSError:
             continue
         suffix = {"Data": "d", "Instruction": "i"}.get(kind, "")

@@ -155,7 +155,8 @@ def test_avx2_bodies_match_reference():
     CPU that has it: the same reference checks pass there."""
     skip_unless_avx512()
     rerun_under("ATTNX_CPU_AVX512", __file__,
-                "(matches_reference and float32) or large_operands or thread_counts or fully_masked",
+                "(matches_reference and float32) or large_operands or thread_counts or fully_masked"
+                " or non_finite",
                 probe="cpu_vector", expect=("avx2", "baseline"))
 
 
@@ -240,6 +241,34 @@ def test_fully_masked_rows(dtype):
     dmask = outs[-1]
     assert torch.equal(outs[0][1, :, 4:], torch.zeros_like(outs[0][1, :, 4:]))
     assert torch.equal(dmask[1, :, 4:], torch.zeros_like(dmask[1, :, 4:]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_non_finite_value_stays_in_the_rows_that_attend_it(dtype):
+    """Rows share each value load four at a time (csrc/cpu/additive_terms.h weighted_sums): a
+    key outside a row's band, masked or with no admissible key at all, must add nothing to it,
+    not 0 * inf = NaN."""
+    # Ev = 83: the sums' 4-vector, 1-vector and scalar loops (AVX-512)
+    q, k, value, v = (t.to(dtype) for t in make_inputs(1, 2, 8, 8, 16, 83))
+    value[:, :, 3] = float("inf")  # causal: rows 0-2 never attend key 3
+    out = attnx.additive_attention(q, k, value, v, is_causal=True, backend="cpu")
+    finite = value.double().nan_to_num(posinf=0.0)  # what rows 0-2 see: key 3 never counts
+    ref = attnx.additive_attention(q.double(), k.double(), finite, v.double(), is_causal=True,
+                                   backend="reference")
+    assert torch.isfinite(out[:, :, :3]).all()
+    torch.testing.assert_close(out[:, :, :3].double(), ref[:, :, :3], atol=2e-2, rtol=2e-2)
+    assert not torch.isfinite(out[:, :, 3:]).all(dim=-1).any()  # the rows that do attend it
+
+    value = value.clone()
+    value[:, :, 3] = 0.0
+    value[:, :, 5] = float("nan")
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    mask[0] = False  # row 0: no admissible key, shares a group with rows 1-3
+    mask[1:4, 5] = False  # rows 1-3: key 5 masked
+    out = attnx.additive_attention(q, k, value, v, attn_mask=mask, backend="cpu")
+    assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+    assert torch.isfinite(out[:, :, 1:4]).all()
+    assert torch.isnan(out[:, :, 4:]).all()
 
 
 def test_lse_of_empty_rows_is_minus_inf():

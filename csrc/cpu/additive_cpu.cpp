@@ -2,9 +2,10 @@
 //
 // Each query row is handled whole: its scores against the admissible keys are computed into a
 // row buffer of Lk values (the tanh terms are summed over A as they are made, never stored),
-// then softmax, dropout and the value sum. So the working memory is O(Lk + Ev) per thread and
-// no (Lq, Lk, A) or (Lq, Lk) tensor exists unless the weights are asked for. Rows are tasks
-// taken from a shared queue (task_queue.h).
+// then softmax, dropout and the value sum. So the working memory is O(Lk + Ev) per row and
+// no (Lq, Lk, A) or (Lq, Lk) tensor exists unless the weights are asked for. The forward's
+// tasks are up to kSumRows consecutive rows of one (b, h), whose value sums share each value
+// load, taken from a shared queue (task_queue.h).
 //
 // float32 terms come from e^{2q} and e^{2k}, computed once per row of q and k before the
 // kernels run (additive_terms.h: a reciprocal per term, no tanh); a row of q or k holding a
@@ -240,17 +241,21 @@ void add_scores(const Problem<acc_t>& pb, int64_t bh, int64_t i, int64_t j0, int
 
 // Returns whether an output or an lse came out NaN or +inf (float64_rerun.h), found as the rows
 // are written: a separate isfinite pass over out cost a fifth of the call at B64 L32.
-// A task is kSumRows consecutive query rows of one (b, h): their value sums share each load of
-// a value row (additive_terms.h), over the keys any of them admits, each row's probabilities
-// zero outside its own.
+// A task is up to kSumRows consecutive query rows of one (b, h): their value sums share each
+// load of a value row (additive_terms.h), over the keys any of them admits, each row's
+// probabilities zero outside its own (and a zero probability adds nothing, even times a
+// non-finite value). Fewer rows a task where that would leave threads without tasks.
 template <typename scalar_t, typename acc_t>
 bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weights) {
-  constexpr int64_t G = additive::kSumRows;
   constexpr acc_t ninf = -std::numeric_limits<acc_t>::infinity();
+  const int64_t rows = pb.B * pb.H * pb.Lq;
+  const int64_t G = std::clamp<int64_t>(rows / (4 * at::get_num_threads()), 1, additive::kSumRows);
   const int64_t groups = (pb.Lq + G - 1) / G;
   std::atomic<bool> non_finite{false};
   parallel_tasks(pb.B * pb.H * groups, [&](Tasks& tasks) {
-    std::vector<acc_t> s(G * pb.Lk), tmp(pb.Lk), acc(G * pb.Ev);
+    // acc: the sums before they are rounded to scalar_t (float32 writes them into out)
+    constexpr bool in_place = std::is_same_v<scalar_t, float>;
+    std::vector<acc_t> s(G * pb.Lk), tmp(pb.Lk), acc(in_place ? 0 : G * pb.Ev);
     for (int64_t task; tasks.next(task);) {
       const int64_t bh = task / groups, i0 = task % groups * G, i1 = std::min(pb.Lq, i0 + G);
       const int64_t b = bh / pb.H, h = bh % pb.H;
@@ -292,7 +297,7 @@ bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weig
       const int64_t n_out = (i1 - i0) * pb.Ev;
       if constexpr (std::is_same_v<acc_t, float>) {
         float* sums = acc.data();
-        if constexpr (std::is_same_v<scalar_t, float>) sums = o;  // straight into out
+        if constexpr (in_place) sums = o;
         additive::weighted_sums(s.data() + u0, pb.Lk, i1 - i0, pb.value_row(bh, u0), u1 - u0,
                                 pb.Ev, sums, pb.Ev);
       } else {
@@ -306,7 +311,7 @@ bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weig
           }
         }
       }
-      if constexpr (std::is_same_v<scalar_t, float>) {
+      if constexpr (in_place) {
         bad |= !additive::all_finite(o, n_out);
       } else {
         float zero = 0.0f;  // NaN once any value (as stored) is NaN or infinite

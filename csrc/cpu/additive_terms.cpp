@@ -194,7 +194,9 @@ ATTNX_BODY void exp_grads_body(const float* eq, const float* ek, const float* ds
 // feeds G rows' sums (one row at a time re-read every value row per query row: at Lk = 32,
 // Ev = 256 that is the whole 32 KiB block from L2 for every row). U vectors of each of the G
 // output rows stay in registers across all n value rows (U = 4 in 32 AVX-512 registers: four
-// lines of each value row per pass), then the next U, then the tail.
+// lines of each value row per pass), then the next U, then the tail. A zero probability (a key
+// outside the row's band, masked or dropped) is skipped, not multiplied: 0 * inf would make a
+// row NaN for a value it never attends.
 template <int W, int G>
 ATTNX_BODY void weighted_sums_body(const float* p, int64_t ps, const float* rows, int64_t n,
                                    int64_t ev, float* out, int64_t os) {
@@ -207,6 +209,7 @@ ATTNX_BODY void weighted_sums_body(const float* p, int64_t ps, const float* rows
       for (int u = 0; u < U; ++u) x[u] = load<W>(rows + j * ev + e + u * W);
       for (int g = 0; g < G; ++g) {
         const float pg = p[g * ps + j];
+        if (pg == 0.0f) continue;
         for (int u = 0; u < U; ++u) acc[g][u] += pg * x[u];
       }
     }
@@ -218,14 +221,18 @@ ATTNX_BODY void weighted_sums_body(const float* p, int64_t ps, const float* rows
     vf<W> acc[G] = {};
     for (int64_t j = 0; j < n; ++j) {
       const vf<W> x = load<W>(rows + j * ev + e);
-      for (int g = 0; g < G; ++g) acc[g] += p[g * ps + j] * x;
+      for (int g = 0; g < G; ++g) {
+        if (p[g * ps + j] != 0.0f) acc[g] += p[g * ps + j] * x;
+      }
     }
     for (int g = 0; g < G; ++g) store<W>(out + g * os + e, acc[g]);
   }
   for (; e < ev; ++e) {
     float acc[G] = {};
     for (int64_t j = 0; j < n; ++j) {
-      for (int g = 0; g < G; ++g) acc[g] += p[g * ps + j] * rows[j * ev + e];
+      for (int g = 0; g < G; ++g) {
+        if (p[g * ps + j] != 0.0f) acc[g] += p[g * ps + j] * rows[j * ev + e];
+      }
     }
     for (int g = 0; g < G; ++g) out[g * os + e] = acc[g];
   }
@@ -309,7 +316,7 @@ ATTNX_AVX512 double term_seconds_avx512(int64_t terms) {
 }
 ATTNX_AVX2 double term_seconds_avx2(int64_t terms) { return term_seconds_body<8, true>(terms); }
 
-// 16, 8 (AVX2) or 0 (baseline), from the choice the SDPA kernels made.
+// 16, 8 (AVX2) or 0 (baseline): the vector width chosen for all CPU kernels (cpu_choice.h).
 int width() {
   static const int w = vector_isa_is_avx512()                       ? 16
                        : std::strcmp(vector_isa(), "avx2") == 0 ? 8

@@ -50,9 +50,14 @@ VectorChoice choose_vector() {
 
 EngineChoice choose_engine() {
   if (!panels_supported()) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
     return {false, env_flag("ATTNX_CPU_PANELS") == 0 ? "ATTNX_CPU_PANELS=0" : "no AVX2 and FMA"};
+#else
+    return {false, "not x86"};
+#endif
   }
   if (env_flag("ATTNX_CPU_PANELS") == 1) return {true, "ATTNX_CPU_PANELS=1"};
+  vector_choice();  // made first, here on this thread, not inside the forwards' parallel regions
   sdpa_forward_seconds(true);  // first touches: the kept buffers, the thread pool
   sdpa_forward_seconds(false);
   double panels = std::numeric_limits<double>::infinity(), blas = panels;

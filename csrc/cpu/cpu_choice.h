@@ -39,4 +39,9 @@ struct EngineChoice {
 const VectorChoice& vector_choice();
 const EngineChoice& engine_choice();
 
+// Whether the float32 SDPA kernels run on the panels (else on BLAS): engine_choice().panels.
+// The backward takes the forward's engine (the scores must match): it never changes within a
+// process.
+bool panels_available();
+
 }  // namespace attnx::cpu

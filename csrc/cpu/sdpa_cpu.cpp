@@ -24,6 +24,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_choice.h"
 #include "dropout.h"
 #include "float64_rerun.h"
 #include "huge_lse.h"

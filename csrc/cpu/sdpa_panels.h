@@ -19,11 +19,6 @@ inline int64_t panel_count(int64_t n) { return (n + PANEL - 1) / PANEL; }
 // ATTNX_CPU_PANELS=0 at the first call.
 bool panels_supported();
 
-// Whether the float32 SDPA kernels run on the panels (else on BLAS): supported, and chosen by
-// measurement at first use (cpu_choice.h). The backward takes the forward's engine (the scores
-// must match), and this never changes within a process.
-bool panels_available();
-
 // Seconds one thread takes for one attention tile's two products (S = Q K^T: 96 x 64 by
 // 64 x 256; O = P V: 96 x 256 by 256 x 64), on the 512-bit micro-kernel (wide, AVX-512 only)
 // or the 256-bit one: what cpu_choice.h measures the vector width by.

@@ -8,8 +8,8 @@
 
 namespace attnx::cpu {
 
-// The instruction set the float versions run on: "avx512", "avx2" or "baseline" (AVX-512 unless
-// the environment had ATTNX_CPU_AVX512=0 at the first call).
+// The instruction set the float versions run on: "avx512", "avx2" or "baseline" (measured at
+// first use where the CPU has AVX-512, or fixed by ATTNX_CPU_AVX512: cpu_choice.h).
 const char* vector_isa();
 // Whether vector_isa() is "avx512" (the panel micro-kernel then takes 512-bit steps too).
 bool vector_isa_is_avx512();
