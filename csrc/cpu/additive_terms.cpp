@@ -45,32 +45,6 @@ ATTNX_BODY vf<W> r_of(vf<W> eq, vf<W> ek) {
   }
 }
 
-template <int W>
-ATTNX_BODY float hsum(vf<W> x) {
-  float s = 0.0f;
-  for (int l = 0; l < W; ++l) s += x[l];
-  return s;
-}
-
-// The lane sums of four vectors, as one 4-lane vector: a shuffle tree (a serial sum per vector
-// was a seventh of exp_scores' time at A = 256).
-ATTNX_BODY vf<4> hsum4(vf<8> a, vf<8> b, vf<8> c, vf<8> d) {
-  const vf<8> ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
-                   __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);  // a: 0-3, b: 4-7
-  const vf<8> cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
-                   __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
-  const vf<8> x = __builtin_shufflevector(ab, cd, 0, 1, 8, 9, 4, 5, 12, 13) +
-                  __builtin_shufflevector(ab, cd, 2, 3, 10, 11, 6, 7, 14, 15);  // a a c c b b d d
-  return __builtin_shufflevector(x, x, 0, 4, 2, 6) + __builtin_shufflevector(x, x, 1, 5, 3, 7);
-}
-ATTNX_BODY vf<8> fold(vf<16> x) {
-  return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-ATTNX_BODY vf<4> hsum4(vf<16> a, vf<16> b, vf<16> c, vf<16> d) {
-  return hsum4(fold(a), fold(b), fold(c), fold(d));
-}
-
 // e^y for |y| <= 80: y = n ln2 + f with n an integer (rounded through the 1.5 * 2^23 shift)
 // and |f| <= ln2 / 2 from a two-part ln2 (f exact to a few ulp), e^f by its degree-7 Taylor
 // polynomial (truncation < 1e-8 relative), 2^n added to the exponent bits (|n| <= 116: normal).
@@ -140,7 +114,8 @@ ATTNX_BODY void exp_scores_body(const float* eq, const float* ek, const float* v
       for (int t = 0; t < kKeys; ++t) acc[t] += va * r_of<W, kRcp>(x, load<W>(k + t * ap + a));
     }
     static_assert(kKeys == 4, "hsum4 sums four keys");
-    store<4>(s + j, vsum - 2.0f * hsum4(acc[0], acc[1], acc[2], acc[3]));
+    hsum4(acc[0], acc[1], acc[2], acc[3], s + j);
+    for (int t = 0; t < kKeys; ++t) s[j + t] = vsum - 2.0f * s[j + t];
   }
   for (; j < n; ++j) {
     vf<W> acc = {};

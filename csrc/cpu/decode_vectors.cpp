@@ -16,43 +16,6 @@
 namespace attnx::cpu {
 namespace {
 
-template <int W>
-ATTNX_BODY float hsum(vf<W> v) {
-  float s = 0.0f;
-  for (int t = 0; t < W; ++t) s += v[t];
-  return s;
-}
-
-ATTNX_BODY void hsum4(vf<4> a0, vf<4> a1, vf<4> a2, vf<4> a3, float* out) {
-  const vf<8> p01 = __builtin_shufflevector(a0, a1, 0, 1, 4, 5, 2, 3, 6, 7);  // a0 lo, a1 lo, a0 hi, a1 hi
-  const vf<8> p23 = __builtin_shufflevector(a2, a3, 0, 1, 4, 5, 2, 3, 6, 7);
-  const vf<4> h01 = __builtin_shufflevector(p01, p01, 0, 1, 2, 3) + __builtin_shufflevector(p01, p01, 4, 5, 6, 7);
-  const vf<4> h23 = __builtin_shufflevector(p23, p23, 0, 1, 2, 3) + __builtin_shufflevector(p23, p23, 4, 5, 6, 7);
-  // h01: a0 x2, a1 x2; h23: a2 x2, a3 x2
-  const vf<4> sums = __builtin_shufflevector(h01, h23, 0, 2, 4, 6) + __builtin_shufflevector(h01, h23, 1, 3, 5, 7);
-  std::memcpy(out, &sums, sizeof(sums));
-}
-ATTNX_BODY void hsum4(vf<8> a0, vf<8> a1, vf<8> a2, vf<8> a3, float* out) {
-  hsum4(__builtin_shufflevector(a0, a0, 0, 1, 2, 3) + __builtin_shufflevector(a0, a0, 4, 5, 6, 7),
-        __builtin_shufflevector(a1, a1, 0, 1, 2, 3) + __builtin_shufflevector(a1, a1, 4, 5, 6, 7),
-        __builtin_shufflevector(a2, a2, 0, 1, 2, 3) + __builtin_shufflevector(a2, a2, 4, 5, 6, 7),
-        __builtin_shufflevector(a3, a3, 0, 1, 2, 3) + __builtin_shufflevector(a3, a3, 4, 5, 6, 7), out);
-}
-
-// The sums of four vectors' lanes, reduced together: shuffles that halve all four at each step
-// cost 4 instructions a key, where a lane-by-lane sum of each costs 2W.
-ATTNX_BODY void hsum4(vf<16> a0, vf<16> a1, vf<16> a2, vf<16> a3, float* out) {
-  const vf<16> p01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                     __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const vf<16> p23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                     __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  // lanes: a0 x4, a1 x4, a2 x4, a3 x4
-  const vf<16> q = __builtin_shufflevector(p01, p23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-                   __builtin_shufflevector(p01, p23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  hsum4(__builtin_shufflevector(q, q, 0, 1, 2, 3), __builtin_shufflevector(q, q, 4, 5, 6, 7),
-        __builtin_shufflevector(q, q, 8, 9, 10, 11), __builtin_shufflevector(q, q, 12, 13, 14, 15), out);
-}
-
 // The lines of `ahead`'s rows fetched evenly over `steps` calls of step(), in order, without a
 // division per step: a row at a time (8 lines at E = 128) overflows the CPU's queue of misses,
 // the prefetch then stalls (13% of the four-row products' time at Lq = 1 before this).

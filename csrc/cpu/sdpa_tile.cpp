@@ -53,13 +53,6 @@ ATTNX_BODY float hmax(vf<W> v) {
   return m;
 }
 template <int W>
-ATTNX_BODY float hsum(vf<W> v) {
-  float s = 0.0f;
-  for (int t = 0; t < W; ++t) s += v[t];
-  return s;
-}
-
-template <int W>
 ATTNX_BODY float row_max_body(const float* x, int64_t n) {
   vf<W> m0 = splat<W>(NEG_INF), m1 = m0;
   int64_t j = 0;

@@ -1,9 +1,10 @@
 // Vector bodies written once on GCC vector types of W lanes and compiled per ISA (8 lanes for
-// the baseline and AVX2, 16 for AVX-512), picked per call from a cached CPU check
-// (vector_isa(), sdpa_tile.h). Inlining a baseline body into a target function compiles it for
+// the baseline and AVX2, 16 for AVX-512), picked per call from a cached choice (vector_isa(),
+// sdpa_tile.h; cpu_choice.h). Inlining a baseline body into a target function compiles it for
 // that target, so no intrinsics are needed. Included by the .cpp files that hold such bodies
-// (sdpa_tile.cpp, decode_vectors.cpp), after their `#pragma GCC optimize("fp-contract=fast")`.
-// The helpers sit in an unnamed namespace: each of those files gets its own always-inlined copy.
+// (sdpa_tile.cpp, decode_vectors.cpp, additive_terms.cpp), after their
+// `#pragma GCC optimize("fp-contract=fast")`. The helpers sit in an unnamed namespace: each of
+// those files gets its own always-inlined copy.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +52,46 @@ ATTNX_BODY void store(float* p, vf<W> v) {
 template <int W>
 ATTNX_BODY vf<W> splat(float x) {
   return vf<W>{} + x;
+}
+
+// The sum of a vector's lanes, in lane order.
+template <int W>
+ATTNX_BODY float hsum(vf<W> v) {
+  float s = 0.0f;
+  for (int t = 0; t < W; ++t) s += v[t];
+  return s;
+}
+
+// out[t] = the sum of a_t's lanes, t < 4: the four reduced together (decode's dot products,
+// additive attention's scores: four keys at a time).
+ATTNX_BODY void hsum4(vf<4> a0, vf<4> a1, vf<4> a2, vf<4> a3, float* out) {
+  const vf<8> p01 = __builtin_shufflevector(a0, a1, 0, 1, 4, 5, 2, 3, 6, 7);  // a0 lo, a1 lo, a0 hi, a1 hi
+  const vf<8> p23 = __builtin_shufflevector(a2, a3, 0, 1, 4, 5, 2, 3, 6, 7);
+  const vf<4> h01 = __builtin_shufflevector(p01, p01, 0, 1, 2, 3) + __builtin_shufflevector(p01, p01, 4, 5, 6, 7);
+  const vf<4> h23 = __builtin_shufflevector(p23, p23, 0, 1, 2, 3) + __builtin_shufflevector(p23, p23, 4, 5, 6, 7);
+  // h01: a0 x2, a1 x2; h23: a2 x2, a3 x2
+  const vf<4> sums = __builtin_shufflevector(h01, h23, 0, 2, 4, 6) + __builtin_shufflevector(h01, h23, 1, 3, 5, 7);
+  std::memcpy(out, &sums, sizeof(sums));
+}
+ATTNX_BODY void hsum4(vf<8> a0, vf<8> a1, vf<8> a2, vf<8> a3, float* out) {
+  hsum4(__builtin_shufflevector(a0, a0, 0, 1, 2, 3) + __builtin_shufflevector(a0, a0, 4, 5, 6, 7),
+        __builtin_shufflevector(a1, a1, 0, 1, 2, 3) + __builtin_shufflevector(a1, a1, 4, 5, 6, 7),
+        __builtin_shufflevector(a2, a2, 0, 1, 2, 3) + __builtin_shufflevector(a2, a2, 4, 5, 6, 7),
+        __builtin_shufflevector(a3, a3, 0, 1, 2, 3) + __builtin_shufflevector(a3, a3, 4, 5, 6, 7), out);
+}
+
+// The sums of four vectors' lanes, reduced together: shuffles that halve all four at each step
+// cost 4 instructions a key, where a lane-by-lane sum of each costs 2W.
+ATTNX_BODY void hsum4(vf<16> a0, vf<16> a1, vf<16> a2, vf<16> a3, float* out) {
+  const vf<16> p01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const vf<16> p23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // lanes: a0 x4, a1 x4, a2 x4, a3 x4
+  const vf<16> q = __builtin_shufflevector(p01, p23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                   __builtin_shufflevector(p01, p23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  hsum4(__builtin_shufflevector(q, q, 0, 1, 2, 3), __builtin_shufflevector(q, q, 4, 5, 6, 7),
+        __builtin_shufflevector(q, q, 8, 9, 10, 11), __builtin_shufflevector(q, q, 12, 13, 14, 15), out);
 }
 
 // 2^y for y <= 0 (y = x log2(e) in the softmax kernels: exp_sum, decode_vectors): y's rounded
