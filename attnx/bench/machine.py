@@ -21,14 +21,7 @@ from . import timing
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_description().get("model_name") or platform.processor() or platform.machine()
 
 
 def cpu_kernels() -> dict:
