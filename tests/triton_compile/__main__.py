@@ -36,10 +36,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"):
         sys.exit("triton_compile: unset TRITON_INTERPRET (the interpreter replaces the kernels)")
-    # A fresh cache: a cached kernel runs no ptxas, whose log gives registers and spills.
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnx-triton-compile-")
-    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
-    return run(args)
+    # A fresh cache: a cached kernel runs no ptxas, whose log gives registers and spills. It is
+    # removed at the end (a full run leaves gigabytes; every CI run compiles twice).
+    with tempfile.TemporaryDirectory(prefix="attnx-triton-compile-") as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+        return run(args)
 
 
 _WORK: list = []  # (unit, names of the variants sharing it, key digest)
