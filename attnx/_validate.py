@@ -277,7 +277,7 @@ def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     hq, lq, e = q.shape[-3:]
     hk, lk, ek = k.shape[-3:]
     hv, lv, ev = v.shape[-3:]
-    if hk != hv and 1 in (hk, hv):  # one key (or value) head for every value (or key) head
+    if hk != hv and 1 in (hk, hv) and 0 not in (hk, hv):  # one key (value) head for every value (key) head
         hk = hv = max(hk, hv)
     if hq == 1 and hk > 1:  # one query head against every key/value head
         hq = hk
@@ -446,6 +446,9 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
         capacity = block_table.shape[1] * depth
 
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity:  # (and within int32, which the tensor holds)
+            raise ValueError(f"cache_seqlens: expected an int in [0, {capacity}] (the cache's "
+                             f"capacity), got {cache_seqlens}")
         cache_seqlens = torch.full((b,), int(cache_seqlens), dtype=torch.int32, device=q.device)
     cache_seqlens = _check_index_tensor("cache_seqlens", cache_seqlens, (b,), q.device)
 
@@ -462,17 +465,26 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
             raise ValueError(f"k: expected shape {(b, hkv, 'Lnew', e)}, got {tuple(k.shape)}")
         if tuple(v.shape) != (b, hkv, lnew, ev):
             raise ValueError(f"v: expected shape {(b, hkv, lnew, ev)}, got {tuple(v.shape)}")
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            # an expanded cache (stride 0) would take every sequence's new keys in one slot
+            if torch._debug_has_internal_overlap(cache) == 1:
+                raise ValueError(f"{name}: expected a cache whose slots do not share memory to "
+                                 f"write k, v into, got strides {cache.stride()} for shape "
+                                 f"{tuple(cache.shape)}")
 
-    lens = cache_seqlens.to("cpu", torch.int64)
-    if b > 0 and int(lens.min()) < 0:
-        raise ValueError(f"cache_seqlens: expected values >= 0, got {lens.tolist()}")
-    if b > 0 and int(lens.max()) + lnew > capacity:
+    # Python ints, one read for every check (a decoding step runs these per layer per token:
+    # tensor reductions here cost more than a short cache's attention)
+    lens = cache_seqlens.tolist()
+    if b > 0 and min(lens) < 0:
+        raise ValueError(f"cache_seqlens: expected values >= 0, got {lens}")
+    if b > 0 and max(lens) + lnew > capacity:
         raise ValueError(f"cache_seqlens: cached tokens plus the {lnew} new ones must fit the cache's "
-                         f"capacity of {capacity} positions, got cache_seqlens {lens.tolist()}")
-    seqlens = cache_seqlens + lnew
+                         f"capacity of {capacity} positions, got cache_seqlens {lens}")
+    seqlens = cache_seqlens + lnew if lnew else cache_seqlens.contiguous()  # kernels index it
     if block_table is not None and b > 0:
         # only the blocks that hold some key of the sequence: tables are often padded with -1
-        used = torch.arange(block_table.shape[1]).view(1, -1) * depth < (lens + lnew).view(-1, 1)
+        keys = torch.tensor(lens, dtype=torch.int64) + lnew
+        used = torch.arange(block_table.shape[1]).view(1, -1) * depth < keys.view(-1, 1)
         ids = block_table.to("cpu")[used]
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= slots):
             raise ValueError(f"block_table: expected block ids in [0, {slots}) where the sequences "
@@ -480,11 +492,13 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
 
     scale = _check_scale(scale, e, q.dtype)
     mods = _check_modifiers(softcap, alibi_slopes, sinks, q, b, hq)
-    # The band relative to the bottom-right diagonal; unbounded is [-(capacity + Lq), capacity],
-    # which holds every j - (i + d) and keeps a kernel's i + d + lo far from overflow.
-    lo, hi = _windowed(-capacity - lq, 0 if is_causal else capacity, window)
+    # The band relative to the bottom-right diagonal d = n - Lq: every j - (i + d) lies in
+    # [-(n - 1), Lq - 1] (Lq - 1 for query 0 when Lq > n), so unbounded is
+    # [-(capacity + Lq), capacity + Lq], far from overflow in a kernel's i + d + lo.
+    bound = capacity + lq
+    lo, hi = _windowed(-bound, 0 if is_causal else bound, window)
     return KvcacheCall(q, k_cache, v_cache, cache_seqlens, seqlens, k, v, block_table, scale,
-                       max(lo, -capacity - lq), min(hi, capacity), backend, return_lse, mods)
+                       max(lo, -bound), min(hi, bound), backend, return_lse, mods)
 
 
 @dataclass
@@ -572,11 +586,10 @@ def varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     _check_max_seqlen("max_seqlen_k", max_seqlen_k, lens_k)
     scale = _check_scale(scale, e, q.dtype)
     mods = _check_modifiers(softcap, alibi_slopes, sinks, q, len(lens_q), hq)
-    # The band relative to each sequence's bottom-right diagonal; unbounded is
-    # [-(Lk + Lq), Lk] of the longest, which holds every j - (i + d).
-    lq_max, lk_max = max(lens_q, default=0), max(lens_k, default=0)
-    lo, hi = _windowed(-lk_max - lq_max, 0 if is_causal else lk_max, window)
+    # The band relative to each sequence's bottom-right diagonal d = Lk - Lq: every j - (i + d)
+    # lies in [-(Lk - 1), Lq - 1], so unbounded is [-(Lk + Lq), Lk + Lq] of the longest.
+    bound = max(lens_q, default=0) + max(lens_k, default=0)
+    lo, hi = _windowed(-bound, 0 if is_causal else bound, window)
     seed = _rng.draw_seed() if 0 < p < 1 else None
     return VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, tuple(zip(lens_q, lens_k)), scale,
-                      max(lo, -lk_max - lq_max), min(hi, lk_max), p, seed, backend, return_lse,
-                      mods)
+                      max(lo, -bound), min(hi, bound), p, seed, backend, return_lse, mods)

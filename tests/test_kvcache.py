@@ -177,6 +177,16 @@ def test_without_new_keys_and_odd_block_size(backend, paged):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("window", [None, (3, None)])
+def test_more_queries_than_the_cache_holds(backend, paged, window):
+    """Lq past the cache's capacity, not causal: query 0 sits Lq - 1 keys left of the last
+    key's diagonal, and still attends every key (an unbounded band ended at the capacity)."""
+    run_case(backend, torch.float32, paged=paged, lq=17, lnew=0, is_causal=False, window=window,
+             lengths=[0, 2, 5], block_size=4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_llama_shape(backend):
     """The benchmark's shape (Hq 32, Hkv 8, D 128: whole vectors, the 8-vector value path)."""
     run_case(backend, torch.float32, paged=True, lq=2, lnew=1, hq=32, hkv=8, e=128, ev=128,
@@ -228,11 +238,35 @@ def test_int_seqlens_no_grad_and_auto(backend):
     torch.testing.assert_close(out, same, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_seqlens(backend):
+    """cache_seqlens as a strided view (a column of a bigger table): read by value, not by
+    its storage's order; without new keys the kernels get it as it is given."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 4, 1, 16, generator=g)
+    k, v = torch.randn(3, 2, 30, 16, generator=g), torch.randn(3, 2, 30, 16, generator=g)
+    table = torch.tensor([[5, 99], [30, 99], [0, 99]], dtype=torch.int32)
+    out = attnx.attention_with_kvcache(q, k, v, table[:, 0], backend=backend)
+    want = attnx.attention_with_kvcache(q, k, v, table[:, 0].contiguous(), backend="reference")
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_empty_query():
     q = torch.randn(2, 2, 0, 8)
     k, v = torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
     out, lse = attnx.attention_with_kvcache(q, k, v, 3, return_lse=True)
     assert out.shape == (2, 2, 0, 8) and lse.shape == (2, 2, 0)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_empty_batch(paged):
+    q = torch.randn(0, 4, 1, 8)
+    shape = (3, 2, 4) if paged else (0, 2, 10)
+    k, v = torch.randn(*shape, 8), torch.randn(*shape, 6)
+    table = torch.zeros(0, 2, dtype=torch.int32) if paged else None
+    out, lse = attnx.attention_with_kvcache(q, k, v, torch.zeros(0, dtype=torch.int32),
+                                            block_table=table, return_lse=True)
+    assert out.shape == (0, 4, 1, 6) and lse.shape == (0, 4, 1) and lse.dtype == torch.float32
 
 
 def test_bfloat16_runs_on_the_reference():
@@ -305,6 +339,10 @@ def _bad_calls():
         (TypeError, "sinks.*dtype", dict(sinks=torch.zeros(4, dtype=torch.int64))),
         (ValueError, "window", dict(window=(-1, 0))),
         (ValueError, "backend", dict(backend="nope")),
+        (ValueError, "cache_seqlens.*int in \\[0, 20\\]", dict(cache_seqlens=2**31)),
+        (ValueError, "cache_seqlens.*int in", dict(cache_seqlens=-1)),
+        (ValueError, "k_cache.*share memory", dict(k_cache=kc[:1].expand_as(kc))),
+        (ValueError, "v_cache.*share memory", dict(v_cache=vc[:, :, :1].expand_as(vc))),
     ], dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=s, k=k_new, v=v_new)
 
 

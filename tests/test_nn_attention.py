@@ -216,3 +216,15 @@ def test_no_keys_gives_zero_context_and_empty_weights(score):
     context, weights = att(q, k, need_weights=True)
     assert context.shape == (2, 3, DQ) and (context == 0).all()
     assert weights.shape == (2, 3, 0)
+
+
+@pytest.mark.parametrize("score", ["dot", "general", "scaled_dot"])
+def test_weights_of_huge_inputs_stay_finite(score):
+    """float32 scores past the range (|q| |k| ~ 1e60): the weights come from float64 scores;
+    every row still sums to 1."""
+    torch.manual_seed(0)
+    att = Attention(DQ, DK, score=score)
+    q, k, _ = _data()
+    ctx, w = att(q.float() * 1e30, k.float() * 1e30, need_weights=True)
+    assert w.dtype == torch.float32 and torch.isfinite(w).all() and torch.isfinite(ctx).all()
+    torch.testing.assert_close(w.sum(-1), torch.ones(B, LQ))

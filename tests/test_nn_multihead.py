@@ -108,7 +108,7 @@ def test_is_causal_hint(need_weights, with_kpm):
     if with_kpm:
         kwargs["key_padding_mask"] = _masks(n, l, l, "kpm")["key_padding_mask"]
     _check(ours, ref, _inputs(n, l, l, True), kwargs)
-    with pytest.raises(RuntimeError, match="is_causal"):
+    with pytest.raises(ValueError, match="is_causal"):  # torch: RuntimeError; API.md: ValueError
         ours(*_inputs(n, l, l, True), is_causal=True)
 
 
@@ -247,8 +247,23 @@ def test_no_keys_with_weights_matches_torch():
     (lambda m, q: m(q, q, q[..., :5]), ValueError, f"value: expected a last dim of vdim={E}"),
     (lambda m, q: m(*[torch.nested.nested_tensor([t for t in q])] * 3, need_weights=False),
      TypeError, "query: expected a dense"),
+    (lambda m, q: m(q[None], q[None], q[None]), ValueError, "query should be unbatched 2D or batched 3D"),
+    (lambda m, q: m(q, q[:1], q[:1]), ValueError, "key, value: expected batch size 2"),
+    (lambda m, q: m(q, q, q[:, :3]), ValueError, "value: expected sequence length 5"),
+    (lambda m, q: m(q.float(), q.float(), q.float()), TypeError, "query: expected dtype torch.float64"),
+    (lambda m, q: m(q, q, q, is_causal=True), ValueError, "attn_mask: expected a mask with the is_causal"),
 ])
 def test_bad_inputs_raise_naming_the_argument(call, error, match):
     ours, _ = _pair(batch_first=True)
     with pytest.raises(error, match=match):
         call(ours, _inputs(2, 5, 5, True)[0])
+
+
+def test_weights_of_huge_inputs_stay_finite():
+    """Scores past float32's range (|x| ~ 1e30 after the projections): the weights come from
+    float64 scores, as the output from the op's float64 rerun; every row still sums to 1."""
+    ours, _ = _pair(dtype=torch.float32, batch_first=True)
+    x = _inputs(2, 5, 5, True, dtype=torch.float32)[0] * 1e30
+    out, w = ours(x, x, x, average_attn_weights=False)
+    assert w.dtype == torch.float32 and torch.isfinite(w).all() and torch.isfinite(out).all()
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, H, 5))

@@ -295,3 +295,44 @@ def test_dropout_of_one_drops_everything_as_torch(backend):
     (out.sum() + weights.sum()).backward()
     for t in (qa, ka, va, w):
         assert torch.equal(t.grad, torch.zeros_like(t))
+
+
+def _huge_calls(dtype):
+    """Finite inputs whose float32 scores or sums overflow: (name, call on `dtype` tensors)."""
+    g = torch.Generator().manual_seed(5)
+    big = torch.rand(1, 2, 3, 4, generator=g, dtype=torch.float64) + 0.5
+    small = torch.randn(1, 2, 3, 4, generator=g, dtype=torch.float64)
+    q, k, v = (t.to(dtype) for t in (big * 1e19, big * 1e19, small))
+    a = torch.ones(1, 3, 4, dtype=dtype)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    return [
+        ("sdpa", lambda **kw: attnx.scaled_dot_product_attention(q, k, v, **kw)),
+        ("sdpa-values", lambda **kw: attnx.scaled_dot_product_attention(
+            v, v, torch.full_like(v, 3e38), **kw)),
+        ("additive", lambda **kw: attnx.additive_attention(
+            a, a, a.neg(), torch.full((4,), 3e38, dtype=dtype), **kw)),
+        ("kvcache", lambda **kw: attnx.attention_with_kvcache(q, k, v, 3, **kw)),
+        ("varlen", lambda **kw: attnx.varlen_attention(
+            q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, **kw)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5), ids=[n for n, _ in _huge_calls(torch.float32)])
+def test_float32_overflow_reruns_in_float64(case):
+    """Finite inputs never give NaN: where float32 overflows, the reference runs in float64 and
+    gives its answer (rounded to float32)."""
+    _, call = _huge_calls(torch.float32)[case]
+    _, call64 = _huge_calls(torch.float64)[case]
+    out, want = call(backend="reference"), call64(backend="reference")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_half_inputs_under_a_huge_scale_stay_finite():
+    """The auto backend of CPU float16 tensors is the reference: scale 1e38 overflows float32."""
+    q, k, v = qkv(1, 2, lq=3, lk=5, e=4, dtype=torch.float16)
+    out = attnx.scaled_dot_product_attention(q, k, v, scale=1e38)
+    want = attnx.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=1e38,
+                                              **REF)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want, rtol=2e-3, atol=2e-3)

@@ -43,6 +43,9 @@ SDPA_CASES = [
     (dict(key=torch.randn(2, 2, 10, 16), value=torch.randn(2, 2, 10, 12)), ValueError, ["key", "enable_gqa"]),
     (dict(key=torch.randn(2, 3, 10, 16), value=torch.randn(2, 3, 10, 12), enable_gqa=True), ValueError, ["key", "dividing 4"]),
     (dict(value=torch.randn(2, 2, 10, 12)), ValueError, ["value", "4 heads"]),
+    # one head broadcasts to any count but zero (torch's matmul broadcasting, then a mismatch)
+    (dict(key=torch.randn(2, 0, 10, 16), value=torch.randn(2, 1, 10, 12)), ValueError, ["value", "0 heads"]),
+    (dict(key=torch.randn(2, 1, 10, 16), value=torch.randn(2, 0, 10, 12)), ValueError, ["value", "1 heads"]),
     (dict(attn_mask=torch.ones(8, 9, dtype=torch.bool)), ValueError, ["attn_mask", "broadcasts to (2, 4, 8, 10)", "(8, 9)"]),
     (dict(attn_mask=torch.ones(3, 4, 8, 10, dtype=torch.bool)), ValueError, ["attn_mask", "(3, 4, 8, 10)"]),
     (dict(attn_mask=torch.ones(8, 10, dtype=torch.int64)), TypeError, ["attn_mask", "torch.bool", "int64"]),

@@ -110,8 +110,12 @@ def golden(q, k, v, lens, is_causal=False, window=None, scale=None, dtype=torch.
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
+# Queries outnumbering every sequence's keys: an unbounded band must reach Lq - 1 past the
+# bottom-right diagonal, beyond the longest key run.
+FEW_KEYS = [(40, 3), (6, 1), (0, 2), (9, 9)]
 GOLDEN_CASES = [(MIXED, False, None, (3, 3)), (MIXED, True, None, (4, 2)),
-                (MIXED, False, (4, 2), (4, 1)), (MIXED, True, (8, None), (4, 2))]
+                (MIXED, False, (4, 2), (4, 1)), (MIXED, True, (8, None), (4, 2)),
+                (FEW_KEYS, False, None, (2, 1)), (FEW_KEYS, False, (2, None), (2, 2))]
 
 
 # The long case once per backend (float32, float64); triton (no float64) in float32 and the

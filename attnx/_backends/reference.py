@@ -2,11 +2,13 @@
 
 It materialises the (B, H, Lq, Lk) score matrix (and, for additive attention, the
 (B, H, Lq, Lk, A) tanh tensor), so it is for checking and for inputs no fused kernel serves,
-not for speed. Half-precision inputs are computed in float32 and rounded once at the end.
+not for speed. Half-precision inputs are computed in float32 (float64 where float32 overflows) and rounded
+once at the end.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -25,6 +27,24 @@ def unsupported(op: str, call) -> Optional[str]:
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _float64_where_float32_overflows(op):
+    """op(call, dtype) run in _compute_dtype; where float32 overflows on finite inputs (scores or
+    sums past its range: |q| |k| ~ 1e19, values ~ 3e38, a huge v or scale), it runs again in
+    float64, which holds every product of float32 values, as the fused CPU kernels do: finite
+    inputs never give NaN. (Non-finite inputs rerun too, and keep their non-finite results.)"""
+
+    @functools.wraps(op)
+    def run(call):
+        result = op(call, _compute_dtype(call.q.dtype))
+        out, lse = result[0], result[1]
+        if call.q.dtype != torch.float64 and not (
+                bool(torch.isfinite(out).all()) and not bool((lse.isnan() | (lse == float("inf"))).any())):
+            result = op(call, torch.float64)
+        return result
+
+    return run
 
 
 def band(lq: int, lk: int, lo: int, hi: int, device) -> torch.Tensor:
@@ -107,8 +127,8 @@ def apply_dropout(p: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor
     return p * keep.to(p.dtype) / (1.0 - dropout_p)
 
 
-def sdpa(call: SdpaCall):
-    dtype = _compute_dtype(call.q.dtype)
+@_float64_where_float32_overflows
+def sdpa(call: SdpaCall, dtype: torch.dtype):
     q, k, v = (t.to(dtype) for t in (call.q, call.k, call.v))
     groups = q.shape[1] // max(k.shape[1], 1)
     if groups != 1:
@@ -122,8 +142,8 @@ def sdpa(call: SdpaCall):
     return out.to(call.q.dtype), lse.float()
 
 
-def additive(call: AdditiveCall):
-    dtype = _compute_dtype(call.q.dtype)
+@_float64_where_float32_overflows
+def additive(call: AdditiveCall, dtype: torch.dtype):
     q, k, value, v = (t.to(dtype) for t in (call.q, call.k, call.value, call.v))
     t = torch.tanh(q.unsqueeze(3) + k.unsqueeze(2))  # (B, H, Lq, Lk, A)
     s = (t * v.view(1, v.shape[0], 1, 1, v.shape[1])).sum(-1)
@@ -144,9 +164,9 @@ def cached_keys(cache: torch.Tensor, block_table: Optional[torch.Tensor], b: int
     return blocks.transpose(0, 1).reshape(cache.shape[1], used * block_size, cache.shape[3])[:, :n]
 
 
-def kvcache(call: KvcacheCall):
+@_float64_where_float32_overflows
+def kvcache(call: KvcacheCall, dtype: torch.dtype):
     """One sequence at a time over its gathered keys: slots past its length are never read."""
-    dtype = _compute_dtype(call.q.dtype)
     lq = call.q.shape[2]
     sink = sink_logits(call.mods, dtype)
     outs, lses = [], []
@@ -164,13 +184,17 @@ def kvcache(call: KvcacheCall):
         p, lse = masked_softmax(s, None, call.window_lo + offset, call.window_hi + offset, sink)
         outs.append(torch.matmul(p, v))
         lses.append(lse)
+    if not outs:  # B = 0
+        b, hq, lq, _ = call.q.shape
+        return (call.q.new_empty((b, hq, lq, call.v_cache.shape[-1])),
+                call.q.new_empty((b, hq, lq), dtype=torch.float32))
     return torch.stack(outs).to(call.q.dtype), torch.stack(lses).float()
 
 
-def varlen(call: VarlenCall):
+@_float64_where_float32_overflows
+def varlen(call: VarlenCall, dtype: torch.dtype):
     """One sequence at a time, each a batch-1 SDPA with the band aligned bottom-right and the
     sequence's dropout seed (attnx._rng.sequence_seed)."""
-    dtype = _compute_dtype(call.q.dtype)
     hq, hkv = call.q.shape[1], call.k.shape[1]
     groups = hq // hkv
     outs, lses = [], []

@@ -31,10 +31,21 @@ def band_mask(lq: int, lk: int, window, device) -> Optional[torch.Tensor]:
     return keep
 
 
+def weight_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """q k^T * scale, the scores behind the weights; in float64 where the inputs' dtype
+    overflows (|q| |k| past its range), as the fused op does: finite inputs never give NaN
+    weights. softmax_weights takes either and returns the weights in `dtype`."""
+    s = torch.matmul(q * scale, k.transpose(-2, -1))
+    if not bool(torch.isfinite(s).all()):
+        s = torch.matmul(q.double() * scale, k.double().transpose(-2, -1))
+    return s
+
+
 def softmax_weights(scores: torch.Tensor, mask: Optional[torch.Tensor], window=None,
-                    is_causal: bool = False) -> torch.Tensor:
+                    is_causal: bool = False, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """softmax over the last dim of `scores` after an attnx-style mask (bool True = may attend,
-    float = added), a window and a causal band; empty rows give zeros."""
+    float = added), a window and a causal band; empty rows give zeros. In `dtype` (default:
+    that of the scores)."""
     lq, lk = scores.shape[-2:]
     if lk == 0:  # no key at all: every row is empty (and amax would raise)
         return scores.new_zeros(scores.shape)
@@ -51,7 +62,7 @@ def softmax_weights(scores: torch.Tensor, mask: Optional[torch.Tensor], window=N
         s = s.masked_fill(~allowed, float("-inf"))
     empty = s.amax(dim=-1, keepdim=True) == float("-inf")
     s = torch.where(empty, torch.zeros_like(s), s)
-    return torch.softmax(s, dim=-1).masked_fill(empty, 0.0).to(scores.dtype)
+    return torch.softmax(s, dim=-1).masked_fill(empty, 0.0).to(dtype or scores.dtype)
 
 
 def dropout_seed(p: float) -> Optional[torch.Tensor]:

@@ -23,7 +23,7 @@ from attnx import _dispatch
 from .._validate import _check_tensor
 from ._inputs import check_features
 from ._masks import check_mask, check_mask_type, combine
-from ._weights import after_dropout, dropout_seed, softmax_weights
+from ._weights import after_dropout, dropout_seed, softmax_weights, weight_scores
 
 
 def merge_masks(attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
@@ -63,12 +63,14 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             _check_tensor(name, x, 0)  # the ranks: torch's _mha_shape_check below
         check_mask_type("key_padding_mask", key_padding_mask)
         check_mask_type("attn_mask", attn_mask)
-        is_batched = F._mha_shape_check(query, key, value, key_padding_mask, attn_mask,
-                                        self.num_heads)
+        try:
+            is_batched = F._mha_shape_check(query, key, value, key_padding_mask, attn_mask,
+                                            self.num_heads)
+        except AssertionError as e:  # torch's rank checks are asserts: their words, as ValueError
+            raise ValueError(str(e)) from None
         if is_causal and attn_mask is None:
-            raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may use the "
-                               "Transformer module method `generate_square_subsequent_mask` to "
-                               "create this mask.")
+            raise ValueError("attn_mask: expected a mask with the is_causal hint (torch.nn's "
+                             "rule; Transformer.generate_square_subsequent_mask makes one), got None")
         if not is_batched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             if key_padding_mask is not None:
@@ -81,6 +83,16 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         n, lq, e = query.shape
         h, d = self.num_heads, self.head_dim
         ls = key.shape[1]
+        if key.shape[0] != n or value.shape[0] != n:
+            raise ValueError(f"key, value: expected batch size {n} (that of query), got key "
+                             f"{tuple(key.shape)} and value {tuple(value.shape)} (batch-first)")
+        if value.shape[1] != ls:
+            raise ValueError(f"value: expected sequence length {ls} (that of key), got "
+                             f"{tuple(value.shape)} (batch-first)")
+        weight = self.in_proj_weight if self._qkv_same_embed_dim else self.q_proj_weight
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if x.dtype != weight.dtype:
+                raise TypeError(f"{name}: expected dtype {weight.dtype} (the module's), got {x.dtype}")
         check_mask("attn_mask", attn_mask, [(lq, ls), (n * h, lq, ls)])
         check_mask("key_padding_mask", key_padding_mask, [(n, ls)])
 
@@ -116,8 +128,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
         weights = None
         if need_weights:
-            scores = torch.matmul(q * (d ** -0.5), k.transpose(-2, -1))
-            weights = after_dropout(softmax_weights(scores, mask), dropout_p, seed)
+            weights = softmax_weights(weight_scores(q, k, d ** -0.5), mask, dtype=q.dtype)
+            weights = after_dropout(weights, dropout_p, seed)
             if average_attn_weights:
                 weights = weights.mean(dim=1)
             if not is_batched:

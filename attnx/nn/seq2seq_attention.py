@@ -44,7 +44,7 @@ from attnx import _dispatch
 from .._validate import _check_tensor
 from ._inputs import check_features
 from ._masks import check_mask, combine
-from ._weights import after_dropout, dropout_seed, softmax_weights
+from ._weights import after_dropout, dropout_seed, softmax_weights, weight_scores
 
 SCORES = ("additive", "concat", "dot", "general", "scaled_dot", "cosine", "location")
 
@@ -180,8 +180,9 @@ class Attention(nn.Module):
                                         scale=scale, window=self.window)
             if need_weights:
                 s = q.new_zeros(b, self.num_heads, lq, lk) if self.score == "location" else \
-                    torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-                weights = after_dropout(softmax_weights(s, mask, self.window), dropout_p, seed)
+                    weight_scores(q, k, q.shape[-1] ** -0.5 if scale is None else scale)
+                weights = softmax_weights(s, mask, self.window, dtype=q.dtype)
+                weights = after_dropout(weights, dropout_p, seed)
         out = out.transpose(1, 2).reshape(b, lq, value.shape[-1])
         if weights is not None and self.num_heads == 1:
             weights = weights.squeeze(1)

@@ -312,7 +312,7 @@ bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weig
         }
       }
       if constexpr (in_place) {
-        bad |= !additive::all_finite(o, n_out);
+        bad |= any_non_finite(o, n_out);
       } else {
         float zero = 0.0f;  // NaN once any value (as stored) is NaN or infinite
         for (int64_t e = 0; e < n_out; ++e) {
@@ -599,7 +599,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
     // machine each of ATen's parallel isfinite passes may wait for a descheduled thread)
     if constexpr (std::is_same_v<acc_t, float>) {
       for (const at::Tensor& t : {dq_f, dk_f, dvalue_acc, dv_f}) {
-        grads_non_finite |= !additive::all_finite(t.data_ptr<float>(), t.numel());
+        grads_non_finite |= any_non_finite(t.data_ptr<float>(), t.numel());
       }
       grads_non_finite |= mask_grad && at::isfinite(dmask).logical_not().any().item<bool>();
       grads_non_finite |= (at::isnan(lse) | at::isposinf(lse)).any().item<bool>();

@@ -133,15 +133,6 @@ ATTNX_CLONES void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (; a < n; ++a) y[a] += alpha * x[a];
 }
 
-ATTNX_CLONES bool all_finite(const float* x, int64_t n) {
-  vfloat z = {};  // x * 0 is NaN exactly for NaN and +-inf
-  int64_t a = 0;
-  for (; a < n - n % kLanes; a += kLanes) z += load(x + a) * 0.0f;
-  float t = hsum(z);
-  for (; a < n; ++a) t += x[a] * 0.0f;
-  return t == 0.0f;
-}
-
 ATTNX_CLONES float dot(const float* x, const float* y, int64_t n) {
   vfloat acc = {};
   int64_t a = 0;

@@ -25,9 +25,6 @@ void grad_terms(const double* t, double ds, double* dq, double* dk, double* dvr,
 void axpy(float alpha, const float* x, float* y, int64_t n);
 void axpy(double alpha, const double* x, double* y, int64_t n);
 
-// Whether every x[a] is finite (no NaN, no inf): one serial pass, no parallel region.
-bool all_finite(const float* x, int64_t n);
-
 // sum_a x[a] * y[a].
 float dot(const float* x, const float* y, int64_t n);
 double dot(const double* x, const double* y, int64_t n);

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "decode_vectors.h"
+#include "float64_rerun.h"
 #include "line_vector.h"
 #include "score_mods.h"
 #include "sdpa_tile.h"
@@ -397,6 +398,14 @@ void check_inputs(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
   }
 }
 
+// Whether an lse is NaN or +inf (-inf: a row that admits no key).
+bool nan_or_posinf(const float* lse, int64_t n) {
+  bool found = false;
+  for (int64_t r = 0; r < n; ++r)
+    found |= std::isnan(lse[r]) || lse[r] == std::numeric_limits<float>::infinity();
+  return found;
+}
+
 // The lengths, checked against the cache (and the block ids a sequence uses against the number
 // of blocks) so that no read leaves the cache, whoever calls the op.
 std::vector<int64_t> checked_lengths(const Tensor& seqlens, const Tensor& table, const Tensor& cache) {
@@ -468,9 +477,8 @@ std::tuple<Tensor, Tensor> decode(const Tensor& q, const Tensor& k_cache_in,
           v_cache.size(3), 0};
   d.R = d.G * d.Lq;
   auto [out, lse] = attend(d, q, k_cache, v_cache, lens, table, scale, lo, hi, mods);
-  if (q.scalar_type() == at::kFloat && !(at::isfinite(out).all().item<bool>() &&
-                                         !at::isnan(lse).any().item<bool>() &&
-                                         !at::isposinf(lse).any().item<bool>())) {
+  if (q.scalar_type() == at::kFloat && (any_non_finite(out.data_ptr<float>(), out.numel()) ||
+                                        nan_or_posinf(lse.data_ptr<float>(), lse.numel()))) {
     // float32 overflowed (scores past its range) or the inputs hold non-finite values (the
     // lanes multiply a refused key's value row by p = 0: an inf there lands here too); float64
     // holds every product of float32 values, and keeps the inputs' own non-finite values.

@@ -17,4 +17,9 @@ bool finite_inputs(at::TensorList ts, const std::optional<at::Tensor>& mask);
 // Whether some value of the tensors is NaN or +-inf.
 bool any_non_finite(at::TensorList ts);
 
+// Whether some x[0, n) is NaN or +-inf: a serial pass over the bits (an integer OR, which
+// compilers vectorize), for a kernel's own output: no tensors, no parallel region (ATen's
+// isfinite-all took half of a short decoding call).
+bool any_non_finite(const float* x, int64_t n);
+
 }  // namespace attnx::cpu

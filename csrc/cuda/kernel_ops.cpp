@@ -376,9 +376,10 @@ SdpaParams varlen_params(const Target& target, VarlenInputs& in, const Tensor& q
   p.total_k = k.size(0);
   p.sq.b = p.sk.b = p.sv.b = 0;  // sequences are offsets along the rows
   // relative to each sequence's bottom-right diagonal, every j - (i + d) of a sequence lies in
-  // [-(Lk + Lq), Lk] of the longest: the same pairs, no overflow
-  p.window_lo = std::clamp<int64_t>(lo, -int64_t(max_q) - max_k, max_k);
-  p.window_hi = std::clamp<int64_t>(hi, -int64_t(max_q) - max_k, max_k);
+  // [-(Lk - 1), Lq - 1], within +-(Lk + Lq) of the longest: the same pairs, no overflow
+  const int64_t bound = int64_t(max_q) + max_k;
+  p.window_lo = std::clamp<int64_t>(lo, -bound, bound);
+  p.window_hi = std::clamp<int64_t>(hi, -bound, bound);
   in.cu_q = target.input(cu_q.contiguous());
   in.cu_k = target.input(cu_k.contiguous());
   p.cu_q = in.cu_q.data_ptr<int>();
