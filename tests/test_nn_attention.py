@@ -206,6 +206,15 @@ def test_bad_arguments():
         att(q, k[:1])
     with pytest.raises(ValueError, match="value: expected"):
         att(q, k, torch.randn(2, 4, 4))
+    with pytest.raises(TypeError, match="num_heads: expected an int"):
+        Attention(4, 4, num_heads=2.0)
+    with pytest.raises(ValueError, match="num_heads: expected >= 1"):
+        Attention(4, 4, num_heads=0)
+    two = Attention(4, 6, num_heads=2, attn_dim=8)
+    with pytest.raises(ValueError, match=r"projected_key: expected shape \(2, 5, 8\)"):
+        two(q, torch.randn(2, 5, 6), projected_key=torch.randn(2, 5, 6))
+    with pytest.raises(ValueError, match="projected_key: expected shape"):
+        two(q, torch.randn(2, 5, 6), projected_key=torch.randn(10, 8))
 
 
 @pytest.mark.parametrize("score", SCORES)

@@ -28,6 +28,22 @@ def test_positional_encoding_formula():
         pe(torch.randn(12, 1, d))
 
 
+@pytest.mark.parametrize("make, call, error, match", [
+    (lambda: PositionalEncoding(0), None, ValueError, "d_model: expected >= 1"),
+    (lambda: PositionalEncoding(4.0), None, TypeError, "d_model: expected an int"),
+    (lambda: PositionalEncoding(4, max_len=0), None, ValueError, "max_len: expected >= 1"),
+    (lambda: PositionalEncoding(4), lambda pe: pe(torch.randn(5, 2, 3)), ValueError,
+     "x: expected a last dim of d_model=4"),
+    (lambda: PositionalEncoding(4), lambda pe: pe(torch.randn(5, 2, 2, 4)), ValueError,
+     "x: expected \\(L, E\\)"),
+    (lambda: PositionalEncoding(4), lambda pe: pe([0.0] * 4), TypeError, "x: expected a torch.Tensor"),
+])
+def test_positional_encoding_bad_arguments(make, call, error, match):
+    with pytest.raises(error, match=match):
+        module = make()
+        call(module)
+
+
 @pytest.mark.parametrize("style", ["bahdanau", "luong"])
 @pytest.mark.parametrize("rnn", ["gru", "lstm"])
 def test_padding_does_not_change_results(style, rnn):
@@ -95,3 +111,26 @@ def test_date_formats_are_correct():
         assert str(d) in src and (str(y) in src or f"{y % 100:02d}" in src)
         assert f"{m:02d}" in src or str(m) in src or any(
             name in src.lower() and months[name] == m for name in months)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda m, s, t: m(s.float(), t), TypeError, "src: expected token ids of dtype"),
+    (lambda m, s, t: m(s[0], t), ValueError, r"src: expected \(B, L\)"),
+    (lambda m, s, t: m(s[:, :0], t), ValueError, r"src: expected \(B, L\) token ids with B, L >= 1"),
+    (lambda m, s, t: m(s[:0], t[:0]), ValueError, r"src: expected \(B, L\) token ids with B, L >= 1"),
+    (lambda m, s, t: m(s + 100, t), ValueError, r"src: expected token ids in \[0, 12\)"),
+    (lambda m, s, t: m(s - 5, t), ValueError, r"src: expected token ids in \[0, 12\)"),
+    (lambda m, s, t: m(s, t[:1]), ValueError, "tgt_in: expected batch size 2"),
+    (lambda m, s, t: m(s, t[:, :0]), ValueError, "tgt_in: expected"),
+    (lambda m, s, t: m(s, t + 9), ValueError, r"tgt_in: expected token ids in \[0, 9\)"),
+    (lambda m, s, t: m(s, t, src_key_padding_mask=(s == 0).float()), TypeError, "src_key_padding_mask"),
+    (lambda m, s, t: m.greedy(s, 0), ValueError, "max_len: expected an int >= 1"),
+    (lambda m, s, t: m.greedy(s, -1), ValueError, "max_len"),
+])
+def test_seq2seq_bad_inputs_raise_naming_the_argument(call, error, match):
+    torch.manual_seed(0)
+    model = Seq2Seq(12, 9, emb_dim=8, hidden_dim=8)
+    src = torch.randint(3, 12, (2, 5))
+    tgt = torch.randint(3, 9, (2, 4))
+    with pytest.raises(error, match=match):
+        call(model, src, tgt)

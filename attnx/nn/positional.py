@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch import nn
+
+from .._validate import _check_tensor
+from ._inputs import check_features
 
 
 class PositionalEncoding(nn.Module):
@@ -19,6 +23,11 @@ class PositionalEncoding(nn.Module):
     def __init__(self, d_model: int, dropout: float = 0.0, max_len: int = 5000, *,
                  batch_first: bool = False):
         super().__init__()
+        for name, n in (("d_model", d_model), ("max_len", max_len)):
+            if isinstance(n, bool) or not hasattr(n, "__index__"):  # numpy ints too, not bools
+                raise TypeError(f"{name}: expected an int, got {type(n).__name__}")
+            if operator.index(n) < 1:
+                raise ValueError(f"{name}: expected >= 1, got {n}")
         self.dropout = nn.Dropout(dropout)
         self.batch_first = batch_first
         pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
@@ -29,6 +38,9 @@ class PositionalEncoding(nn.Module):
         self.register_buffer("pe", pe.to(torch.get_default_dtype()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _check_tensor("x", x, 2).dim() > 3:
+            raise ValueError(f"x: expected (L, E), (L, N, E) or (N, L, E), got shape {tuple(x.shape)}")
+        check_features("x", x, self.pe.shape[1], "d_model")
         seq_dim = 1 if (self.batch_first and x.dim() == 3) else 0
         length = x.shape[seq_dim]
         if length > self.pe.shape[0]:

@@ -26,6 +26,22 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from .seq2seq_attention import Attention
 
 
+def _check_tokens(name: str, x, vocab: int, batch: Optional[int] = None) -> None:
+    """Token ids (B, L): an integer tensor, B and L >= 1 (the encoder packs by length), every id
+    in [0, vocab) (nn.Embedding would raise IndexError)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor of token ids, got {type(x).__name__}")
+    if x.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name}: expected token ids of dtype torch.int64 or torch.int32, got {x.dtype}")
+    if x.dim() != 2 or x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"{name}: expected (B, L) token ids with B, L >= 1, got shape {tuple(x.shape)}")
+    if batch is not None and x.shape[0] != batch:
+        raise ValueError(f"{name}: expected batch size {batch} (that of src), got shape {tuple(x.shape)}")
+    low, high = int(x.min()), int(x.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"{name}: expected token ids in [0, {vocab}), got ids from {low} to {high}")
+
+
 class Seq2Seq(nn.Module):
     def __init__(self, src_vocab: int, tgt_vocab: int, emb_dim: int = 64, hidden_dim: int = 128,
                  rnn: str = "gru", score: str = "additive", style: str = "bahdanau",
@@ -57,6 +73,14 @@ class Seq2Seq(nn.Module):
 
     def encode(self, src: torch.Tensor, src_key_padding_mask: Optional[torch.Tensor] = None):
         """src (B, S) token ids -> (memory (B, S, 2H), padding mask (B, S), initial state)."""
+        _check_tokens("src", src, self.src_embed.num_embeddings)
+        if src_key_padding_mask is not None and (
+                not isinstance(src_key_padding_mask, torch.Tensor)
+                or src_key_padding_mask.dtype != torch.bool or src_key_padding_mask.shape != src.shape):
+            got = (f"{src_key_padding_mask.dtype} {tuple(src_key_padding_mask.shape)}"
+                   if isinstance(src_key_padding_mask, torch.Tensor) else type(src_key_padding_mask).__name__)
+            raise TypeError(f"src_key_padding_mask: expected None or a bool tensor of src's shape "
+                            f"{tuple(src.shape)} (True = padding), got {got}")
         if src_key_padding_mask is None:
             src_key_padding_mask = src == self.pad_idx
         lengths = (~src_key_padding_mask).sum(1).clamp(min=1).cpu()
@@ -96,6 +120,7 @@ class Seq2Seq(nn.Module):
         """Teacher forcing: tgt_in (B, T) starts with BOS. Returns logits (B, T, V) and the
         alignment weights (B, T, S) or None."""
         memory, mask, state = self.encode(src, src_key_padding_mask)
+        _check_tokens("tgt_in", tgt_in, self.tgt_embed.num_embeddings, batch=src.shape[0])
         if self.style == "luong":
             logits, _, w = self._luong_steps(tgt_in, state, memory, mask, need_weights)
             return logits, w
@@ -112,6 +137,8 @@ class Seq2Seq(nn.Module):
                src_key_padding_mask: Optional[torch.Tensor] = None):
         """Greedy decoding: (tokens (B, T) without BOS, ending at EOS or max_len; weights (B, T, S)).
         Positions after a sequence's EOS hold pad_idx."""
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len: expected an int >= 1, got {max_len!r}")
         memory, mask, state = self.encode(src, src_key_padding_mask)
         b = src.shape[0]
         y = torch.full((b,), self.bos_idx, dtype=torch.long, device=src.device)

@@ -67,7 +67,7 @@ class Attention(nn.Module):
                  window=None, *, max_len: int = 256, sharpness: float = 1.0):
         super().__init__()
         sizes = [("query_dim", query_dim), ("key_dim", key_dim), ("attn_dim", attn_dim),
-                 ("max_len", max_len if score == "location" else None)]
+                 ("num_heads", num_heads), ("max_len", max_len if score == "location" else None)]
         for name, n in sizes:
             if n is None:
                 continue
@@ -78,8 +78,6 @@ class Attention(nn.Module):
                 raise ValueError(f"{name}: expected >= 1, got {n}")
         if score not in SCORES:
             raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
-        if num_heads < 1:
-            raise ValueError(f"num_heads: expected >= 1, got {num_heads}")
         self.score = "additive" if score == "concat" else score
         self.query_dim, self.key_dim, self.num_heads = query_dim, key_dim, num_heads
         self.dropout, self.window, self.max_len = dropout, window, max_len
@@ -140,7 +138,10 @@ class Attention(nn.Module):
             raise ValueError(f"value: expected (B, Lk) = {tuple(key.shape[:2])} leading dims (those of "
                              f"key), got shape {tuple(value.shape)}")
         if projected_key is not None:
-            _check_tensor("projected_key", projected_key, 0)
+            want = (b, lk, self.attn_dim if self.score == "additive" else self.key_dim)
+            if tuple(_check_tensor("projected_key", projected_key, 0).shape) != want:
+                raise ValueError(f"projected_key: expected shape {want} (project_key(key)'s), got "
+                                 f"{tuple(projected_key.shape)}")
         check_mask("attn_mask", attn_mask, [(lq, lk), (b, lq, lk)])
         check_mask("key_padding_mask", key_padding_mask, [(b, lk)])
         value = key if value is None else value
