@@ -409,6 +409,15 @@ def run_cuda(dtype, **kw):
 
 @needs_cuda
 @pytest.mark.usefixtures("on_cuda")
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_cuda_more_queries_than_the_cache_holds(paged):
+    """As test_more_queries_than_the_cache_holds: query 0 attends every key."""
+    run_cuda(torch.float16, paged=paged, lq=17, lnew=0, is_causal=False, lengths=[0, 2, 5],
+             block_size=4)
+
+
+@needs_cuda
+@pytest.mark.usefixtures("on_cuda")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("lq", [1, 6])

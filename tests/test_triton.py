@@ -583,6 +583,22 @@ def _nan_cache(slots, hkv, depth, e, dtype, lengths, table, gen):
     return cache.to(DEVICE, dtype)
 
 
+def test_kvcache_more_queries_than_the_cache_holds():
+    """Lq past the capacity, not causal: query 0 sits Lq - 1 keys left of the last key's
+    diagonal and still attends every key."""
+    gen = torch.Generator().manual_seed(SEED)
+    lengths, depth = [3, 0, 5], 6
+    k = _nan_cache(3, 1, depth, 16, f32, lengths, None, gen)
+    v = _nan_cache(3, 1, depth, 8, f32, lengths, None, gen)
+    q = _randn((3, 2, 12, 16), f32, gen)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out = attnx.attention_with_kvcache(q, k, v, lens, is_causal=False, backend="triton")
+    want = attnx.attention_with_kvcache(q.double(), k.double(), v.double(), lens, is_causal=False,
+                                        backend="reference")
+    base = attnx.attention_with_kvcache(q, k, v, lens, is_causal=False, backend="reference")
+    assert_within(out, want, base, floor=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [f32, f16, bf16])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("lq,is_causal,window", [(1, True, None), (4, True, (5, None)),
