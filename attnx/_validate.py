@@ -235,18 +235,31 @@ def _check_mask(attn_mask, q: torch.Tensor, target: tuple, lq: int, lk: int):
         # torch accepts leading size-1 dims beyond the inputs' rank (a (1, 1, Lq, Lk) mask
         # with 3-D inputs): they broadcast away
         attn_mask = attn_mask.reshape(attn_mask.shape[extra:])
-    try:
-        if torch.broadcast_shapes(attn_mask.shape, target) != torch.Size(target):
-            raise RuntimeError
-    except RuntimeError:
+    if _broadcast(attn_mask.shape, target) != tuple(target):
         raise ValueError(
-            f"attn_mask: expected a shape that broadcasts to {tuple(target)}, got {tuple(attn_mask.shape)}") from None
+            f"attn_mask: expected a shape that broadcasts to {tuple(target)}, got {tuple(attn_mask.shape)}")
     return attn_mask.expand(target), None
 
 
 def _flatten_lead(x: torch.Tensor, lead: tuple) -> torch.Tensor:
     """(*lead, H, L, D) -> (B, H, L, D) without copying where a view suffices."""
+    if len(lead) == 1:
+        return x
     return x.reshape((math.prod(lead),) + tuple(x.shape[len(lead):]))
+
+
+def _broadcast(*shapes) -> Optional[tuple]:
+    """torch's broadcast of the shapes, or None where they do not broadcast. Plain Python:
+    torch.broadcast_shapes goes through its symbolic-shape machinery (~10 us a call, a third
+    of a small attention call's validation)."""
+    n = max(len(s) for s in shapes)
+    out = []
+    for dims in zip(*(((1,) * (n - len(s))) + tuple(s) for s in shapes)):
+        sizes = {d for d in dims if d != 1}
+        if len(sizes) > 1:
+            return None
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
 
 
 def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
@@ -267,13 +280,13 @@ def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     # The dims before (L, E) broadcast as in torch's function (its matmul): missing leading
     # dims, size-1 batch dims, a single query or key/value head. (L, E) alone is one head.
     rank = max(q.dim(), k.dim(), v.dim())
-    q, k, v = (t.reshape((1,) * (max(rank, 3) - t.dim()) + tuple(t.shape)) for t in (q, k, v))
-    try:
-        lead = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
-    except RuntimeError:
+    q, k, v = (t if t.dim() == max(rank, 3) else t.reshape((1,) * (max(rank, 3) - t.dim()) + tuple(t.shape))
+               for t in (q, k, v))
+    lead = _broadcast(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    if lead is None:
         raise ValueError(f"key, value: expected batch dims that broadcast with query's "
                          f"{tuple(query.shape)}, got key {tuple(key.shape)} and value "
-                         f"{tuple(value.shape)}") from None
+                         f"{tuple(value.shape)}")
     hq, lq, e = q.shape[-3:]
     hk, lk, ek = k.shape[-3:]
     hv, lv, ev = v.shape[-3:]
@@ -281,7 +294,8 @@ def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         hk = hv = max(hk, hv)
     if hq == 1 and hk > 1:  # one query head against every key/value head
         hq = hk
-    q, k, v = q.expand(lead + (hq, lq, e)), k.expand(lead + (hk, lk, ek)), v.expand(lead + (hv, lv, ev))
+    q, k, v = (t if tuple(t.shape) == shape else t.expand(shape)
+               for t, shape in ((q, lead + (hq, lq, e)), (k, lead + (hk, lk, ek)), (v, lead + (hv, lv, ev))))
     prefix = (lead + (hq,))[max(rank, 3) - rank:]
     if ek != e:
         raise ValueError(f"key: expected head dim {e} (that of query), got shape {tuple(key.shape)}")

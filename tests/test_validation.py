@@ -170,3 +170,22 @@ def test_sdpa_any_shapes_either_work_or_raise_cleanly(bq, hq, lq, e, bk, hk, lk,
     # batch and a single query head broadcast, as in torch's function
     assert out.shape == (torch.broadcast_shapes((bq,), (bk,))[0], hk if hq == 1 else hq, lq, ev)
     assert not torch.isnan(out).any()
+
+
+def test_broadcast_agrees_with_torch():
+    """_validate._broadcast (plain Python, for speed) against torch.broadcast_shapes, sizes 0-3
+    included, on every pair and triple of a few hundred random shapes."""
+    import random
+
+    from attnx._validate import _broadcast
+
+    rng = random.Random(0)
+    shapes = [tuple(rng.choice([0, 1, 1, 2, 3]) for _ in range(rng.randint(0, 4))) for _ in range(60)]
+    for a in shapes:
+        for b in shapes[:30]:
+            for more in ((), (shapes[(len(a) * 7 + len(b)) % 60],)):
+                try:
+                    want = tuple(torch.broadcast_shapes(a, b, *more))
+                except RuntimeError:
+                    want = None
+                assert _broadcast(a, b, *more) == want, (a, b, more)
