@@ -156,3 +156,15 @@ def test_attention_runs_on_attnx(monkeypatch):
     with torch.no_grad():
         model(torch.randn(2, 5, D), torch.randn(2, 3, D))
     assert len(calls) == 2 + 2  # two encoder self-attentions, decoder self- and cross-attention
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(src_mask=torch.zeros(5, 5, dtype=torch.int64)), "src_mask: expected a bool or floating"),
+    (dict(src_key_padding_mask=torch.zeros(2, 5, dtype=torch.int32)),
+     "src_key_padding_mask: expected a bool or floating"),
+    (dict(src_mask=[[0.0] * 5] * 5), "src_mask: expected a Tensor"),
+])
+def test_encoder_layer_bad_masks_raise_type_error(kwargs, match):
+    layer = ann.TransformerEncoderLayer(8, 2, batch_first=True)
+    with pytest.raises(TypeError, match=match):
+        layer(torch.randn(2, 5, 8), **kwargs)

@@ -15,6 +15,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from ._masks import check_mask_type
 from .multihead import MultiheadAttention
 
 _SWAPS = {}  # torch class -> attnx class, filled below
@@ -45,6 +46,9 @@ class TransformerEncoderLayer(torch.nn.TransformerEncoderLayer):
         to_attnx(self)
 
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        # torch's _canonical_mask asserts on other dtypes: a TypeError naming the mask instead
+        check_mask_type("src_mask", src_mask)
+        check_mask_type("src_key_padding_mask", src_key_padding_mask)
         src_key_padding_mask = F._canonical_mask(
             mask=src_key_padding_mask, mask_name="src_key_padding_mask",
             other_type=F._none_or_dtype(src_mask), other_name="src_mask", target_type=src.dtype)
