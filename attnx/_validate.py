@@ -255,10 +255,13 @@ def _broadcast(*shapes) -> Optional[tuple]:
     n = max(len(s) for s in shapes)
     out = []
     for dims in zip(*(((1,) * (n - len(s))) + tuple(s) for s in shapes)):
-        sizes = {d for d in dims if d != 1}
-        if len(sizes) > 1:
-            return None
-        out.append(sizes.pop() if sizes else 1)
+        size = 1  # (compared, never hashed: export's symbolic sizes are not hashable)
+        for d in dims:
+            if d != 1:
+                if size != 1 and d != size:
+                    return None
+                size = d
+        out.append(size)
     return tuple(out)
 
 

@@ -542,6 +542,26 @@ def test_modifiers_auto_picks_cpu_and_opcheck():
                           (q, k, v, cu_q, cu_k, 0.25, -200, 0, 0.0, None, 2.0, slopes, sinks))
 
 
+@pytest.mark.parametrize("backend", MOD_BACKENDS)
+def test_sinks_are_read_not_written(backend):
+    """One float64 query row: the sinks' float64 copy is the sinks themselves, and the rows'
+    lse once went into that buffer (the caller's sinks, and the saved ones, overwritten)."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    sinks = torch.tensor([0.3, -0.2], dtype=torch.float64)
+    cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32) for n in (1, 3))
+    out, lse = attnx.varlen_attention(q, k, v, cu_q, cu_k, sinks=sinks, backend=backend,
+                                      return_lse=True)
+    assert sinks.tolist() == [0.3, -0.2]
+    want, want_lse = golden(q, k, v, [(1, 3)], sinks=sinks)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse.float(), rtol=1e-6, atol=1e-6)
+    if backend != "reference":
+        torch.library.opcheck(torch.ops.attnx.varlen_mod_fwd,
+                              (q, k, v, cu_q, cu_k, 0.5, -10, 10, 0.0, None, 0.0, None, sinks))
+
+
 def _cuda_ops():
     return torch.ops.attnx if ON_GPU else torch.ops.attnx_cuda_host
 

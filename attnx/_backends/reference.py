@@ -38,9 +38,10 @@ def _float64_where_float32_overflows(op):
     @functools.wraps(op)
     def run(call):
         result = op(call, _compute_dtype(call.q.dtype))
+        if call.q.dtype == torch.float64 or torch.compiler.is_compiling():
+            return result  # (a traced graph keeps no data-dependent branch: no rerun there)
         out, lse = result[0], result[1]
-        if call.q.dtype != torch.float64 and not (
-                bool(torch.isfinite(out).all()) and not bool((lse.isnan() | (lse == float("inf"))).any())):
+        if not (bool(torch.isfinite(out).all()) and not bool((lse.isnan() | (lse == float("inf"))).any())):
             result = op(call, torch.float64)
         return result
 

@@ -92,9 +92,10 @@ std::tuple<Tensor, Tensor> forward(const char* op, const Tensor& q, const Tensor
   const auto lse_type = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   // Rows of sequences without keys keep these: zero output, lse -inf (the sink, with sinks).
   Tensor out = at::zeros({q.size(0), hq, v.size(2)}, q.options());
-  Tensor lse = mods.sinks_d.defined()
-                   ? mods.sinks_d.to(lse_type).view({hq, 1}).expand({hq, q.size(0)}).contiguous()
-                   : at::full({hq, q.size(0)}, -INFINITY, q.options().dtype(lse_type));
+  // (a buffer of its own: to() and contiguous() return the sinks themselves for one float64
+  // row, and the rows' lse were then written into the caller's sinks)
+  Tensor lse = at::full({hq, q.size(0)}, -INFINITY, q.options().dtype(lse_type));
+  if (mods.sinks_d.defined()) lse.copy_(mods.sinks_d.view({hq, 1}).expand({hq, q.size(0)}));
   for (size_t n = 0; n < seqs.size(); ++n) {
     const Sequence& s = seqs[n];
     if (s.lq == 0 || s.lk == 0) continue;
