@@ -78,3 +78,18 @@ def test_nn_module_trains_under_inductor():
     g2 = torch.autograd.grad(want.sum(), (x, *m.parameters()))
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b)
+
+
+def test_export_with_a_dynamic_batch():
+    """torch.export over a batch size left symbolic: the validation compares the sizes it
+    broadcasts, never hashes them. (A symbolic sequence length still specializes: the band's
+    limits are computed as Python ints.)"""
+    class Causal(torch.nn.Module):
+        def forward(self, q):
+            return attnx.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    q = torch.randn(2, 2, 5, 4)
+    program = torch.export.export(Causal(), (q,),
+                                  dynamic_shapes=({0: torch.export.Dim("batch", min=2, max=64)},))
+    q3 = torch.randn(3, 2, 5, 4)
+    torch.testing.assert_close(program.module()(q3), Causal()(q3))
