@@ -15,6 +15,17 @@ _COMMANDS = {
 }
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (sizes, counts), refused with argparse's usage error."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {n}")
+    return n
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="attnx", description="fused attention kernels for PyTorch")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import random
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from .cli import positive_int
 from .nn import Seq2Seq
 from .nn.seq2seq_attention import SCORES
 
@@ -156,6 +158,16 @@ def plot_alignments(model: Seq2Seq, pairs, src_vocab: Vocab, tgt_vocab: Vocab, m
     plt.close(fig)
 
 
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {x}")
+    return x
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attnx demo", description=__doc__.splitlines()[0])
     p.add_argument("--task", choices=sorted(TASKS), default="date")
@@ -163,14 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="alignment score of the decoder's attention (default: additive)")
     p.add_argument("--style", choices=("bahdanau", "luong"), default="bahdanau")
     p.add_argument("--rnn", choices=("gru", "lstm"), default="gru")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default 300, --quick 40)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=64, help="encoder hidden size per direction")
-    p.add_argument("--attn-dim", type=int, default=64, help="attention dim of the additive score")
-    p.add_argument("--lr", type=float, default=4e-3)
-    p.add_argument("--test-size", type=int, default=None, help="held-out examples (default 1000, --quick 200)")
+    p.add_argument("--steps", type=positive_int, default=None, help="training steps (default 300, --quick 40)")
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--hidden", type=positive_int, default=64, help="encoder hidden size per direction")
+    p.add_argument("--attn-dim", type=positive_int, default=64, help="attention dim of the additive score")
+    p.add_argument("--lr", type=_positive_float, default=4e-3)
+    p.add_argument("--test-size", type=positive_int, default=None, help="held-out examples (default 1000, --quick 200)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads (default 1: the matrices are small, and extra OpenMP "
                         "threads only slow the run down, badly so on a busy machine)")
     p.add_argument("--out", default="attnx_alignment.png", help="path of the heatmap PNG")
@@ -179,7 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(folder):  # refused now, not after the training run
+        p.error(f"--out: no folder {folder!r} to write {os.path.basename(args.out)!r} into")
     steps = args.steps if args.steps is not None else (40 if args.quick else 300)
     test_size = args.test_size if args.test_size is not None else (200 if args.quick else 1000)
     torch.set_num_threads(args.threads)

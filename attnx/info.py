@@ -117,5 +117,10 @@ def report() -> str:
 
 
 def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    argparse.ArgumentParser(prog="attnx info", description="what is built and usable here").parse_args(
+        sys.argv[1:] if argv is None else argv)
     print(report())
     return 0

@@ -234,17 +234,57 @@ def test_unknown_provider_is_a_clear_error():
         main(["--quick", "--providers", "nope", "--out", "/nonexistent"])
 
 
+def _refused(argv, capsys) -> str:
+    """The message of a run refused before it starts: SystemExit's own, or argparse's usage
+    error on stderr (exit status 2)."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code != 0
+    return f"{exc.value} {capsys.readouterr().err}"
+
+
 @pytest.mark.parametrize("argv, words", [
-    (["--world", "0"], "at least 1"),
+    (["--world", "0"], "--world: expected an int >= 1, got 0"),
     (["--world", "2", "--seqlens", "30"], "multiple of 2 x world = 4"),
     (["--world", "2", "--providers", "naive"], "without --providers"),
     (["--world", "2", "--ops", "hf"], "without --ops"),
-    (["--world", "2", "--device", "cuda"], "without --device cuda"),
     (["--world", "2", "--head-dims", "32,64"], "one head dim"),
 ])
-def test_ring_world_rejects_what_it_cannot_run_before_spawning(argv, words):
-    with pytest.raises(SystemExit, match=words):
-        main(argv + ["--out", "/nonexistent"])
+def test_ring_world_rejects_what_it_cannot_run_before_spawning(argv, words, capsys):
+    assert words in _refused(argv + ["--out", "/nonexistent"], capsys)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--seqlens", "0"], "--seqlens: expected an int >= 1, got 0"),
+    (["--seqlens=-5,8"], "--seqlens: expected an int >= 1, got -5"),
+    (["--head-dims", "x"], "--head-dims: expected an int >= 1, got 'x'"),
+    (["--attn-dims", "0"], "--attn-dims: expected an int >= 1"),
+    (["--repeats=-3"], "--repeats: expected an int >= 1"),
+    (["--threads", "0"], "--threads: expected an int >= 1"),
+    (["--ops", ""], "--ops: expected a comma-separated list"),
+    (["--dtypes", "nope"], "--dtypes: unknown ['nope']"),
+    (["--ops", "kvcache", "--head-dims", "32,64"], "kvcache and varlen take one head dim"),
+    (["--ops", "hf", "--seqlens", "64"], "without --seqlens"),
+    (["--ops", "hf", "--dtypes", "float32"], "without --dtypes"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device cuda: no CUDA device")]))
+def test_bad_arguments_are_refused_before_any_timing(argv, words, capsys):
+    assert words in _refused(argv + ["--quick", "--out", "/nonexistent"], capsys)
+
+
+def test_out_must_be_a_folder(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert "--out: expected a folder" in _refused(["--quick", "--out", str(tmp_path / "file")], capsys)
+
+
+def test_kvcache_and_varlen_take_the_sweep_options(tmp_path):
+    """--seqlens and --head-dims shape the kvcache and varlen cases too."""
+    main(["--quick", "--ops", "kvcache,varlen", "--seqlens", "40,97", "--head-dims", "32",
+          "--out", str(tmp_path), "--repeats", "1", "--threads", "1", "--no-memory",
+          "--providers", "attnx-cpu"])
+    cases = [r["case"] for r in json.loads((tmp_path / "results.json").read_text())["results"]]
+    assert {c["seqlen_k"] for c in cases if c["op"] == "kvcache"} == {40, 97}
+    assert {tuple(c["lengths"]) for c in cases if c["op"] == "varlen"} == {(40, 97)}
+    assert {c["head_dim"] for c in cases} == {32}
 
 
 def test_ring_world_two_tiny_run_writes_table_json_and_plot(tmp_path, capsys):

@@ -52,3 +52,21 @@ def test_help_lists_every_command(capsys):
     assert exc.value.code == 0
     for name in ("info", "check", "bench", "demo"):
         assert name in out.split("{", 1)[1].split("}", 1)[0], name
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["info", "--bogus"], "unrecognized arguments: --bogus"),
+    (["demo", "--quick", "--steps", "0"], "--steps: expected an int >= 1, got 0"),
+    (["demo", "--quick", "--lr=-1"], "--lr: expected a finite number > 0"),
+    (["demo", "--quick", "--out", "no/such/folder/x.png"], "--out: no folder"),
+    (["check", "--jobs", "0"], "--jobs: expected an int >= 1"),
+    (["check", "--json", "no/such/folder/x.json"], "--json: no folder"),
+])
+def test_bad_arguments_are_usage_errors(argv, words, capsys):
+    """Refused by argparse before any work (exit status 2), the option named: no traceback,
+    and no error found only after a whole run."""
+    from attnx import cli
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert words in capsys.readouterr().err

@@ -10,12 +10,18 @@ import time
 
 import torch
 
+from ..cli import positive_int
 from . import flops, machine, memory, plots, providers, report, shapes, timing
 from .workload import make_step
 
 
 def _csv(kind):
-    return lambda text: tuple(kind(x) for x in text.split(",") if x.strip())
+    def parse(text: str) -> tuple:
+        values = tuple(kind(x.strip()) for x in text.split(",") if x.strip())
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        return values
+    return parse
 
 
 def _pass(name: str) -> str:
@@ -35,18 +41,18 @@ def parser() -> argparse.ArgumentParser:
                         "forward only; varlen: one packed batch of mixed lengths against torch "
                         "on it padded); or hf alone: a small Llama-style transformers model, "
                         "attn_implementation attnx against sdpa (forward, generate; tokens/s)")
-    p.add_argument("--seqlens", type=_csv(int), help="sequence lengths (Lq = Lk), e.g. 512,1024")
-    p.add_argument("--head-dims", type=_csv(int), help="SDPA head dims, e.g. 64,128")
-    p.add_argument("--attn-dims", type=_csv(int), help="additive attention dims A, e.g. 256")
+    p.add_argument("--seqlens", type=_csv(positive_int), help="sequence lengths (Lq = Lk), e.g. 512,1024")
+    p.add_argument("--head-dims", type=_csv(positive_int), help="SDPA head dims, e.g. 64,128")
+    p.add_argument("--attn-dims", type=_csv(positive_int), help="additive attention dims A, e.g. 256")
     p.add_argument("--dtypes", type=_csv(str), help="float32,bfloat16,float16,float64")
     p.add_argument("--providers", type=_csv(str), help="only these (names as in the table)")
     p.add_argument("--passes", type=_csv(_pass), help="forward,backward,forward_backward")
-    p.add_argument("--repeats", type=int, help="timed rounds per measurement")
+    p.add_argument("--repeats", type=positive_int, help="timed rounds per measurement")
     p.add_argument("--quick", action="store_true", help="a small sweep that runs in seconds")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
-    p.add_argument("--world", type=int, metavar="N",
+    p.add_argument("--world", type=positive_int, metavar="N",
                    help="instead of the kernel sweep: ring_attention's strong scaling on N gloo "
                         "CPU processes of 1 thread each against the single-process kernel "
                         "(causal fp32 forward, both layouts; --seqlens, --head-dims (one), "
@@ -59,14 +65,20 @@ def _sweep(args, device):
     sweep = shapes.default_sweep(device, args.quick)
     if args.seqlens:
         sweep.seqlens = sweep.additive_seqlens = args.seqlens
+        # kvcache: these cache lengths for each (B, Lq) of the sweep; varlen: one packed batch
+        # of sequences of these lengths
+        pairs = dict.fromkeys((b, lq) for b, _, lq in sweep.kvcache_cases)
+        sweep.kvcache_cases = tuple((b, n, lq) for b, lq in pairs for n in args.seqlens)
+        sweep.varlen_lengths = args.seqlens
     if args.head_dims:
         sweep.head_dims = args.head_dims
+        if {"kvcache", "varlen"} & set(args.ops) and len(args.head_dims) != 1:
+            raise SystemExit(f"--head-dims: kvcache and varlen take one head dim, got "
+                             f"{list(args.head_dims)}")
+        sweep.kvcache_dim = sweep.varlen_dim = args.head_dims[0]
     if args.attn_dims:
         sweep.additive_dims = args.attn_dims
-    if args.dtypes:
-        unknown = set(args.dtypes) - set(shapes.DTYPES)
-        if unknown:
-            raise SystemExit(f"--dtypes: unknown {sorted(unknown)}; choose from {sorted(shapes.DTYPES)}")
+    if args.dtypes:  # (names checked by main)
         sweep.dtypes = args.dtypes
     if args.passes:
         sweep.passes = args.passes
@@ -179,7 +191,17 @@ def run(args, argv) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    # what would fail only after a sweep, or deep inside one: refused before any timing
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out: expected a folder, got the file {args.out!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible to torch")
+    if args.dtypes:
+        unknown = set(args.dtypes) - set(shapes.DTYPES)
+        if unknown:
+            p.error(f"--dtypes: unknown {sorted(unknown)}; choose from {sorted(shapes.DTYPES)}")
     if args.world is not None:
         return _main_ring(args, argv)
     if "hf" in args.ops:
@@ -204,6 +226,11 @@ def _main_hf(args, argv) -> int:
     if set(args.ops) != {"hf"}:
         raise SystemExit("--ops: hf runs alone (its results are a model's tokens/s, "
                          "not a kernel sweep)")
+    given = [f"--{name.replace('_', '-')}" for name in _NOT_HF
+             if getattr(args, name) != parser().get_default(name)]
+    if given:
+        raise SystemExit(f"--ops hf: times one model on the CPU as configured (--quick, "
+                         f"--repeats, --threads), without {', '.join(given)}")
     from . import hf_model  # imports transformers
     doc = hf_model.run(args, argv)
     os.makedirs(args.out, exist_ok=True)
@@ -215,6 +242,9 @@ def _main_hf(args, argv) -> int:
     return 0
 
 
+# The kernel sweep's options that mean nothing to the whole-model timings.
+_NOT_HF = ("seqlens", "head_dims", "attn_dims", "dtypes", "providers", "passes", "no_memory",
+           "device")
 # The kernel sweep's options that mean nothing to the ring's strong scaling.
 _NOT_RING = ("ops", "attn_dims", "dtypes", "providers", "passes", "threads", "no_memory")
 

@@ -15,11 +15,13 @@ import argparse
 import concurrent.futures
 import datetime
 import multiprocessing
+import os
 import sys
 
 import torch
 
 from .._dispatch import backends
+from ..cli import positive_int
 from .._version import __version__
 from . import cases, report
 
@@ -38,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", type=_csv, help="only these, e.g. cpu,triton (default: all usable)")
     p.add_argument("--devices", type=_csv, help="only these, e.g. cuda (default: every device here)")
     p.add_argument("--dtypes", type=_csv, help=f"only these, of {','.join(DTYPES)}")
-    p.add_argument("--jobs", type=int, default=1,
+    p.add_argument("--jobs", type=positive_int, default=1,
                    help="worker processes (on a GPU, Triton compiles each new kernel variant "
                         "on one CPU core: more jobs compile in parallel)")
     return p
@@ -128,6 +130,8 @@ def run(args, p: argparse.ArgumentParser) -> dict:
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        p.error(f"--json: no folder to write {args.json!r} into")  # not after every check ran
     doc = run(args, p)
     print(report.header(doc))
     print(report.table(doc))
