@@ -149,10 +149,25 @@ def bad_input_everywhere():
                   lambda: ring_attention(ql, kl, vl, is_causal=rank == 0))
     _expect_error(ValueError, ["layout"], lambda: ring_attention(ql, kl, vl, layout="striped"))
     _expect_error(ValueError, ["divisible by 4"], lambda: shard(q[..., :6, :]))
+    _expect_error(TypeError, ["dim: expected an int, got float"], lambda: shard(q, dim=1.5))
     _expect_error(TypeError, ["attn_mask"], lambda: ring_attention(ql, kl, vl, attn_mask=None))
     _expect_error(ValueError, ["softcap"], lambda: ring_attention(ql, kl, vl, softcap=-1.0))
     _expect_error(ValueError, ["softcap"],
                   lambda: ring_attention(ql, kl, vl, softcap=1.0 + rank))
+    # a graph recorded on one rank only: its backward ring would wait for the other forever
+    qg = ql.clone().requires_grad_(rank == 0)
+    _expect_error(ValueError, ["gradient recording", "rank 0: 1", "rank 1: 0"],
+                  lambda: ring_attention(qg, kl, vl))
+    # leading dims that differ but flatten to the same batch
+    lead = (2, 3) if rank == 0 else (3, 2)
+    ql6, kl6, vl6 = (t[:1].expand(*lead, *t.shape[1:]) for t in (ql, kl, vl))
+    _expect_error(ValueError, ["leading dims"], lambda: ring_attention(ql6, kl6, vl6))
+    # no heads anywhere: empty results without a ring (it divides by the heads), gradients 0
+    q0, k0, v0 = (t[:, :0].clone().requires_grad_() for t in (ql, kl, vl))
+    out, lse = ring_attention(q0, k0, v0, is_causal=True, return_lse=True)
+    assert out.shape == (2, 0, 4, 4) and lse.shape == (2, 0, 4)
+    out.sum().backward()
+    assert q0.grad.shape == q0.shape
     # and the group still works afterwards
     ring_matches("zigzag", is_causal=True)
 

@@ -40,6 +40,8 @@ class Spec:
     scale_bits: int
     softcap_bits: int  # 0 for None
     backend_id: int
+    lead_id: int  # the leading dims (hashed: equal batch sizes from different dims differ)
+    grad: int  # 1 when the call records a graph: then every rank must, or a backward ring hangs
 
     @property
     def layout(self) -> str:
@@ -75,9 +77,11 @@ def local_spec(call, world: int, is_causal, window, layout, backend: str) -> Spe
     total = lq * world
     softcap = call.mods.softcap
     lo, hi = _validate._band(total, total, is_causal, None, window)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v))
     return Spec(b, hq, hk, lq, e, ev, _DTYPES.index(call.q.dtype), int(is_causal),
                 _LAYOUTS.index(layout), lo, hi, _bits(call.scale),
-                0 if softcap is None else _bits(softcap), _BACKENDS.index(backend))
+                0 if softcap is None else _bits(softcap), _BACKENDS.index(backend),
+                hash(tuple(call.prefix)), int(grad))
 
 
 def _device(group) -> torch.device:
@@ -123,6 +127,8 @@ def _mismatch(name: str, values: list) -> str:
     label = {"dtype": "dtype", "layout_id": "layout", "backend_id": "backend",
              "scale_bits": "scale", "softcap_bits": "softcap", "lo": "window/is_causal",
              "hi": "window/is_causal", "local_len": "sequence length of the shard (L must "
-             "divide evenly over the ranks)"}.get(name, name)
+             "divide evenly over the ranks)", "lead_id": "leading dims of the query",
+             "grad": "gradient recording (inputs that require grad, outside torch.no_grad(); "
+             "1 = recorded)"}.get(name, name)
     per_rank = ", ".join(f"rank {r}: {shown(x)}" for r, x in enumerate(values))
     return f"ring_attention: expected the same {label} on every rank, got {per_rank}"

@@ -61,6 +61,8 @@ def group_info(group) -> tuple:
 def _dim(x: torch.Tensor, dim: int, name: str) -> int:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim: expected an int, got {type(dim).__name__}")
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim: expected a dim of a {x.dim()}-D {name}, got {dim}")
     return dim % x.dim()

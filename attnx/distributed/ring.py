@@ -236,6 +236,13 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     except (TypeError, ValueError) as exc:  # told to every rank before this one raises it
         spec, error = None, exc
     checks.agree(spec, error, rank, world, group)
+    if spec.batch == 0 or spec.heads_q == 0:  # nothing to attend: no ring (it divides by heads)
+        shape = call.q.shape[:-1] + (call.v.shape[-1],)
+        anchor = (call.q.sum() + call.k.sum() + call.v.sum()) * 0  # keeps the inputs' graph
+        out = call.q.new_zeros(shape) + anchor
+        lse = call.q.new_full(shape[:-1], float("-inf"), dtype=torch.float32) + anchor.float()
+        out = out.reshape(call.prefix + tuple(out.shape[-2:]))
+        return (out, lse.reshape(call.prefix + (lse.shape[-1],))) if return_lse else out
     ring = _Ring(group, rank, world, spec.local_len, spec.layout, spec.lo, spec.hi, call.scale,
                  blocks.kernels(name, spec.softcap))
     qf, kf, vf = (t.contiguous() for t in (call.q, call.k, call.v))
