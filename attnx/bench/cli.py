@@ -226,8 +226,7 @@ def _main_hf(args, argv) -> int:
     if set(args.ops) != {"hf"}:
         raise SystemExit("--ops: hf runs alone (its results are a model's tokens/s, "
                          "not a kernel sweep)")
-    given = [f"--{name.replace('_', '-')}" for name in _NOT_HF
-             if getattr(args, name) != parser().get_default(name)]
+    given = _given(args, _NOT_HF)
     if given:
         raise SystemExit(f"--ops hf: times one model on the CPU as configured (--quick, "
                          f"--repeats, --threads), without {', '.join(given)}")
@@ -242,6 +241,13 @@ def _main_hf(args, argv) -> int:
     return 0
 
 
+def _given(args, names) -> list:
+    """The options among `names` the command line set (as `--name`), for a mode without them."""
+    defaults = parser()
+    return [f"--{name.replace('_', '-')}" for name in names
+            if getattr(args, name) != defaults.get_default(name)]
+
+
 # The kernel sweep's options that mean nothing to the whole-model timings.
 _NOT_HF = ("seqlens", "head_dims", "attn_dims", "dtypes", "providers", "passes", "no_memory",
            "device")
@@ -252,8 +258,7 @@ _NOT_RING = ("ops", "attn_dims", "dtypes", "providers", "passes", "threads", "no
 def _main_ring(args, argv) -> int:
     """`--world N`: ring attention's strong scaling (attnx.bench.ring_scaling) on N processes."""
     from . import ring_scaling
-    given = [f"--{name.replace('_', '-')}" for name in _NOT_RING
-             if getattr(args, name) != parser().get_default(name)]
+    given = _given(args, _NOT_RING)
     if given or args.device == "cuda":
         raise SystemExit(f"--world: runs ring_attention on CPU processes of 1 thread each, "
                          f"without {', '.join(given or ['--device cuda'])}")
