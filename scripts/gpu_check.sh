@@ -2,8 +2,8 @@
 # scripts/gpu_check.sh OUTDIR [--steps LIST] [--budget SECONDS] [--dry-run] [--force]
 #
 # Everything a session lent an NVIDIA GPU runs first, in one command of at most 10 minutes, on a
-# machine with no network: builds attnx (its CUDA half for this GPU's architecture only), runs
-# tests/test_cuda.py (with the cuda cases of the modifier, varlen and KV-cache tests) and
+# machine with no network: builds attnx (its CUDA half for this GPU's architecture only), checks
+# that C++ errors reach Python there (scripts/gpu_error_paths.py), runs tests/test_cuda.py (with the cuda cases of the modifier, varlen and KV-cache tests) and
 # tests/test_triton.py on CUDA tensors, `attnx check`, compute-sanitizer
 # (memcheck, racecheck) on small cases of both GPU backends (scripts/gpu_sanitize_cases.py) and
 # the GPU benchmarks (benchmarks/gpu_additive_targets.py, then benchmarks/gpu.py). Writes OUTDIR/gpu_check.json and OUTDIR/gpu_check.log.
@@ -14,12 +14,19 @@
 # measured. Exit status 0 when every step passed (or there is no GPU: nothing is run, the JSON
 # says why), 1 otherwise, 2 for bad arguments.
 #
-# Steps: build test_cuda test_triton check memcheck racecheck bench (default: all, in this
-# order). Caps in seconds, overridable as GPU_CHECK_CAP_<step>=N: build 300, test_cuda 120,
-# test_triton 180, check 90, memcheck 120, racecheck 120, bench 600 (what is left).
+# Steps: build errors test_cuda test_triton check memcheck racecheck bench (default: all, in
+# this order). Caps in seconds, overridable as GPU_CHECK_CAP_<step>=N: build 300, errors 60,
+# test_cuda 120, test_triton 180, check 90, memcheck 120, racecheck 120, bench 600 (what is left).
 #
-# memcheck first runs the cases once without the sanitizer (compiles and Triton's autotuning,
-# cached on disk, stay out of the sanitized run); its result is the sanitized run's.
+# The test steps run under pytest-xdist where installed (the device image has it), with
+# CUDA_LAUNCH_BLOCKING=1 (a faulting kernel fails its own test) and tracebacks printed as
+# failures happen (ATTNX_REPORT_FAILURES_AT_ONCE, tests/conftest.py): a test that crashes its
+# worker, or leaves its CUDA context unusable, ends that worker, and xdist starts a fresh one
+# for the rest, so one bad kernel does not fail every later test (as it did on 2026-11-26).
+#
+# memcheck and racecheck sanitize the cuda cases first, then the triton ones, whose first
+# unsanitized run does the compiles and Triton's autotuning (cached on disk) outside the
+# sanitizer; the step fails if either sanitized run does.
 #
 # Through the device tool (python3 there is the one with torch 2.11, Triton, pytest):
 #   run(command="bash scripts/gpu_check.sh $OUT", timeout_s=600)
@@ -40,8 +47,8 @@
 set -uo pipefail
 
 usage() { sed -n '2p' "$0" | sed 's/^# //' >&2; exit 2; }
-ALL_STEPS="build,test_cuda,test_triton,check,memcheck,racecheck,bench"
-declare -A CAP=([build]=300 [test_cuda]=120 [test_triton]=180 [check]=90 [memcheck]=120
+ALL_STEPS="build,errors,test_cuda,test_triton,check,memcheck,racecheck,bench"
+declare -A CAP=([build]=300 [errors]=60 [test_cuda]=120 [test_triton]=180 [check]=90 [memcheck]=120
                 [racecheck]=120 [bench]=600)
 
 outdir="" steps="$ALL_STEPS" budget=570 dry_run=0 force=0
@@ -81,18 +88,27 @@ say() { echo "$*" | tee -a "$log"; }
 command_of() {
   case "$1" in
     build) echo "env ATTNX_CUDA=1 ATTNX_CUDA_ARCHS='$arch' MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace && $PY -c 'import attnx, sys; i = attnx._ops.build_info(); print(i); sys.exit(0 if i and i[\"cuda\"] else \"attnx._C was built without CUDA\")'" ;;
-    test_cuda) echo "$PY -m pytest tests/test_cuda.py tests/test_modifiers.py tests/test_varlen.py tests/test_kvcache.py -k cuda -v -rs -p no:cacheprovider" ;;
-    test_triton) echo "$PY -m pytest tests/test_triton.py -v -rs -p no:cacheprovider$xdist" ;;
+    errors) echo "$PY scripts/gpu_error_paths.py" ;;
+    test_cuda) echo "$tests $PY -m pytest tests/test_cuda.py tests/test_modifiers.py tests/test_varlen.py tests/test_kvcache.py -k cuda -v -rs -p no:cacheprovider$xdist" ;;
+    test_triton) echo "$tests $PY -m pytest tests/test_triton.py tests/test_triton_configs.py -v -rs -p no:cacheprovider$xdist" ;;
     check) echo "$PY -m attnx check --jobs $jobs --json $scratch/check.json" ;;
-    memcheck) echo "$PY scripts/gpu_sanitize_cases.py cuda triton; PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 $PY scripts/gpu_sanitize_cases.py cuda triton" ;;
-    racecheck) echo "compute-sanitizer --tool racecheck --error-exitcode 1 $PY scripts/gpu_sanitize_cases.py cuda triton" ;;
+    memcheck) echo "$(sanitized memcheck PYTORCH_NO_CUDA_MEMORY_CACHING=1)" ;;
+    racecheck) echo "$(sanitized racecheck)" ;;
     bench) echo "timeout 90 $PY benchmarks/gpu_additive_targets.py --repeats 5 --out $outdir/gpu_additive_targets.json; $PY benchmarks/gpu.py --out $scratch/bench.jsonl --deadline-s \$(( \$DEADLINE - 90 ))" ;;
   esac
 }
 
+# The sanitizer run of a step: the cuda cases, then the triton ones after an unsanitized run
+# (compiles and autotuning cached on disk); fails if either sanitized run does.
+sanitized() {
+  local san="compute-sanitizer --tool $1 --error-exitcode 1 $PY scripts/gpu_sanitize_cases.py"
+  echo "${2:+$2 }$san cuda; a=\$?; $PY scripts/gpu_sanitize_cases.py triton >/dev/null; ${2:+$2 }$san triton; exit \$(( a | \$? ))"
+}
+
 # Triton compiles every new kernel variant on one core: the Triton tests and the check spread
 # over processes (pytest-xdist where installed; the device image has it).
-jobs=$(( $(nproc) / 2 > 1 ? $(nproc) / 2 : 1 ))
+jobs=$(( $(nproc) * 3 / 4 > 1 ? $(nproc) * 3 / 4 : 1 ))
+tests="env CUDA_LAUNCH_BLOCKING=1 ATTNX_REPORT_FAILURES_AT_ONCE=1"
 xdist=""
 if "$PY" -c 'import xdist' >/dev/null 2>&1; then xdist=" -n $jobs"; fi
 gpu_reason="" arch="8.0;9.0"  # without a GPU (--force, --dry-run): setup.py's architectures

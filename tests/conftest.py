@@ -19,6 +19,16 @@ os.environ.setdefault("ATTNX_CPU_AVX512", "1")
 # Test helpers (golden.py, _compare.py) are imported by their plain names.
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Under the interpreter every Triton load and store is bounds-checked (tests/_triton_memcheck.py):
+# what compute-sanitizer would report on a GPU fails the test here.
+if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"):
+    try:
+        import _triton_memcheck
+    except ImportError:  # no Triton: its tests skip themselves
+        pass
+    else:
+        _triton_memcheck.install()
+
 
 @pytest.fixture(autouse=True)
 def _cuda_harness(request, monkeypatch):
@@ -28,3 +38,33 @@ def _cuda_harness(request, monkeypatch):
     if (not torch.cuda.is_available() and callspec is not None
             and callspec.params.get("backend") == "cuda"):
         monkeypatch.setenv("ATTNX_CUDA_ON_CPU", "1")
+
+
+# On a GPU machine (scripts/gpu_check.sh) a failing kernel must not cost the rest of the run:
+# an illegal memory access leaves the process's CUDA context unusable, so every later test of
+# that process would fail for it. After each test the context is checked; a broken one ends the
+# process (pytest-xdist reports the test as crashed and starts a fresh worker) or, without
+# xdist, the session, naming the test.
+@pytest.fixture(autouse=True)
+def _cuda_context_survives():
+    yield
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as exc:  # sticky: every later CUDA call fails the same way
+        message = f"the CUDA context is unusable after this test: {exc}"
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            print(message, file=sys.stderr, flush=True)
+            os._exit(3)
+        pytest.exit(message, returncode=3)
+
+
+def pytest_runtest_logreport(report):
+    """ATTNX_REPORT_FAILURES_AT_ONCE=1: a failure's traceback is printed when it happens, not
+    in the summary at the end, which a run stopped by its time limit never prints (under
+    pytest-xdist this runs in the controller, for every worker's reports)."""
+    if (report.failed and os.environ.get("ATTNX_REPORT_FAILURES_AT_ONCE") == "1"
+            and not os.environ.get("PYTEST_XDIST_WORKER")):
+        print(f"\n----- {report.nodeid} ({report.when}) failed:\n{report.longreprtext}\n",
+              file=sys.stderr, flush=True)

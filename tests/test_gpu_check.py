@@ -41,6 +41,36 @@ def _script(*args, env=None):
                           text=True, timeout=300)
 
 
+# ---------------------------------------------------------------- scripts/gpu_error_paths.py
+
+
+def test_error_paths_raise_here_and_a_crash_is_reported():
+    errors = _load("gpu_error_paths", "scripts/gpu_error_paths.py")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_error_paths.py")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "attnx._C CPU op: ok: RAISED" in res.stdout and "CXX=" in res.stdout
+    assert errors.probe("crash", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)") == (
+        False, "crashed with signal 11")
+    passed, what = errors.probe("silent", "x = 1")
+    assert not passed and what.startswith("DID NOT RAISE")
+
+
+def test_failures_are_reported_as_they_happen(tmp_path):
+    """ATTNX_REPORT_FAILURES_AT_ONCE (tests/conftest.py): a failure's traceback comes out before
+    the session ends, so a run killed by its time limit still shows it."""
+    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_x.py").write_text("def test_a():\n    assert 1 == 2, 'planted'\n\n"
+                                        "def test_b():\n    pass\n")
+    env = dict(os.environ, ATTNX_REPORT_FAILURES_AT_ONCE="1")
+    env.pop("PYTEST_XDIST_WORKER", None)
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--no-header", "-x", str(tmp_path)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1
+    assert "----- test_x.py::test_a (call) failed:" in res.stderr and "planted" in res.stderr
+
+
 # ---------------------------------------------------------------- scripts/gpu_check.sh
 
 

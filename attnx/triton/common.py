@@ -155,6 +155,12 @@ def configs(shapes, small):
     one small config under the interpreter (it runs every program in Python)."""
     if interpreting():
         return [triton.Config({"BLOCK_M": small[0], "BLOCK_N": small[1]}, num_warps=4)]
+    return gpu_configs(shapes)
+
+
+def gpu_configs(shapes):
+    """The GPU's autotuning configs of (BLOCK_M, BLOCK_N, num_warps, num_stages) tuples, also
+    under the interpreter (tests/test_triton_configs.py runs each one there)."""
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s,
                           maxnreg=MAX_REGISTERS) for m, n, w, s in shapes]
 

@@ -30,18 +30,18 @@ from .rng import keep, keep_t, mix32, rng_words, row_keys
 
 # Pruned per launch by common.pruner; the small configs are what fits wide fp32 heads on
 # sm_80, the 8-warp ones what fits 128-wide heads in registers.
-_FWD = common.configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
-                       (64, 32, 4, 4), (128, 32, 4, 4), (64, 64, 4, 2), (64, 32, 8, 2),
-                       (32, 32, 4, 2), (32, 16, 4, 1)], small=(16, 16))
-_DKDV = common.configs([(64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3),
-                        (64, 64, 8, 3), (32, 64, 8, 3), (32, 64, 4, 4), (64, 128, 8, 2),
-                        (16, 64, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 1)],
-                       small=(16, 16))
-_DQ = common.configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3),
-                      (64, 32, 8, 3), (64, 32, 4, 4), (128, 64, 8, 2), (32, 32, 4, 2),
-                      (16, 32, 4, 2), (16, 16, 4, 1)], small=(16, 16))
-_SUMS = common.configs([(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (32, 16, 4, 2)],
-                      small=(16, 16))
+_FWD_SHAPES = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4),
+               (128, 32, 4, 4), (64, 64, 4, 2), (64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 4, 1)]
+_DKDV_SHAPES = [(64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3),
+                (32, 64, 8, 3), (32, 64, 4, 4), (64, 128, 8, 2), (16, 64, 8, 2), (32, 32, 4, 2),
+                (16, 32, 4, 2), (16, 16, 4, 1)]
+_DQ_SHAPES = [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 32, 8, 3),
+              (64, 32, 4, 4), (128, 64, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 1)]
+_SUMS_SHAPES = [(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (32, 16, 4, 2)]
+_FWD = common.configs(_FWD_SHAPES, small=(16, 16))
+_DKDV = common.configs(_DKDV_SHAPES, small=(16, 16))
+_DQ = common.configs(_DQ_SHAPES, small=(16, 16))
+_SUMS = common.configs(_SUMS_SHAPES, small=(16, 16))
 # Tuned once per power-of-two bucket of the lengths (common.length_bucket), not per length.
 _KEY = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "BLOCK_D2", "BLOCK_DV", "BLOCK_DV2", "MASK_KIND",
         "DROPOUT", "GROUPS", "SOFTCAP", "ALIBI", "VARLEN"]
