@@ -138,3 +138,25 @@ def test_meta_tensor_among_real_ones_raises():
         torch.ops.attnx.additive_fwd(q, k, value, v, meta, -7, 5, 0.0, None, False)
     with pytest.raises(RuntimeError, match="device"):
         torch.ops.attnx.sdpa_fwd(q, k, value, meta, 1.0, -7, 5, 0.0, None)
+
+
+def test_auto_order_on_cuda_tensors(monkeypatch):
+    """backend=None on CUDA tensors: SDPA tries triton first (measured faster on an H100), the
+    other ops cuda first; each falls back to the next that serves the call. Checked on the
+    order alone (no GPU needed): every backend is made to serve, then one refuses."""
+    from types import SimpleNamespace
+
+    from attnx import _dispatch
+
+    call = SimpleNamespace(q=SimpleNamespace(device=torch.device("cuda")), backend="auto")
+    refused = set()
+    monkeypatch.setattr(_dispatch, "_is_empty", lambda op, c: False)
+    monkeypatch.setattr(_dispatch, "_unsupported",
+                        lambda name, op, c: "no" if name in refused else None)
+    assert _dispatch.select("sdpa", call) == "triton"
+    for op in ("additive", "kvcache", "varlen"):
+        assert _dispatch.select(op, call) == "cuda"
+    refused.add("triton")
+    assert _dispatch.select("sdpa", call) == "cuda"
+    refused.update({"cuda"})
+    assert _dispatch.select("sdpa", call) == "reference"
