@@ -149,6 +149,21 @@ def bad_input_everywhere():
                   lambda: ring_attention(ql, kl, vl, is_causal=rank == 0))
     _expect_error(ValueError, ["layout"], lambda: ring_attention(ql, kl, vl, layout="striped"))
     _expect_error(ValueError, ["divisible by 4"], lambda: shard(q[..., :6, :]))
+    # unshard: one rank's bad input, or shards that differ, raise on every rank (its all-gather
+    # of unequal shards would leave the others waiting)
+    _expect_error(ValueError, ["even shard length"] if rank == 1 else ["unshard: rank(s) [1]"],
+                  lambda: unshard(odd))
+    _expect_error(TypeError if rank == 0 else ValueError,
+                  ["dim: expected an int"] if rank == 0 else ["unshard: rank(s) [0]"],
+                  lambda: unshard(ql, dim=0.5 if rank == 0 else -2))
+    _expect_error(ValueError,
+                  ["unshard: expected the same", f"rank 1: shape {tuple(ql[..., :2, :].shape)}"],
+                  lambda: unshard(uneven))
+    _expect_error(ValueError, ["torch.float64", "torch.float32"],
+                  lambda: unshard(ql.double() if rank == 1 else ql))
+    _expect_error(ValueError, ["contiguous", "zigzag"],
+                  lambda: unshard(ql, layout="contiguous" if rank == 0 else "zigzag"))
+    assert unshard(ql).shape == q.shape
     _expect_error(TypeError, ["dim: expected an int, got float"], lambda: shard(q, dim=1.5))
     _expect_error(TypeError, ["attn_mask"], lambda: ring_attention(ql, kl, vl, attn_mask=None))
     _expect_error(ValueError, ["softcap"], lambda: ring_attention(ql, kl, vl, softcap=-1.0))

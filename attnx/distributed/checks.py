@@ -94,26 +94,72 @@ def _device(group) -> torch.device:
 def agree(spec: Optional[Spec], error: Optional[Exception], rank: int, world: int,
           group) -> None:
     """Raise on every rank if any rank's input was rejected or the ranks' calls differ."""
-    import torch.distributed as dist
     n = len(fields(Spec))
-    mine = torch.tensor([0, *astuple(spec)] if error is None else [1] + [0] * n,
-                        dtype=torch.int64, device=_device(group))
-    if world > 1:
-        every = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(every, mine, group=group)
-        table = torch.stack(every).cpu().tolist()
-    else:
-        table = [mine.cpu().tolist()]
-    if error is not None:
-        raise error
-    bad = [r for r, row in enumerate(table) if row[0]]
-    if bad:
-        raise ValueError(f"ring_attention: rank(s) {bad} of the group rejected their input "
-                         f"(their own error says why); this rank (rank {rank}) stops too")
+    table = _table([0, *astuple(spec)] if error is None else [1] + [0] * n, world, group)
+    _raise_rejected("ring_attention", table, error, rank)
     for i, field in enumerate(fields(Spec), start=1):
         values = [row[i] for row in table]
         if len(set(values)) > 1:
             raise ValueError(_mismatch(field.name, values))
+
+
+def _table(row: list, world: int, group) -> list:
+    """Every rank's `row` (equal-length lists of ints), gathered in one all-gather."""
+    import torch.distributed as dist
+    mine = torch.tensor(row, dtype=torch.int64, device=_device(group))
+    if world == 1:
+        return [row]
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    return torch.stack(every).cpu().tolist()
+
+
+def _raise_rejected(what: str, table: list, error: Optional[Exception], rank: int) -> None:
+    """This rank's own error, or, where another rank rejected its input (row[0] set), one
+    saying so."""
+    if error is not None:
+        raise error
+    bad = [r for r, row in enumerate(table) if row[0]]
+    if bad:
+        raise ValueError(f"{what}: rank(s) {bad} of the group rejected their input "
+                         f"(their own error says why); this rank (rank {rank}) stops too")
+
+
+# unshard's agreement: dtypes by position (any other dtype by its item size, past the list).
+_GATHER_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                  torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+                  torch.complex64, torch.complex128)
+_GATHER_DIMS = 8  # shape entries sent as they are; a hash of the whole shape covers the rest
+
+
+def agree_gather(x: Optional[torch.Tensor], dim: int, layout: str,
+                 error: Optional[Exception], rank: int, world: int, group) -> None:
+    """unshard's check across the ranks, in one all-gather before its own: every rank raises if
+    any rank's input was rejected or the shards differ in shape, dtype, dim or layout (an
+    all-gather of unequal shards would fail on some ranks and leave the others waiting)."""
+    width = 6 + _GATHER_DIMS  # flag, dims, dim, dtype, layout, shape hash, the first sizes
+    row = [1] + [0] * (width - 1)
+    if error is None:
+        dtype = (_GATHER_DTYPES.index(x.dtype) if x.dtype in _GATHER_DTYPES
+                 else len(_GATHER_DTYPES) + x.dtype.itemsize)
+        sizes = list(x.shape[:_GATHER_DIMS])
+        row = [0, x.dim(), dim, dtype, _LAYOUTS.index(layout), hash(tuple(x.shape)),
+               *sizes, *[-1] * (_GATHER_DIMS - len(sizes))]
+    table = _table(row, world, group)
+    _raise_rejected("unshard", table, error, rank)
+    if any(other != table[0] for other in table[1:]):
+        per_rank = ", ".join(
+            f"rank {r}: shape {tuple(t[6:6 + min(t[1], _GATHER_DIMS)])}"
+            f"{'...' if t[1] > _GATHER_DIMS else ''}, dim {t[2]}, {_gather_dtype(t[3])}, "
+            f"{_LAYOUTS[t[4]]}" for r, t in enumerate(table))
+        raise ValueError(f"unshard: expected the same shard shape, dtype, dim and layout on "
+                         f"every rank, got {per_rank}")
+
+
+def _gather_dtype(key: int) -> str:
+    if key < len(_GATHER_DTYPES):
+        return str(_GATHER_DTYPES[key])
+    return f"a {key - len(_GATHER_DTYPES)}-byte dtype"
 
 
 def _mismatch(name: str, values: list) -> str:
