@@ -64,7 +64,8 @@ def compilers() -> list[str]:
     return lines
 
 
-def probe(name: str, call: str) -> tuple[bool, str]:
+def probe(call: str) -> tuple[bool, str]:
+    """(raised, what happened) of running `call` after PRELUDE's setup in its own process."""
     res = subprocess.run([sys.executable, "-c", PRELUDE.format(root=ROOT, call=call)],
                          capture_output=True, text=True, timeout=120)
     out = res.stdout.strip().splitlines()
@@ -84,7 +85,7 @@ def main() -> int:
         if "cuda" in call and not torch.cuda.is_available():
             print(f"{name}: not run (no CUDA device)")
             continue
-        passed, what = probe(name, call)
+        passed, what = probe(call)
         ok &= passed
         print(f"{name}: {'ok' if passed else 'FAILED'}: {what}")
     return 0 if ok else 1

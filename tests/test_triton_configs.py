@@ -65,7 +65,7 @@ def test_every_config_matches_the_reference(pinned, kernel, config, shape):
     dtype, b, hq, hkv, lq, lk, e, ev, extra = SHAPES[shape]
     pinned(kernel, config)
     try:
-        check_sdpa(dtype, b, hq, hkv, lq, lk, e, ev, **dict(extra))
+        check_sdpa(dtype, b, hq, hkv, lq, lk, e, ev, **extra)
     except triton.runtime.errors.OutOfResources as exc:  # only compiled code has limits
         pytest.skip(f"does not fit this device: {exc}")
 

@@ -106,9 +106,9 @@ def agree(spec: Optional[Spec], error: Optional[Exception], rank: int, world: in
 def _table(row: list, world: int, group) -> list:
     """Every rank's `row` (equal-length lists of ints), gathered in one all-gather."""
     import torch.distributed as dist
-    mine = torch.tensor(row, dtype=torch.int64, device=_device(group))
     if world == 1:
         return [row]
+    mine = torch.tensor(row, dtype=torch.int64, device=_device(group))
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     return torch.stack(every).cpu().tolist()
