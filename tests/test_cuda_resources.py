@@ -150,21 +150,32 @@ MIX = ("HMMA.16816", "LDSM", "LDGSTS", "MUFU.EX2", "SHFL", "BAR", "LDS", "STS", 
 
 
 def main_loops(sass: str) -> dict:
-    """{(symbol, arch): opcodes of its main loop} from cuobjdump SASS: the body of the backward
-    branch (target address <= its own) whose range holds the most HMMA."""
+    """{(symbol, arch): its main loop's basic blocks, each a list of opcodes} from cuobjdump
+    SASS: the body of the backward branch (target address <= its own) whose range holds the
+    most HMMA, cut after every branch and before every branch target of the kernel."""
     loops, arch, symbol, instrs = {}, None, None, []
 
     def close():
         if symbol is None:
             return
-        best, hmma = [], lambda body: sum(o.startswith("HMMA") for o in body)
-        for addr, op, operands in instrs:
-            if op.startswith("BRA") and (m := _BRANCH_TARGET.search(operands)):
-                target = int(m[1], 16)
-                body = [o for a, o, _ in instrs if target <= a <= addr]
-                if target <= addr and hmma(body) > hmma(best):
-                    best = body
-        loops[symbol, arch] = best
+        branches = [(a, int(m[1], 16)) for a, o, operands in instrs
+                    if o.startswith("BRA") and (m := _BRANCH_TARGET.search(operands))]
+        targets = {target for _, target in branches}
+        best, hmma = (0, -1), 0
+        for addr, target in branches:
+            n = sum(o.startswith("HMMA") for a, o, _ in instrs if target <= a <= addr)
+            if target <= addr and n > hmma:
+                best, hmma = (target, addr), n
+        blocks = [[]]
+        for addr, op, _ in instrs:
+            if not best[0] <= addr <= best[1]:
+                continue
+            if addr in targets and blocks[-1]:
+                blocks.append([])
+            blocks[-1].append(op)
+            if op.startswith("BRA"):
+                blocks.append([])
+        loops[symbol, arch] = [b for b in blocks if b]
 
     for line in sass.splitlines():
         if line.strip().startswith("arch = "):
@@ -179,10 +190,13 @@ def main_loops(sass: str) -> dict:
     return loops
 
 
-def instruction_mix(body: list) -> dict:
-    """Counts of the MIX opcodes (static instructions) in a loop body, and its length."""
+def instruction_mix(blocks: list) -> dict:
+    """Counts of the MIX opcodes (static instructions) in a loop's basic blocks, its length,
+    its blocks, and the most exponentials (MUFU.EX2) one block holds."""
+    body = [o for b in blocks for o in b]
     mix = {op: sum(o == op or o.startswith(op + ".") for o in body) for op in MIX}
-    mix["total"] = len(body)
+    mix.update(total=len(body), blocks=len(blocks),
+               ex2_per_block=max((sum(o == "MUFU.EX2" for o in b) for b in blocks), default=0))
     return mix
 
 
@@ -201,8 +215,8 @@ def table():
     # SASS is read (reading all of it takes ~10 s).
     spilling = sorted({s for (s, _), u in usage.items() if u[1] or u[3]})
     traffic = local_traffic(tool, lib, spilling)
-    forward = sorted({s for s, _ in usage if kernel_name(s).startswith("sdpa_fwd<")})
-    loops = main_loops(subprocess.run([tool, "--dump-sass", "--function", ",".join(forward), lib],
+    sdpa = sorted({s for s, _ in usage if kernel_name(s).startswith(("sdpa_fwd<", "sdpa_bwd<"))})
+    loops = main_loops(subprocess.run([tool, "--dump-sass", "--function", ",".join(sdpa), lib],
                                       check=True, capture_output=True, text=True).stdout)
     rows = []
     for (symbol, arch), (regs, stack, static, local) in usage.items():
@@ -213,7 +227,7 @@ def table():
                          local_bytes=local, spill_store_bytes=stores, spill_load_bytes=loads,
                          static_shared_bytes=static,
                          dynamic_shared_bytes=_ops._C.cuda_smem_bytes(op, dim) if op else 0))
-        if op == "sdpa_fwd":
+        if op in ("sdpa_fwd", "sdpa_bwd"):
             rows[-1]["main_loop"] = instruction_mix(loops.get((symbol, arch), []))
     rows.sort(key=lambda r: (r["kernel"], r["arch"]))
     version = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
@@ -221,7 +235,7 @@ def table():
         about="Resources of the CUDA kernels as compiled into attnx._C, read with cuobjdump "
               "(tests/test_cuda_resources.py); dynamic shared memory: what each launch requests, "
               f"additive at its largest value dim ({cuda_backend.MAX_ADDITIVE_VALUE_DIM}); "
-              "main_loop: static SASS instruction counts of the forward's main loop",
+              "main_loop: static SASS instruction counts of the SDPA kernels' main loops",
         cuobjdump=re.findall(r"release [\d.]+, V[\d.]+", version),
         build={k: _ops.build_info()[k] for k in ("cuda_version", "cuda_archs")},
         opt_in_shared_bytes=OPT_IN_SHARED,
@@ -321,7 +335,8 @@ def test_every_part_takes_the_kvcache_kernel():
 def test_forward_main_loops_are_fa2_instructions(table):
     """Every sdpa_fwd kernel's main loop (each arch's cubin) runs on mma.sync m16n8k16
     (HMMA.16816), ldmatrix (LDSM) and cp.async (LDGSTS), with S, P and O in registers."""
-    bad = [f"{r['kernel']} {r['arch']}: {r['main_loop']}" for r in table if "main_loop" in r
+    bad = [f"{r['kernel']} {r['arch']}: {r['main_loop']}" for r in table
+           if r["kernel"].startswith("sdpa_fwd<")
            and not all(r["main_loop"][op] for op in ("HMMA.16816", "LDSM", "LDGSTS"))]
     assert not bad, "forward main loops without HMMA.16816, LDSM and LDGSTS:\n" + "\n".join(bad)
 
@@ -363,3 +378,28 @@ def test_backward_is_built_on_mma_ldmatrix_and_cp_async(table):
         mix = sass_mix(symbols[name, arch], arch)
         missing = [op for op in ("HMMA.16816", "LDSM", "LDGSTS") if not mix.get(op)]
         assert not missing, f"{name} {arch}: no {missing} in its SASS ({mix})"
+
+
+def exponentials_per_tile(kernel: str) -> int:
+    """The exponentials one thread computes per tile of an SDPA kernel: its share of the
+    forward's 128 x BN scores (BN = 64 keys, 32 above D = 128; sdpa_fwd.cuh Config) or of the
+    backward's 64 x BM step (BM = 64 queries up to D = 64, else 32, split over two warps above
+    D = 128; sdpa_bwd.cuh Config)."""
+    d = int(re.search(r", (\d+)", kernel)[1])
+    if kernel.startswith("sdpa_fwd<"):
+        return 128 * (32 if d > 128 else 64) // 256
+    threads = 128 * (2 if d > 128 else 1)
+    return 64 * (64 if d <= 64 else 32) // threads
+
+
+def test_softmax_exponentials_share_one_basic_block(table):
+    """Each SDPA kernel's main loop computes a tile's exponentials in one straight run (one
+    basic block of at least as many MUFU.EX2 as a thread has scores in the tile): a per-element
+    branch (an unhoisted `interior`, `fold` or dropout test) puts each in a block of its own,
+    where its latency cannot overlap the others' (what the first H100 run's forward had)."""
+    rows = [r for r in table if r["kernel"].startswith(("sdpa_fwd<", "sdpa_bwd<"))]
+    assert rows
+    short = [f"{r['kernel']} {r['arch']}: {r['main_loop']['ex2_per_block']} < "
+             f"{exponentials_per_tile(r['kernel'])}" for r in rows
+             if r["main_loop"]["ex2_per_block"] < exponentials_per_tile(r["kernel"])]
+    assert not short, "main loops whose exponentials are split over blocks:\n" + "\n".join(short)

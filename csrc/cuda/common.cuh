@@ -71,7 +71,7 @@ __device__ __forceinline__ float alibi_slope(const ScoreMods& m, int64_t bh) {
 }
 
 // exp(x) for x <= 0 or -inf, through the fast exp2 unit.
-__device__ __forceinline__ float fast_exp(float x) { return exp2f(x * 1.4426950408889634f); }
+__device__ __forceinline__ float fast_exp(float x) { return exp2_approx(x * 1.4426950408889634f); }
 
 // Whether a row's saved lse is too large for exp(s - lse) to rebuild its probabilities
 // (csrc/cpu/huge_lse.h): they come out R times too large, R = sum_j exp(s_j - lse), which the

@@ -41,6 +41,15 @@ __device__ __forceinline__ float rcp_approx(float x) {
   return r;
 }
 
+// 2^x by the SFU (ex2.approx.ftz: relative error about 2^-22, subnormal results flushed to 0,
+// 0 for -inf): one MUFU.EX2 where exp2f adds a range test and two scalings around it for
+// subnormal results, which a softmax's probabilities (relative to a row max of 1) never need.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...), and the launch's error.
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,

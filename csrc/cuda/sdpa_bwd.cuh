@@ -230,10 +230,10 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
     const int64_t rows = query_rows(p, seq, b, h);
     const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h + seq.q0 * p.sq.l;
     const T* dout = static_cast<const T*>(p.dout) + rows * p.Ev;
-    load_tile_async<T, D, LDH, kThreads>(Qs + stage * BM * LDH, q, p.sq.l, i0, BM, seq.Lq, p.E,
-                                         p.sq.vec16);
-    load_tile_async<T, D, LDH, kThreads>(dOs + stage * BM * LDH, dout, p.Ev, i0, BM, seq.Lq,
-                                         p.Ev, dout_vec16);
+    load_tile_async<T, BM, D, LDH, kThreads>(Qs + stage * BM * LDH, q, p.sq.l, i0, seq.Lq, p.E,
+                                             p.sq.vec16);
+    load_tile_async<T, BM, D, LDH, kThreads>(dOs + stage * BM * LDH, dout, p.Ev, i0, seq.Lq,
+                                             p.Ev, dout_vec16);
     float* vals = row_vals + stage * C::kRowValues * BM;
     for (int r = threadIdx.x; r < BM; r += kThreads) {
       const bool in = i0 + r < seq.Lq;
@@ -247,8 +247,8 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
   if (steps > 0) {
     const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h + seq.k0 * p.sk.l;
     const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h + seq.k0 * p.sv.l;
-    load_tile_async<T, D, LDH, kThreads>(Ks, k, p.sk.l, j0, BN, seq.Lk, p.E, p.sk.vec16);
-    load_tile_async<T, D, LDH, kThreads>(Vs, v, p.sv.l, j0, BN, seq.Lk, p.Ev, p.sv.vec16);
+    load_tile_async<T, BN, D, LDH, kThreads>(Ks, k, p.sk.l, j0, seq.Lk, p.E, p.sk.vec16);
+    load_tile_async<T, BN, D, LDH, kThreads>(Vs, v, p.sv.l, j0, seq.Lk, p.Ev, p.sv.vec16);
     load_step(0, 0);
     cp_async_commit();
   }
@@ -280,7 +280,9 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
                           j0 + BN <= seq.Lk && int64_t(j0) - (i0 + BM - 1) >= seq.lo &&
                           int64_t(j0 + BN - 1) - i0 <= seq.hi;
 
-    // P^T, in the S^T fragments; with a softcap, tanh of the capped scores in tc.
+    // P^T, in the S^T fragments; with a softcap, tanh of the capped scores in tc. As in the
+    // forward, each pass is one straight run under a warp-uniform branch (a per-element test
+    // would give every exponential a basic block of its own).
     float pt[NQ][4] = {};
     float tc[kMods ? NQ : 1][4];
     const float slope = kMods ? alibi_slope(p.mods, bh) : 0.f;
@@ -289,16 +291,29 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
     for (int n = 0; n < NQ; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int il = query_of(n, e);
-        float x = pt[n][e] * p.scale;
+        pt[n][e] *= p.scale;
         if constexpr (kMods)
-          x = modified_score(x, p.mods, slope,
-                             fabsf(float(i0 + il + seq.diag - j0 - key_of(e))), tc[n][e]);
-        const float sc = interior ? x
-                                  : admit<T>(x, p.mask, seq.lo, seq.hi, b, h, i0 + il,
-                                             j0 + key_of(e), seq.Lq, seq.Lk);
+          pt[n][e] = modified_score(pt[n][e], p.mods, slope,
+                                    fabsf(float(i0 + query_of(n, e) + seq.diag - j0 - key_of(e))),
+                                    tc[n][e]);
+      }
+    if (!interior) {
+#pragma unroll
+      for (int n = 0; n < NQ; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          pt[n][e] = admit<T>(pt[n][e], p.mask, seq.lo, seq.hi, b, h, i0 + query_of(n, e),
+                              j0 + key_of(e), seq.Lq, seq.Lk);
+    }
+#pragma unroll
+    for (int n = 0; n < NQ; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int il = query_of(n, e);
         const float lse = lse_s[il];
-        pt[n][e] = (sc == -INFINITY || lse == -INFINITY) ? 0.f : fast_exp(sc - lse) * inv_r_s[il];
+        pt[n][e] = (pt[n][e] == -INFINITY || lse == -INFINITY)
+                       ? 0.f
+                       : fast_exp(pt[n][e] - lse) * inv_r_s[il];
       }
 
     // dV += (P^T z) dO: the dropped-out probabilities, as the forward multiplied them with V.
@@ -308,11 +323,22 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
 #pragma unroll
       for (int n = 0; n < NQ; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          pz[n][e] = pt[n][e] * dropout_factor(p.drop, key_bh, uint32_t(i0 + query_of(n, e)),
-                                               uint32_t(j0 + key_of(e)));
-          if constexpr (wide) Ps[query_of(n, e) * LDS + key_of(e)] = from_float<T>(pz[n][e]);
-        }
+        for (int e = 0; e < 4; ++e) pz[n][e] = pt[n][e];
+      if (p.drop.on) {
+#pragma unroll
+        for (int n = 0; n < NQ; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            pz[n][e] *= dropout_factor(p.drop, key_bh, uint32_t(i0 + query_of(n, e)),
+                                       uint32_t(j0 + key_of(e)));
+      }
+      if constexpr (wide) {
+#pragma unroll
+        for (int n = 0; n < NQ; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            Ps[query_of(n, e) * LDS + key_of(e)] = from_float<T>(pz[n][e]);
+      }
       if constexpr (!wide) product_rk<T, BM, D, LDH>(dv, pz, dO, lane);
     } else {
       if constexpr (!wide) product_rk<T, BM, D, LDH>(dv, pt, dO, lane);
@@ -321,24 +347,43 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
     // dS^T = P^T (dP^T z - delta), in the dP^T fragments; dS to shared memory for dQ.
     float ds[NQ][4] = {};
     product_nt<T, D, NQ, LDH>(ds, Vs, kr0, dO + qw0 * LDH, lane);
+    if (p.drop.on) {
+#pragma unroll
+      for (int n = 0; n < NQ; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          ds[n][e] *= dropout_factor(p.drop, key_bh, uint32_t(i0 + query_of(n, e)),
+                                     uint32_t(j0 + key_of(e)));
+    }
 #pragma unroll
     for (int n = 0; n < NQ; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int il = query_of(n, e), jl = key_of(e);
-        const int i = i0 + il, j = j0 + jl;
-        const float z = dropout_factor(p.drop, key_bh, uint32_t(i), uint32_t(j));
-        const float d = pt[n][e] * (ds[n][e] * z - delta_s[il]);
-        // The mask is added after the cap: its gradient is d, the scores' d times the cap's
-        // derivative.
-        float dc = d;
-        if constexpr (kMods)
-          if (p.mods.softcap > 0.f) dc = d * (1.f - tc[n][e] * tc[n][e]);
-        ds[n][e] = dc;
-        dSs[il * LDS + jl] = from_float<T>(dc);
-        if (p.dmask != nullptr && i < p.Lq && j < p.Lk)
-          static_cast<T*>(p.dmask)[(bh * p.Lq + i) * p.Lk + j] = from_float<T>(d);
+      for (int e = 0; e < 4; ++e) ds[n][e] = pt[n][e] * (ds[n][e] - delta_s[query_of(n, e)]);
+    // A float mask's gradient is dS before the cap's derivative (the mask is added after the
+    // cap).
+    if (p.dmask != nullptr) {
+#pragma unroll
+      for (int n = 0; n < NQ; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = i0 + query_of(n, e), j = j0 + key_of(e);
+          if (i < p.Lq && j < p.Lk)
+            static_cast<T*>(p.dmask)[(bh * p.Lq + i) * p.Lk + j] = from_float<T>(ds[n][e]);
+        }
+    }
+    if constexpr (kMods) {
+      if (p.mods.softcap > 0.f) {
+#pragma unroll
+        for (int n = 0; n < NQ; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ds[n][e] *= 1.f - tc[n][e] * tc[n][e];
       }
+    }
+#pragma unroll
+    for (int n = 0; n < NQ; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        dSs[query_of(n, e) * LDS + key_of(e)] = from_float<T>(ds[n][e]);
 
     // dK += dS^T Q.
     if constexpr (!wide) product_rk<T, BM, D, LDH>(dk, ds, Q, lane);
@@ -360,13 +405,24 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
         load_a<LDS>(a, dSs, r0, kk * 16, lane);
         mma_row_k16<T, kDqCols / 8, LDH>(acc, a, Ks, kk * 16, dc0, lane);
       }
+      // Rows g and g + 8 of the task, from column dc0 + 2t: whole tasks within Lq and E add
+      // without a test per element.
+      const int i = i0 + r0 + g;
+      float* const row[2] = {dq + int64_t(i) * p.E + dc0 + 2 * t,
+                             dq + int64_t(i + 8) * p.E + dc0 + 2 * t};
+      if (i0 + r0 + 16 <= seq.Lq && dc0 + kDqCols <= p.E) {
 #pragma unroll
-      for (int n = 0; n < kDqCols / 8; ++n)
+        for (int n = 0; n < kDqCols / 8; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = i0 + r0 + g + (e >= 2 ? 8 : 0), c = dc0 + n * 8 + 2 * t + (e & 1);
-          if (i < seq.Lq && c < p.E) atomicAdd(dq + int64_t(i) * p.E + c, acc[n][e] * p.scale);
-        }
+          for (int e = 0; e < 4; ++e) atomicAdd(row[e / 2] + n * 8 + (e & 1), acc[n][e] * p.scale);
+      } else {
+#pragma unroll
+        for (int n = 0; n < kDqCols / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (i + 8 * (e / 2) < seq.Lq && dc0 + n * 8 + 2 * t + (e & 1) < p.E)
+              atomicAdd(row[e / 2] + n * 8 + (e & 1), acc[n][e] * p.scale);
+      }
     }
   }
 

@@ -66,23 +66,40 @@ struct Config {
   static_assert(D % 16 == 0 && D <= 256, "families are multiples of 16 up to 256");
   static constexpr int BN = D > 128 ? 32 : 64;  // registers: O takes D / 2 floats a thread
   static constexpr int LD = D + 8;              // padded rows (see above)
-  // Two CTAs of 256 threads per SM cap registers at 128: enough for D = 32 only (D = 64 spills
-  // there; ptxas -v, tests/test_cuda_resources.py).
-  static constexpr int kMinBlocks = D <= 32 ? 2 : 1;
+  // Two CTAs of 256 threads per SM cap registers at 128: enough for the plain D = 32 kernel
+  // only (D = 64, and the score modifiers' D = 32, spill there; ptxas -v,
+  // tests/test_cuda_resources.py).
+  static constexpr int min_blocks(bool mods) { return D <= 32 && !mods ? 2 : 1; }
   static constexpr size_t smem_bytes = 2 * (size_t(kBM) * LD + 2 * 2 * size_t(BN) * LD);
 };
 
-// exp(v - m) in the units of v: with the scale folded in (v raw scores, c = scale log2(e), mc =
-// m c) one FFMA and EX2; else v, m are scaled scores plus the mask, which may be as large as
-// the dtype's finite range (huge-bias rows), where v c would overflow: subtract first.
-__device__ __forceinline__ float exp_diff(bool fold, float v, float m, float c, float mc) {
-  return fold ? exp2f(fmaf(v, c, -mc)) : exp2f((v - m) * kLog2e);
+// exp(v - m) in the units of v: with the scale folded in (v raw scores, c = scale log2(e)) one
+// FFMA and EX2 (m c is common to a row's elements); else v, m are scaled scores plus the mask,
+// which may be as large as the dtype's finite range (huge-bias rows), where v c would
+// overflow: subtract first.
+template <bool kFold>
+__device__ __forceinline__ float exp_diff(float v, float m, float c) {
+  return kFold ? exp2_approx(fmaf(v, c, -(m * c))) : exp2_approx((v - m) * kLog2e);
+}
+
+// P = exp(v - mu) over a thread's score fragments (rows g and g + 8: e / 2), in place, and the
+// row sums l += P, before dropout.
+template <bool kFold, int NB>
+__device__ __forceinline__ void exp_scores(float (&s)[NB][4], const float (&mu)[2], float c,
+                                           float (&l)[2]) {
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[nb][e] = exp_diff<kFold>(s[nb][e], mu[e / 2], c);
+      l[e / 2] += s[nb][e];
+    }
 }
 
 // kMods: the score modifiers (p.mods) are applied; the plain instantiation has none of their
 // code.
 template <typename T, int D, bool kMods>
-__global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
+__global__ void __launch_bounds__(kThreads, Config<D>::min_blocks(kMods))
     sdpa_fwd_kernel(const SdpaParams p) {
   using C = Config<D>;
   constexpr int BN = C::BN, LD = C::LD;
@@ -123,18 +140,21 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
   const float slope = kMods ? alibi_slope(p.mods, bh) : 0.f;
   const float c = p.scale * kLog2e;  // used when fold
   const bool active = i0 + warp * 16 < seq.Lq;  // warp-uniform
+  // The band in int for the edge tiles: clamped to [-Lq, Lk], it admits the same keys.
+  const int lo_c = int(max(min(seq.lo, int64_t(seq.Lk)), -int64_t(seq.Lq)));
+  const int hi_c = int(max(min(seq.hi, int64_t(seq.Lk)), -int64_t(seq.Lq)));
 
   int t0, t1;
   key_tile_range(i0, min(i0 + kBM, seq.Lq) - 1, seq.Lk, seq.lo, seq.hi, BN, t0, t1);
   auto load_kv = [&](int tile, int stage) {
     const int j0 = tile * BN;
-    load_tile_async<T, D, LD, kThreads>(Ks + stage * BN * LD, k, p.sk.l, j0, BN, seq.Lk, p.E,
-                                        p.sk.vec16);
-    load_tile_async<T, D, LD, kThreads>(Vs + stage * BN * LD, v, p.sv.l, j0, BN, seq.Lk, p.Ev,
-                                        p.sv.vec16);
+    load_tile_async<T, BN, D, LD, kThreads>(Ks + stage * BN * LD, k, p.sk.l, j0, seq.Lk, p.E,
+                                            p.sk.vec16);
+    load_tile_async<T, BN, D, LD, kThreads>(Vs + stage * BN * LD, v, p.sv.l, j0, seq.Lk, p.Ev,
+                                            p.sv.vec16);
   };
   if (t0 <= t1) {
-    load_tile_async<T, D, LD, kThreads>(Qs, q, p.sq.l, i0, kBM, seq.Lq, p.E, p.sq.vec16);
+    load_tile_async<T, kBM, D, LD, kThreads>(Qs, q, p.sq.l, i0, seq.Lq, p.E, p.sq.vec16);
     load_kv(t0, 0);
   }
   cp_async_commit();
@@ -184,48 +204,88 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
       }
 
       // v: the raw score (fold) or the scaled score plus the mask; -inf where not admissible.
+      // Each pass below is one straight run over the thread's NB x 4 scores under a
+      // warp-uniform branch: a test per element (the compiler does not unswitch unrolled
+      // loops) would put every exponential in a basic block of its own and serialise their
+      // latencies (tests/test_cuda_resources.py checks the exponentials share one block).
+      if (!fold) {
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[nb][e] *= p.scale;
+      }
+      if constexpr (kMods) {
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
+            float tc;
+            s[nb][e] = modified_score(s[nb][e], p.mods, slope, fabsf(float(i + seq.diag - j)), tc);
+          }
+      }
       const bool interior = p.mask.kind == MaskKind::None && j0 + BN <= seq.Lk &&
                             int64_t(j0) - (i0 + kBM - 1) >= seq.lo &&
                             int64_t(j0 + BN - 1) - i0 <= seq.hi;
+      if (!interior && p.mask.kind == MaskKind::None) {  // an edge tile: selects only
+        // Row r admits the keys j0 + 2t + x for x in [x_lo[r], x_hi[r]]: its first and last
+        // admissible keys less j0 + 2t, in int (i + lo_c is formed only where it is below Lk).
+        const int jt = j0 + 2 * t;
+        int x_lo[2], x_hi[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int i = i0 + warp * 16 + g + 8 * r;
+          const int room = seq.Lk - 1 - i;  // i + x <= Lk - 1 iff x <= room
+          const int first = i >= seq.Lq || lo_c > room ? seq.Lk : max(0, i + lo_c);
+          const int last = hi_c > room ? seq.Lk - 1 : max(-1, i + hi_c);
+          x_lo[r] = first - jt;
+          x_hi[r] = last - jt;
+        }
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int x = nb * 8 + e % 2;
+            if (x < x_lo[e / 2] || x > x_hi[e / 2]) s[nb][e] = -INFINITY;
+          }
+      } else if (!interior) {
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
+            s[nb][e] = admit<T>(s[nb][e], p.mask, seq.lo, seq.hi, b, h, i, j, seq.Lq, seq.Lk);
+          }
+      }
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = fold ? s[nb][e] : s[nb][e] * p.scale;
-          if constexpr (kMods) {
-            const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
-            float tc;
-            x = modified_score(x, p.mods, slope, fabsf(float(i + seq.diag - j)), tc);
-          }
-          if (!interior) {
-            const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
-            x = admit<T>(x, p.mask, seq.lo, seq.hi, b, h, i, j, seq.Lq, seq.Lk);
-          }
-          s[nb][e] = x;
-          mx[e / 2] = fmaxf(mx[e / 2], x);
-        }
-      float alpha[2], mu[2], mc[2];
+        for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[nb][e]);
+      float alpha[2], mu[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
         const float m_new = fmaxf(m[r], mx[r]);
         mu[r] = m_new == -INFINITY ? 0.f : m_new;  // no admissible key yet: all p = 0
-        mc[r] = mu[r] * c;
-        alpha[r] = exp_diff(fold, m[r], mu[r], c, mc[r]);  // m = -inf gives 0
-        m[r] = m_new;
+        alpha[r] = fold ? exp_diff<true>(m[r], mu[r], c) : exp_diff<false>(m[r], mu[r], c);
+        m[r] = m_new;  // (m = -inf gives alpha 0)
         l[r] *= alpha[r];
       }
+      if (fold)
+        exp_scores<true>(s, mu, c, l);
+      else
+        exp_scores<false>(s, mu, c, l);
+      if (p.drop.on) {
 #pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
+        for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float pe = exp_diff(fold, s[nb][e], mu[e / 2], c, mc[e / 2]);
-          l[e / 2] += pe;
-          const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
-          s[nb][e] = pe * dropout_factor(p.drop, key_bh, uint32_t(i), uint32_t(j));
-        }
+          for (int e = 0; e < 4; ++e) {
+            const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
+            s[nb][e] *= dropout_factor(p.drop, key_bh, uint32_t(i), uint32_t(j));
+          }
+      }
 
       if (!sums) {
 #pragma unroll

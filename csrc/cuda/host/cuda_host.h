@@ -83,6 +83,8 @@ namespace cuda {
 
 // device.cuh's rcp_approx (rcp.approx.ftz.f32), here correctly rounded.
 inline float rcp_approx(float x) { return 1.f / x; }
+// device.cuh's exp2_approx (ex2.approx.ftz.f32), here the C library's exp2f.
+inline float exp2_approx(float x) { return std::exp2(x); }
 
 // The launch of the device code (device.cuh): the grid runs here, through the harness.
 template <typename... Params, typename... Args>
