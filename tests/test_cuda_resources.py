@@ -12,7 +12,9 @@ gives its registers, stack frame and static shared memory. Asserted:
     count the 1 KB the system reserves per block as static shared memory; counting it too is
     conservative by 1 KB;
   - the SDPA forward's main loop (the backward branch spanning the most HMMA in its SASS) holds
-    HMMA.16816, LDSM and LDGSTS: mma.sync m16n8k16, ldmatrix and cp.async (FA2's design).
+    HMMA.16816, LDSM and LDGSTS: mma.sync m16n8k16, ldmatrix and cp.async (FA2's design);
+  - in the forward's and backward's main loops, a tile's exponentials (MUFU.EX2) and a masked
+    tile's mask loads (LDG) each lie in one basic block: no branch per score.
 The table goes to benchmarks/results/cuda-compile.json (rewritten each run, same content for
 the same build).
 
@@ -145,7 +147,7 @@ def local_traffic(tool: str, lib: str, symbols: list) -> dict:
 
 _SASS_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 _BRANCH_TARGET = re.compile(r"0x([0-9a-f]+)")
-# Opcodes counted in a forward kernel's main loop (with their variants, e.g. LDSM.16.MT88.4).
+# Opcodes counted in an SDPA kernel's main loop (with their variants, e.g. LDSM.16.MT88.4).
 MIX = ("HMMA.16816", "LDSM", "LDGSTS", "MUFU.EX2", "SHFL", "BAR", "LDS", "STS", "LDG", "STG")
 
 
@@ -192,11 +194,13 @@ def main_loops(sass: str) -> dict:
 
 def instruction_mix(blocks: list) -> dict:
     """Counts of the MIX opcodes (static instructions) in a loop's basic blocks, its length,
-    its blocks, and the most exponentials (MUFU.EX2) one block holds."""
+    its blocks, and the most exponentials (MUFU.EX2) and global loads (LDG) one block holds."""
     body = [o for b in blocks for o in b]
     mix = {op: sum(o == op or o.startswith(op + ".") for o in body) for op in MIX}
-    mix.update(total=len(body), blocks=len(blocks),
-               ex2_per_block=max((sum(o == "MUFU.EX2" for o in b) for b in blocks), default=0))
+    most = lambda op: max((sum(o == op or o.startswith(op + ".") for o in b) for b in blocks),
+                          default=0)
+    mix.update(total=len(body), blocks=len(blocks), ex2_per_block=most("MUFU.EX2"),
+               ldg_per_block=most("LDG"))
     return mix
 
 
@@ -403,3 +407,16 @@ def test_softmax_exponentials_share_one_basic_block(table):
              f"{exponentials_per_tile(r['kernel'])}" for r in rows
              if r["main_loop"]["ex2_per_block"] < exponentials_per_tile(r["kernel"])]
     assert not short, "main loops whose exponentials are split over blocks:\n" + "\n".join(short)
+
+
+def test_mask_loads_share_one_basic_block(table):
+    """A masked tile's mask elements are read by predicated loads in one straight run: one block
+    of the main loop holds at least half as many LDG as a thread has scores in the tile (ptxas
+    may schedule a load or two into a neighbouring block). With a branch per element, each
+    block held one or two, and each load's latency was waited for before the next was issued."""
+    rows = [r for r in table if r["kernel"].startswith(("sdpa_fwd<", "sdpa_bwd<"))]
+    assert rows
+    short = [f"{r['kernel']} {r['arch']}: {r['main_loop']['ldg_per_block']} < "
+             f"{exponentials_per_tile(r['kernel']) // 2}" for r in rows
+             if r["main_loop"]["ldg_per_block"] < exponentials_per_tile(r["kernel"]) // 2]
+    assert not short, "main loops whose mask loads are split over blocks:\n" + "\n".join(short)

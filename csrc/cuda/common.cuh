@@ -37,16 +37,47 @@ __device__ __forceinline__ float dropout_factor(const Dropout& d, uint32_t key_b
   return mix32(mix32(key_bh ^ i) ^ j) >= d.threshold ? d.keep_scale : 0.f;
 }
 
-// The score of (b, h, i, j) after the band and the mask: `s` plus the additive mask, or -inf
-// when the key is not admissible (out of range, out of the band, or masked out).
+// Whether key j is admissible for query i by the sizes and the band lo <= j - i <= hi, and
+// where element (b, h, i, j) of the mask lies.
+__device__ __forceinline__ bool in_band(int64_t lo, int64_t hi, int i, int j, int Lq, int Lk) {
+  const int64_t d = int64_t(j) - int64_t(i);
+  return i < Lq && j < Lk && d >= lo && d <= hi;
+}
+__device__ __forceinline__ int64_t mask_offset(const MaskView& m, int b, int h, int i, int j) {
+  return b * m.b + h * m.h + i * m.i + j * m.j;
+}
+
+// The score of (b, h, i, j) after the band and the mask of kind K: `s` plus the additive mask,
+// or -inf when the key is not admissible (out of range, out of the band, or masked out).
+// Without a branch: the mask element is read by a predicated load, so a caller's unrolled loop
+// over its scores (under one branch on the kind) stays one basic block and its loads overlap.
+// Bool masks are read as bytes: a byte other than 0 or 1 read through bool* is undefined.
+template <typename T, MaskKind K>
+__device__ __forceinline__ float admit_as(float s, const MaskView& m, int64_t lo, int64_t hi,
+                                          int b, int h, int i, int j, int Lq, int Lk) {
+  const bool ok = in_band(lo, hi, i, j, Lq, Lk);
+  if constexpr (K == MaskKind::None) {
+    return ok ? s : -INFINITY;
+  } else if constexpr (K == MaskKind::Bool) {
+    const uint8_t* mask = static_cast<const uint8_t*>(m.ptr);
+    return (ok ? mask[mask_offset(m, b, h, i, j)] : uint8_t(0)) != 0 ? s : -INFINITY;
+  } else {
+    const T* mask = static_cast<const T*>(m.ptr);
+    return ok ? s + to_float(mask[mask_offset(m, b, h, i, j)]) : -INFINITY;
+  }
+}
+
+// The same with a branch per score, on any kind: for kernels that test a few scores a thread
+// outside such a loop, where the predicated form's registers would not fit (the additive
+// backward's 128).
 template <typename T>
 __device__ __forceinline__ float admit(float s, const MaskView& m, int64_t lo, int64_t hi,
                                        int b, int h, int i, int j, int Lq, int Lk) {
+  // in_band written out: in this form the additive backward fits its 128 registers
   const int64_t d = int64_t(j) - int64_t(i);
   if (i >= Lq || j >= Lk || d < lo || d > hi) return -INFINITY;
   if (m.kind == MaskKind::None) return s;
-  const int64_t off = b * m.b + h * m.h + i * m.i + j * m.j;
-  // bool masks are read as bytes: a byte other than 0 or 1 read through bool* is undefined
+  const int64_t off = mask_offset(m, b, h, i, j);
   if (m.kind == MaskKind::Bool) return static_cast<const uint8_t*>(m.ptr)[off] != 0 ? s : -INFINITY;
   return s + to_float(static_cast<const T*>(m.ptr)[off]);
 }

@@ -297,13 +297,22 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
                                     fabsf(float(i0 + query_of(n, e) + seq.diag - j0 - key_of(e))),
                                     tc[n][e]);
       }
-    if (!interior) {
+    if (!interior) {  // one straight run per mask kind (admit_as: predicated mask loads)
+      auto edge = [&](auto kind) {
 #pragma unroll
-      for (int n = 0; n < NQ; ++n)
+        for (int n = 0; n < NQ; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          pt[n][e] = admit<T>(pt[n][e], p.mask, seq.lo, seq.hi, b, h, i0 + query_of(n, e),
-                              j0 + key_of(e), seq.Lq, seq.Lk);
+          for (int e = 0; e < 4; ++e)
+            pt[n][e] = admit_as<T, decltype(kind)::value>(pt[n][e], p.mask, seq.lo, seq.hi, b, h,
+                                                          i0 + query_of(n, e), j0 + key_of(e),
+                                                          seq.Lq, seq.Lk);
+      };
+      if (p.mask.kind == MaskKind::Bool)
+        edge(std::integral_constant<MaskKind, MaskKind::Bool>{});
+      else if (p.mask.kind == MaskKind::Additive)
+        edge(std::integral_constant<MaskKind, MaskKind::Additive>{});
+      else
+        edge(std::integral_constant<MaskKind, MaskKind::None>{});
     }
 #pragma unroll
     for (int n = 0; n < NQ; ++n)

@@ -66,10 +66,10 @@ struct Config {
   static_assert(D % 16 == 0 && D <= 256, "families are multiples of 16 up to 256");
   static constexpr int BN = D > 128 ? 32 : 64;  // registers: O takes D / 2 floats a thread
   static constexpr int LD = D + 8;              // padded rows (see above)
-  // Two CTAs of 256 threads per SM cap registers at 128: enough for the plain D = 32 kernel
-  // only (D = 64, and the score modifiers' D = 32, spill there; ptxas -v,
+  // One CTA of 256 threads per SM: two would cap registers at 128, where every family spills
+  // (D = 32 since a masked tile's loads are issued together; ptxas -v,
   // tests/test_cuda_resources.py).
-  static constexpr int min_blocks(bool mods) { return D <= 32 && !mods ? 2 : 1; }
+  static constexpr int kMinBlocks = 1;
   static constexpr size_t smem_bytes = 2 * (size_t(kBM) * LD + 2 * 2 * size_t(BN) * LD);
 };
 
@@ -99,7 +99,7 @@ __device__ __forceinline__ void exp_scores(float (&s)[NB][4], const float (&mu)[
 // kMods: the score modifiers (p.mods) are applied; the plain instantiation has none of their
 // code.
 template <typename T, int D, bool kMods>
-__global__ void __launch_bounds__(kThreads, Config<D>::min_blocks(kMods))
+__global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
     sdpa_fwd_kernel(const SdpaParams p) {
   using C = Config<D>;
   constexpr int BN = C::BN, LD = C::LD;
@@ -248,14 +248,21 @@ __global__ void __launch_bounds__(kThreads, Config<D>::min_blocks(kMods))
             const int x = nb * 8 + e % 2;
             if (x < x_lo[e / 2] || x > x_hi[e / 2]) s[nb][e] = -INFINITY;
           }
-      } else if (!interior) {
+      } else if (!interior) {  // a mask: its elements by predicated loads (admit_as)
+        auto masked = [&](auto kind) {
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
+          for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
-            s[nb][e] = admit<T>(s[nb][e], p.mask, seq.lo, seq.hi, b, h, i, j, seq.Lq, seq.Lk);
-          }
+            for (int e = 0; e < 4; ++e) {
+              const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
+              s[nb][e] = admit_as<T, decltype(kind)::value>(s[nb][e], p.mask, seq.lo, seq.hi, b, h,
+                                                            i, j, seq.Lq, seq.Lk);
+            }
+        };
+        if (p.mask.kind == MaskKind::Bool)
+          masked(std::integral_constant<MaskKind, MaskKind::Bool>{});
+        else
+          masked(std::integral_constant<MaskKind, MaskKind::Additive>{});
       }
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
