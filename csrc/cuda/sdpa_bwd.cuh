@@ -273,12 +273,23 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
     // (key, query) of element e of n8 tile n of the S^T fragments, within the block
     auto query_of = [&](int n, int e) { return qw0 + n * 8 + 2 * t + (e & 1); };
     auto key_of = [&](int e) { return kr0 + g + (e >= 2 ? 8 : 0); };
+    // x *= the dropout factor z of each of the warp's (query, key) pairs, when dropout is on.
+    auto drop = [&](float(&x)[NQ][4]) {
+      if (!p.drop.on) return;
+#pragma unroll
+      for (int n = 0; n < NQ; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          x[n][e] *= dropout_factor(p.drop, key_bh, uint32_t(i0 + query_of(n, e)),
+                                    uint32_t(j0 + key_of(e)));
+    };
 
     // A block wholly inside the sizes and the band, without a mask, admits every pair: its
     // scores skip the per-element test (the bulk of a long sequence's blocks).
-    const bool interior = p.mask.kind == MaskKind::None && i0 + BM <= seq.Lq &&
-                          j0 + BN <= seq.Lk && int64_t(j0) - (i0 + BM - 1) >= seq.lo &&
-                          int64_t(j0 + BN - 1) - i0 <= seq.hi;
+    // (i0 <= Lq - BM, not i0 + BM <= Lq: the sum wraps for lengths within BM of 2^31)
+    const bool interior = p.mask.kind == MaskKind::None && i0 <= seq.Lq - BM &&
+                          j0 <= seq.Lk - BN && int64_t(j0) - i0 - (BM - 1) >= seq.lo &&
+                          int64_t(j0) + (BN - 1) - i0 <= seq.hi;
 
     // P^T, in the S^T fragments; with a softcap, tanh of the capped scores in tc. As in the
     // forward, each pass is one straight run under a warp-uniform branch (a per-element test
@@ -333,14 +344,7 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
       for (int n = 0; n < NQ; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) pz[n][e] = pt[n][e];
-      if (p.drop.on) {
-#pragma unroll
-        for (int n = 0; n < NQ; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            pz[n][e] *= dropout_factor(p.drop, key_bh, uint32_t(i0 + query_of(n, e)),
-                                       uint32_t(j0 + key_of(e)));
-      }
+      drop(pz);
       if constexpr (wide) {
 #pragma unroll
         for (int n = 0; n < NQ; ++n)
@@ -356,14 +360,7 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
     // dS^T = P^T (dP^T z - delta), in the dP^T fragments; dS to shared memory for dQ.
     float ds[NQ][4] = {};
     product_nt<T, D, NQ, LDH>(ds, Vs, kr0, dO + qw0 * LDH, lane);
-    if (p.drop.on) {
-#pragma unroll
-      for (int n = 0; n < NQ; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          ds[n][e] *= dropout_factor(p.drop, key_bh, uint32_t(i0 + query_of(n, e)),
-                                     uint32_t(j0 + key_of(e)));
-    }
+    drop(ds);
 #pragma unroll
     for (int n = 0; n < NQ; ++n)
 #pragma unroll
@@ -419,7 +416,7 @@ __global__ void __launch_bounds__(Config<D>::kThreads, 1) sdpa_bwd_kernel(const 
       const int i = i0 + r0 + g;
       float* const row[2] = {dq + int64_t(i) * p.E + dc0 + 2 * t,
                              dq + int64_t(i + 8) * p.E + dc0 + 2 * t};
-      if (i0 + r0 + 16 <= seq.Lq && dc0 + kDqCols <= p.E) {
+      if (i0 + r0 <= seq.Lq - 16 && dc0 <= p.E - kDqCols) {  // (no sum that wraps)
 #pragma unroll
         for (int n = 0; n < kDqCols / 8; ++n)
 #pragma unroll

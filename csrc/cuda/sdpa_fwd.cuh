@@ -224,9 +224,11 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
             s[nb][e] = modified_score(s[nb][e], p.mods, slope, fabsf(float(i + seq.diag - j)), tc);
           }
       }
-      const bool interior = p.mask.kind == MaskKind::None && j0 + BN <= seq.Lk &&
-                            int64_t(j0) - (i0 + kBM - 1) >= seq.lo &&
-                            int64_t(j0 + BN - 1) - i0 <= seq.hi;
+      // (j0 <= Lk - BN, not j0 + BN <= Lk: the sum wraps for Lk within BN of 2^31, which
+      // would admit the zero-filled keys past Lk)
+      const bool interior = p.mask.kind == MaskKind::None && j0 <= seq.Lk - BN &&
+                            int64_t(j0) - i0 - (kBM - 1) >= seq.lo &&
+                            int64_t(j0) + (BN - 1) - i0 <= seq.hi;
       if (!interior && p.mask.kind == MaskKind::None) {  // an edge tile: selects only
         // Row r admits the keys j0 + 2t + x for x in [x_lo[r], x_hi[r]]: its first and last
         // admissible keys less j0 + 2t, in int (i + lo_c is formed only where it is below Lk).
