@@ -176,6 +176,9 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
 
   for (int tile = t0; tile <= t1; ++tile) {
     const int stage = (tile - t0) & 1, j0 = tile * BN;
+    // The query row and key of element e of 8-key block nb of this thread's S fragments.
+    auto row_of = [&](int e) { return i0 + warp * 16 + g + 8 * (e / 2); };
+    auto key_of = [&](int nb, int e) { return j0 + nb * 8 + 2 * t + e % 2; };
     if (tile < t1) load_kv(tile + 1, stage ^ 1);  // its stage was released by the last barrier
     cp_async_commit();
     cp_async_wait<1>();  // this tile's group has landed (the next one may be in flight)
@@ -219,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
         for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
+            const int i = row_of(e), j = key_of(nb, e);
             float tc;
             s[nb][e] = modified_score(s[nb][e], p.mods, slope, fabsf(float(i + seq.diag - j)), tc);
           }
@@ -256,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
           for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
+              const int i = row_of(e), j = key_of(nb, e);
               s[nb][e] = admit_as<T, decltype(kind)::value>(s[nb][e], p.mask, seq.lo, seq.hi, b, h,
                                                             i, j, seq.Lq, seq.Lk);
             }
@@ -291,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
         for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int i = i0 + warp * 16 + g + 8 * (e / 2), j = j0 + nb * 8 + 2 * t + e % 2;
+            const int i = row_of(e), j = key_of(nb, e);
             s[nb][e] *= dropout_factor(p.drop, key_bh, uint32_t(i), uint32_t(j));
           }
       }
