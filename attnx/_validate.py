@@ -55,6 +55,10 @@ def _check_softcap(softcap, dtype: torch.dtype) -> Optional[float]:
         raise ValueError(f"softcap: expected a finite float > 0, got {softcap}")
     if dtype != torch.float64 and c > torch.finfo(torch.float32).max:
         raise ValueError(f"softcap: expected a value float32 can hold for {dtype} inputs, got {softcap}")
+    if dtype != torch.float64:
+        # the kernels cap in float32, where a cap below its smallest normal would round to 0, which
+        # they read as "no cap"; at that size every capped score rounds to 0 either way
+        c = max(c, torch.finfo(torch.float32).tiny)
     return c
 
 

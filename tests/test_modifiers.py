@@ -312,6 +312,18 @@ def test_no_nan_from_extreme_finite_inputs(backend):
           mods=dict(softcap=2.0, sinks=sinks, alibi_slopes=torch.tensor([0.5, 100.0])))
 
 
+@pytest.mark.parametrize("backend", BACKENDS + [TRITON, pytest.param("cuda", marks=MARKS["cuda"])])
+def test_softcap_below_float32_range(backend):
+    """A cap float32 cannot hold (1e-50) still caps: every score ~0, uniform weights (it once
+    rounded to 0, which the kernels read as no cap)."""
+    q, k, v, _ = _inputs(1, 2, 2, 9, 11, 16, 16)
+    dtype = torch.float32 if backend in ("reference", "cpu") else torch.bfloat16
+    (ql, kl, vl), _, _ = _leaves(dtype, q, k, v, None, {}, device(backend))
+    out = attnx.scaled_dot_product_attention(ql * 8, kl, vl, softcap=1e-50, backend=backend)
+    uniform = v.double().mean(dim=2, keepdim=True).expand(-1, -1, 9, -1)
+    assert (out.cpu().double() - uniform).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
 @pytest.mark.parametrize("backend", BACKENDS + [TRITON])
 def test_bfloat16_and_sinks_in_float32(backend):
     """bfloat16 inputs with float32 sinks (a model's float32 parameter): its gradient comes back
