@@ -178,6 +178,18 @@ def _device_shared_limit(device: int) -> int:
     return driver.active.utils.get_device_properties(device)["max_shared_mem"]
 
 
+def target_arch() -> int:
+    """The current CUDA device's arch as Triton compiles for it (80: sm_80, 90: sm_90)."""
+    from triton.runtime import driver
+    return _device_arch(driver.active.get_current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(device: int) -> int:
+    from triton.runtime import driver
+    return int(driver.active.get_current_target().arch)
+
+
 def multiprocessors() -> int:
     """SMs of the current CUDA device; under the interpreter a nominal 2, so the tests' small
     grids reach every GQA split of the dK/dV kernel (sdpa._gqa_split)."""
@@ -199,7 +211,7 @@ def _device_sms(device: int) -> int:
 REGISTER_WORDS = 128
 
 
-def pruner(tiles):
+def pruner(tiles, compiled_fits=None):
     """The autotuner's early_config_prune for a kernel whose config `tiles(meta)` describes (meta:
     the config's BLOCK_M, BLOCK_N with the launch's arguments) as a dict of element counts:
     `staged` (tiles each pipeline stage buffers in shared memory; `mask`, the mask's tile, in its
@@ -212,7 +224,11 @@ def pruner(tiles):
     acc + held * (element size / 4) over the config's threads must fit REGISTER_WORDS, for head
     dims up to 128 (wider ones keep every config that fits shared memory). For
     fp16/bf16 with head dims up to 128 the compile test holds both rules to the compiler's own
-    figures on sm_80 and sm_90 (`needs` is the shared-memory estimate)."""
+    figures on sm_80 and sm_90 (`needs` is the shared-memory estimate).
+
+    `compiled_fits(meta, arch)`, where given, keeps configs over the register rule that compiles
+    for that arch showed to fit (meta with the config's tiles, warps and stages): the rule counts
+    every operand tile in registers, where sm_90's wgmma reads them from shared memory."""
     def needs(config, named_args, **kwargs) -> int:
         t = tiles({**named_args, **kwargs, **config.kwargs})
         size = named_args["Q"].element_size()
@@ -226,10 +242,16 @@ def pruner(tiles):
         held = t["held"] * named_args["Q"].element_size() / 4
         return (t["acc"] + held) / (32 * config.num_warps)
 
+    def compiled(config, named_args, **kwargs) -> bool:
+        meta = {**named_args, **kwargs, **config.kwargs, "num_warps": config.num_warps,
+                "num_stages": config.num_stages}
+        return compiled_fits is not None and compiled_fits(meta, target_arch())
+
     def prune(configs_, named_args, **kwargs):
         limit = shared_memory_limit()
         fit = [c for c in configs_ if needs(c, named_args, **kwargs) <= limit]
-        kept = [c for c in fit if words(c, named_args, **kwargs) <= REGISTER_WORDS]
+        kept = [c for c in fit if words(c, named_args, **kwargs) <= REGISTER_WORDS
+                or compiled(c, named_args, **kwargs)]
         # Heads over 128 wide spill in every config but the smallest tiles: there the autotuner
         # times every config that fits (spilling, bigger tiles may win), as it does where no
         # config keeps within the registers. A device with less shared memory than sm_80's gets

@@ -93,6 +93,34 @@ def _dq_tiles(m):
                 acc=mm * d + 7 * mm * n, held=mm * (d + dv))
 
 
+# Configs over the register rule that compile without spills on sm_90, for fp16/bf16 head blocks
+# up to 128 (benchmarks/results/triton-sm90-backward-configs.md: every flag set, Triton 3.6 and
+# 3.8; tests/test_triton_compile.py holds the CI set to it). The rule counts every operand tile
+# in registers where wgmma reads them from shared memory, and kept dK/dV 16 queries and dQ 64 x
+# 32 there: 16- and 32-wide wgmma products. dK/dV's GQA group loop spills in these tiles; at head
+# block 128, 128 keys spill with a mask, dropout or the modifiers (64 do not).
+def _sm90_half(m, arch) -> bool:
+    wide = max(m["BLOCK_D"] + m["BLOCK_D2"], m["BLOCK_DV"] + m["BLOCK_DV2"])
+    return arch == 90 and m["Q"].element_size() == 2 and wide <= 128
+
+
+def _shape(m) -> tuple:
+    return m["BLOCK_M"], m["BLOCK_N"], m["num_warps"], m["num_stages"]
+
+
+def _dkdv_sm90_fits(m, arch) -> bool:
+    if not _sm90_half(m, arch) or m["GROUPS"] > 1:
+        return False
+    if max(m["BLOCK_D"] + m["BLOCK_D2"], m["BLOCK_DV"] + m["BLOCK_DV2"]) <= 64:
+        return _shape(m) in ((32, 128, 8, 3), (64, 64, 8, 3))
+    plain = not (m["MASK_KIND"] or m["DROPOUT"] or m["SOFTCAP"] or m["ALIBI"])
+    return _shape(m) == (32, 64, 8, 3) or (plain and _shape(m) == (32, 128, 8, 3))
+
+
+def _dq_sm90_fits(m, arch) -> bool:
+    return _sm90_half(m, arch) and _shape(m) in ((128, 64, 8, 3), (128, 64, 8, 2))
+
+
 @triton.jit
 def _query_program(H, Lq, GROUPS, BLOCK_M: tl.constexpr):
     """(first query row, b * Hq + h, b, h, kv head) of a program over (query block, b * Hq + h)."""
@@ -497,7 +525,8 @@ def _dkdv_blocks(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_bas
 
 
 @triton.autotune(configs=_DKDV, key=_KEY,
-                 prune_configs_by={"early_config_prune": common.pruner(_dkdv_tiles)})
+                 prune_configs_by={"early_config_prune": common.pruner(
+                     _dkdv_tiles, _dkdv_sm90_fits)})
 @_JIT
 def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
@@ -664,7 +693,8 @@ def _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, lo, 
 
 
 @triton.autotune(configs=_DQ, key=_KEY,
-                 prune_configs_by={"early_config_prune": common.pruner(_dq_tiles)})
+                 prune_configs_by={"early_config_prune": common.pruner(
+                     _dq_tiles, _dq_sm90_fits)})
 @_JIT
 def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,

@@ -182,16 +182,17 @@ SMS = {80: 108, 90: 132}
 
 @contextlib.contextmanager
 def _device_limit(arch: int):
-    """The ops and autotuners see sm_<arch>'s shared memory (common.shared_memory_limit) and
-    SM count (common.multiprocessors)."""
+    """The ops and autotuners see sm_<arch>'s shared memory (common.shared_memory_limit), SM
+    count (common.multiprocessors) and arch (common.target_arch)."""
     from .aot import SHARED_LIMIT
-    real = common.shared_memory_limit, common.multiprocessors
+    real = common.shared_memory_limit, common.multiprocessors, common.target_arch
     common.shared_memory_limit = lambda: SHARED_LIMIT[arch]
     common.multiprocessors = lambda: SMS[arch]
+    common.target_arch = lambda: arch
     try:
         yield
     finally:
-        common.shared_memory_limit, common.multiprocessors = real
+        common.shared_memory_limit, common.multiprocessors, common.target_arch = real
 
 
 def units(v: Variant, arch: int) -> list[Unit]:
