@@ -542,6 +542,7 @@ def test_gqa_backward_fills_the_gpu(monkeypatch):
     assert ts._gqa_split(32, 128 * n, 1) == 4   # 128 key blocks x 4 slices >= 264
     assert ts._gqa_split(8, 32 * n, 1) == 8     # 32 key blocks: one slice per query head
     assert ts._gqa_split(4, 64 * n, 32) == 1    # 64 x 32 programs already
+    assert ts._gqa_split(4, 64 * n, 32, one_head=True) == 4  # sm_90's wide tiles: a head each
 
 
 def _autotune_keys(lq, lk):

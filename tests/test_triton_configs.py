@@ -90,7 +90,8 @@ def test_the_interpreter_memcheck_catches_an_access_past_a_tensor():
         _copy[(1,)](torch.arange(32.0, device=DEVICE), y, 0, 2, 16)
 
 
-def _kept(kernel, arch, monkeypatch, dtype=torch.bfloat16, head=128, groups=1, mask_kind=0):
+def _kept(kernel, arch, monkeypatch, dtype=torch.bfloat16, head=128, groups=1, per=1,
+          mask_kind=0):
     """The (BLOCK_M, BLOCK_N, warps, stages) the autotuner's pruning keeps for a call on sm_<arch>
     (its shared memory and arch), of every GPU config."""
     auto, shapes = KERNELS[kernel]
@@ -99,7 +100,7 @@ def _kept(kernel, arch, monkeypatch, dtype=torch.bfloat16, head=128, groups=1, m
     q = torch.empty(1, dtype=dtype)
     named = {"Q": q, "M": torch.empty(1, dtype=torch.bool)}
     meta = dict(BLOCK_D=head, BLOCK_D2=0, BLOCK_DV=head, BLOCK_DV2=0, MASK_KIND=mask_kind,
-                DROPOUT=False, GROUPS=groups, SOFTCAP=False, ALIBI=False, VARLEN=False)
+                DROPOUT=False, GROUPS=groups, PER=per, SOFTCAP=False, ALIBI=False, VARLEN=False)
     kept = auto.early_config_prune(common.gpu_configs(shapes), named, **meta)
     return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept}
 
@@ -108,8 +109,9 @@ def test_sm90_keeps_the_wide_backward_tiles_its_compiles_fit(monkeypatch):
     """On sm_90 the backward's autotuners also keep the wgmma-wide tiles that compile there
     without spills (sdpa._dkdv_sm90_fits / _dq_sm90_fits: 32 queries x 128 keys for dK/dV,
     128 x 64 for dQ), which the register rule refuses (it counts wgmma's shared-memory operands
-    as registers); not on sm_80, not for fp32, and dK/dV not under GQA (its group loop spills)
-    nor with 128 keys and a mask at head block 128."""
+    as registers); not on sm_80, not for fp32, and dK/dV not where a program loops over several
+    query heads of a GQA group (PER > 1: that spills) nor with 128 keys and a mask at head
+    block 128."""
     wide_dkdv, wide_dq = (32, 128, 8, 3), (128, 64, 8, 2)
     assert wide_dkdv in _kept("dkdv", 90, monkeypatch)
     assert wide_dq in _kept("dq", 90, monkeypatch)
@@ -117,7 +119,8 @@ def test_sm90_keeps_the_wide_backward_tiles_its_compiles_fit(monkeypatch):
     assert wide_dkdv not in _kept("dkdv", 80, monkeypatch)
     assert wide_dq not in _kept("dq", 80, monkeypatch)
     assert wide_dkdv not in _kept("dkdv", 90, monkeypatch, dtype=torch.float32)
-    assert wide_dkdv not in _kept("dkdv", 90, monkeypatch, groups=4)
+    assert wide_dkdv not in _kept("dkdv", 90, monkeypatch, groups=4, per=4)
+    assert wide_dkdv in _kept("dkdv", 90, monkeypatch, groups=4, per=1)
     assert wide_dq in _kept("dq", 90, monkeypatch, groups=4)
     assert wide_dkdv not in _kept("dkdv", 90, monkeypatch, head=256)
     assert wide_dkdv not in _kept("dkdv", 90, monkeypatch, mask_kind=1)

@@ -97,8 +97,9 @@ def _dq_tiles(m):
 # up to 128 (benchmarks/results/triton-sm90-backward-configs.md: every flag set, Triton 3.6 and
 # 3.8; tests/test_triton_compile.py holds the CI set to it). The rule counts every operand tile
 # in registers where wgmma reads them from shared memory, and kept dK/dV 16 queries and dQ 64 x
-# 32 there: 16- and 32-wide wgmma products. dK/dV's GQA group loop spills in these tiles; at head
-# block 128, 128 keys spill with a mask, dropout or the modifiers (64 do not).
+# 32 there: 16- and 32-wide wgmma products. dK/dV's loop over a GQA group's query heads spills
+# in these tiles (there _gqa_split gives each program one head); its widest tile per head block
+# (32 x 128 at 128, 64 x 64 at 64) spills with masks, dropout and modifiers together.
 def _sm90_half(m, arch) -> bool:
     wide = max(m["BLOCK_D"] + m["BLOCK_D2"], m["BLOCK_DV"] + m["BLOCK_DV2"])
     return arch == 90 and m["Q"].element_size() == 2 and wide <= 128
@@ -109,12 +110,14 @@ def _shape(m) -> tuple:
 
 
 def _dkdv_sm90_fits(m, arch) -> bool:
-    if not _sm90_half(m, arch) or m["GROUPS"] > 1:
+    if not _sm90_half(m, arch) or m["PER"] > 1:
         return False
     if max(m["BLOCK_D"] + m["BLOCK_D2"], m["BLOCK_DV"] + m["BLOCK_DV2"]) <= 64:
-        return _shape(m) in ((32, 128, 8, 3), (64, 64, 8, 3))
+        every_flag, plain_only = (32, 128, 8, 3), (64, 64, 8, 3)
+    else:
+        every_flag, plain_only = (32, 64, 8, 3), (32, 128, 8, 3)
     plain = not (m["MASK_KIND"] or m["DROPOUT"] or m["SOFTCAP"] or m["ALIBI"])
-    return _shape(m) == (32, 64, 8, 3) or (plain and _shape(m) == (32, 128, 8, 3))
+    return _shape(m) == every_flag or (plain and _shape(m) == plain_only)
 
 
 def _dq_sm90_fits(m, arch) -> bool:
@@ -524,14 +527,14 @@ def _dkdv_blocks(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_bas
     return dk, dk2, dv, dv2
 
 
-@triton.autotune(configs=_DKDV, key=_KEY,
+@triton.autotune(configs=_DKDV, key=_KEY + ["PER"],
                  prune_configs_by={"early_config_prune": common.pruner(
                      _dkdv_tiles, _dkdv_sm90_fits)})
 @_JIT
 def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                  smb, smh, smm, smn, sdb, sdh, sdm, sdd,
-                 H, Hkv, Lq, Lk, E, Ev, GROUPS, SPLIT, scale, window_lo, window_hi, inv_keep,
+                 H, Hkv, Lq, Lk, E, Ev, GROUPS, SPLIT, PER, scale, window_lo, window_hi, inv_keep,
                  SLOPES, sab, sah, cap, CU_Q, CU_K, TOTAL_Q, LQ_BUCKET, LK_BUCKET,
                  MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr,
@@ -539,9 +542,9 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
                  BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (key block, b * Hkv + kv head, slice of its GQA group): the group's
-    GROUPS / SPLIT query heads in turn. SPLIT > 1 (sdpa_bwd: where b * Hkv key blocks would
-    leave SMs idle) writes fp32 partial sums, one per slice, that the host adds up: no
-    atomics, deterministic. VARLEN: b is the sequence; dK, dV (total_k, Hkv, SPLIT, E)."""
+    PER = GROUPS / SPLIT query heads in turn (an argument, so that Triton compiles PER = 1 without
+    the loop). SPLIT > 1 (_gqa_split) writes fp32 partial sums, one per slice, that the host adds
+    up: no atomics, deterministic. VARLEN: b is the sequence; dK, dV (total_k, Hkv, SPLIT, E)."""
     n0, prog = tile_and_head(Lk, BLOCK_N)
     part = prog % SPLIT
     bhk = prog // SPLIT
@@ -585,9 +588,8 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
     # Query blocks wholly inside the band for these keys: inner_range with queries and keys
     # swapped (i - j in [-window_hi, -window_lo]).
     lo, hi = inner_range(n0, Lk, Lq, start, end, -window_hi, -window_lo, BLOCK_N, BLOCK_M)
-    per = GROUPS // SPLIT
-    for g in range(per):
-        h = hk * GROUPS + part.to(tl.int64) * per + g
+    for g in range(PER):
+        h = hk * GROUPS + part.to(tl.int64) * PER + g
         bh = b * H + h
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdb + h * sdh
@@ -862,7 +864,7 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         DOT_PREC=consts["DOT_PREC"], PAD_D=common.head_block(e) != e or common.head_block(ev) != ev,
         BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    split = _gqa_split(h // hkv, lk, b * hkv)
+    split = _gqa_split(h // hkv, lk, b * hkv, _one_head_per_program(q, e, ev))
     if split == 1:
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -876,8 +878,8 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     common.launcher(_dkdv_kernel)[
         lambda meta: common.tiles_grid(lk, meta["BLOCK_N"], b * hkv * split)](
         q, k, v, m, dos, lse, delta, rng, dk, dv, dmask, *strides, *dos.stride(),
-        h, hkv, *sizes, split, *band, q, q, 0, MASK_GRAD=mask_grad, VARLEN=False,
-        **consts)
+        h, hkv, *sizes, split, h // hkv // split, *band, q, q, 0, MASK_GRAD=mask_grad,
+        VARLEN=False, **consts)
     if split > 1:
         dk, dv = dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype)
     # d lse_i / d sink = P_sink,i = exp(sink - lse_i) / r_i, and the sink's value is 0: its
@@ -900,10 +902,22 @@ def _head_blocks(d: int) -> tuple[int, int]:
     return common.head_blocks(d) if d > 128 else (common.head_block(d), 0)
 
 
-def _gqa_split(groups: int, lk: int, kv_heads: int) -> int:
-    """Into how many slices the dK/dV kernel cuts each GQA group of query heads: the fewest
-    (a divisor of groups) that give at least two programs per SM, counting key blocks of the
-    largest BLOCK_N; one program per kv head left most SMs idle under MQA."""
+def _one_head_per_program(q, e: int, ev: int) -> bool:
+    """Whether the dK/dV kernel takes one query head per program: where _dkdv_sm90_fits's wide
+    tiles apply (sm_90, fp16/bf16, head dims up to 128), which the loop over a group's heads
+    spills. The fp32 partial sums then cost a write and a read of B x Hq x Lk x (E + Ev)
+    floats."""
+    return (q.element_size() == 2 and max(e, ev) <= 128 and not common.interpreting()
+            and common.target_arch() == 90)
+
+
+def _gqa_split(groups: int, lk: int, kv_heads: int, one_head: bool = False) -> int:
+    """Into how many slices the dK/dV kernel cuts each GQA group of query heads: one per head
+    where `one_head`; else the fewest (a divisor of groups) that give at least two programs per
+    SM, counting key blocks of the largest BLOCK_N; one program per kv head left most SMs idle
+    under MQA."""
+    if one_head:
+        return groups
     tiles = triton.cdiv(lk, max(c.kwargs["BLOCK_N"] for c in _DKDV)) * kv_heads
     want = 2 * common.multiprocessors()
     for split in range(1, groups + 1):

@@ -97,7 +97,8 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         DOT_PREC=consts["DOT_PREC"],
         PAD_D=common.head_block(e) != e or common.head_block(ev) != ev,
         BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
-    split = sdpa._gqa_split(h // hkv, max_seqlen_k, n * hkv)
+    split = sdpa._gqa_split(h // hkv, max_seqlen_k, n * hkv,
+                            sdpa._one_head_per_program(q, e, ev))
     if split == 1:
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -108,7 +109,7 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     common.launcher(sdpa._dkdv_kernel)[
         lambda meta: common.tiles_grid(max_seqlen_k, meta["BLOCK_N"], n * hkv * split)](
         q, k, v, q, dos, lse, delta, rng, dk, dv, q, *strides, *dos_strides,
-        h, hkv, *lengths, split, *band, *cu, MASK_GRAD=False, **consts)
+        h, hkv, *lengths, split, h // hkv // split, *band, *cu, MASK_GRAD=False, **consts)
     if split > 1:
         dk, dv = dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype)
     # as sdpa_bwd's: the sink's score gradient P_sink,i (0 - D_i), DELTA holding D_i / r_i

@@ -22,6 +22,7 @@ VARIANTS = [Variant("sdpa", dt, d) for dt, d in (("bf16", 128), ("fp16", 64), ("
     Variant("sdpa", "fp16", 128, softcap=True),
     Variant("sdpa", "bf16", 64, alibi=True),
     Variant("sdpa", "bf16", 128, gqa=True),
+    Variant("sdpa", "bf16", 128, mask="float", dropout=True, gqa=True),
     Variant("sdpa", "fp16", 64, mask="float"),
     Variant("sdpa", "bf16", 128, mask="bool", dropout=True, softcap=True, alibi=True, sinks=True),
     Variant("sdpa", "fp16", 64, mask="float", dropout=True, gqa=True, softcap=True, alibi=True,
