@@ -466,10 +466,12 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
             raise ValueError(f"k_cache: expected a block size >= 1, got shape {tuple(k_cache.shape)}")
         capacity = block_table.shape[1] * depth
 
+    lens = None  # the lengths as Python ints, where known without reading a tensor
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity:  # (and within int32, which the tensor holds)
             raise ValueError(f"cache_seqlens: expected an int in [0, {capacity}] (the cache's "
                              f"capacity), got {cache_seqlens}")
+        lens = [int(cache_seqlens)] * b
         cache_seqlens = torch.full((b,), int(cache_seqlens), dtype=torch.int32, device=q.device)
     cache_seqlens = _check_index_tensor("cache_seqlens", cache_seqlens, (b,), q.device)
 
@@ -494,8 +496,10 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
                                  f"{tuple(cache.shape)}")
 
     # Python ints, one read for every check (a decoding step runs these per layer per token:
-    # tensor reductions here cost more than a short cache's attention)
-    lens = cache_seqlens.tolist()
+    # tensor reductions here cost more than a short cache's attention); an int needs none, so
+    # that torch.compile traces such a call (transformers' decoding steps) without reading values
+    if lens is None:
+        lens = cache_seqlens.tolist()
     if b > 0 and min(lens) < 0:
         raise ValueError(f"cache_seqlens: expected values >= 0, got {lens}")
     if b > 0 and max(lens) + lnew > capacity:

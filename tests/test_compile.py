@@ -93,3 +93,16 @@ def test_export_with_a_dynamic_batch():
                                   dynamic_shapes=({0: torch.export.Dim("batch", min=2, max=64)},))
     q3 = torch.randn(3, 2, 5, 4)
     torch.testing.assert_close(program.module()(q3), Causal()(q3))
+
+
+def test_kvcache_with_int_lengths_compiles_fullgraph():
+    """A cache length given as an int (transformers' decoding steps pass the cache's own
+    length) is validated without reading a tensor, so the call traces with no graph break."""
+    q, kc, vc = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 21, 16), torch.randn(2, 2, 21, 16)
+
+    def f(q, kc, vc):
+        return attnx.attention_with_kvcache(q, kc, vc, 17, window=(4, None))
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, kc, vc)
+    torch.testing.assert_close(got, f(q, kc, vc))

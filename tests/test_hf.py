@@ -316,3 +316,29 @@ def test_bench_case_writes_tokens_per_second(tmp_path, monkeypatch):
     assert rows["forward", "attnx"]["tokens"] == 2 * 32 - 32 // 8  # the real tokens only
     with pytest.raises(SystemExit):
         cli.main(["--ops", "hf,sdpa", "--out", str(tmp_path)])
+
+
+def test_padded_forward_and_decoding_steps_compile_fullgraph():
+    """torch.compile(fullgraph=True) of a left-padded forward (its padding kept as a mask
+    whatever its values: a graph does not branch on them) and of cached one-token steps (the
+    CPU decoding kernel, its cache length an int), each as the uncompiled model gives."""
+    import copy
+
+    ids, mask = _inputs(length=9)
+    model = _model("llama")
+    model.set_attn_implementation("attnx")
+    torch._dynamo.reset()
+    forward = torch.compile(lambda i, m: model(input_ids=i, attention_mask=m).logits,
+                            fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(forward(ids, mask)[mask.bool()], want[mask.bool()])
+        step = torch.compile(lambda t, c: model(input_ids=t, past_key_values=c).logits,
+                             fullgraph=True, backend="aot_eager")
+        out = model(input_ids=ids[2:], use_cache=True)  # the unpadded row
+        cache, compiled_cache = out.past_key_values, copy.deepcopy(out.past_key_values)
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(2):
+            want = model(input_ids=token, past_key_values=cache).logits
+            torch.testing.assert_close(step(token, compiled_cache), want)
+            token = want[:, -1:].argmax(-1)

@@ -14,6 +14,7 @@ exactly as for "sdpa": correct, only not compact.
 
 from __future__ import annotations
 
+import torch
 from transformers import masking_utils as mu
 
 from .attention import CompactMask
@@ -108,4 +109,6 @@ def _padding(attention_mask, kv_length: int, kv_offset: int):
         return None
     padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
     padding = padding[:, kv_offset:kv_offset + kv_length]
+    if torch.compiler.is_compiling():  # a compiled graph does not branch on values: kept as is
+        return padding
     return None if bool(padding.all()) else padding
