@@ -158,6 +158,26 @@ def meta(args) -> dict:
     return doc
 
 
+def autotune_choices() -> list:
+    """What each attnx Triton autotuner picked on this GPU, per tuning key: rows of kind
+    "autotune" (kernel, key, the config's tiles, warps and stages), so that a run's results say
+    which tiles won, not only how fast they ran."""
+    import triton
+
+    from attnx.triton import additive, decode, sdpa
+    rows = []
+    for module in (sdpa, additive, decode):
+        for name, tuner in sorted(vars(module).items()):
+            if not isinstance(tuner, triton.runtime.Autotuner):
+                continue
+            kernel = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
+            for key, config in getattr(tuner, "cache", {}).items():
+                rows.append({"kind": "autotune", "kernel": kernel, "key": [str(k) for k in key],
+                             "config": {**config.kwargs, "num_warps": config.num_warps,
+                                        "num_stages": config.num_stages}})
+    return rows
+
+
 def line(row: dict) -> str:
     c = row["case"]
     what = (f"{c['dtype']:8} D{c['head_dim']:<4} L{c['seqlen_q']:<6} {'causal' if c['causal'] else '      '}"
@@ -248,6 +268,8 @@ def main(argv=None) -> int:
             f.flush()
         write(meta(args))
         end = run(items, _gpu_measure(args), write, args.deadline_s)
+        for row in autotune_choices():
+            write(row)
     print(table(read_jsonl(args.out)))
     if end["not_measured"]:
         print(f"out of time: {len(end['not_measured'])} measurements not taken")

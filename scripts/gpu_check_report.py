@@ -162,6 +162,7 @@ def bench_doc(rows: list):
         return None
     return {"meta": next((r for r in rows if r.get("kind") == "meta"), None),
             "results": [r for r in rows if r.get("kind") == "result"],
+            "autotune": [r for r in rows if r.get("kind") == "autotune"],
             "end": next((r for r in rows if r.get("kind") == "end"), None)}
 
 
@@ -197,6 +198,7 @@ def merge(docs: list) -> dict:
             "check": checks[-1] if checks else None,
             "bench": {"meta": benches[-1]["meta"],
                       "results": [r for b in benches for r in b["results"]],
+                      "autotune": [r for b in benches for r in b.get("autotune", [])],
                       "end": [b["end"] for b in benches]} if benches else None}
 
 

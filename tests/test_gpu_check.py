@@ -195,13 +195,15 @@ def _fake_run(tmp_path, name, check_passed=True, bench_rows=()):
 
 
 def test_finish_writes_one_document(tmp_path, no_machine):
-    rows = [{"kind": "meta", "gemm": {}}, {"kind": "result", "tflops": 1.0}]
+    rows = [{"kind": "meta", "gemm": {}}, {"kind": "result", "tflops": 1.0},
+            {"kind": "autotune", "kernel": "sdpa._dq_kernel", "key": [], "config": {}}]
     doc, out = _fake_run(tmp_path, "run", bench_rows=rows)
     assert json.loads((out / "gpu_check.json").read_text()) == doc
     assert doc["status"] == "failed" and doc["steps"][0]["status"] == "failed"
     assert doc["steps"][0]["summary"]["tests"]["failed"] == 1
     assert doc["check"]["results"] == [{"passed": True}]
-    assert doc["bench"]["meta"] == rows[0] and doc["bench"]["results"] == rows[1:]
+    assert doc["bench"]["meta"] == rows[0] and doc["bench"]["results"] == rows[1:2]
+    assert doc["bench"]["autotune"] == rows[2:]
     assert doc["bench"]["end"] is None  # the benchmark was stopped before its last line
     text = report.report(doc)
     assert "test_cuda" in text and "1 checks, 0 failed" in text
@@ -365,3 +367,16 @@ def test_varlen_providers_agree_on_the_cpu():
     cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
     got = attnx.varlen_attention(q, k, v, cu, cu, is_causal=True, backend="reference")
     torch.testing.assert_close(want, got, atol=1e-5, rtol=1e-5)
+
+
+def test_autotune_choices_name_each_kernel_key_and_config(monkeypatch):
+    """The bench's "autotune" rows: what each attnx Triton autotuner picked, per key."""
+    triton = pytest.importorskip("triton")
+    from attnx.triton import sdpa
+
+    chosen = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2)
+    monkeypatch.setattr(sdpa._dq_kernel, "cache", {(1024, "torch.bfloat16"): chosen})
+    rows = [r for r in bench.autotune_choices() if r["kernel"] == "sdpa._dq_kernel"]
+    assert rows == [{"kind": "autotune", "kernel": "sdpa._dq_kernel",
+                     "key": ["1024", "torch.bfloat16"],
+                     "config": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}}]
