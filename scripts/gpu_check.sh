@@ -18,7 +18,9 @@
 # says why), 1 otherwise, 2 for bad arguments.
 #
 # Steps: build errors test_cuda test_triton check memcheck racecheck bench (default: all, in
-# this order). Caps in seconds, overridable as GPU_CHECK_CAP_<step>=N: build 300, errors 200
+# this order). test_triton runs each kernel on the first config its pruning keeps
+# (ATTNX_TRITON_AUTOTUNE=0: tuning every test shape took the whole step on 2026-11-26;
+# test_triton_configs.py runs every config). Caps in seconds, overridable as GPU_CHECK_CAP_<step>=N: build 300, errors 200
 # (room for a rebuild), test_cuda 120, test_triton 240 (its autotuning dominates), check 90,
 # memcheck 120, racecheck 120, bench 600 (what is left).
 #
@@ -94,7 +96,7 @@ command_of() {
     build) echo "env ATTNX_CUDA=1 ATTNX_CUDA_ARCHS='$arch' MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace && $PY -c 'import attnx, sys; i = attnx._ops.build_info(); print(i); sys.exit(0 if i and i[\"cuda\"] else \"attnx._C was built without CUDA\")'" ;;
     errors) echo "$PY scripts/gpu_error_paths.py || { $(other_compilers) && echo 'a probe failed: rebuilding with /usr/bin/gcc and /usr/bin/g++' && CC=/usr/bin/gcc CXX=/usr/bin/g++ $(command_of build) && $PY scripts/gpu_error_paths.py; }" ;;
     test_cuda) echo "$tests $PY -m pytest tests/test_cuda.py tests/test_modifiers.py tests/test_varlen.py tests/test_kvcache.py -k cuda -v -rs -p no:cacheprovider$xdist" ;;
-    test_triton) echo "$tests $PY -m pytest tests/test_triton.py tests/test_triton_configs.py -v -rs -p no:cacheprovider$xdist" ;;
+    test_triton) echo "$tests ATTNX_TRITON_AUTOTUNE=0 $PY -m pytest tests/test_triton.py tests/test_triton_configs.py -v -rs -p no:cacheprovider$xdist" ;;
     check) echo "$PY -m attnx check --jobs $jobs --json $scratch/check.json" ;;
     memcheck) echo "$(sanitized memcheck PYTORCH_NO_CUDA_MEMORY_CACHING=1)" ;;
     racecheck) echo "$(sanitized racecheck)" ;;

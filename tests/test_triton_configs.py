@@ -129,3 +129,11 @@ def test_sm90_keeps_the_wide_backward_tiles_its_compiles_fit(monkeypatch):
     assert wide_dq in _kept("dq", 90, monkeypatch, mask_kind=1)
     # the register rule's own configs stay
     assert (16, 64, 8, 2) in _kept("dkdv", 90, monkeypatch)
+
+
+def test_autotune_off_keeps_the_first_config(monkeypatch):
+    """ATTNX_TRITON_AUTOTUNE=0 (scripts/gpu_check.sh's test step): one config, nothing to tune."""
+    every = _kept("dq", 90, monkeypatch)
+    monkeypatch.setenv("ATTNX_TRITON_AUTOTUNE", "0")
+    first = _kept("dq", 90, monkeypatch)
+    assert len(every) > 1 and len(first) == 1 and first <= every

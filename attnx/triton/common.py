@@ -260,7 +260,10 @@ def pruner(tiles, compiled_fits=None):
                    kwargs.get("BLOCK_DV", 0) + kwargs.get("BLOCK_DV2", 0))
         if wide > 128 or not kept:
             kept = fit
-        return kept or [min(configs_, key=lambda c: needs(c, named_args, **kwargs))]
+        kept = kept or [min(configs_, key=lambda c: needs(c, named_args, **kwargs))]
+        # ATTNX_TRITON_AUTOTUNE=0: the first config kept, no tuning (scripts/gpu_check.sh's test
+        # step, where tuning every test's shape took the step's whole time; speed is the bench's)
+        return kept[:1] if os.environ.get("ATTNX_TRITON_AUTOTUNE") == "0" else kept
 
     prune.needs = needs
     return prune
