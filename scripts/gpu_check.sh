@@ -18,11 +18,11 @@
 # says why), 1 otherwise, 2 for bad arguments.
 #
 # Steps: build errors test_cuda test_triton check memcheck racecheck bench (default: all, in
-# this order). test_triton runs each kernel on the first config its pruning keeps
+# this order). Caps in seconds, overridable as GPU_CHECK_CAP_<step>=N: build 300, errors 200
+# (room for a rebuild), test_cuda 120, test_triton 240, check 90, memcheck 120, racecheck 120,
+# bench 600 (what is left). test_triton runs each kernel on the first config its pruning keeps
 # (ATTNX_TRITON_AUTOTUNE=0: tuning every test shape took the whole step on 2026-11-26;
-# test_triton_configs.py runs every config). Caps in seconds, overridable as GPU_CHECK_CAP_<step>=N: build 300, errors 200
-# (room for a rebuild), test_cuda 120, test_triton 240 (its autotuning dominates), check 90,
-# memcheck 120, racecheck 120, bench 600 (what is left).
+# test_triton_configs.py runs every config).
 #
 # The test steps run under pytest-xdist where installed (the device image has it), with
 # CUDA_LAUNCH_BLOCKING=1 (a faulting kernel fails its own test) and tracebacks printed as

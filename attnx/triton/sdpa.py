@@ -100,9 +100,18 @@ def _dq_tiles(m):
 # 32 there: 16- and 32-wide wgmma products. dK/dV's loop over a GQA group's query heads spills
 # in these tiles (there _gqa_split gives each program one head); its widest tile per head block
 # (32 x 128 at 128, 64 x 64 at 64) spills with masks, dropout and modifiers together.
+def _wide_tiles_apply(arch: int, element_size: int, head: int) -> bool:
+    """Where the tables below hold: sm_90, fp16/bf16, the wider head (or its blocks) <= 128."""
+    return arch == 90 and element_size == 2 and head <= 128
+
+
+def _head(m) -> int:
+    """The wider of a config's head-dim blocks (both chunks)."""
+    return max(m["BLOCK_D"] + m["BLOCK_D2"], m["BLOCK_DV"] + m["BLOCK_DV2"])
+
+
 def _sm90_half(m, arch) -> bool:
-    wide = max(m["BLOCK_D"] + m["BLOCK_D2"], m["BLOCK_DV"] + m["BLOCK_DV2"])
-    return arch == 90 and m["Q"].element_size() == 2 and wide <= 128
+    return _wide_tiles_apply(arch, m["Q"].element_size(), _head(m))
 
 
 def _shape(m) -> tuple:
@@ -112,7 +121,7 @@ def _shape(m) -> tuple:
 def _dkdv_sm90_fits(m, arch) -> bool:
     if not _sm90_half(m, arch) or m["PER"] > 1:
         return False
-    if max(m["BLOCK_D"] + m["BLOCK_D2"], m["BLOCK_DV"] + m["BLOCK_DV2"]) <= 64:
+    if _head(m) <= 64:
         every_flag, plain_only = (32, 128, 8, 3), (64, 64, 8, 3)
     else:
         every_flag, plain_only = (32, 64, 8, 3), (32, 128, 8, 3)
@@ -907,8 +916,8 @@ def _one_head_per_program(q, e: int, ev: int) -> bool:
     tiles apply (sm_90, fp16/bf16, head dims up to 128), which the loop over a group's heads
     spills. The fp32 partial sums then cost a write and a read of B x Hq x Lk x (E + Ev)
     floats."""
-    return (q.element_size() == 2 and max(e, ev) <= 128 and not common.interpreting()
-            and common.target_arch() == 90)
+    return (not common.interpreting()
+            and _wide_tiles_apply(common.target_arch(), q.element_size(), max(e, ev)))
 
 
 def _gqa_split(groups: int, lk: int, kv_heads: int, one_head: bool = False) -> int:
