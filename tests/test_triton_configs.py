@@ -9,7 +9,9 @@ up to 128, BLOCK_M != BLOCK_N) had never been executed when the first GPU sessio
 on shapes that cross the configs' block edges (Lk = 1, lengths off every block size, a GQA
 float mask under a window). Under the interpreter every load and store is bounds-checked
 (tests/_triton_memcheck.py); on a GPU (scripts/gpu_check.sh, CUDA_LAUNCH_BLOCKING=1) a config
-that faults fails its own case, and one that does not fit the device's shared memory skips.
+that faults fails its own case, and one that does not fit the device's shared memory skips, as
+does one the pruning never runs for its dtype (common.warps_fit: fp32 over 8 warps and fewer
+than 128 rows, which faulted or miscomputed on an H200).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ KERNELS = {  # name: (autotuned kernel, its GPU configs' (BLOCK_M, BLOCK_N, warp
     "dkdv": (ts._dkdv_kernel, ts._DKDV_SHAPES),
     "dq": (ts._dq_kernel, ts._DQ_SHAPES),
 }
+ROWS_AT = {"fwd": 0, "sums": 0, "dkdv": 1, "dq": 0}  # the config's block of accumulator rows
 SMALLEST = common.gpu_configs([(16, 16, 4, 1)])
 
 # (dtype, B, Hq, Hkv, Lq, Lk, E, Ev, extra check_sdpa arguments): the first two are the shapes
@@ -63,6 +66,8 @@ def pinned(monkeypatch):
 @pytest.mark.parametrize("kernel,config,shape", list(_cases()))
 def test_every_config_matches_the_reference(pinned, kernel, config, shape):
     dtype, b, hq, hkv, lq, lk, e, ev, extra = SHAPES[shape]
+    if not common.warps_fit(dtype.itemsize, config[2], config[ROWS_AT[kernel]]):
+        pytest.skip("the pruning never runs it for this dtype (common.warps_fit)")
     pinned(kernel, config)
     try:
         check_sdpa(dtype, b, hq, hkv, lq, lk, e, ev, **extra)
@@ -91,10 +96,15 @@ def test_the_interpreter_memcheck_catches_an_access_past_a_tensor():
 
 
 def _kept(kernel, arch, monkeypatch, dtype=torch.bfloat16, head=128, groups=1, per=1,
-          mask_kind=0):
+          mask_kind=0, autotune=True):
     """The (BLOCK_M, BLOCK_N, warps, stages) the autotuner's pruning keeps for a call on sm_<arch>
-    (its shared memory and arch), of every GPU config."""
+    (its shared memory and arch), of every GPU config; ATTNX_TRITON_AUTOTUNE=0 unless
+    `autotune` (whatever the environment: gpu_check.sh's test step sets it)."""
     auto, shapes = KERNELS[kernel]
+    if autotune:
+        monkeypatch.delenv("ATTNX_TRITON_AUTOTUNE", raising=False)
+    else:
+        monkeypatch.setenv("ATTNX_TRITON_AUTOTUNE", "0")
     monkeypatch.setattr(common, "shared_memory_limit", lambda: {80: 166912, 90: 232448}[arch])
     monkeypatch.setattr(common, "target_arch", lambda: arch)
     q = torch.empty(1, dtype=dtype)
@@ -131,9 +141,23 @@ def test_sm90_keeps_the_wide_backward_tiles_its_compiles_fit(monkeypatch):
     assert (16, 64, 8, 2) in _kept("dkdv", 90, monkeypatch)
 
 
+@pytest.mark.parametrize("arch", [80, 90])
+def test_fp32_keeps_eight_warps_only_over_128_rows(monkeypatch, arch):
+    """fp32's 8-warp configs over fewer than 128 accumulator rows (dK/dV: keys; dQ and the
+    forward: queries) faulted or miscomputed on an H200 (common.pruner's fp32_warps_fit); the
+    4-warp configs and the 128-row 8-warp ones stay."""
+    for kernel, rows_at in ROWS_AT.items():
+        for head in (16, 64):
+            kept = _kept(kernel, arch, monkeypatch, dtype=torch.float32, head=head)
+            assert kept and all(c[2] <= 4 or c[rows_at] >= 128 for c in kept), (kernel, head, kept)
+            assert any(c[2] == 4 for c in kept), (kernel, head, kept)
+    assert (32, 128, 8, 3) in _kept("dkdv", arch, monkeypatch, dtype=torch.float32, head=16)
+    half = _kept("dkdv", arch, monkeypatch, dtype=torch.float16, head=64)
+    assert any(c[2] == 8 and c[1] < 128 for c in half)  # 16-bit inputs keep them
+
+
 def test_autotune_off_keeps_the_first_config(monkeypatch):
     """ATTNX_TRITON_AUTOTUNE=0 (scripts/gpu_check.sh's test step): one config, nothing to tune."""
     every = _kept("dq", 90, monkeypatch)
-    monkeypatch.setenv("ATTNX_TRITON_AUTOTUNE", "0")
-    first = _kept("dq", 90, monkeypatch)
+    first = _kept("dq", 90, monkeypatch, autotune=False)
     assert len(every) > 1 and len(first) == 1 and first <= every

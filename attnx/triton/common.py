@@ -211,13 +211,25 @@ def _device_sms(device: int) -> int:
 REGISTER_WORDS = 128
 
 
+def warps_fit(element_size: int, num_warps: int, rows: int) -> bool:
+    """Whether a config's warps suit its accumulator's `rows` (what a program owns).
+
+    fp32 (tf32x3 products) over two warpgroups (8 warps) needs 128 rows, 16 a warp: with fewer,
+    Triton splits the warps along the head dim, and on sm_90 such backward configs faulted
+    (illegal address) or miscomputed dK (H200, Triton 3.6, 2026-11-26: dK/dV over 16-64 queries
+    x 64 keys and dQ over 64 x 32/64 with 8 warps; every 4-warp config and the 128-row 8-warp
+    ones passed). Held for every kernel and arch: fp32 is not where speed is."""
+    return element_size != 4 or num_warps <= 4 or num_warps * 16 <= rows
+
+
 def pruner(tiles, compiled_fits=None):
     """The autotuner's early_config_prune for a kernel whose config `tiles(meta)` describes (meta:
     the config's BLOCK_M, BLOCK_N with the launch's arguments) as a dict of element counts:
     `staged` (tiles each pipeline stage buffers in shared memory; `mask`, the mask's tile, in its
     own dtype), `resident` (operand tiles of
-    tl.dot staged once), `acc` (fp32 tiles in registers: accumulators, scores) and `held`
-    (input-dtype tiles kept in registers).
+    tl.dot staged once), `acc` (fp32 tiles in registers: accumulators, scores), `held`
+    (input-dtype tiles kept in registers) and `rows` (the accumulator's rows: what the program
+    owns).
 
     Shared memory, in bytes of Q's dtype: (num_stages + 1) * staged + resident, the resident
     tiles twice in fp32, where tf32x3 splits each operand in two; it must fit the device. Registers:
@@ -247,9 +259,14 @@ def pruner(tiles, compiled_fits=None):
                 "num_stages": config.num_stages}
         return compiled_fits is not None and compiled_fits(meta, target_arch())
 
+    def warps_ok(config, named_args, **kwargs) -> bool:
+        rows = tiles({**named_args, **kwargs, **config.kwargs})["rows"]
+        return warps_fit(named_args["Q"].element_size(), config.num_warps, rows)
+
     def prune(configs_, named_args, **kwargs):
         limit = shared_memory_limit()
-        fit = [c for c in configs_ if needs(c, named_args, **kwargs) <= limit]
+        fit = [c for c in configs_ if needs(c, named_args, **kwargs) <= limit
+               and warps_ok(c, named_args, **kwargs)]
         kept = [c for c in fit if words(c, named_args, **kwargs) <= REGISTER_WORDS
                 or compiled(c, named_args, **kwargs)]
         # Heads over 128 wide spill in every config but the smallest tiles: there the autotuner

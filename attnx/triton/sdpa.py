@@ -58,7 +58,7 @@ def _fwd_tiles(m):
     d, dv = m["BLOCK_D"] + m["BLOCK_D2"], m["BLOCK_DV"] + m["BLOCK_DV2"]
     tiles = 1 + m["MASK_KIND"] + bool(m["DROPOUT"]) + bool(m["VARLEN"])  # float mask: 2
     return dict(staged=n * (d + dv), mask=mm * n, resident=mm * (d + n), acc=mm * (dv + tiles * n),
-                held=mm * d)
+                held=mm * d, rows=mm)
 
 
 def _prep_tiles(m):
@@ -66,7 +66,7 @@ def _prep_tiles(m):
     rows fp32 in registers, q held."""
     mm, n, d, dv = m["BLOCK_M"], m["BLOCK_N"], m["BLOCK_D"], m["BLOCK_DV"]
     return dict(staged=n * d, mask=mm * n, resident=mm * (d + n), acc=mm * (n + 2 * dv),
-                held=mm * d)
+                held=mm * d, rows=mm)
 
 
 def _dkdv_tiles(m):
@@ -80,7 +80,7 @@ def _dkdv_tiles(m):
     d, dv = m["BLOCK_D"] + m["BLOCK_D2"], m["BLOCK_DV"] + m["BLOCK_DV2"]
     tiles = 6 + 4 * bool(m["DROPOUT"]) + (0, 1, 3)[m["MASK_KIND"]] + 5 * (m["GROUPS"] > 1)
     return dict(staged=mm * (d + dv), mask=mm * n, resident=n * (d + dv + 2 * mm),
-                acc=n * (d + dv) + tiles * mm * n, held=n * (d + dv))
+                acc=n * (d + dv) + tiles * mm * n, held=n * (d + dv), rows=n)
 
 
 def _dq_tiles(m):
@@ -90,7 +90,7 @@ def _dq_tiles(m):
     mm, n = m["BLOCK_M"], m["BLOCK_N"]
     d, dv = m["BLOCK_D"] + m["BLOCK_D2"], m["BLOCK_DV"] + m["BLOCK_DV2"]
     return dict(staged=n * (d + dv), mask=mm * n, resident=mm * (d + dv + n),
-                acc=mm * d + 7 * mm * n, held=mm * (d + dv))
+                acc=mm * d + 7 * mm * n, held=mm * (d + dv), rows=mm)
 
 
 # Configs over the register rule that compile without spills on sm_90, for fp16/bf16 head blocks
