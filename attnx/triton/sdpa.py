@@ -99,7 +99,8 @@ def _dq_tiles(m):
 # in registers where wgmma reads them from shared memory, and kept dK/dV 16 queries and dQ 64 x
 # 32 there: 16- and 32-wide wgmma products. dK/dV's loop over a GQA group's query heads spills
 # in these tiles (there _gqa_split gives each program one head); its widest tile per head block
-# (32 x 128 at 128, 64 x 64 at 64) spills with masks, dropout and modifiers together.
+# (32 x 128 at 128, 64 x 64 and 64 x 128 at 64) spills with masks, dropout and modifiers
+# together.
 def _wide_tiles_apply(arch: int, element_size: int, head: int) -> bool:
     """Where the tables below hold: sm_90, fp16/bf16, the wider head (or its blocks) <= 128."""
     return arch == 90 and element_size == 2 and head <= 128
@@ -122,11 +123,11 @@ def _dkdv_sm90_fits(m, arch) -> bool:
     if not _sm90_half(m, arch) or m["PER"] > 1:
         return False
     if _head(m) <= 64:
-        every_flag, plain_only = (32, 128, 8, 3), (64, 64, 8, 3)
+        every_flag, plain_only = (32, 128, 8, 3), ((64, 64, 8, 3), (64, 128, 8, 3))
     else:
-        every_flag, plain_only = (32, 64, 8, 3), (32, 128, 8, 3)
+        every_flag, plain_only = (32, 64, 8, 3), ((32, 128, 8, 3),)
     plain = not (m["MASK_KIND"] or m["DROPOUT"] or m["SOFTCAP"] or m["ALIBI"])
-    return _shape(m) == every_flag or (plain and _shape(m) == plain_only)
+    return _shape(m) == every_flag or (plain and _shape(m) in plain_only)
 
 
 def _dq_sm90_fits(m, arch) -> bool:
