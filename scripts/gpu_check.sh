@@ -17,12 +17,15 @@
 # measured. Exit status 0 when every step passed (or there is no GPU: nothing is run, the JSON
 # says why), 1 otherwise, 2 for bad arguments.
 #
-# Steps: build errors test_cuda test_triton check memcheck racecheck bench (default: all, in
-# this order). Caps in seconds, overridable as GPU_CHECK_CAP_<step>=N: build 300, errors 200
-# (room for a rebuild), test_cuda 120, test_triton 240, check 90, memcheck 120, racecheck 120,
-# bench 600 (what is left). test_triton runs each kernel on the first config its pruning keeps
-# (ATTNX_TRITON_AUTOTUNE=0: tuning every test shape took the whole step on 2026-11-26;
-# test_triton_configs.py runs every config).
+# Steps: build errors test_cuda test_triton check memcheck racecheck bench (default: these, in
+# this order), and cpu (only when named: the CPU targets on the machine's host CPU, two cores
+# pinned as on the development machines; the device machines' host has been the Intel Xeon of
+# issue 20, family 6 model 207, which the development machines rarely are). Caps in seconds,
+# overridable as GPU_CHECK_CAP_<step>=N: build 300, errors 200 (room for a rebuild), test_cuda
+# 120, test_triton 240, check 90, memcheck 120, racecheck 120, bench 600 (what is left), cpu
+# 120 (the --quick targets: about 30 s on two cores). test_triton runs each kernel on the first
+# config its pruning keeps (ATTNX_TRITON_AUTOTUNE=0: tuning every test shape took the whole step
+# on 2026-11-26; test_triton_configs.py runs every config).
 #
 # The test steps run under pytest-xdist where installed (the device image has it), with
 # CUDA_LAUNCH_BLOCKING=1 (a faulting kernel fails its own test) and tracebacks printed as
@@ -53,11 +56,12 @@
 set -uo pipefail
 
 usage() { sed -n '2p' "$0" | sed 's/^# //' >&2; exit 2; }
-ALL_STEPS="build,errors,test_cuda,test_triton,check,memcheck,racecheck,bench"
+DEFAULT_STEPS="build,errors,test_cuda,test_triton,check,memcheck,racecheck,bench"
+ALL_STEPS="$DEFAULT_STEPS,cpu"
 declare -A CAP=([build]=300 [errors]=200 [test_cuda]=120 [test_triton]=240 [check]=90 [memcheck]=120
-                [racecheck]=120 [bench]=600)
+                [racecheck]=120 [bench]=600 [cpu]=120)
 
-outdir="" steps="$ALL_STEPS" budget=570 dry_run=0 force=0
+outdir="" steps="$DEFAULT_STEPS" budget=570 dry_run=0 force=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) [ $# -ge 2 ] || usage; steps="$2"; shift 2 ;;
@@ -100,6 +104,7 @@ command_of() {
     check) echo "$PY -m attnx check --jobs $jobs --json $scratch/check.json" ;;
     memcheck) echo "$(sanitized memcheck PYTORCH_NO_CUDA_MEMORY_CACHING=1)" ;;
     racecheck) echo "$(sanitized racecheck)" ;;
+    cpu) echo "lscpu | grep -m1 'Model name'; taskset -c 0,1 env OMP_NUM_THREADS=2 $PY benchmarks/cpu_sdpa_targets.py --quick --out $outdir/cpu_sdpa_targets.json && taskset -c 0,1 env OMP_NUM_THREADS=2 $PY benchmarks/cpu_decode_targets.py --quick --threads 2 --out $outdir/cpu_decode_targets.json" ;;
     bench) echo "timeout 90 $PY benchmarks/gpu_additive_targets.py --repeats 5 --out $outdir/gpu_additive_targets.json; $PY benchmarks/gpu.py --out $scratch/bench.jsonl --deadline-s \$(( \$DEADLINE - 90 ))" ;;
   esac
 }

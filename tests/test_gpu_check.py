@@ -84,6 +84,11 @@ def test_dry_run_lists_every_step_and_writes_nothing(tmp_path):
     assert "tests/test_cuda.py" in res.stdout and "compute-sanitizer --tool racecheck" in res.stdout
     assert "tests/test_triton_configs.py" in res.stdout and "CUDA_LAUNCH_BLOCKING=1" in res.stdout
     assert not out.exists()
+    # the host CPU's targets only when named (device time goes to the GPU first)
+    assert not any(line.split()[:1] == ["cpu"] for line in res.stdout.splitlines())
+    named = _script(str(out), "--dry-run", "--steps", "build,cpu").stdout
+    (cpu,) = [line for line in named.splitlines() if line.split()[:3] == ["cpu", "cap", "120"]]
+    assert "taskset -c 0,1" in cpu and "cpu_sdpa_targets.py" in cpu and "cpu_decode_targets.py" in cpu
 
 
 @pytest.mark.parametrize("args,message", [
