@@ -52,16 +52,22 @@ def _inputs(hq, hk, length, e, ev, dtype, seed=0):
 
 
 def ring_matches(layout, is_causal=False, window=None, hq=4, hk=2, per_rank=4, e=5, ev=7,
-                 dtype=torch.float32, backend=None, scale=None, huge_lse=False, softcap=None):
+                 dtype=torch.float32, backend=None, scale=None, huge_lse=False, softcap=None,
+                 overflow=False):
     """out, lse, dq, dk, dv of ring_attention on this rank's shard == the single-process op on
     the full sequence, sliced; the loss reads the lse too, so its gradient is checked.
     `huge_lse`: every key shares a large first coordinate, which shifts each row's scores by
-    a constant in the hundreds (|lse| > 256) and leaves its softmax as spread as before."""
+    a constant in the hundreds (|lse| > 256) and leaves its softmax as spread as before.
+    `overflow`: finite inputs whose scores pass float32's range on some rows (one query row and
+    two keys of +-3e19 in one coordinate), on the last rank's shard and the first's."""
     world = dist.get_world_size()
     q, k, v, dout, dlse = _inputs(hq, hk, per_rank * world, e, ev, dtype)
     if huge_lse:
         q[..., 0] = 10.0
         k[..., 0] += 100.0
+    if overflow:
+        q[0, 0, -2, 0] = 3e19
+        k[0, 0, 1, 0], k[0, 0, -1, 0] = 3e19, -3e19
 
     def single(inputs, backend):
         full = [t.clone().requires_grad_() for t in inputs]
@@ -81,7 +87,8 @@ def ring_matches(layout, is_causal=False, window=None, hq=4, hk=2, per_rank=4, e
                                   layout=layout, softcap=softcap, backend=backend,
                                   return_lse=True)
     ((out_l * cut(dout)).sum() + (lse_l * cut(dlse, -1)).sum()).backward()
-    assert lse_l.dtype == torch.float32
+    assert lse_l.dtype == torch.float32 and out_l.dtype == dtype
+    assert not any(t.isnan().any() for t in (out_l, lse_l, *(x.grad for x in local)))
     what = (f"rank {dist.get_rank()}/{world} {layout} causal={is_causal} window={window} "
             f"softcap={softcap}")
     if dtype == torch.bfloat16:  # as flash-attention tests: against float64, bounded by

@@ -69,6 +69,10 @@ def test_gloo_world(world):
             # scores in the hundreds: |lse| > 256, where the kernels' backward renormalizes a
             # row by its own sum (csrc/cpu/huge_lse.h), which a block of the ring is not
             ("ring_matches", dict(layout="zigzag", is_causal=True, dtype=F64, huge_lse=True)),
+            # float32 scores past 3.4e38 from finite inputs: the whole ring in float64
+            ("ring_matches", dict(layout="zigzag", overflow=True)),
+            ("ring_matches", dict(layout="contiguous", is_causal=True, overflow=True,
+                                  backend="cpu")),
             # soft-capping on the cpu kernels (forced: no fallback to the reference), GQA
             ("ring_matches", dict(layout="zigzag", is_causal=True, softcap=1.5, backend="cpu")),
             ("ring_matches", dict(layout="contiguous", is_causal=True, softcap=1.5,
@@ -99,6 +103,25 @@ def test_gloo_world(world):
 
 def test_a_rank_that_dies_leaves_the_others_raising_not_hanging():
     _spawn(2, [("peer_dies_mid_ring", dict(timeout_s=10))], timeout_s=10)
+
+
+def test_only_scores_that_may_overflow_float32_take_the_float64_ring():
+    """ring._scores_may_overflow: scale * E * max|q| * max|k| past 2^100 (the ring_matches
+    `overflow` cases run it); ordinary, large and float64 inputs stay as they are."""
+    from attnx import _validate
+    from attnx.distributed.ring import _extremes, _scores_may_overflow
+
+    def may(q_max, k_max, dtype=torch.float32, softcap=None, e=64):
+        q = torch.zeros(1, 1, 2, e, dtype=dtype)
+        call = _validate.sdpa_call(q, q, q, None, 0.0, False, None, True, None, None, True,
+                                   softcap=softcap)
+        return _scores_may_overflow(call, q_max, k_max)
+
+    assert not may(10.0, 10.0) and not may(1e12, 1e12)
+    assert may(3e19, 3e19) and may(3e19, 3e19, torch.bfloat16) and may(float("inf"), 1.0)
+    assert not may(3e19, 3e19, torch.float64) and not may(3e19, 3e19, softcap=5.0)
+    assert _extremes(torch.tensor([[1.0, -4.0]]), torch.tensor([[2.0]])) == (4.0, 2.0)
+    assert _extremes(torch.empty(0, 3), torch.ones(2, 3)) == (0.0, 0.0)
 
 
 def test_merge_matches_attention_over_the_union_and_keeps_empty_rows_zero():

@@ -92,15 +92,19 @@ def _device(group) -> torch.device:
 
 
 def agree(spec: Optional[Spec], error: Optional[Exception], rank: int, world: int,
-          group) -> None:
-    """Raise on every rank if any rank's input was rejected or the ranks' calls differ."""
+          group, extremes: tuple = ()) -> tuple:
+    """Raise on every rank if any rank's input was rejected or the ranks' calls differ; else
+    the largest of each of this rank's `extremes` (floats >= 0) over the ranks, carried in
+    the same all-gather."""
     n = len(fields(Spec))
-    table = _table([0, *astuple(spec)] if error is None else [1] + [0] * n, world, group)
+    row = [0, *astuple(spec)] if error is None else [1] + [0] * n
+    table = _table(row + [_bits(float(x)) for x in extremes], world, group)
     _raise_rejected("ring_attention", table, error, rank)
     for i, field in enumerate(fields(Spec), start=1):
         values = [row[i] for row in table]
         if len(set(values)) > 1:
             raise ValueError(_mismatch(field.name, values))
+    return tuple(max(_from_bits(row[1 + n + i]) for row in table) for i in range(len(extremes)))
 
 
 def _table(row: list, world: int, group) -> list:

@@ -215,6 +215,30 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+# Scores whose magnitude may pass this run the whole ring in float64: a block's float32 lse past
+# 3.4e38 would be inf (its kernel reruns its scores in float64, but returns lse in float32) and
+# the merge then NaN. scale * E * max|q| * max|k| bounds every |score| (Cauchy-Schwarz, with
+# |x|_2 <= sqrt(E) max|x|), the maxima taken over every rank in the call's agreement; a bound
+# under 2^100 leaves every lse and merge weight far inside float32.
+_F32_SCORE_BOUND = 2.0 ** 100
+
+
+def _extremes(q: torch.Tensor, k: torch.Tensor) -> tuple:
+    """(max|q|, max|k|) of this rank's shards: no copy of them, one device-to-host read."""
+    if not q.numel() or not k.numel():  # no scores
+        return 0.0, 0.0
+    return tuple(torch.stack([torch.linalg.vector_norm(t.detach(), float("inf")).double()
+                              for t in (q, k)]).tolist())
+
+
+def _scores_may_overflow(call, q_max: float, k_max: float) -> bool:
+    """Whether the float32 accumulation (float32, bfloat16 and float16 inputs) might overflow
+    a score; a soft cap bounds them by the cap (tanh of an overflowed score is still 1)."""
+    if call.q.dtype == torch.float64 or call.mods.softcap is not None:
+        return False
+    return abs(call.scale) * call.q.shape[-1] * q_max * k_max > _F32_SCORE_BOUND
+
+
 def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="zigzag",
                    window=None, softcap=None, backend=None, return_lse=False):
     """Attention of this rank's shard of the queries to the whole sequence, whose K/V shards
@@ -232,10 +256,10 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
         # the call (softcap included) with its lse serves every block of it.
         name = _dispatch.select("sdpa", call)
         spec = checks.local_spec(call, world, is_causal, window, layout, name)
-        error = None
+        extremes, error = _extremes(call.q, call.k), None
     except (TypeError, ValueError) as exc:  # told to every rank before this one raises it
-        spec, error = None, exc
-    checks.agree(spec, error, rank, world, group)
+        spec, extremes, error = None, (0.0, 0.0), exc
+    q_max, k_max = checks.agree(spec, error, rank, world, group, extremes)
     if spec.batch == 0 or spec.heads_q == 0:  # nothing to attend: no ring (it divides by heads)
         shape = call.q.shape[:-1] + (call.v.shape[-1],)
         anchor = (call.q.sum() + call.k.sum() + call.v.sum()) * 0  # keeps the inputs' graph
@@ -243,10 +267,16 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
         lse = call.q.new_full(shape[:-1], float("-inf"), dtype=torch.float32) + anchor.float()
         out = out.reshape(call.prefix + tuple(out.shape[-2:]))
         return (out, lse.reshape(call.prefix + (lse.shape[-1],))) if return_lse else out
+    qf, kf, vf = (t.contiguous() for t in (call.q, call.k, call.v))
+    if _scores_may_overflow(call, q_max, k_max):  # the same answer on every rank
+        qf, kf, vf = (t.to(torch.float64) for t in (qf, kf, vf))
+        name = _dispatch.select("sdpa", _validate.sdpa_call(
+            qf, kf, vf, None, 0.0, False, call.scale, True, None, None, call.return_lse,
+            softcap=softcap))
     ring = _Ring(group, rank, world, spec.local_len, spec.layout, spec.lo, spec.hi, call.scale,
                  blocks.kernels(name, spec.softcap))
-    qf, kf, vf = (t.contiguous() for t in (call.q, call.k, call.v))
     out, lse = _RingAttention.apply(qf, kf, vf, ring)
+    out = out.to(call.q.dtype)
     out = out.reshape(call.prefix + tuple(out.shape[-2:]))
     if not return_lse:
         return out
