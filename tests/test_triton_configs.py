@@ -147,7 +147,7 @@ def test_sm90_keeps_the_wide_backward_tiles_its_compiles_fit(monkeypatch):
 @pytest.mark.parametrize("arch", [80, 90])
 def test_fp32_keeps_eight_warps_only_over_128_rows(monkeypatch, arch):
     """fp32's 8-warp configs over fewer than 128 accumulator rows (dK/dV: keys; dQ and the
-    forward: queries) faulted or miscomputed on an H200 (common.pruner's fp32_warps_fit); the
+    forward: queries) faulted or miscomputed on an H200 (common.warps_fit); the
     4-warp configs and the 128-row 8-warp ones stay."""
     for kernel, rows_at in ROWS_AT.items():
         for head in (16, 64):

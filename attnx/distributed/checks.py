@@ -97,8 +97,8 @@ def agree(spec: Optional[Spec], error: Optional[Exception], rank: int, world: in
     the largest of each of this rank's `extremes` (floats >= 0) over the ranks, carried in
     the same all-gather."""
     n = len(fields(Spec))
-    row = [0, *astuple(spec)] if error is None else [1] + [0] * n
-    table = _table(row + [_bits(float(x)) for x in extremes], world, group)
+    mine = [0, *astuple(spec)] if error is None else [1] + [0] * n
+    table = _table(mine + [_bits(float(x)) for x in extremes], world, group)
     _raise_rejected("ring_attention", table, error, rank)
     for i, field in enumerate(fields(Spec), start=1):
         values = [row[i] for row in table]
