@@ -310,6 +310,30 @@ def test_sdpa_deterministic_forward():
                for _ in range(gpu_or_cpu(5, 2)))
 
 
+@pytest.mark.skipif(not ON_CPU, reason="a GPU launches the variant of its own arch")
+@pytest.mark.parametrize("e,masked,kw", [(32, False, {}), (64, True, {}),
+                                         (96, False, {"dropout_p": 0.2}),
+                                         (128, False, {"is_causal": True})])
+def test_sdpa_forward_below_sm90(e, masked, kw):
+    """Below sm_90 the forward runs one 16-row tile a warp (8 warps) up to D = 128, where sm_90
+    and the other tests here run two (4 warps; sdpa_fwd.cuh row_tiles): the harness stands for
+    an sm_80 device in this test (set_sm90)."""
+    from attnx import _cuda_host as host
+    torch.manual_seed(27)
+    lq, lk = 97, 113
+    q, k, v = (rand(1, 2, n, e, dtype=torch.bfloat16) for n in (lq, lk, lk))
+    mask = torch.rand(1, 2, lq, lk, device=DEV) > 0.3 if masked else None
+    host.set_sm90(False)
+    try:
+        attnx.scaled_dot_product_attention(q, k, v, mask, backend="cuda", **kw)
+        assert host.last_launch_threads() == 256  # 8 warps of one row tile
+        check_sdpa(q, k, v, mask, seed=5, **kw)
+    finally:
+        host.set_sm90(True)
+    attnx.scaled_dot_product_attention(q, k, v, mask, backend="cuda", **kw)
+    assert host.last_launch_threads() == 128  # sm_90: 4 warps of two
+
+
 def test_sdpa_opcheck():
     torch.manual_seed(12)
     q = rand(1, 2, 33, 64, dtype=torch.float16)

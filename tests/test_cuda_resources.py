@@ -47,9 +47,15 @@ SDPA_BWD_FAMILIES = SDPA_FWD_FAMILIES  # csrc/cuda/launch.h kSdpaBwdFamilies, al
 # Every kernel csrc/cuda/ compiles, each with the dynamic shared memory its launch requests
 # (op None: none). The SDPA kernels come plain and with the score modifiers (kMods: ", mods").
 SDPA_VARIANTS = {"0": "", "1": ", mods"}
-KERNELS = {f"{op}<{dt}, {d}{mods}>": (op, d)
-           for op, families in (("sdpa_fwd", SDPA_FWD_FAMILIES), ("sdpa_bwd", SDPA_BWD_FAMILIES))
-           for dt in DTYPES.values() for d in families for mods in SDPA_VARIANTS.values()}
+# The forward comes with 1 and 2 m16 row tiles a warp up to D = 128 (", MT=2"): each arch's code
+# holds the one its devices launch, the other is a stub (sdpa_fwd.cuh row_tiles).
+FWD_ROW_TILES = {d: (1, 2) if d <= 128 else (1,) for d in SDPA_FWD_FAMILIES}
+KERNELS = {f"sdpa_fwd<{dt}, {d}{mods}, MT={mt}>": ("sdpa_fwd", d)
+           for dt in DTYPES.values() for d in SDPA_FWD_FAMILIES for mods in SDPA_VARIANTS.values()
+           for mt in FWD_ROW_TILES[d]}
+KERNELS.update({f"sdpa_bwd<{dt}, {d}{mods}>": ("sdpa_bwd", d)
+                for dt in DTYPES.values() for d in SDPA_BWD_FAMILIES
+                for mods in SDPA_VARIANTS.values()})
 KERNELS.update({f"sdpa_bwd_delta<{dt}>": (None, 0) for dt in DTYPES.values()})
 KERNELS.update({f"additive_{op}<{dt}>": ("additive", cuda_backend.MAX_ADDITIVE_VALUE_DIM)
                 for op in ("fwd", "bwd") for dt in DTYPES.values()})
@@ -62,7 +68,8 @@ KERNELS.update({f"kvcache_split<{dt}, {nc}{mods}>": ("kvcache", cuda_backend.MAX
 KERNELS.update({f"kvcache_merge<{dt}{sinks}>": (None, 0) for dt in DTYPES.values()
                 for sinks in KVCACHE_VARIANTS["merge"].values()})
 
-_SDPA = re.compile(r"(sdpa_fwd|sdpa_bwd)_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELb([01])E")
+_SDPA = re.compile(
+    r"(sdpa_fwd|sdpa_bwd)_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELb([01])E(?:Li(\d)E)?")
 _ADDITIVE = re.compile(r"additive_(fwd|bwd)_kernelI(6__half|13__nv_bfloat16)E")
 _DELTA = re.compile(r"sdpa_bwd_delta_kernelI(6__half|13__nv_bfloat16)E")
 _KVCACHE = re.compile(
@@ -92,10 +99,12 @@ def cuobjdump() -> str:
 
 
 def kernel_name(symbol: str) -> str:
-    """`sdpa_bwd<bf16, 128>` (`sdpa_bwd<bf16, 128, mods>` with the score modifiers) for the
-    mangled symbol of that instantiation."""
+    """`sdpa_bwd<bf16, 128>` (`sdpa_bwd<bf16, 128, mods>` with the score modifiers; the
+    forward's row tiles: `sdpa_fwd<bf16, 128, MT=2>`) for the mangled symbol of that
+    instantiation."""
     if m := _SDPA.search(symbol):
-        return f"{m[1]}<{DTYPES[m[2]]}, {m[3]}{SDPA_VARIANTS[m[4]]}>"
+        return f"{m[1]}<{DTYPES[m[2]]}, {m[3]}{SDPA_VARIANTS[m[4]]}" + (
+            f", MT={m[5]}>" if m[5] else ">")
     if m := _ADDITIVE.search(symbol):
         return f"additive_{m[1]}<{DTYPES[m[2]]}>"
     if m := _DELTA.search(symbol):
@@ -254,6 +263,35 @@ def test_every_kernel_is_compiled_for_every_arch(table):
     assert found == {(k, a) for k in KERNELS for a in archs}
 
 
+def row_tiles(kernel: str) -> int:
+    """A forward kernel's m16 row tiles a warp (1 for the other kernels)."""
+    return int(m[1]) if (m := re.search(r"MT=(\d)", kernel)) else 1
+
+
+def launched(row: dict) -> bool:
+    """Whether a (kernel, arch) row is what that arch's devices launch: sdpa_fwd.cuh row_tiles,
+    two row tiles from sm_90 on up to D = 128; the other forward variant is a stub."""
+    if not row["kernel"].startswith("sdpa_fwd<"):
+        return True
+    d = int(re.search(r", (\d+)", row["kernel"])[1])
+    sm90 = int(row["arch"][3:]) >= 90
+    return row_tiles(row["kernel"]) == (2 if sm90 and d <= 128 else 1)
+
+
+def test_each_arch_holds_the_forward_variant_it_launches(table):
+    """The forward variant an arch does not launch is a stub (no loop, a few registers), so the
+    build compiles each family once per arch; the launched one is the real kernel."""
+    fwd = [r for r in table if r["kernel"].startswith("sdpa_fwd<")]
+    stubs = [r for r in fwd if not launched(r)]
+    assert stubs and all(r["registers"] <= 16 and not r["main_loop"]["HMMA.16816"]
+                         for r in stubs), stubs
+    assert all(r["main_loop"]["HMMA.16816"] for r in fwd if launched(r))
+    # sm_90 launches two row tiles up to D = 128 (4 warps), sm_80 one (8 warps)
+    for r in fwd:
+        if launched(r) and int(re.search(r", (\d+)", r["kernel"])[1]) <= 128:
+            assert row_tiles(r["kernel"]) == (2 if r["arch"] == "sm_90" else 1), r["kernel"]
+
+
 def test_no_spills(table):
     spills = [r for r in table if r["stack_frame_bytes"] or r["local_bytes"]
               or r["spill_store_bytes"] or r["spill_load_bytes"]]
@@ -340,7 +378,7 @@ def test_forward_main_loops_are_fa2_instructions(table):
     """Every sdpa_fwd kernel's main loop (each arch's cubin) runs on mma.sync m16n8k16
     (HMMA.16816), ldmatrix (LDSM) and cp.async (LDGSTS), with S, P and O in registers."""
     bad = [f"{r['kernel']} {r['arch']}: {r['main_loop']}" for r in table
-           if r["kernel"].startswith("sdpa_fwd<")
+           if r["kernel"].startswith("sdpa_fwd<") and launched(r)
            and not all(r["main_loop"][op] for op in ("HMMA.16816", "LDSM", "LDGSTS"))]
     assert not bad, "forward main loops without HMMA.16816, LDSM and LDGSTS:\n" + "\n".join(bad)
 
@@ -386,12 +424,13 @@ def test_backward_is_built_on_mma_ldmatrix_and_cp_async(table):
 
 def exponentials_per_tile(kernel: str) -> int:
     """The exponentials one thread computes per tile of an SDPA kernel: its share of the
-    forward's 128 x BN scores (BN = 64 keys, 32 above D = 128; sdpa_fwd.cuh Config) or of the
-    backward's 64 x BM step (BM = 64 queries up to D = 64, else 32, split over two warps above
-    D = 128; sdpa_bwd.cuh Config)."""
+    forward's 128 x BN scores (BN = 64 keys, 32 where MT D > 128; 256 threads with one row
+    tile a warp, 128 with two; sdpa_fwd.cuh Config) or of the backward's 64 x BM step (BM = 64
+    queries up to D = 64, else 32, split over two warps above D = 128; sdpa_bwd.cuh Config)."""
     d = int(re.search(r", (\d+)", kernel)[1])
     if kernel.startswith("sdpa_fwd<"):
-        return 128 * (32 if d > 128 else 64) // 256
+        mt = row_tiles(kernel)
+        return 128 * (32 if d * mt > 128 else 64) // (256 // mt)
     threads = 128 * (2 if d > 128 else 1)
     return 64 * (64 if d <= 64 else 32) // threads
 
@@ -401,7 +440,8 @@ def test_softmax_exponentials_share_one_basic_block(table):
     basic block of at least as many MUFU.EX2 as a thread has scores in the tile): a per-element
     branch (an unhoisted `interior`, `fold` or dropout test) puts each in a block of its own,
     where its latency cannot overlap the others' (what the first H100 run's forward had)."""
-    rows = [r for r in table if r["kernel"].startswith(("sdpa_fwd<", "sdpa_bwd<"))]
+    rows = [r for r in table
+            if r["kernel"].startswith(("sdpa_fwd<", "sdpa_bwd<")) and launched(r)]
     assert rows
     short = [f"{r['kernel']} {r['arch']}: {r['main_loop']['ex2_per_block']} < "
              f"{exponentials_per_tile(r['kernel'])}" for r in rows
@@ -414,7 +454,8 @@ def test_mask_loads_share_one_basic_block(table):
     of the main loop holds at least half as many LDG as a thread has scores in the tile (ptxas
     may schedule a load or two into a neighbouring block). With a branch per element, each
     block held one or two, and each load's latency was waited for before the next was issued."""
-    rows = [r for r in table if r["kernel"].startswith(("sdpa_fwd<", "sdpa_bwd<"))]
+    rows = [r for r in table
+            if r["kernel"].startswith(("sdpa_fwd<", "sdpa_bwd<")) and launched(r)]
     assert rows
     short = [f"{r['kernel']} {r['arch']}: {r['main_loop']['ldg_per_block']} < "
              f"{exponentials_per_tile(r['kernel']) // 2}" for r in rows

@@ -67,6 +67,15 @@ __device__ __forceinline__ float admit_as(float s, const MaskView& m, int64_t lo
   }
 }
 
+// x, held back until `dep` is known: where a loop folds its results into dep (dep |= bits of
+// each), the values computed from after(x, dep) wait for all of them. Within one basic block
+// the compiler otherwise issues every iteration's loads (or hashes) at once, which can take more
+// registers than there are (sdpa_fwd.cuh's two row tiles: spills from D = 64 up).
+__device__ __forceinline__ int after(int x, uint32_t dep) {
+  asm volatile("" : "+r"(x) : "r"(dep));
+  return x;
+}
+
 // The same with a branch per score, on any kind: for kernels that test a few scores a thread
 // outside such a loop, where the predicated form's registers would not fit (the additive
 // backward's 128).

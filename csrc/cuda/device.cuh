@@ -50,6 +50,17 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return r;
 }
 
+// Whether the current device has compute capability 9.0 or above: kernels whose variants differ
+// by arch launch the one that arch's code holds (sdpa_fwd.cuh row_tiles). false where the
+// device cannot be read: the launch then reports the error.
+inline bool sm90_or_later() {
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+             cudaSuccess &&
+         major >= 9;
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...), and the launch's error.
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,

@@ -2,9 +2,10 @@
 // in registers, the online softmax on the accumulator fragments, ldmatrix from shared memory and
 // cp.async double-buffered K/V tiles (mma.cuh documents the primitives and fragment layouts).
 //
-// One CTA of 8 warps per (query tile of kBM = 128 rows, query head, batch); warp w owns rows
-// 16w..16w+15, and in each m16n8 fragment lane (g = lane / 4, t = lane % 4) holds rows g and g+8,
-// columns 2t and 2t+1 of every 8-column block. Per key tile of BN keys:
+// One CTA per (query tile of kBM = 128 rows, query head, batch): 4 warps of two 16-row tiles
+// each up to D = 128, 8 warps of one above (Config::MT); warp w owns rows 16 MT w .. 16 MT (w +
+// 1) - 1, and in each m16n8 fragment lane (g = lane / 4, t = lane % 4) holds rows g and g+8 of
+// its tile, columns 2t and 2t+1 of every 8-column block. Per key tile of BN keys:
 //   S = Q K^T    A: Q from shared memory (ldmatrix.x4), B: K rows (ldmatrix.x4, two 8-key blocks)
 //   softmax      row max over the thread's elements, then its lane quad (shuffles 1, 2); P =
 //                exp2(v c - m c) is one FFMA + MUFU.EX2 per element, with c = scale log2(e)
@@ -48,6 +49,8 @@
 // return at once. The kernel is the same: sizes that were parameters are SeqView's registers.
 #pragma once
 
+#include <algorithm>
+
 #include "common.cuh"
 #include "mma.cuh"
 #include "tile_copy.cuh"
@@ -57,21 +60,38 @@ namespace cuda {
 namespace sdpa_fwd_impl {
 
 constexpr int kBM = 128;
-constexpr int kWarps = 8;
-constexpr int kThreads = 32 * kWarps;
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <int D>
+// m16 row tiles per warp on a device of compute capability >= 9.0 (sm90) or below. Two up to D
+// = 128 from sm_90 on (FA2's 4 warps x 32 rows): each K and V fragment read from shared memory
+// then serves two MMAs (0.31-0.38 LDSM per HMMA in the main loop, was 0.56 with 8 warps x 16
+// rows: shared-memory reads alone bound that near 450 TFLOP/s on an H200), and two CTAs per SM
+// overlap one's softmax with the other's MMAs where one CTA of 8 warps moved in lockstep
+// between its barriers. One tile otherwise: above 128, O alone would take D registers of a thread, and sm_80
+// code spills with two (8-300 bytes a kernel from the same source; ptxas 13.0).
+constexpr int row_tiles(int D, bool sm90) { return sm90 && D <= 128 ? 2 : 1; }
+
+template <int D, int MT>
 struct Config {
   static_assert(D % 16 == 0 && D <= 256, "families are multiples of 16 up to 256");
-  static constexpr int BN = D > 128 ? 32 : 64;  // registers: O takes D / 2 floats a thread
-  static constexpr int LD = D + 8;              // padded rows (see above)
-  // One CTA of 256 threads per SM: two would cap registers at 128, where every family spills
-  // (D = 32 since a masked tile's loads are issued together; ptxas -v,
-  // tests/test_cuda_resources.py).
-  static constexpr int kMinBlocks = 1;
+  static_assert(MT == 1 || (MT == 2 && D <= 128), "two row tiles up to D = 128");
+  static constexpr int kWarps = kBM / (16 * MT);
+  static constexpr int kThreads = 32 * kWarps;
+  // registers: S takes MT BN / 2 floats a thread, O MT D / 2 (64 keys spill from MT D = 192)
+  static constexpr int BN = D * MT > 128 ? 32 : 64;
+  static constexpr int LD = D + 8;  // padded rows (see above)
+  // 255 registers a thread either way: two CTAs of 4 warps or one of 8 per SM (two of 8 would
+  // cap them at 128, where every family spills; ptxas -v, tests/test_cuda_resources.py).
+  static constexpr int kMinBlocks = MT == 2 ? 2 : 1;
   static constexpr size_t smem_bytes = 2 * (size_t(kBM) * LD + 2 * 2 * size_t(BN) * LD);
 };
+
+// The dynamic shared memory a launch of family D may request, on any device.
+template <int D>
+constexpr size_t smem_bytes() {
+  return std::max(Config<D, row_tiles(D, false)>::smem_bytes,
+                  Config<D, row_tiles(D, true)>::smem_bytes);
+}
 
 // exp(v - m) in the units of v: with the scale folded in (v raw scores, c = scale log2(e)) one
 // FFMA and EX2 (m c is common to a row's elements); else v, m are scaled scores plus the mask,
@@ -97,12 +117,11 @@ __device__ __forceinline__ void exp_scores(float (&s)[NB][4], const float (&mu)[
 }
 
 // kMods: the score modifiers (p.mods) are applied; the plain instantiation has none of their
-// code.
-template <typename T, int D, bool kMods>
-__global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
-    sdpa_fwd_kernel(const SdpaParams p) {
-  using C = Config<D>;
-  constexpr int BN = C::BN, LD = C::LD;
+// code. MT: row tiles per warp (Config).
+template <typename T, int D, bool kMods, int MT>
+__device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
+  using C = Config<D, MT>;
+  constexpr int BN = C::BN, LD = C::LD, kThreads = C::kThreads;
   constexpr int NB = BN / 8;  // 8-key blocks of S
   constexpr int DB = D / 8;   // 8-column blocks of O
   ATTNX_DYNAMIC_SMEM(unsigned char, smem_raw, 128);
@@ -116,6 +135,7 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
   const int hk = h / (p.Hq / p.Hkv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
+  const int w0 = i0 + warp * 16 * MT;  // the warp's first row
   const int64_t bh = int64_t(b) * p.Hq + h;
   const int64_t rows = query_rows(p, seq, b, h);  // of out, lse and the row sums
   const bool sums = p.row_sums != nullptr;
@@ -139,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
   const bool fold = !kMods && p.scale > 0.f && p.mask.kind != MaskKind::Additive && !sums;
   const float slope = kMods ? alibi_slope(p.mods, bh) : 0.f;
   const float c = p.scale * kLog2e;  // used when fold
-  const bool active = i0 + warp * 16 < seq.Lq;  // warp-uniform
+  const bool active = w0 < seq.Lq;  // warp-uniform
   // The band in int for the edge tiles: clamped to [-Lq, Lk], it admits the same keys.
   const int lo_c = int(max(min(seq.lo, int64_t(seq.Lk)), -int64_t(seq.Lq)));
   const int hi_c = int(max(min(seq.hi, int64_t(seq.Lk)), -int64_t(seq.Lq)));
@@ -159,25 +179,31 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
   }
   cp_async_commit();
 
-  float o[DB][4];
+  // Per row tile mt of the warp: O, and the running max and sum of rows g and g + 8.
+  float o[MT][DB][4];
+  float m[MT][2], l[MT][2];
 #pragma unroll
-  for (int db = 0; db < DB; ++db)
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o[db][e] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8
+    for (int db = 0; db < DB; ++db)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][db][e] = 0.f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) m[mt][r] = -INFINITY, l[mt][r] = 0.f;
+  }
 
   // This lane's ldmatrix row addresses (mma.cuh): A of Q's 16x16 blocks, B of two 8-key blocks
   // of K (matrices keys 0-7 x k 0-7, keys 0-7 x k 8-15, keys 8-15 x ...), B of V .trans (keys
   // 0-7 x cols 0-7, keys 8-15 x cols 0-7, then cols 8-15).
   const int lrow = lane % 8, lm = lane / 8;
-  const T* q_row = Qs + (warp * 16 + lrow + (lm & 1) * 8) * LD + (lm >> 1) * 8;
+  const T* q_row = Qs + (w0 - i0 + lrow + (lm & 1) * 8) * LD + (lm >> 1) * 8;
   const int k_off = (lrow + (lm >> 1) * 8) * LD + (lm & 1) * 8;
   const int v_off = (lrow + (lm & 1) * 8) * LD + (lm >> 1) * 8;
 
   for (int tile = t0; tile <= t1; ++tile) {
     const int stage = (tile - t0) & 1, j0 = tile * BN;
-    // The query row and key of element e of 8-key block nb of this thread's S fragments.
-    auto row_of = [&](int e) { return i0 + warp * 16 + g + 8 * (e / 2); };
+    // The query row and key of element e of 8-key block nb of row tile mt's S fragments.
+    auto row_of = [&](int mt, int e) { return w0 + mt * 16 + g + 8 * (e / 2); };
     auto key_of = [&](int nb, int e) { return j0 + nb * 8 + 2 * t + e % 2; };
     if (tile < t1) load_kv(tile + 1, stage ^ 1);  // its stage was released by the last barrier
     cp_async_commit();
@@ -187,45 +213,56 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
     const T* Vt = Vs + stage * BN * LD;
 
     if (active) {
-      float s[NB][4];
+      float s[MT][NB][4];
 #pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nb][e] = 0.f;
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][nb][e] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[4];
-        ldmatrix_x4(a, q_row + kk * 16);
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], q_row + mt * 16 * LD + kk * 16);
 #pragma unroll
         for (int nb = 0; nb < NB; nb += 2) {
           uint32_t kb[4];
           ldmatrix_x4(kb, Kt + nb * 8 * LD + k_off + kk * 16);
           const uint32_t b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
-          mma_m16n8k16<T>(s[nb], a, b0);
-          mma_m16n8k16<T>(s[nb + 1], a, b1);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_m16n8k16<T>(s[mt][nb], a[mt], b0);
+            mma_m16n8k16<T>(s[mt][nb + 1], a[mt], b1);
+          }
         }
       }
 
       // v: the raw score (fold) or the scaled score plus the mask; -inf where not admissible.
-      // Each pass below is one straight run over the thread's NB x 4 scores under a
+      // Each pass below is one straight run over the thread's MT x NB x 4 scores under a
       // warp-uniform branch: a test per element (the compiler does not unswitch unrolled
       // loops) would put every exponential in a basic block of its own and serialise their
       // latencies (tests/test_cuda_resources.py checks the exponentials share one block).
       if (!fold) {
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[nb][e] *= p.scale;
+          for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][nb][e] *= p.scale;
       }
       if constexpr (kMods) {
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = row_of(e), j = key_of(nb, e);
-            float tc;
-            s[nb][e] = modified_score(s[nb][e], p.mods, slope, fabsf(float(i + seq.diag - j)), tc);
-          }
+          for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int i = row_of(mt, e), j = key_of(nb, e);
+              float tc;
+              s[mt][nb][e] = modified_score(s[mt][nb][e], p.mods, slope,
+                                            fabsf(float(i + seq.diag - j)), tc);
+            }
       }
       // (j0 <= Lk - BN, not j0 + BN <= Lk: the sum wraps for Lk within BN of 2^31, which
       // would admit the zero-filled keys past Lk)
@@ -236,87 +273,122 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
         // Row r admits the keys j0 + 2t + x for x in [x_lo[r], x_hi[r]]: its first and last
         // admissible keys less j0 + 2t, in int (i + lo_c is formed only where it is below Lk).
         const int jt = j0 + 2 * t;
-        int x_lo[2], x_hi[2];
+        int x_lo[MT][2], x_hi[MT][2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int i = i0 + warp * 16 + g + 8 * r;
-          const int room = seq.Lk - 1 - i;  // i + x <= Lk - 1 iff x <= room
-          const int first = i >= seq.Lq || lo_c > room ? seq.Lk : max(0, i + lo_c);
-          const int last = hi_c > room ? seq.Lk - 1 : max(-1, i + hi_c);
-          x_lo[r] = first - jt;
-          x_hi[r] = last - jt;
-        }
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int x = nb * 8 + e % 2;
-            if (x < x_lo[e / 2] || x > x_hi[e / 2]) s[nb][e] = -INFINITY;
+          for (int r = 0; r < 2; ++r) {
+            const int i = row_of(mt, 2 * r);
+            const int room = seq.Lk - 1 - i;  // i + x <= Lk - 1 iff x <= room
+            const int first = i >= seq.Lq || lo_c > room ? seq.Lk : max(0, i + lo_c);
+            const int last = hi_c > room ? seq.Lk - 1 : max(-1, i + hi_c);
+            x_lo[mt][r] = first - jt;
+            x_hi[mt][r] = last - jt;
           }
-      } else if (!interior) {  // a mask: its elements by predicated loads (admit_as)
-        auto masked = [&](auto kind) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const int i = row_of(e), j = key_of(nb, e);
-              s[nb][e] = admit_as<T, decltype(kind)::value>(s[nb][e], p.mask, seq.lo, seq.hi, b, h,
-                                                            i, j, seq.Lq, seq.Lk);
+              const int x = nb * 8 + e % 2;
+              if (x < x_lo[mt][e / 2] || x > x_hi[mt][e / 2]) s[mt][nb][e] = -INFINITY;
             }
+      } else if (!interior) {  // a mask: its elements by predicated loads (admit_as)
+        auto masked = [&](auto kind) {
+          // One row tile's loads after the other's results (common.cuh after): both tiles'
+          // predicated loads in flight at once, with their 64-bit addresses, spill.
+          uint32_t done = 0;
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            const int w = after(w0 + mt * 16 + g, done);
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int i = w + 8 * (e / 2), j = key_of(nb, e);
+                s[mt][nb][e] = admit_as<T, decltype(kind)::value>(
+                    s[mt][nb][e], p.mask, seq.lo, seq.hi, b, h, i, j, seq.Lq, seq.Lk);
+                done |= __float_as_uint(s[mt][nb][e]);
+              }
+          }
         };
         if (p.mask.kind == MaskKind::Bool)
           masked(std::integral_constant<MaskKind, MaskKind::Bool>{});
         else
           masked(std::integral_constant<MaskKind, MaskKind::Additive>{});
       }
-      float mx[2] = {-INFINITY, -INFINITY};
+      float alpha[MT][2], mu[MT][2];
 #pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[nb][e]);
-      float alpha[2], mu[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float m_new = fmaxf(m[r], mx[r]);
-        mu[r] = m_new == -INFINITY ? 0.f : m_new;  // no admissible key yet: all p = 0
-        alpha[r] = fold ? exp_diff<true>(m[r], mu[r], c) : exp_diff<false>(m[r], mu[r], c);
-        m[r] = m_new;  // (m = -inf gives alpha 0)
-        l[r] *= alpha[r];
-      }
-      if (fold)
-        exp_scores<true>(s, mu, c, l);
-      else
-        exp_scores<false>(s, mu, c, l);
-      if (p.drop.on) {
+      for (int mt = 0; mt < MT; ++mt) {
+        float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = row_of(e), j = key_of(nb, e);
-            s[nb][e] *= dropout_factor(p.drop, key_bh, uint32_t(i), uint32_t(j));
-          }
+          for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[mt][nb][e]);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+          const float m_new = fmaxf(m[mt][r], mx[r]);
+          mu[mt][r] = m_new == -INFINITY ? 0.f : m_new;  // no admissible key yet: all p = 0
+          alpha[mt][r] = fold ? exp_diff<true>(m[mt][r], mu[mt][r], c)
+                              : exp_diff<false>(m[mt][r], mu[mt][r], c);
+          m[mt][r] = m_new;  // (m = -inf gives alpha 0)
+          l[mt][r] *= alpha[mt][r];
+        }
+      }
+      // every row tile's exponentials under one branch: one run whose latencies overlap
+      if (fold) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) exp_scores<true>(s[mt], mu[mt], c, l[mt]);
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) exp_scores<false>(s[mt], mu[mt], c, l[mt]);
+      }
+      if (p.drop.on) {  // a row tile's hashes after the other's, as the mask's loads
+        uint32_t done = 0;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const int w = after(w0 + mt * 16 + g, done);
+#pragma unroll
+          for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int i = w + 8 * (e / 2), j = key_of(nb, e);
+              s[mt][nb][e] *= dropout_factor(p.drop, key_bh, uint32_t(i), uint32_t(j));
+              done |= __float_as_uint(s[mt][nb][e]);
+            }
+        }
       }
 
       if (!sums) {
 #pragma unroll
-        for (int db = 0; db < DB; ++db)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) o[db][e] *= alpha[e / 2];
+          for (int db = 0; db < DB; ++db)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mt][db][e] *= alpha[mt][e / 2];
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-          const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]),
-                                 pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                                 pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                 pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+          uint32_t a[MT][4];
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+            a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+            a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+            a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+          }
 #pragma unroll
           for (int db = 0; db < DB; db += 2) {
             uint32_t vb[4];
             ldmatrix_x4_trans(vb, Vt + kk * 16 * LD + v_off + db * 8);
             const uint32_t b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
-            mma_m16n8k16<T>(o[db], a, b0);
-            mma_m16n8k16<T>(o[db + 1], a, b1);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              mma_m16n8k16<T>(o[mt][db], a[mt], b0);
+              mma_m16n8k16<T>(o[mt][db + 1], a[mt], b1);
+            }
           }
         }
       }
@@ -325,58 +397,84 @@ __global__ void __launch_bounds__(kThreads, Config<D>::kMinBlocks)
   }
 
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
-  if constexpr (kMods) {
-    // The sink joins the denominator (and the lse, and the row sums R) as one more score, of
-    // no value: a row that admitted no key ends with l = 1, m = the sink, zeros out.
-    if (p.mods.sinks != nullptr) {
-      const float sink = p.mods.sinks[h];
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float m_new = fmaxf(m[r], sink);
-        const float alpha = fast_exp(m[r] - m_new);  // 0 when m = -inf
-        l[r] = l[r] * alpha + fast_exp(sink - m_new);
-        m[r] = m_new;
+    for (int r = 0; r < 2; ++r) {
+      l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 1);
+      l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 2);
+    }
+    if constexpr (kMods) {
+      // The sink joins the denominator (and the lse, and the row sums R) as one more score, of
+      // no value: a row that admitted no key ends with l = 1, m = the sink, zeros out.
+      if (p.mods.sinks != nullptr) {
+        const float sink = p.mods.sinks[h];
 #pragma unroll
-        for (int db = 0; db < DB; ++db)
+        for (int r = 0; r < 2; ++r) {
+          const float m_new = fmaxf(m[mt][r], sink);
+          const float alpha = fast_exp(m[mt][r] - m_new);  // 0 when m = -inf
+          l[mt][r] = l[mt][r] * alpha + fast_exp(sink - m_new);
+          m[mt][r] = m_new;
 #pragma unroll
-          for (int e = 0; e < 2; ++e) o[db][2 * r + e] *= alpha;
+          for (int db = 0; db < DB; ++db)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) o[mt][db][2 * r + e] *= alpha;
+        }
       }
     }
-  }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = i0 + warp * 16 + g + 8 * r;
-    if (i >= seq.Lq) continue;
-    if (sums) {  // m is the natural-log scaled score here (fold is off)
-      const float lse = p.lse[rows + i];
-      if (t == 0) p.row_sums[rows + i] = huge_lse(lse) ? l[r] * fast_exp(m[r] - lse) : 1.f;
-      continue;
-    }
-    const float inv_l = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    T* out = static_cast<T*>(p.out) + (rows + i) * p.Ev;
-#pragma unroll
-    for (int db = 0; db < DB; ++db)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = db * 8 + 2 * t + e;
-        if (col < p.Ev) out[col] = from_float<T>(o[db][2 * r + e] * inv_l);
+    for (int r = 0; r < 2; ++r) {
+      const int i = w0 + mt * 16 + g + 8 * r;
+      if (i >= seq.Lq) continue;
+      if (sums) {  // m is the natural-log scaled score here (fold is off)
+        const float lse = p.lse[rows + i];
+        if (t == 0)
+          p.row_sums[rows + i] = huge_lse(lse) ? l[mt][r] * fast_exp(m[mt][r] - lse) : 1.f;
+        continue;
       }
-    const float m_nat = fold ? m[r] * p.scale : m[r];  // the row max of the scaled scores
-    if (t == 0) p.lse[rows + i] = l[r] > 0.f ? m_nat + logf(l[r]) : -INFINITY;
+      const float inv_l = l[mt][r] > 0.f ? 1.f / l[mt][r] : 0.f;
+      T* out = static_cast<T*>(p.out) + (rows + i) * p.Ev;
+#pragma unroll
+      for (int db = 0; db < DB; ++db)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = db * 8 + 2 * t + e;
+          if (col < p.Ev) out[col] = from_float<T>(o[mt][db][2 * r + e] * inv_l);
+        }
+      const float m_nat = fold ? m[mt][r] * p.scale : m[mt][r];  // the scaled scores' row max
+      if (t == 0) p.lse[rows + i] = l[mt][r] > 0.f ? m_nat + logf(l[mt][r]) : -INFINITY;
+    }
   }
+}
+
+// Each arch's code holds the variant its devices launch (row_tiles); the other is a stub.
+template <typename T, int D, bool kMods, int MT>
+__global__ void __launch_bounds__(Config<D, MT>::kThreads, Config<D, MT>::kMinBlocks)
+    sdpa_fwd_kernel(const SdpaParams p) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (MT != row_tiles(D, __CUDA_ARCH__ >= 900)) {
+    __trap();
+  } else
+#endif
+  {
+    sdpa_fwd_tiles<T, D, kMods, MT>(p);
+  }
+}
+
+template <typename T, int D, int MT>
+cudaError_t launch_tiles(const SdpaParams& p, cudaStream_t stream) {
+  const dim3 grid(ceil_div(p.Lq, kBM), p.Hq, p.B);
+  return launch_on_flag(p.mods.any(), [&](auto mods) {
+    return launch_kernel(sdpa_fwd_kernel<T, D, decltype(mods)::value, MT>, grid,
+                         dim3(Config<D, MT>::kThreads), Config<D, MT>::smem_bytes, stream, p);
+  });
 }
 
 template <typename T, int D>
 cudaError_t launch(const SdpaParams& p, cudaStream_t stream) {
-  const dim3 grid(ceil_div(p.Lq, kBM), p.Hq, p.B);
-  return launch_on_flag(p.mods.any(), [&](auto mods) {
-    return launch_kernel(sdpa_fwd_kernel<T, D, decltype(mods)::value>, grid, dim3(kThreads),
-                         Config<D>::smem_bytes, stream, p);
-  });
+  if constexpr (row_tiles(D, true) != row_tiles(D, false)) {
+    if (sm90_or_later()) return launch_tiles<T, D, row_tiles(D, true)>(p, stream);
+  }
+  return launch_tiles<T, D, row_tiles(D, false)>(p, stream);
 }
 
 }  // namespace sdpa_fwd_impl

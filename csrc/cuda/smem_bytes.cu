@@ -18,13 +18,13 @@ static_assert(sizeof(kSdpaBwdFamilies) == 7 * sizeof(int) && kSdpaBwdFamilies[0]
 
 size_t forward_bytes(int dim) {
   switch (sdpa_fwd_family_of(dim)) {
-    case 32: return sdpa_fwd_impl::Config<32>::smem_bytes;
-    case 64: return sdpa_fwd_impl::Config<64>::smem_bytes;
-    case 96: return sdpa_fwd_impl::Config<96>::smem_bytes;
-    case 128: return sdpa_fwd_impl::Config<128>::smem_bytes;
-    case 160: return sdpa_fwd_impl::Config<160>::smem_bytes;
-    case 192: return sdpa_fwd_impl::Config<192>::smem_bytes;
-    case 256: return sdpa_fwd_impl::Config<256>::smem_bytes;
+    case 32: return sdpa_fwd_impl::smem_bytes<32>();
+    case 64: return sdpa_fwd_impl::smem_bytes<64>();
+    case 96: return sdpa_fwd_impl::smem_bytes<96>();
+    case 128: return sdpa_fwd_impl::smem_bytes<128>();
+    case 160: return sdpa_fwd_impl::smem_bytes<160>();
+    case 192: return sdpa_fwd_impl::smem_bytes<192>();
+    case 256: return sdpa_fwd_impl::smem_bytes<256>();
     default: return 0;
   }
 }

@@ -76,6 +76,8 @@ thread_local std::vector<Stack> g_stacks;
 thread_local std::string g_last_error;
 uint64_t g_seed = 0;
 uint64_t g_last_blocks = 0;  // 0: every block (set_last_blocks)
+bool g_sm90 = true;  // set_sm90
+size_t g_last_threads = 0;  // last_launch_threads
 thread_local uint64_t g_launches = 0;
 
 Fiber& self() { return g_block->fibers[g_block->current]; }
@@ -262,6 +264,7 @@ cudaError_t run(dim3 grid, dim3 block, size_t smem, const std::function<void()>&
                    std::to_string(kMaxSmem) + ")";
     return cudaErrorInvalidConfiguration;
   }
+  g_last_threads = threads;
   Block b;
   b.body = &body;
   b.smem.resize(std::max<size_t>(smem, 1));
@@ -292,6 +295,12 @@ const char* last_error() { return g_last_error.c_str(); }
 void set_seed(uint64_t seed) { g_seed = seed; }
 
 void set_last_blocks(uint64_t n) { g_last_blocks = n; }
+
+void set_sm90(bool sm90) { g_sm90 = sm90; }
+
+bool sm90() { return g_sm90; }
+
+size_t last_launch_threads() { return g_last_threads; }
 
 }  // namespace host
 }  // namespace attnx

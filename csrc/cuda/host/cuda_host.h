@@ -25,6 +25,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "scheduler.h"
@@ -85,6 +86,16 @@ namespace cuda {
 inline float rcp_approx(float x) { return 1.f / x; }
 // device.cuh's exp2_approx (ex2.approx.ftz.f32), here the C library's exp2f.
 inline float exp2_approx(float x) { return std::exp2(x); }
+
+// The bits of a float.
+inline unsigned __float_as_uint(float x) {
+  unsigned u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+// device.cuh's sm90_or_later: the compute capability the harness stands for (set_sm90).
+inline bool sm90_or_later() { return ::attnx::host::sm90(); }
 
 // The launch of the device code (device.cuh): the grid runs here, through the harness.
 template <typename... Params, typename... Args>

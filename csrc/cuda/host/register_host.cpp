@@ -241,6 +241,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the seed of the order in which the harness runs blocks and threads");
   m.def("set_last_blocks", &attnx::host::set_last_blocks,
         "run only each launch's last n blocks (0: all); for tests of far offsets");
+  m.def("set_sm90", &attnx::host::set_sm90,
+        "launch the variants of compute capability >= 9.0 (True, the default) or below");
+  m.def("last_launch_threads", &attnx::host::last_launch_threads,
+        "the threads a block of the last launch had");
   // Self-tests of csrc/cuda/mma.cuh's primitives (tests/test_cuda_mma.py; mma_selftest.h).
   m.def("test_tile_products", &attnx::cuda::test_tile_products,
         "(4, 16, 16) fp32: a bt^T and a v through ldmatrix x4/x4.trans, then x2/x2.trans");
