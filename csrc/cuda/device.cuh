@@ -50,15 +50,13 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return r;
 }
 
-// Whether the current device has compute capability 9.0 or above: kernels whose variants differ
-// by arch launch the one that arch's code holds (sdpa_fwd.cuh row_tiles). false where the
-// device cannot be read: the launch then reports the error.
-inline bool sm90_or_later() {
-  int device = 0, major = 0;
-  return cudaGetDevice(&device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
-             cudaSuccess &&
-         major >= 9;
+// The architecture the code of `kernel` on the current device was compiled for (__CUDA_ARCH__
+// / 10: its PTX version, a cubin's or the PTX the driver compiles for a newer device), 0 where
+// it cannot be read (the launch then reports why). Kernels whose variants differ by arch
+// launch the one that code holds (sdpa_fwd.cuh row_tiles).
+inline int code_arch(const void* kernel) {
+  cudaFuncAttributes attributes;
+  return cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess ? attributes.ptxVersion : 0;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), and the launch's error.

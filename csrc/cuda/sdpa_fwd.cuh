@@ -29,7 +29,7 @@
 // tiles are zero-filled past Lq, Lk, E and Ev (cp.async's zero-fill with 16-byte aligned rows,
 // plain loads otherwise). Key tiles outside the band are skipped; tiles wholly inside it, within
 // Lk and without a mask skip the per-element admissibility test. A row with no admissible key
-// ends with l = 0 and is written as zeros with lse = -inf. Warps whose 16 rows all lie past Lq
+// ends with l = 0 and is written as zeros with lse = -inf. Warps whose rows all lie past Lq
 // only help load.
 //
 // Row-sums mode (p.row_sums set; the backward's first pass): the same scores and running m, l
@@ -62,7 +62,7 @@ namespace sdpa_fwd_impl {
 constexpr int kBM = 128;
 constexpr float kLog2e = 1.4426950408889634f;
 
-// m16 row tiles per warp on a device of compute capability >= 9.0 (sm90) or below. Two up to D
+// m16 row tiles per warp in code compiled for sm_90 or later (sm90) or below. Two up to D
 // = 128 from sm_90 on (FA2's 4 warps x 32 rows): each K and V fragment read from shared memory
 // then serves two MMAs (0.31-0.38 LDSM per HMMA in the main loop, was 0.56 with 8 warps x 16
 // rows: shared-memory reads alone bound that near 450 TFLOP/s on an H200), and two CTAs per SM
@@ -309,7 +309,7 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
                 const int i = w + 8 * (e / 2), j = key_of(nb, e);
                 s[mt][nb][e] = admit_as<T, decltype(kind)::value>(
                     s[mt][nb][e], p.mask, seq.lo, seq.hi, b, h, i, j, seq.Lq, seq.Lk);
-                done |= __float_as_uint(s[mt][nb][e]);
+                if (MT > 1) done |= __float_as_uint(s[mt][nb][e]);
               }
           }
         };
@@ -357,7 +357,7 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
             for (int e = 0; e < 4; ++e) {
               const int i = w + 8 * (e / 2), j = key_of(nb, e);
               s[mt][nb][e] *= dropout_factor(p.drop, key_bh, uint32_t(i), uint32_t(j));
-              done |= __float_as_uint(s[mt][nb][e]);
+              if (MT > 1) done |= __float_as_uint(s[mt][nb][e]);
             }
         }
       }
@@ -446,7 +446,7 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
   }
 }
 
-// Each arch's code holds the variant its devices launch (row_tiles); the other is a stub.
+// Each arch's code holds the variant row_tiles gives it; the other is a stub, never launched.
 template <typename T, int D, bool kMods, int MT>
 __global__ void __launch_bounds__(Config<D, MT>::kThreads, Config<D, MT>::kMinBlocks)
     sdpa_fwd_kernel(const SdpaParams p) {
@@ -472,7 +472,9 @@ cudaError_t launch_tiles(const SdpaParams& p, cudaStream_t stream) {
 template <typename T, int D>
 cudaError_t launch(const SdpaParams& p, cudaStream_t stream) {
   if constexpr (row_tiles(D, true) != row_tiles(D, false)) {
-    if (sm90_or_later()) return launch_tiles<T, D, row_tiles(D, true)>(p, stream);
+    // the variant of the code the device runs (an sm_90 device may run sm_80 PTX)
+    const void* probe = reinterpret_cast<const void*>(sdpa_fwd_kernel<T, D, false, 1>);
+    if (code_arch(probe) >= 90) return launch_tiles<T, D, row_tiles(D, true)>(p, stream);
   }
   return launch_tiles<T, D, row_tiles(D, false)>(p, stream);
 }

@@ -94,8 +94,8 @@ inline unsigned __float_as_uint(float x) {
   return u;
 }
 
-// device.cuh's sm90_or_later: the compute capability the harness stands for (set_sm90).
-inline bool sm90_or_later() { return ::attnx::host::sm90(); }
+// device.cuh's code_arch: the architecture the harness stands for (set_sm90).
+inline int code_arch(const void*) { return ::attnx::host::sm90() ? 90 : 80; }
 
 // The launch of the device code (device.cuh): the grid runs here, through the harness.
 template <typename... Params, typename... Args>

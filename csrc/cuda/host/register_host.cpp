@@ -242,7 +242,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_last_blocks", &attnx::host::set_last_blocks,
         "run only each launch's last n blocks (0: all); for tests of far offsets");
   m.def("set_sm90", &attnx::host::set_sm90,
-        "launch the variants of compute capability >= 9.0 (True, the default) or below");
+        "launch the variants of sm_90 code (True, the default) or of sm_80 code");
   m.def("last_launch_threads", &attnx::host::last_launch_threads,
         "the threads a block of the last launch had");
   // Self-tests of csrc/cuda/mma.cuh's primitives (tests/test_cuda_mma.py; mma_selftest.h).

@@ -56,8 +56,8 @@ void set_seed(uint64_t seed);
 // so that a test can reach offsets past 2^31 elements without computing the blocks before them.
 void set_last_blocks(uint64_t n);
 
-// Test-only: the compute capability the harness stands for, >= 9.0 (the default) or below: where
-// a kernel's variants differ by arch (device.cuh sm90_or_later), which one a launch runs.
+// Test-only: the architecture the harness stands for, sm_90 (the default) or sm_80: where a
+// kernel's variants differ by arch (device.cuh code_arch), which one a launch runs.
 void set_sm90(bool sm90);
 bool sm90();
 
