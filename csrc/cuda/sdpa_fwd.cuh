@@ -238,6 +238,24 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
         }
       }
 
+      // Each score v of query i, key j replaced by f(v, i, j), a row tile after the other's
+      // results (common.cuh after): the predicated loads of a mask, or dropout's hashes, of both
+      // tiles in flight at once (with their 64-bit addresses) spill.
+      auto each_in_turn = [&](auto f) {
+        uint32_t done = 0;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const int w = after(w0 + mt * 16 + g, done);
+#pragma unroll
+          for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              s[mt][nb][e] = f(s[mt][nb][e], w + 8 * (e / 2), key_of(nb, e));
+              if (MT > 1) done |= __float_as_uint(s[mt][nb][e]);
+            }
+        }
+      };
+
       // v: the raw score (fold) or the scaled score plus the mask; -inf where not admissible.
       // Each pass below is one straight run over the thread's MT x NB x 4 scores under a
       // warp-uniform branch: a test per element (the compiler does not unswitch unrolled
@@ -296,22 +314,10 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
             }
       } else if (!interior) {  // a mask: its elements by predicated loads (admit_as)
         auto masked = [&](auto kind) {
-          // One row tile's loads after the other's results (common.cuh after): both tiles'
-          // predicated loads in flight at once, with their 64-bit addresses, spill.
-          uint32_t done = 0;
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            const int w = after(w0 + mt * 16 + g, done);
-#pragma unroll
-            for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const int i = w + 8 * (e / 2), j = key_of(nb, e);
-                s[mt][nb][e] = admit_as<T, decltype(kind)::value>(
-                    s[mt][nb][e], p.mask, seq.lo, seq.hi, b, h, i, j, seq.Lq, seq.Lk);
-                if (MT > 1) done |= __float_as_uint(s[mt][nb][e]);
-              }
-          }
+          each_in_turn([&](float v, int i, int j) {
+            return admit_as<T, decltype(kind)::value>(v, p.mask, seq.lo, seq.hi, b, h, i, j,
+                                                      seq.Lq, seq.Lk);
+          });
         };
         if (p.mask.kind == MaskKind::Bool)
           masked(std::integral_constant<MaskKind, MaskKind::Bool>{});
@@ -346,20 +352,10 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) exp_scores<false>(s[mt], mu[mt], c, l[mt]);
       }
-      if (p.drop.on) {  // a row tile's hashes after the other's, as the mask's loads
-        uint32_t done = 0;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const int w = after(w0 + mt * 16 + g, done);
-#pragma unroll
-          for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int i = w + 8 * (e / 2), j = key_of(nb, e);
-              s[mt][nb][e] *= dropout_factor(p.drop, key_bh, uint32_t(i), uint32_t(j));
-              if (MT > 1) done |= __float_as_uint(s[mt][nb][e]);
-            }
-        }
+      if (p.drop.on) {
+        each_in_turn([&](float v, int i, int j) {
+          return v * dropout_factor(p.drop, key_bh, uint32_t(i), uint32_t(j));
+        });
       }
 
       if (!sums) {
