@@ -67,8 +67,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 // then serves two MMAs (0.31-0.38 LDSM per HMMA in the main loop, was 0.56 with 8 warps x 16
 // rows: shared-memory reads alone bound that near 450 TFLOP/s on an H200), and two CTAs per SM
 // overlap one's softmax with the other's MMAs where one CTA of 8 warps moved in lockstep
-// between its barriers. One tile otherwise: above 128, O alone would take D registers of a thread, and sm_80
-// code spills with two (8-300 bytes a kernel from the same source; ptxas 13.0).
+// between its barriers. One tile otherwise: above 128, O alone would take D registers of a
+// thread, and sm_80 code spills with two (8-300 bytes a kernel from the same source; ptxas
+// 13.0).
 constexpr int row_tiles(int D, bool sm90) { return sm90 && D <= 128 ? 2 : 1; }
 
 template <int D, int MT>
@@ -200,10 +201,12 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
   const int k_off = (lrow + (lm >> 1) * 8) * LD + (lm & 1) * 8;
   const int v_off = (lrow + (lm & 1) * 8) * LD + (lm >> 1) * 8;
 
+  // The query row of element e (of O's or S's fragments) of row tile mt.
+  auto row_of = [&](int mt, int e) { return w0 + mt * 16 + g + 8 * (e / 2); };
+
   for (int tile = t0; tile <= t1; ++tile) {
     const int stage = (tile - t0) & 1, j0 = tile * BN;
-    // The query row and key of element e of 8-key block nb of row tile mt's S fragments.
-    auto row_of = [&](int mt, int e) { return w0 + mt * 16 + g + 8 * (e / 2); };
+    // The key of element e of 8-key block nb of the S fragments (its row: row_of).
     auto key_of = [&](int nb, int e) { return j0 + nb * 8 + 2 * t + e % 2; };
     if (tile < t1) load_kv(tile + 1, stage ^ 1);  // its stage was released by the last barrier
     cp_async_commit();
@@ -419,7 +422,7 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int i = w0 + mt * 16 + g + 8 * r;
+      const int i = row_of(mt, 2 * r);
       if (i >= seq.Lq) continue;
       if (sums) {  // m is the natural-log scaled score here (fold is off)
         const float lse = p.lse[rows + i];
