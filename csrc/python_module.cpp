@@ -64,18 +64,22 @@ double additive_term_seconds(int64_t terms) {
 
 #ifdef ATTNX_WITH_CUDA
 // Bytes of dynamic shared memory per block a CUDA kernel's launch requests: "sdpa_fwd" and
-// "sdpa_bwd" for head dims up to `dim`, "additive" (forward and backward) for value dim `dim`,
-// "kvcache" (the decoding split kernel) for head dims E = Ev = `dim`.
+// "sdpa_bwd" for head dims up to `dim` ("sdpa_bwd_kt2": the backward's 128-key variant, which
+// launches only where it fits; 0 outside 33-128), "additive" (forward and backward) for value
+// dim `dim`, "kvcache" (the decoding split kernel) for head dims E = Ev = `dim`.
 // The cuda backend checks them against the device per call; the resource test against each
 // architecture's limit.
 int64_t cuda_smem_bytes(const std::string& kernel, int64_t dim) {
   if (dim < 1 || dim > (int64_t(1) << 20)) throw pybind11::value_error("dim: out of range");
   if (kernel == "sdpa_fwd" || kernel == "sdpa_bwd")
     return static_cast<int64_t>(attnx::cuda::sdpa_smem_bytes(kernel == "sdpa_bwd", int(dim)));
+  if (kernel == "sdpa_bwd_kt2")
+    return static_cast<int64_t>(attnx::cuda::sdpa_bwd_kt2_smem_bytes(int(dim)));
   if (kernel == "additive") return static_cast<int64_t>(attnx::cuda::additive_smem_bytes(int(dim)));
   if (kernel == "kvcache")
     return static_cast<int64_t>(attnx::cuda::kvcache_smem_bytes(int(dim), int(dim)));
-  throw pybind11::value_error("kernel: expected 'sdpa_fwd', 'sdpa_bwd', 'additive' or 'kvcache'");
+  throw pybind11::value_error(
+      "kernel: expected 'sdpa_fwd', 'sdpa_bwd', 'sdpa_bwd_kt2', 'additive' or 'kvcache'");
 }
 #endif
 

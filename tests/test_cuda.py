@@ -347,8 +347,9 @@ def test_sdpa_opcheck():
 
 # --------------------------------------------------------------------------------- SDPA backward
 # The backward's head-dim families (csrc/cuda/launch.h kSdpaBwdFamilies), all on the mma.sync
-# kernel (sdpa_bwd.cuh; 160, 192 and 256 its 8-warp variant); each with every feature at once,
-# odd head dims taking the element-wise loads.
+# kernel (sdpa_bwd.cuh; 64-128 its 128-key variant in the harness's default sm_90, 32 and
+# 160-256 the 64-key one); each with every feature at once, odd head dims taking the
+# element-wise loads.
 
 BWD_DIMS = [(32, 32), (59, 64), (96, 80), (128, 111), (160, 137), (181, 192), (256, 200)]
 
@@ -377,6 +378,39 @@ def test_sdpa_backward_families_dropout_window_gqa(e, ev):
     check_sdpa(rand(1, 4, lq, e, dtype=torch.float16), rand(1, 1, lk, e, dtype=torch.float16),
                rand(1, 1, lk, ev, dtype=torch.float16), dropout_p=0.25, window=(50, 7),
                enable_gqa=True, seed=77)
+
+
+# The backward's two variants (sdpa_bwd.cuh): 128-key blocks on 8 warps (KT = 2) where the code
+# and the part's shared memory hold them, else 64-key blocks (KT = 1: 4 warps up to D = 128),
+# which the tests above reach at D = 64..128 only with softcap or ALiBi: here the harness stands
+# for each part (set_sm90: its code's arch; set_smem_optin: its shared memory per block).
+SM86_OPT_IN = 101376
+PARTS = {"sm_90": (True, 0), "sm_80": (False, 0), "sm_86": (False, SM86_OPT_IN),
+         "sm_120": (True, SM86_OPT_IN)}  # sm_120 runs the sm_90 PTX with 99 KB
+
+
+@pytest.mark.skipif(not ON_CPU, reason="a GPU launches the variant its code and memory hold")
+@pytest.mark.parametrize("part,e,threads", [
+    ("sm_90", 32, 128), ("sm_90", 64, 256), ("sm_90", 96, 256), ("sm_90", 128, 256),
+    ("sm_80", 64, 128), ("sm_80", 128, 128), ("sm_86", 64, 128), ("sm_120", 96, 128)])
+def test_sdpa_backward_variant_of_each_part(part, e, threads):
+    """Several key blocks (Lk = 300: three or five, the last partial), a bool mask with a fully
+    masked row, a causal band, GQA and dropout, on the variant the part launches."""
+    from attnx import _cuda_host as host
+    torch.manual_seed(33)
+    lq, lk = 150, 300
+    q = rand(1, 4, lq, e, dtype=torch.bfloat16)
+    k, v = (rand(1, 2, lk, e, dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.rand(1, 4, lq, lk, device=DEV) > 0.2
+    mask[0, 1, 77] = False
+    host.set_sm90(PARTS[part][0])
+    host.set_smem_optin(PARTS[part][1])
+    try:
+        check_sdpa(q, k, v, mask, window=(None, 150), enable_gqa=True, dropout_p=0.1, seed=9)
+        assert host.last_launch_threads() == threads  # the backward's block
+    finally:
+        host.set_sm90(True)
+        host.set_smem_optin(0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -53,9 +53,14 @@ FWD_ROW_TILES = {d: (1, 2) if d <= 128 else (1,) for d in SDPA_FWD_FAMILIES}
 KERNELS = {f"sdpa_fwd<{dt}, {d}{mods}, MT={mt}>": ("sdpa_fwd", d)
            for dt in DTYPES.values() for d in SDPA_FWD_FAMILIES for mods in SDPA_VARIANTS.values()
            for mt in FWD_ROW_TILES[d]}
-KERNELS.update({f"sdpa_bwd<{dt}, {d}{mods}>": ("sdpa_bwd", d)
+# The backward comes with 1 and 2 m16 key tiles a warp (", KT=2": 128-key blocks at D = 64..128
+# without softcap and ALiBi, launched where the code and the device hold it; sdpa_bwd.cuh
+# two_key_tiles), each with the shared memory of its own launch.
+KERNELS.update({f"sdpa_bwd<{dt}, {d}{mods}, KT=1>": ("sdpa_bwd", d)
                 for dt in DTYPES.values() for d in SDPA_BWD_FAMILIES
                 for mods in SDPA_VARIANTS.values()})
+KERNELS.update({f"sdpa_bwd<{dt}, {d}, KT=2>": ("sdpa_bwd_kt2", d)
+                for dt in DTYPES.values() for d in SDPA_BWD_FAMILIES if 64 <= d <= 128})
 KERNELS.update({f"sdpa_bwd_delta<{dt}>": (None, 0) for dt in DTYPES.values()})
 KERNELS.update({f"additive_{op}<{dt}>": ("additive", cuda_backend.MAX_ADDITIVE_VALUE_DIM)
                 for op in ("fwd", "bwd") for dt in DTYPES.values()})
@@ -99,12 +104,12 @@ def cuobjdump() -> str:
 
 
 def kernel_name(symbol: str) -> str:
-    """`sdpa_bwd<bf16, 128>` (`sdpa_bwd<bf16, 128, mods>` with the score modifiers; the
-    forward's row tiles: `sdpa_fwd<bf16, 128, MT=2>`) for the mangled symbol of that
-    instantiation."""
+    """`sdpa_fwd<bf16, 128, MT=2>` (`sdpa_fwd<bf16, 128, mods, MT=2>` with the score
+    modifiers; MT: the forward's row tiles, KT: the backward's key tiles, `sdpa_bwd<bf16, 128,
+    KT=2>`) for the mangled symbol of that instantiation."""
     if m := _SDPA.search(symbol):
-        return f"{m[1]}<{DTYPES[m[2]]}, {m[3]}{SDPA_VARIANTS[m[4]]}" + (
-            f", MT={m[5]}>" if m[5] else ">")
+        tiles = "MT" if m[1] == "sdpa_fwd" else "KT"
+        return f"{m[1]}<{DTYPES[m[2]]}, {m[3]}{SDPA_VARIANTS[m[4]]}, {tiles}={m[5]}>"
     if m := _ADDITIVE.search(symbol):
         return f"additive_{m[1]}<{DTYPES[m[2]]}>"
     if m := _DELTA.search(symbol):
@@ -240,7 +245,7 @@ def table():
                          local_bytes=local, spill_store_bytes=stores, spill_load_bytes=loads,
                          static_shared_bytes=static,
                          dynamic_shared_bytes=_ops._C.cuda_smem_bytes(op, dim) if op else 0))
-        if op in ("sdpa_fwd", "sdpa_bwd"):
+        if op in ("sdpa_fwd", "sdpa_bwd", "sdpa_bwd_kt2"):
             rows[-1]["main_loop"] = instruction_mix(loops.get((symbol, arch), []))
     rows.sort(key=lambda r: (r["kernel"], r["arch"]))
     version = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
@@ -273,13 +278,22 @@ def row_tiles(kernel: str) -> int:
     return int(m[1]) if (m := re.search(r"MT=(\d)", kernel)) else 1
 
 
+def key_tiles(kernel: str) -> int:
+    """A backward kernel's m16 key tiles a warp (1 for the other kernels)."""
+    return int(m[1]) if (m := re.search(r"KT=(\d)", kernel)) else 1
+
+
 def launched(row: dict) -> bool:
-    """Whether a (kernel, arch) row is what that arch's devices launch: sdpa_fwd.cuh row_tiles,
-    two row tiles from sm_90 on up to D = 128; the other forward variant is a stub."""
-    if not row["kernel"].startswith("sdpa_fwd<"):
-        return True
-    return row_tiles(row["kernel"]) == (2 if sm90(row["arch"]) and head_dim(row["kernel"]) <= 128
-                                        else 1)
+    """Whether a (kernel, arch) row is what that arch's devices can launch; the other variants
+    are stubs. Forward: sdpa_fwd.cuh row_tiles, two row tiles from sm_90 on up to D = 128.
+    Backward: one key tile everywhere (the fallback); two (sdpa_bwd.cuh two_key_tiles) from
+    sm_90 on (below, D = 64's and 128's shared memory does not fit, and ptxas spills D = 96)."""
+    kernel = row["kernel"]
+    if kernel.startswith("sdpa_fwd<"):
+        return row_tiles(kernel) == (2 if sm90(row["arch"]) and head_dim(kernel) <= 128 else 1)
+    if kernel.startswith("sdpa_bwd<") and key_tiles(kernel) == 2:
+        return sm90(row["arch"])
+    return True
 
 
 def sm90(arch: str) -> bool:
@@ -287,14 +301,15 @@ def sm90(arch: str) -> bool:
     return int(re.match(r"sm_(\d+)", arch)[1]) >= 90
 
 
-def test_each_arch_holds_the_forward_variant_it_launches(table):
-    """The forward variant an arch does not launch is a stub (no loop, a few registers), so the
-    build compiles each family once per arch; the launched one is the real kernel."""
-    fwd = [r for r in table if r["kernel"].startswith("sdpa_fwd<")]
-    stubs = [r for r in fwd if not launched(r)]
+@pytest.mark.parametrize("kernel", ["sdpa_fwd<", "sdpa_bwd<"])
+def test_each_arch_holds_the_variants_it_launches(table, kernel):
+    """A variant an arch does not launch is a stub (no loop, a few registers), so the build
+    compiles no more than it runs; the launched ones are the real kernels."""
+    rows = [r for r in table if r["kernel"].startswith(kernel)]
+    stubs = [r for r in rows if not launched(r)]
     assert stubs and all(r["registers"] <= 16 and not r["main_loop"]["HMMA.16816"]
                          for r in stubs), stubs
-    assert all(r["main_loop"]["HMMA.16816"] for r in fwd if launched(r))
+    assert all(r["main_loop"]["HMMA.16816"] for r in rows if launched(r))
 
 
 def test_no_spills(table):
@@ -307,8 +322,8 @@ def test_no_spills(table):
 
 
 def test_shared_memory_fits_each_arch(table):
-    over = [r for r in table
-            if r["static_shared_bytes"] + r["dynamic_shared_bytes"] > OPT_IN_SHARED[r["arch"]]]
+    over = [r for r in table if launched(r)
+            and r["static_shared_bytes"] + r["dynamic_shared_bytes"] > OPT_IN_SHARED[r["arch"]]]
     assert not over, "\n".join(
         f"{r['kernel']} {r['arch']}: {r['static_shared_bytes']} + {r['dynamic_shared_bytes']} B "
         f"of shared memory > {OPT_IN_SHARED[r['arch']]}" for r in over)
@@ -391,9 +406,9 @@ def test_forward_main_loops_are_fa2_instructions(table):
 # ----------------------------------------------------------------------------- the SDPA backward
 
 def test_99kb_parts_take_the_sdpa_backward_up_to_160():
-    """The mma.sync backward's tiles (BN = 64 keys, BM = 64 or 32 query rows) fit 99 KB parts
-    up to the 160 family: their calls are decided by the forward's needs alone (which refuse
-    97-128 there); 161-256 need more."""
+    """The mma.sync backward's 64-key variant (BM = 64 or 32 query rows), which every launch can
+    fall back on, fits 99 KB parts up to the 160 family: their calls are decided by the
+    forward's needs alone (which refuse 97-128 there); 161-256 need more."""
     for dim in range(1, 161):
         assert _ops._C.cuda_smem_bytes("sdpa_bwd", dim) <= SM86_OPT_IN
     assert _ops._C.cuda_smem_bytes("sdpa_bwd", 161) > SM86_OPT_IN
@@ -418,24 +433,46 @@ def test_backward_is_built_on_mma_ldmatrix_and_cp_async(table):
     every architecture built."""
     symbols = {(kernel_name(sym), arch): sym
                for sym, arch in resource_usage(cuobjdump(), _ops._C.__file__)}
-    wanted = {(f"sdpa_bwd<{dt}, {d}{mods}>", a) for dt in DTYPES.values()
-              for d in SDPA_BWD_FAMILIES for mods in SDPA_VARIANTS.values() for a in built_archs()}
-    assert wanted <= {(r["kernel"], r["arch"]) for r in table}
+    wanted = {(r["kernel"], r["arch"]) for r in table
+              if r["kernel"].startswith("sdpa_bwd<") and launched(r)}
+    assert {(f"sdpa_bwd<{dt}, {d}{mods}, KT=1>", a) for dt in DTYPES.values()
+            for d in SDPA_BWD_FAMILIES for mods in SDPA_VARIANTS.values()
+            for a in built_archs()} <= wanted
     for name, arch in sorted(wanted):
         mix = sass_mix(symbols[name, arch], arch)
         missing = [op for op in ("HMMA.16816", "LDSM", "LDGSTS") if not mix.get(op)]
         assert not missing, f"{name} {arch}: no {missing} in its SASS ({mix})"
 
 
+def test_128_key_backward_reads_half_an_ldmatrix_per_mma_or_less(table):
+    """The backward's 128-key variant (sdpa_bwd.cuh KT = 2: 32 keys by 32 queries or more a warp
+    in S^T and dP^T, each ldmatrix x4 of Q or dO feeding four MMAs; dK and dV split by head
+    dims, their P^T and dS^T read from shared memory) issues at most one LDSM per two HMMA in
+    its main loop, where the 64-key variant issues 0.54-0.62 (16 keys a warp):
+    shared memory, not the tensor cores, is what bounds mma.sync on Hopper (an ldmatrix x4
+    moves 512 bytes at 128 bytes a clock an SM, an m16n8k16 takes about one clock of its four
+    tensor cores)."""
+    rows = [r for r in table if r["kernel"].startswith("sdpa_bwd<") and key_tiles(r["kernel"]) == 2
+            and launched(r)]
+    assert rows
+    heavy = [f"{r['kernel']} {r['arch']}: {r['main_loop']['LDSM']} LDSM, "
+             f"{r['main_loop']['HMMA.16816']} HMMA" for r in rows
+             if 2 * r["main_loop"]["LDSM"] > r["main_loop"]["HMMA.16816"]]
+    assert not heavy, "\n".join(heavy)
+
+
 def exponentials_per_tile(kernel: str) -> int:
     """The exponentials one thread computes per tile of an SDPA kernel: its share of the
     forward's 128 x BN scores (BN = 64 keys, 32 where MT D > 128; 256 threads with one row
-    tile a warp, 128 with two; sdpa_fwd.cuh Config) or of the backward's 64 x BM step (BM = 64
-    queries up to D = 64, else 32, split over two warps above D = 128; sdpa_bwd.cuh Config)."""
+    tile a warp, 128 with two; sdpa_fwd.cuh Config) or of the backward's BN x BM step (KT = 1:
+    64 keys, BM = 64 queries up to D = 64, else 32, split over two warps above D = 128; KT = 2:
+    128 keys, 64 queries (128 at D = 64), 256 threads; sdpa_bwd.cuh Config)."""
     d = head_dim(kernel)
     if kernel.startswith("sdpa_fwd<"):
         mt = row_tiles(kernel)
         return 128 * (32 if d * mt > 128 else 64) // (256 // mt)
+    if key_tiles(kernel) == 2:
+        return 128 * (128 if d == 64 else 64) // 256
     threads = 128 * (2 if d > 128 else 1)
     return 64 * (64 if d <= 64 else 32) // threads
 

@@ -29,12 +29,18 @@ __device__ __forceinline__ uint32_t dropout_key_bh(const Dropout& d, uint32_t bh
   return mix32(d.seed0 ^ mix32(bh ^ d.seed1));
 }
 
+// Whether element (i, j) of head key_bh is kept, with dropout on.
+__device__ __forceinline__ bool dropout_keeps(const Dropout& d, uint32_t key_bh, uint32_t i,
+                                              uint32_t j) {
+  return mix32(mix32(key_bh ^ i) ^ j) >= d.threshold;
+}
+
 // The factor element (i, j) of head key_bh is multiplied by: 0 (dropped), 1/(1-p) (kept), or 1
 // without dropout.
 __device__ __forceinline__ float dropout_factor(const Dropout& d, uint32_t key_bh, uint32_t i,
                                                 uint32_t j) {
   if (!d.on) return 1.f;
-  return mix32(mix32(key_bh ^ i) ^ j) >= d.threshold ? d.keep_scale : 0.f;
+  return dropout_keeps(d, key_bh, i, j) ? d.keep_scale : 0.f;
 }
 
 // Whether key j is admissible for query i by the sizes and the band lo <= j - i <= hi, and
@@ -121,6 +127,14 @@ __device__ __forceinline__ bool huge_lse(float lse) {
 }
 
 __host__ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// The most dynamic shared memory a block may opt in to on devices that run code of `arch`
+// (__CUDA_ARCH__ / 10, or device.cuh code_arch): an H100's 227 KB from sm_90 on, an A100's 163
+// KB below. Parts with less run such code too (sm_86/89: sm_80 code, 99 KB; sm_120: sm_90 PTX,
+// 99 KB): launches that pick a variant by it check the device as well (device_smem_optin).
+__host__ __device__ constexpr size_t arch_smem_optin(int arch) {
+  return arch >= 90 ? 227 * 1024 : 163 * 1024;
+}
 
 // launch(std::true_type{}) when `flag`, else launch(std::false_type{}): picks one of a kernel's
 // two instantiations on a bool template flag (the score modifiers' kMods, the merge's kSinks)

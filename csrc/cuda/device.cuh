@@ -53,10 +53,34 @@ __device__ __forceinline__ float exp2_approx(float x) {
 // The architecture the code of `kernel` on the current device was compiled for (__CUDA_ARCH__
 // / 10: its PTX version, a cubin's or the PTX the driver compiles for a newer device), 0 where
 // it cannot be read (the launch then reports why). Kernels whose variants differ by arch
-// launch the one that code holds (sdpa_fwd.cuh row_tiles).
+// launch the one that code holds (sdpa_fwd.cuh row_tiles, sdpa_bwd.cuh two_key_tiles).
 inline int code_arch(const void* kernel) {
   cudaFuncAttributes attributes;
   return cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess ? attributes.ptxVersion : 0;
+}
+
+// The dynamic shared memory a block may opt in to on the current device
+// (cudaDevAttrMaxSharedMemoryPerBlockOptin), 0 where it cannot be read. Kernels with variants
+// of different shared memory launch the largest that fits (sdpa_bwd.cuh).
+inline size_t device_smem_optin() {
+  int device = 0, bytes = 0;
+  const cudaDeviceAttr attr = cudaDevAttrMaxSharedMemoryPerBlockOptin;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bytes, attr, device) != cudaSuccess)
+    return 0;
+  return size_t(bytes);
+}
+
+// at[0] += a, at[1] += b in global memory (at 8-byte aligned), atomically per element: from
+// sm_90 one vector reduction (red.global.add.v2.f32: one instruction, and the pair's 8 bytes in
+// one request), before two atomics.
+__device__ __forceinline__ void red_add_f32x2(float* at, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(at), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(at, a);
+  atomicAdd(at + 1, b);
+#endif
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), and the launch's error.

@@ -133,8 +133,11 @@ cudaError_t sdpa_bwd_family(const SdpaParams& p, cudaStream_t stream);
 cudaError_t sdpa_bwd_delta(const SdpaParams& p, cudaStream_t stream);
 
 // Shared memory the forward (backward) SDPA launch requests for head dims E, Ev up to `dim`
-// (the serving family's Config::smem_bytes; 0 past the largest family).
+// (the serving family's Config::smem_bytes; 0 past the largest family). The backward's is its
+// 64-key variant's, which every launch can fall back on; sdpa_bwd_kt2_smem_bytes: its 128-key
+// variant's, which launches where the device holds it (sdpa_bwd.cuh; 0 outside families 64-128).
 size_t sdpa_smem_bytes(bool backward, int dim);
+size_t sdpa_bwd_kt2_smem_bytes(int dim);
 
 // Each returns the cudaError_t of its launches (cudaSuccess when nothing had to run).
 // Shared memory the additive kernels need for value dim Ev (the host checks it fits).

@@ -48,5 +48,14 @@ size_t sdpa_smem_bytes(bool backward, int dim) {
   return backward ? backward_bytes(dim) : forward_bytes(dim);
 }
 
+size_t sdpa_bwd_kt2_smem_bytes(int dim) {
+  switch (sdpa_fwd_family_of(dim)) {
+    case 64: return sdpa_bwd_smem_bytes<64, 2>();
+    case 96: return sdpa_bwd_smem_bytes<96, 2>();
+    case 128: return sdpa_bwd_smem_bytes<128, 2>();
+    default: return 0;
+  }
+}
+
 }  // namespace cuda
 }  // namespace attnx

@@ -78,6 +78,7 @@ uint64_t g_seed = 0;
 uint64_t g_last_blocks = 0;  // 0: every block (set_last_blocks)
 bool g_sm90 = true;  // set_sm90
 size_t g_last_threads = 0;  // last_launch_threads
+size_t g_smem_optin = 0;    // set_smem_optin
 thread_local uint64_t g_launches = 0;
 
 Fiber& self() { return g_block->fibers[g_block->current]; }
@@ -258,10 +259,10 @@ void warp_collective(const char* what, uintptr_t key, void* slot, const WarpWork
 
 cudaError_t run(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body) {
   const size_t threads = size_t(block.x) * block.y * block.z;
-  if (threads == 0 || threads > 1024 || threads % 32 != 0 || smem > kMaxSmem) {
+  if (threads == 0 || threads > 1024 || threads % 32 != 0 || smem > smem_optin()) {
     g_last_error = "invalid launch: " + std::to_string(threads) + " threads (whole warps, at most " +
                    "1024), " + std::to_string(smem) + " bytes of shared memory (at most " +
-                   std::to_string(kMaxSmem) + ")";
+                   std::to_string(smem_optin()) + ")";
     return cudaErrorInvalidConfiguration;
   }
   g_last_threads = threads;
@@ -299,6 +300,12 @@ void set_last_blocks(uint64_t n) { g_last_blocks = n; }
 void set_sm90(bool sm90) { g_sm90 = sm90; }
 
 bool sm90() { return g_sm90; }
+
+void set_smem_optin(size_t bytes) { g_smem_optin = bytes; }
+
+size_t smem_optin() {
+  return g_smem_optin ? g_smem_optin : g_sm90 ? kMaxSmem : size_t(163) * 1024;
+}
 
 size_t last_launch_threads() { return g_last_threads; }
 

@@ -97,6 +97,19 @@ inline unsigned __float_as_uint(float x) {
 // device.cuh's code_arch: the architecture the harness stands for (set_sm90).
 inline int code_arch(const void*) { return ::attnx::host::sm90() ? 90 : 80; }
 
+// device.cuh's device_smem_optin: the opt-in shared memory of the part the harness stands for
+// (set_smem_optin; by default an H100's with set_sm90, else an A100's).
+inline size_t device_smem_optin() { return ::attnx::host::smem_optin(); }
+
+// device.cuh's red_add_f32x2 (red.global.add.v2.f32 from sm_90, which needs an 8-byte aligned
+// pair): blocks and fibers run one at a time, so plain adds are atomic.
+inline void red_add_f32x2(float* at, float a, float b) {
+  if (reinterpret_cast<uintptr_t>(at) % 8 != 0)
+    ::attnx::host::misuse("red_add_f32x2 address not 8-byte aligned");
+  at[0] += a;
+  at[1] += b;
+}
+
 // The launch of the device code (device.cuh): the grid runs here, through the harness.
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,

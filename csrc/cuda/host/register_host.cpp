@@ -243,6 +243,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "run only each launch's last n blocks (0: all); for tests of far offsets");
   m.def("set_sm90", &attnx::host::set_sm90,
         "launch the variants of sm_90 code (True, the default) or of sm_80 code");
+  m.def("set_smem_optin", &attnx::host::set_smem_optin,
+        "the opt-in shared memory per block of the part the harness stands for (0: by set_sm90)");
   m.def("last_launch_threads", &attnx::host::last_launch_threads,
         "the threads a block of the last launch had");
   // Self-tests of csrc/cuda/mma.cuh's primitives (tests/test_cuda_mma.py; mma_selftest.h).

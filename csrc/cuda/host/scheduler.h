@@ -61,6 +61,12 @@ void set_last_blocks(uint64_t n);
 void set_sm90(bool sm90);
 bool sm90();
 
+// Test-only: the opt-in shared memory per block of the part the harness stands for, where a
+// kernel picks its variant by it (device.cuh device_smem_optin): `bytes`, or with 0 (the
+// default) an H100's 227 KB under set_sm90(true), an A100's 163 KB under set_sm90(false).
+void set_smem_optin(size_t bytes);
+size_t smem_optin();
+
 // Test-only: the threads a block of the last launch had.
 size_t last_launch_threads();
 
