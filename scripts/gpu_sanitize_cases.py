@@ -4,7 +4,7 @@
     compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/gpu_sanitize_cases.py cuda triton
 
 SDPA with a float mask (its gradient too), dropout, GQA and a window; with a bool mask; causal;
-head dims off the kernels' tile sizes (59) and at them (128); additive attention with a mask,
+head dims off the kernels' tile sizes (59) and at them (128); several key blocks (300 keys); additive attention with a mask,
 dropout, a window and its weights' gradient; packed sequences (varlen). Sizes are small so
 that a sanitizer run takes seconds. Run it once without the sanitizer first with TRITON_CACHE_AUTOTUNING=1 (as
 scripts/gpu_check.sh does): the Triton autotuner then reads its choice from the disk cache
@@ -52,6 +52,10 @@ def sdpa_cases(backend: str) -> None:
         torch.autograd.grad(out.sum(), (q, k, v))
         out = attnx.scaled_dot_product_attention(q[:, :2, :33], k, v, is_causal=True, backend=backend)
         torch.autograd.grad(out.sum(), (q, k, v))
+    # several key blocks of the backward (128 keys on sm_90 at D 64-128), interior ones too
+    q, k, v = t(1, 2, 200, 64), t(1, 2, 300, 64), t(1, 2, 300, 64)
+    out = attnx.scaled_dot_product_attention(q, k, v, backend=backend)
+    torch.autograd.grad(out.sum(), (q, k, v))
 
 
 def additive_cases(backend: str) -> None:
