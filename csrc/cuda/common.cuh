@@ -116,8 +116,10 @@ __device__ __forceinline__ float alibi_slope(const ScoreMods& m, int64_t bh) {
   return m.alibi != nullptr ? m.alibi[bh] : 0.f;
 }
 
+constexpr float kLog2e = 1.4426950408889634f;
+
 // exp(x) for x <= 0 or -inf, through the fast exp2 unit.
-__device__ __forceinline__ float fast_exp(float x) { return exp2_approx(x * 1.4426950408889634f); }
+__device__ __forceinline__ float fast_exp(float x) { return exp2_approx(x * kLog2e); }
 
 // Whether a row's saved lse is too large for exp(s - lse) to rebuild its probabilities
 // (csrc/cpu/huge_lse.h): they come out R times too large, R = sum_j exp(s_j - lse), which the

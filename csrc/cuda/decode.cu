@@ -33,7 +33,7 @@ constexpr int kThreads = 128, kWarps = kThreads / 32;
 constexpr int kRows = kDecodeRows, kKeys = kDecodeKeys;
 constexpr int kRowsPerWarp = kRows / kWarps;  // rows r = warp + kWarps * u
 static_assert(kKeys == 32 && kRows % kWarps == 0, "score layout: lane = key, warp = rows");
-constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+constexpr float kLn2 = 0.6931471805599453f;
 // CTAs the splits aim at: two waves of an H100's 132 SMs; kMaxSplits bounds the scratch (and
 // the merge's loop over the splits).
 constexpr int kTargetCtas = 264, kMaxSplits = 128;

@@ -261,7 +261,10 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
     for (int r = threadIdx.x; r < BM; r += kThreads) {
       const bool in = i0 + r < seq.Lq;
       const int64_t at = rows + i0 + r;
-      vals[r] = in ? p.lse[at] : -INFINITY;
+      // lse, +inf for rows without probabilities (lse -inf, or past Lq): s - lse is then -inf
+      // whatever s is (the exp pass below)
+      const float lse = in ? p.lse[at] : -INFINITY;
+      vals[r] = lse == -INFINITY ? INFINITY : lse;
       vals[BM + r] = in ? p.delta[at] : 0.f;
       vals[2 * BM + r] = in ? 1.f / p.row_sums[at] : 1.f;
     }
@@ -301,7 +304,7 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
     const uint32_t key_bh = sdpa_dropout_key(p, b, h);
     const T* Q = Qs + stage * BM * LDH;
     const T* dO = dOs + stage * BM * LDH;
-    const float* lse_s = row_vals + stage * C::kRowValues * BM;
+    const float* lse_s = row_vals + stage * C::kRowValues * BM;  // +inf for -inf
     const float* delta_s = lse_s + BM;
     const float* inv_r_s = delta_s + BM;
     // (key, query) of element e of key tile kt, n8 tile n of the S^T fragments, within the block
@@ -375,12 +378,12 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
       else
         edge(std::integral_constant<MaskKind, MaskKind::None>{});
     }
+    // exp(s - lse) / R: 0 for masked scores (-inf) and for rows without probabilities (+inf
+    // subtracted), without a test. The difference is formed before the factor log2(e): lse and
+    // the scores may be near the float range (huge finite biases).
     each([&](int kt, int n, int e) {
       const int il = query_of(n, e);
-      const float lse = lse_s[il];
-      pt[kt][n][e] = (pt[kt][n][e] == -INFINITY || lse == -INFINITY)
-                         ? 0.f
-                         : fast_exp(pt[kt][n][e] - lse) * inv_r_s[il];
+      pt[kt][n][e] = fast_exp(pt[kt][n][e] - lse_s[il]) * inv_r_s[il];
     });
 
     // dV += (P^T z) dO: the dropped-out probabilities, as the forward multiplied them with V.

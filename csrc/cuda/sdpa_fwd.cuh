@@ -60,7 +60,6 @@ namespace cuda {
 namespace sdpa_fwd_impl {
 
 constexpr int kBM = 128;
-constexpr float kLog2e = 1.4426950408889634f;
 
 // m16 row tiles per warp in code compiled for sm_90 or later (sm90) or below. Two up to D
 // = 128 from sm_90 on (FA2's 4 warps x 32 rows): each K and V fragment read from shared memory
