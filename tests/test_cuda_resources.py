@@ -307,8 +307,10 @@ def test_each_arch_holds_the_variants_it_launches(table, kernel):
     compiles no more than it runs; the launched ones are the real kernels."""
     rows = [r for r in table if r["kernel"].startswith(kernel)]
     stubs = [r for r in rows if not launched(r)]
-    assert stubs and all(r["registers"] <= 16 and not r["main_loop"]["HMMA.16816"]
-                         for r in stubs), stubs
+    # every arch's code has forward stubs; the backward's are sm_80 code's (an sm_90-only build,
+    # CI's torch 2.11 stage, has none)
+    assert stubs or (kernel == "sdpa_bwd<" and all(sm90(a) for a in built_archs()))
+    assert all(r["registers"] <= 16 and not r["main_loop"]["HMMA.16816"] for r in stubs), stubs
     assert all(r["main_loop"]["HMMA.16816"] for r in rows if launched(r))
 
 
