@@ -505,3 +505,48 @@ def test_mask_loads_share_one_basic_block(table):
              f"{exponentials_per_tile(r['kernel']) // 2}" for r in rows
              if r["main_loop"]["ldg_per_block"] < exponentials_per_tile(r["kernel"]) // 2]
     assert not short, "main loops whose mask loads are split over blocks:\n" + "\n".join(short)
+
+
+# -------------------------------------------------------------------------------------- additive
+
+def innermost_loops(symbol: str, arch: str) -> list:
+    """{opcode: count} of each innermost loop (a backward branch whose range holds no other
+    loop) of a kernel's SASS for `arch`; MUFU keeps its function (MUFU.RCP, MUFU.EX2)."""
+    text = subprocess.run([cuobjdump(), "--dump-sass", "--gpu-architecture", arch, "--function",
+                           symbol, _ops._C.__file__], check=True, capture_output=True,
+                          text=True).stdout
+    instrs = [(int(a, 16), op) for a, op, _ in _SASS_INSTR.findall(text)]
+    loops = [(int(m[1], 16), a) for a, op, operands in _SASS_INSTR.findall(text)
+             if op.startswith("BRA") and (m := _BRANCH_TARGET.search(operands))
+             for a in [int(a, 16)] if int(m[1], 16) <= a]
+    inner = [(t, a) for t, a in loops
+             if not any((t, a) != (t2, a2) and t <= t2 and a2 <= a for t2, a2 in loops)]
+    mixes = []
+    for t, a in inner:
+        mix = {}
+        for addr, op in instrs:
+            if t <= addr <= a:
+                key = ".".join(op.split(".")[:2]) if op.startswith("MUFU") else op.split(".")[0]
+                mix[key] = mix.get(key, 0) + 1
+        mixes.append(mix)
+    return mixes
+
+
+def test_additive_score_loop_takes_one_reciprocal_per_two_terms(table):
+    """The additive forward's score loop over exponentials (additive.cu chunk_scores, r_pair)
+    issues one MUFU.RCP per two terms: per pair of terms two FFMA for the denominators and two
+    for the sums (so at most one RCP per four FFMA), where one reciprocal a term held the SFU
+    (16 lanes a clock an SM) twice as long as the loop took to issue. The loop over raw q, k
+    (exponentials per term, MUFU.EX2) is the rare path and is left out; the score loop is the
+    innermost loop with the most reciprocals (the others divide integers or floats)."""
+    symbols = {(kernel_name(sym), arch): sym
+               for sym, arch in resource_usage(cuobjdump(), _ops._C.__file__)}
+    rows = [r for r in table if r["kernel"].startswith("additive_fwd<")]
+    assert rows
+    for r in rows:
+        loops = [m for m in innermost_loops(symbols[r["kernel"], r["arch"]], r["arch"])
+                 if m.get("MUFU.RCP") and not m.get("MUFU.EX2")]
+        assert loops, f"{r['kernel']} {r['arch']}: no score loop over exponentials found"
+        score = max(loops, key=lambda m: m["MUFU.RCP"])
+        assert 4 * score["MUFU.RCP"] <= score.get("FFMA", 0), (
+            f"{r['kernel']} {r['arch']}: one reciprocal a term or more: {score}")

@@ -3,12 +3,16 @@
 // The (Lq, Lk, A) tanh tensor is never stored: each kernel recomputes it from q and k tiles held
 // in shared memory, A chunk by A chunk, through
 //   r = 1 / (e^{2q} e^{2k} + 1) = (1 - tanh(q + k)) / 2,   tanh = 1 - 2r,   1 - tanh^2 = 4r(1 - r)
-// with e^{2q} and e^{2k} computed once per loaded element (1/kBK + 1/kBQ of an exp per (i, j, a)),
-// so a score's (i, j, a) costs two FMAs and one approximate reciprocal (rcp_approx: one SFU op,
-// where tanhf is two SFU ops and about 18 others). e^{2x} is a normal float for |x| <= kExpLimit,
-// and then the product never meets inf * 0; a chunk holding a larger |q| or |k| (rare: it is
-// tanh's flat tail) keeps the raw values and computes r = 1 / (e^{2(q+k)} + 1) per element.
-// Then s = sum_a v - 2 sum_a v r.
+// with e^{2q} and e^{2k} computed once per loaded element (1/kBK + 1/kBQ of an exp per (i, j, a)).
+// Two terms share one approximate reciprocal (`r_pair`): with d = e^{2q} e^{2k} + 1,
+//   r1 = d2 / (d1 d2),  r2 = d1 / (d1 d2),
+// so a term costs about three FMA-pipe ops and half an SFU op. The SFU bounds these loops: it
+// does 16 lanes a clock an SM against 128 FMA lanes (a warp's reciprocal holds its SM quarter's
+// SFU for 8 clocks), and one reciprocal a term left the score loop at 8 clocks of SFU per 4
+// instructions issued; tanhf would be two SFU ops and about 18 others. For |x| <= kExpLimit,
+// d lies in [1, e^{4 kExpLimit} + 1] and d1 d2 is a normal float; a chunk holding a larger |q|
+// or |k| (rare: it is tanh's flat tail) keeps the raw values and computes
+// r = 1 / (e^{2(q+k)} + 1) per element. Then s = sum_a v - 2 sum_a v r.
 //
 // Forward: one CTA per (query tile of kBQ rows, head, batch). Per key tile of kBK keys: the score
 // tile in registers (thread = 2 rows x 4 keys); the online softmax on those registers, each row's
@@ -49,11 +53,12 @@ constexpr int kBQ = 16, kBK = 64, kAC = 32, kEC = 64, kThreads = 128, kWarps = k
 // and tc = tid % 16: a row's keys sit in the 16 lanes of a half warp.
 constexpr int kRows = 2, kCols = 4, kRowLanes = 16;
 static_assert(kBQ == kRows * kThreads / kRowLanes && kBK == kCols * kRowLanes, "score layout");
+static_assert(kCols % 2 == 0 && kBQ % 2 == 0, "terms go in pairs (r_pair)");
 static_assert(kAC == 32 && kBK == 16 * kWarps, "gradient layout: lane = a, warp = 16 keys");
 static_assert(kEC == 64 && kBQ == 4 * kWarps, "value layout: warp = 4 rows, lane = 2 columns");
-// |x| up to which e^{2x} is used: e^{+-80} is a normal float, so e^{2q} e^{2k} is finite and
-// nonzero or rounds to 0 / inf only where tanh is -1 / 1 in fp32.
-constexpr float kExpLimit = 40.f;
+// |x| up to which e^{2x} is used: then d1 d2 <= (e^{40} + 1)^2 < 2^128 (r_pair). Past it,
+// tanh(x + y) is +-1 in fp32 unless the other operand is as large (|x + y| >= 9 rounds it).
+constexpr float kExpLimit = 10.f;
 // CTAs per SM the kernels are compiled for (__launch_bounds__): ptxas (CUDA 13) then fits them
 // in 96 and 128 registers without spilling (test_cuda_resources.py); the backward's gradient
 // loop holds 16 dq partials and 16 e^{2q} per thread.
@@ -105,13 +110,23 @@ struct Head {  // pointers to one (b, h)
   }
 };
 
-// r = 1 / (e^{2(q + k)} + 1) from the chunk's entries: e^{2q} and e^{2k} when kFast, q and k
-// otherwise (where e^{2(q+k)} = inf gives r = 0, tanh = 1; exp2f's relative error, which grows
-// with |q + k|, is scaled by dr/de = r(1 - r) <= e^{-2|q+k|} there).
-template <bool kFast>
-__device__ __forceinline__ float r_of(float x, float y) {
+// r = 1 / (e^{2(x + y)} + 1) from raw q and k, for chunks past kExpLimit (where
+// e^{2(x+y)} = inf gives r = 0, tanh = 1; exp2f's relative error, which grows with |x + y|, is
+// scaled by dr/de = r(1 - r) <= e^{-2|x+y|} there).
+__device__ __forceinline__ float r_raw(float x, float y) {
   constexpr float kTwoLog2e = 2.8853900817779268f;
-  return kFast ? rcp_approx(fmaf(x, y, 1.f)) : rcp_approx(1.f + exp2f(kTwoLog2e * (x + y)));
+  return rcp_approx(1.f + exp2f(kTwoLog2e * (x + y)));
+}
+
+// scale / (d1 d2), d1 and d2 (d = xy + 1) for two pairs of exponentials: r1 = d2 times the first,
+// r2 = d1 times it. One reciprocal for two terms (see the top of the file); d1 d2 rounds twice
+// more than 1 / d, about 2 ulp in all.
+struct RPair {
+  float s, d1, d2;
+};
+__device__ __forceinline__ RPair r_pair(float x1, float y1, float x2, float y2, float scale) {
+  const float d1 = fmaf(x1, y1, 1.f), d2 = fmaf(x2, y2, 1.f);
+  return {scale * rcp_approx(d1 * d2), d1, d2};
 }
 
 // Loads the A chunk [a0, a0 + kAC) of the query tile, the key tile and v (zero past the ends,
@@ -173,7 +188,16 @@ __device__ __forceinline__ void chunk_scores(const Smem& L, const float* sm, int
 #pragma unroll
     for (int u = 0; u < kRows; ++u)
 #pragma unroll
-      for (int m = 0; m < kCols; ++m) acc[u][m] = fmaf(w, r_of<kFast>(x[u], y[m]), acc[u][m]);
+      for (int m = 0; m < kCols; m += 2) {
+        if constexpr (kFast) {  // w r1 = (w / (d1 d2)) d2: the scale folds into the sums' FMAs
+          const RPair rp = r_pair(x[u], y[m], x[u], y[m + 1], w);
+          acc[u][m] = fmaf(rp.s, rp.d2, acc[u][m]);
+          acc[u][m + 1] = fmaf(rp.s, rp.d1, acc[u][m + 1]);
+        } else {
+          acc[u][m] = fmaf(w, r_raw(x[u], y[m]), acc[u][m]);
+          acc[u][m + 1] = fmaf(w, r_raw(x[u], y[m + 1]), acc[u][m + 1]);
+        }
+      }
   }
 }
 
@@ -383,9 +407,12 @@ __device__ __forceinline__ void chunk_grads(const AdditiveParams& p, const Smem&
     for (int i = 0; i < kBQ; i += 4) {
       const float4 d4 = *reinterpret_cast<const float4*>(sm + L.dS + c * kStrideT + i);
       const float ds[4] = {d4.x, d4.y, d4.z, d4.w};
+      // One reciprocal a term here, not r_pair: a term's other five FMA-pipe ops already fill
+      // the 8 clocks its reciprocal holds the SFU, and pairs add three more per two terms
+      // (sm_90 SASS: 127 -> 143 instructions a 16-term step).
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
-        const float r = r_of<kFast>(x[i + n], y);
+        const float r = kFast ? rcp_approx(fmaf(x[i + n], y, 1.f)) : r_raw(x[i + n], y);
         const float gi = ds[n] * fmaf(-r, r, r);
         dq[i + n] += gi;
         g += gi;
