@@ -45,12 +45,22 @@ class Modifiers(NamedTuple):  # a tuple: torch.compile traces it on every suppor
 NO_MODIFIERS = Modifiers()
 
 
+def _to_float(name: str, x: numbers.Real, expected: str) -> float:
+    """float(x), where an int too large for a float raises naming the argument (float() raises
+    OverflowError with no name)."""
+    try:
+        return float(x)
+    except OverflowError:
+        raise ValueError(f"{name}: expected {expected}, got an integer of {int(x).bit_length()} "
+                         "bits, too large for a float") from None
+
+
 def _check_softcap(softcap, dtype: torch.dtype) -> Optional[float]:
     if softcap is None:
         return None
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap: expected None or a float > 0, got {_type_name(softcap)}")
-    c = float(softcap)
+    c = _to_float("softcap", softcap, "a finite float > 0")
     if not (math.isfinite(c) and c > 0):
         raise ValueError(f"softcap: expected a finite float > 0, got {softcap}")
     if dtype != torch.float64 and c > torch.finfo(torch.float32).max:
@@ -169,7 +179,7 @@ def _check_same(name: str, x: torch.Tensor, ref: torch.Tensor, ref_name: str) ->
 def _check_dropout(dropout_p) -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p: expected a float, got {_type_name(dropout_p)}")
-    p = float(dropout_p)
+    p = _to_float("dropout_p", dropout_p, "0 <= dropout_p <= 1")
     if not (0.0 <= p <= 1.0):
         raise ValueError(f"dropout_p: expected 0 <= dropout_p <= 1, got {dropout_p}")
     return p
@@ -420,12 +430,13 @@ def _check_scale(scale, e: int, dtype: torch.dtype) -> float:
         return 1.0 / math.sqrt(e) if e > 0 else 1.0
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale: expected None or a float, got {_type_name(scale)}")
-    if not math.isfinite(float(scale)):
+    value = _to_float("scale", scale, "a finite float")
+    if not math.isfinite(value):
         raise ValueError(f"scale: expected a finite float, got {scale}")
-    if dtype != torch.float64 and abs(float(scale)) > torch.finfo(torch.float32).max:
+    if dtype != torch.float64 and abs(value) > torch.finfo(torch.float32).max:
         # the kernels scale in float32 (float64 only for float64 inputs): inf there, NaN after
         raise ValueError(f"scale: expected a value float32 can hold for {dtype} inputs, got {scale}")
-    return float(scale)
+    return value
 
 
 def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causal, scale,
@@ -559,6 +570,8 @@ def _check_cu_seqlens(name: str, cu, total: int, device) -> list:
         raise TypeError(f"{name}: expected device {device} (that of q), got {cu.device}")
     if cu.dim() != 1 or cu.numel() == 0:
         raise ValueError(f"{name}: expected shape (N + 1,) with N >= 0, got {tuple(cu.shape)}")
+    if cu.device.type == "meta":  # the call's shapes depend on the values
+        raise TypeError(f"{name}: expected a tensor with values, got one on the meta device")
     values = cu.tolist()
     if values[0] != 0:
         raise ValueError(f"{name}: expected to start at 0, got {values[0]}")

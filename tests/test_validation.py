@@ -64,6 +64,10 @@ SDPA_CASES = [
     (dict(scale=math.nan), ValueError, ["scale", "finite", "nan"]),
     (dict(scale="1"), TypeError, ["scale", "float", "str"]),
     (dict(scale=1e39), ValueError, ["scale", "float32 can hold", "1e+39"]),
+    # ints past a float's range (float() raises OverflowError without the argument's name)
+    (dict(scale=2**1024), ValueError, ["scale", "1025 bits", "too large for a float"]),
+    (dict(dropout_p=2**1024), ValueError, ["dropout_p", "too large for a float"]),
+    (dict(softcap=-(2**1030)), ValueError, ["softcap", "1031 bits", "too large for a float"]),
     (dict(window=(1, 2, 3)), ValueError, ["window", "pair"]),
     (dict(window=(-1, 2)), ValueError, ["window", "left >= 0", "-1"]),
     (dict(window=(1, 2.5)), TypeError, ["window", "right", "float"]),
@@ -88,6 +92,20 @@ def test_meta_device_mismatch():
         sdpa(key=K.to("meta"))
     with pytest.raises(TypeError, match="attn_mask: expected device cpu"):
         sdpa(attn_mask=torch.ones(8, 10, dtype=torch.bool, device="meta"))
+
+
+def test_meta_tensors_give_meta_results_on_the_default_backend():
+    """Meta tensors (shapes only) run through backend=None as through torch's functions: the
+    reference's float64 rerun test, which reads values, is left out for them (it raised
+    RuntimeError from Tensor.item()); varlen's shapes depend on cu_seqlens' values."""
+    out = sdpa(query=Q.to("meta"), key=K.to("meta"), value=V.to("meta"), is_causal=True)
+    assert out.device.type == "meta" and out.shape == (2, 4, 8, 12)
+    out = attnx.additive_attention(*(t.to("meta") for t in (A_Q, A_K, A_VAL, A_V)))
+    assert out.device.type == "meta" and out.shape == (2, 3, 5, 4)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32, device="meta")
+    x = torch.randn(7, 2, 8, device="meta")
+    with pytest.raises(TypeError, match="cu_seqlens_q: expected a tensor with values"):
+        attnx.varlen_attention(x, x, x, cu, cu)
 
 
 A_Q, A_K, A_VAL, A_V = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 4), torch.randn(8)

@@ -38,8 +38,10 @@ def _float64_where_float32_overflows(op):
     @functools.wraps(op)
     def run(call):
         result = op(call, _compute_dtype(call.q.dtype))
-        if call.q.dtype == torch.float64 or torch.compiler.is_compiling():
-            return result  # (a traced graph keeps no data-dependent branch: no rerun there)
+        if (call.q.dtype == torch.float64 or torch.compiler.is_compiling()
+                or call.q.device.type == "meta"):
+            # (a traced graph keeps no data-dependent branch, meta tensors no data: no rerun)
+            return result
         out, lse = result[0], result[1]
         if not (bool(torch.isfinite(out).all()) and not bool((lse.isnan() | (lse == float("inf"))).any())):
             result = op(call, torch.float64)
