@@ -280,6 +280,19 @@ def test_sdpa_rows_under_a_huge_finite_bias(dtype):
                rand(2, 2, lk, 64, dtype=dtype), mask)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale,size", [(3e8, 1.0), (1e9, 1.0), (None, 3000.0)])
+def test_sdpa_huge_scaled_scores(dtype, scale, size):
+    """Scaled scores of 1e6 to 1e10, from a huge scale or from huge q and k under the default
+    one: the forward's folded exponent exp2(v c - fl(m c)) gave the largest score of a row
+    2^err, err up to ulp(m c) / 2 (2^-64 at 3e8: flushed to zero in fp16, a zero row; 2^256 at
+    1e9: NaN); past kFoldLimit its tiles subtract first (sdpa_fwd.cuh exp_diff)."""
+    torch.manual_seed(14)
+    q, k, v = (size * rand(1, 2, n, 64, dtype=torch.float32, grad=False) for n in (33, 97, 97))
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    check_sdpa(q, k, v, grads=False, scale=scale)
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_sdpa_dropout_matches_reference(p):
     torch.manual_seed(9)
@@ -382,8 +395,9 @@ def test_sdpa_backward_families_dropout_window_gqa(e, ev):
 
 # The backward's two variants (sdpa_bwd.cuh): 128-key blocks on 8 warps (KT = 2) where the code
 # and the part's shared memory hold them, else 64-key blocks (KT = 1: 4 warps up to D = 128),
-# which the tests above reach at D = 64..128 only with softcap or ALiBi: here the harness stands
-# for each part (set_sm90: its code's arch; set_smem_optin: its shared memory per block).
+# which the tests above reach at D = 64..128 only with softcap or ALiBi at D = 64
+# (test_modifiers.py): here the harness stands for each part (set_sm90: its code's arch;
+# set_smem_optin: its shared memory per block).
 SM86_OPT_IN = 101376
 PARTS = {"sm_90": (True, 0), "sm_80": (False, 0), "sm_86": (False, SM86_OPT_IN),
          "sm_120": (True, SM86_OPT_IN)}  # sm_120 runs the sm_90 PTX with 99 KB

@@ -53,14 +53,15 @@ FWD_ROW_TILES = {d: (1, 2) if d <= 128 else (1,) for d in SDPA_FWD_FAMILIES}
 KERNELS = {f"sdpa_fwd<{dt}, {d}{mods}, MT={mt}>": ("sdpa_fwd", d)
            for dt in DTYPES.values() for d in SDPA_FWD_FAMILIES for mods in SDPA_VARIANTS.values()
            for mt in FWD_ROW_TILES[d]}
-# The backward comes with 1 and 2 m16 key tiles a warp (", KT=2": 128-key blocks at D = 64..128
-# without softcap and ALiBi, launched where the code and the device hold it; sdpa_bwd.cuh
-# two_key_tiles), each with the shared memory of its own launch.
+# The backward comes with 1 and 2 m16 key tiles a warp (", KT=2": 128-key blocks at D = 64..128,
+# with softcap and ALiBi at 96..128, launched where the code and the device hold it;
+# sdpa_bwd.cuh two_key_tiles), each with the shared memory of its own launch.
 KERNELS.update({f"sdpa_bwd<{dt}, {d}{mods}, KT=1>": ("sdpa_bwd", d)
                 for dt in DTYPES.values() for d in SDPA_BWD_FAMILIES
                 for mods in SDPA_VARIANTS.values()})
-KERNELS.update({f"sdpa_bwd<{dt}, {d}, KT=2>": ("sdpa_bwd_kt2", d)
-                for dt in DTYPES.values() for d in SDPA_BWD_FAMILIES if 64 <= d <= 128})
+KERNELS.update({f"sdpa_bwd<{dt}, {d}{mods}, KT=2>": ("sdpa_bwd_kt2", d)
+                for dt in DTYPES.values() for d in SDPA_BWD_FAMILIES
+                for mods in SDPA_VARIANTS.values() if (96 if mods else 64) <= d <= 128})
 KERNELS.update({f"sdpa_bwd_delta<{dt}>": (None, 0) for dt in DTYPES.values()})
 KERNELS.update({f"additive_{op}<{dt}>": ("additive", cuda_backend.MAX_ADDITIVE_VALUE_DIM)
                 for op in ("fwd", "bwd") for dt in DTYPES.values()})
@@ -287,7 +288,8 @@ def launched(row: dict) -> bool:
     """Whether a (kernel, arch) row is what that arch's devices can launch; the other variants
     are stubs. Forward: sdpa_fwd.cuh row_tiles, two row tiles from sm_90 on up to D = 128.
     Backward: one key tile everywhere (the fallback); two (sdpa_bwd.cuh two_key_tiles) from
-    sm_90 on (below, D = 64's and 128's shared memory does not fit, and ptxas spills D = 96)."""
+    sm_90 on (below, D = 64's and 128's shared memory does not fit, and ptxas spills D = 96),
+    with the modifiers from D = 96 (no D = 64 instance of those is built)."""
     kernel = row["kernel"]
     if kernel.startswith("sdpa_fwd<"):
         return row_tiles(kernel) == (2 if sm90(row["arch"]) and head_dim(kernel) <= 128 else 1)

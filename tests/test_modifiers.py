@@ -356,7 +356,7 @@ def test_half_precision(backend, dtype):
 # float16 and bfloat16 only; head dims in the families 32, 64 and 160 (the wide backward); the
 # harness runs each case in about a second at these sizes.
 
-CUDA_SHAPES = [  # b, hq, hkv, lq, lk, e, ev
+CUDA_SHAPES = [  # b, hq, hkv, lq, lk, e, ev (96-128: test_cuda_backward_with_modifiers_...)
     (1, 1, 1, 1, 1, 16, 16),
     (2, 3, 3, 17, 97, 64, 64),
     (1, 4, 2, 97, 17, 160, 150),  # GQA, Lq > Lk, Ev != E, the wide backward
@@ -405,6 +405,25 @@ def test_cuda_dropout_reproducible(backend, dtype):
     again = _actual(backend, dtype, q, k, v, dout, None, mods, dict(dropout_p=0.3), None, 11)
     for name, a, b in zip(NAMES, first, again):
         assert a is None and b is None or torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend,e,threads,dtype",
+                         [pytest.param("cuda", 64, 128, torch.bfloat16, marks=MARKS["cuda"]),
+                          pytest.param("cuda", 96, 256, torch.float16, marks=MARKS["cuda"]),
+                          pytest.param("cuda", 128, 256, torch.bfloat16, marks=MARKS["cuda"])],
+                         ids=str)
+def test_cuda_backward_with_modifiers_in_128_key_blocks_from_96(backend, e, threads, dtype):
+    """sm_90 code (what the harness stands for by default) runs the backward with softcap and
+    ALiBi in 128-key blocks on 8 warps at head dims 96-128 (sdpa_bwd.cuh two_key_tiles<D,
+    true>: the cap's derivative kept as fp16 pairs), in 64-key blocks on 4 warps at 64, where
+    128 queries a step leave it no registers; over two key blocks, GQA, a causal band. (A GPU
+    launches the variant its part holds: there only the values are checked.)"""
+    q, k, v, dout = _inputs(1, 4, 2, 60, 150, e, e)
+    check(backend, dtype, q, k, v, dout, mods=_modifiers(4, 1, ("softcap", "alibi")),
+          is_causal=True)
+    if not ON_GPU:
+        from attnx import _cuda_host as host
+        assert host.last_launch_threads() == threads  # the backward's block
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=MARKS["cuda"])])

@@ -120,5 +120,12 @@ __host__ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, floa
   return r;
 }
 
+// The two fp16 halves of a pack2<__half> register as floats (lo, hi).
+__host__ __device__ __forceinline__ float2 unpack2_half(uint32_t r) {
+  __half2 v;
+  memcpy(&v, &r, sizeof r);
+  return __half22float2(v);
+}
+
 }  // namespace cuda
 }  // namespace attnx

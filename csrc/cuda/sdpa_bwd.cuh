@@ -3,8 +3,8 @@
 // mma.sync m16n8k16 with fp32 accumulate (mma.cuh), for every head-dim family up to 256.
 //
 // Two variants (Config<D, KT>), by the key tiles KT of 16 keys each warp holds:
-//   KT = 2, sm_90 code at D = 64..128 without softcap and ALiBi where the device holds its
-//     shared memory (two_key_tiles, launch below): FA2's 128-key block on 8 warps. Warp w owns
+//   KT = 2, sm_90 code at D = 64..128 (with softcap or ALiBi: 96..128) where the device holds
+//     its shared memory (two_key_tiles, launch below): FA2's 128-key block on 8 warps. Warp w owns
 //     keys 32(w % 4).. +31 and head dims [w / 4 * D/2, +D/2) of their dK and dV rows, and
 //     computes S^T, dP^T of its 32 keys and half w / 4 of the step's BM queries (32 x 32 a
 //     warp at BM = 64: each ldmatrix x4 of Q or dO feeds four MMAs, two n8 tiles for each of
@@ -279,6 +279,9 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
     cp_async_commit();
   }
 
+  // The key of element e of key tile kt, within the block: in the S^T and dP^T fragments and
+  // in the dK and dV accumulators alike (keys are their rows).
+  auto key_of = [&](int kt, int e) { return kr0 + 16 * kt + g + (e >= 2 ? 8 : 0); };
   // f(kt, n, e) for each of the warp's S^T (and dP^T) fragment elements: key tile kt, n8 query
   // tile n, element e.
   auto each = [](auto&& f) {
@@ -288,6 +291,16 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
       for (int n = 0; n < NQ; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) f(kt, n, e);
+  };
+  // f(kt, n, e) for each pair of those elements e, e + 1 (e = 0, 2): a fragment row's two
+  // adjacent queries.
+  auto each_pair = [](auto&& f) {
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+      for (int n = 0; n < NQ; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) f(kt, n, e);
   };
 
   for (int s = 0; s < steps; ++s) {
@@ -307,9 +320,8 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
     const float* lse_s = row_vals + stage * C::kRowValues * BM;  // +inf for -inf
     const float* delta_s = lse_s + BM;
     const float* inv_r_s = delta_s + BM;
-    // (key, query) of element e of key tile kt, n8 tile n of the S^T fragments, within the block
+    // the query of element e of n8 tile n of the S^T fragments, within the step
     auto query_of = [&](int n, int e) { return qw0 + n * 8 + 2 * t + (e & 1); };
-    auto key_of = [&](int kt, int e) { return kr0 + 16 * kt + g + (e >= 2 ? 8 : 0); };
     // The step's dropout pattern over the warp's elements, hashed once for both dV's P z and
     // dS's dP z: bit (kt NQ + n) 4 + e set where element (kt, n, e) is kept.
     static_assert(KT * NQ * 4 <= 64, "a bit per element");
@@ -326,20 +338,15 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
     // x^T (S^T-shaped fragments, times z with `dropped`) into a key-major shared tile, the two
     // queries of a fragment pair in one 32-bit store.
     auto store_t = [&](T* tile, const float(&x)[KT][NQ][4], auto dropped) {
-#pragma unroll
-      for (int kt = 0; kt < KT; ++kt)
-#pragma unroll
-        for (int n = 0; n < NQ; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; e += 2) {
-            float lo = x[kt][n][e], hi = x[kt][n][e + 1];
-            if constexpr (decltype(dropped)::value) {
-              lo *= factor(kt, n, e);
-              hi *= factor(kt, n, e + 1);
-            }
-            *reinterpret_cast<uint32_t*>(tile + key_of(kt, e) * LDT + query_of(n, e)) =
-                pack2<T>(lo, hi);
-          }
+      each_pair([&](int kt, int n, int e) {
+        float lo = x[kt][n][e], hi = x[kt][n][e + 1];
+        if constexpr (decltype(dropped)::value) {
+          lo *= factor(kt, n, e);
+          hi *= factor(kt, n, e + 1);
+        }
+        *reinterpret_cast<uint32_t*>(tile + key_of(kt, e) * LDT + query_of(n, e)) =
+            pack2<T>(lo, hi);
+      });
     };
 
     // A block wholly inside the sizes and the band, without a mask, admits every pair: its
@@ -349,20 +356,27 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
                           j0 <= seq.Lk - BN && int64_t(j0) - i0 - (BM - 1) >= seq.lo &&
                           int64_t(j0) + (BN - 1) - i0 <= seq.hi;
 
-    // P^T, in the S^T fragments; with a softcap, tanh of the capped scores in tc. As in the
-    // forward, each pass is one straight run under a warp-uniform branch (a per-element test
-    // would give every exponential a basic block of its own).
+    // P^T, in the S^T fragments; with a softcap, the cap's derivative 1 - tanh^2 of each score
+    // in dcap, two to a register in fp16 (in [0, 1], 2^-11 apart: below the rounding dS takes
+    // to T for the MMAs; as floats, KT = 2's 32 more registers spilled). As in the forward, each
+    // pass is one straight run under a warp-uniform branch (a per-element test would give every
+    // exponential a basic block of its own).
     float pt[KT][NQ][4] = {};
-    float tc[kMods ? KT : 1][kMods ? NQ : 1][4];
+    uint32_t dcap[kMods ? KT : 1][kMods ? NQ : 1][2];
     const float slope = kMods ? alibi_slope(p.mods, bh) : 0.f;
     product_nt<T, D, KT, NQ, LDH>(pt, Ks, kr0, Q + qw0 * LDH, lane);
-    each([&](int kt, int n, int e) {
-      pt[kt][n][e] *= p.scale;
-      if constexpr (kMods)
-        pt[kt][n][e] = modified_score(
-            pt[kt][n][e], p.mods, slope,
-            fabsf(float(i0 + query_of(n, e) + seq.diag - j0 - key_of(kt, e))), tc[kt][n][e]);
-    });
+    each([&](int kt, int n, int e) { pt[kt][n][e] *= p.scale; });
+    if constexpr (kMods) {
+      each_pair([&](int kt, int n, int e) {
+        float tc[2] = {0.f, 0.f};  // tanh(score / softcap); left alone without a softcap
+#pragma unroll
+        for (int x = 0; x < 2; ++x)
+          pt[kt][n][e + x] = modified_score(
+              pt[kt][n][e + x], p.mods, slope,
+              fabsf(float(i0 + query_of(n, e + x) + seq.diag - j0 - key_of(kt, e + x))), tc[x]);
+        dcap[kt][n][e / 2] = pack2<__half>(fmaf(-tc[0], tc[0], 1.f), fmaf(-tc[1], tc[1], 1.f));
+      });
+    }
     if (!interior) {  // one straight run per mask kind (admit_as: predicated mask loads)
       auto edge = [&](auto kind) {
         each([&](int kt, int n, int e) {
@@ -418,8 +432,12 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
       });
     }
     if constexpr (kMods) {
-      if (p.mods.softcap > 0.f)
-        each([&](int kt, int n, int e) { ds[kt][n][e] *= 1.f - tc[kt][n][e] * tc[kt][n][e]; });
+      if (p.mods.softcap > 0.f) {
+        each([&](int kt, int n, int e) {
+          const float2 f = unpack2_half(dcap[kt][n][e / 2]);
+          ds[kt][n][e] *= e % 2 == 0 ? f.x : f.y;
+        });
+      }
     }
     store_t(dSt, ds, std::false_type{});
 
@@ -483,21 +501,23 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
     for (int n = 0; n < ND; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int j = j0 + kr0 + 16 * kt + g + (e >= 2 ? 8 : 0), c = c0 + n * 8 + 2 * t + (e & 1);
+        const int j = j0 + key_of(kt, e), c = c0 + n * 8 + 2 * t + (e & 1);
         if (j >= seq.Lk) continue;
         if (c < p.E) dk_out[int64_t(j) * p.E + c] = from_float<T>(dk[kt][n][e] * p.scale);
         if (c < p.Ev) dv_out[int64_t(j) * p.Ev + c] = from_float<T>(dv[kt][n][e]);
       }
 }
 
-// Whether code of `arch` (__CUDA_ARCH__ / 10, or code_arch) holds family D's KT = 2 variant:
-// sm_90 code at D = 64..128. Below sm_90 its shared memory does not fit at D = 64 (179 KB) nor
-// 128 (174 KB), and ptxas 13.0 spills D = 96 (8 bytes); at D = 32 it reads more shared memory
-// per MMA than KT = 1 (0.67 ldmatrix per MMA against 0.58: S^T and dP^T of 32 queries over 32
-// columns) and leaves half the warps without a dQ task.
-template <int D>
+// Whether code of `arch` (__CUDA_ARCH__ / 10, or code_arch) holds family D's KT = 2 variant
+// (kMods: the one with softcap and ALiBi): sm_90 code at D = 64..128, with the modifiers from
+// D = 96 (at D = 64, 128 queries a step, their per-score derivative spills 60 bytes). Below
+// sm_90 its shared memory does not fit at D = 64 (179 KB) nor 128 (174 KB), and ptxas 13.0
+// spills D = 96 (8 bytes); at D = 32 it reads more shared memory per MMA than KT = 1 (0.67
+// ldmatrix per MMA against 0.58: S^T and dP^T of 32 queries over 32 columns) and leaves half
+// the warps without a dQ task.
+template <int D, bool kMods = false>
 __host__ __device__ constexpr bool two_key_tiles(int arch) {
-  if constexpr (D < 64 || D > 128)
+  if constexpr (D < (kMods ? 96 : 64) || D > 128)
     return false;
   else
     return arch >= 90 && Config<D, 2>::smem_bytes <= arch_smem_optin(arch);
@@ -509,7 +529,7 @@ __host__ __device__ constexpr bool two_key_tiles(int arch) {
 template <typename T, int D, bool kMods, int KT>
 __global__ void __launch_bounds__(Config<D, KT>::kThreads, 1) sdpa_bwd_kernel(const SdpaParams p) {
 #if defined(__CUDA_ARCH__)
-  if constexpr (KT == 2 && !two_key_tiles<D>(__CUDA_ARCH__ / 10)) {
+  if constexpr (KT == 2 && !two_key_tiles<D, kMods>(__CUDA_ARCH__ / 10)) {
     __trap();
   } else
 #endif
@@ -526,18 +546,21 @@ cudaError_t launch_tiles(const SdpaParams& p, cudaStream_t stream) {
                        stream, p);
 }
 
-// KT = 2 without softcap and ALiBi (the softcap keeps a tanh per score: 52 bytes of spill at
-// D = 128; the sinks need nothing here, so the plain kernel serves them) where the code holds it
-// (an sm_90 device may run sm_80 code) and the device its shared memory (not 99 KB parts);
-// else KT = 1, which every part takes up to the 160 family.
+// KT = 2 where the code holds it (an sm_90 device may run sm_80 code) and the device its shared
+// memory (not 99 KB parts); the sinks need nothing in the backward, so the plain kernel serves
+// them. Else KT = 1, which every part takes up to the 160 family.
 template <typename T, int D>
 cudaError_t launch(const SdpaParams& p, cudaStream_t stream) {
+  const bool modified = p.mods.softcap > 0.f || p.mods.alibi != nullptr;
   if constexpr (D >= 64 && D <= 128) {
     const void* probe = reinterpret_cast<const void*>(sdpa_bwd_kernel<T, D, false, 2>);
-    const bool modified = p.mods.softcap > 0.f || p.mods.alibi != nullptr;
-    if (!modified && two_key_tiles<D>(code_arch(probe)) &&
-        Config<D, 2>::smem_bytes <= device_smem_optin())
-      return launch_tiles<T, D, false, 2>(p, stream);
+    const int arch = code_arch(probe);
+    if (Config<D, 2>::smem_bytes <= device_smem_optin()) {
+      if (!modified && two_key_tiles<D>(arch)) return launch_tiles<T, D, false, 2>(p, stream);
+      if constexpr (two_key_tiles<D, true>(90)) {  // not instantiated where no code holds it
+        if (modified && two_key_tiles<D, true>(arch)) return launch_tiles<T, D, true, 2>(p, stream);
+      }
+    }
   }
   return launch_on_flag(p.mods.any(), [&](auto mods) {
     return launch_tiles<T, D, decltype(mods)::value, 1>(p, stream);

@@ -11,7 +11,8 @@
 //                exp2(v c - m c) is one FFMA + MUFU.EX2 per element, with c = scale log2(e)
 //                folding the scale in (v the raw score); with an additive mask, scale <= 0 or
 //                in the row-sums mode v is the scaled score plus the mask and P = exp2((v - m)
-//                log2(e)) (exp_diff)
+//                log2(e)); a warp whose row maxima pass kFoldLimit takes exp2((v - m) c)
+//                (exp_diff)
 //   O = O alpha + P V   P's accumulators repacked in registers as the A operand (the C layout
 //                of two 8-key blocks is the A layout of one 16-key step), V through
 //                ldmatrix.x4.trans
@@ -93,14 +94,22 @@ constexpr size_t smem_bytes() {
                   Config<D, row_tiles(D, true)>::smem_bytes);
 }
 
-// exp(v - m) in the units of v: with the scale folded in (v raw scores, c = scale log2(e)) one
-// FFMA and EX2 (m c is common to a row's elements); else v, m are scaled scores plus the mask,
-// which may be as large as the dtype's finite range (huge-bias rows), where v c would
-// overflow: subtract first.
+// exp(v - m) in the units of v, c = log2(e) times the scale v still needs (scale log2(e) for
+// raw scores, log2(e) for scaled ones): with the scale folded in, one FFMA and EX2 (m c is
+// common to a row's elements); else subtract first: v, m may be as large as the dtype's finite
+// range (huge-bias rows), where v c would overflow, or m c so large that its rounding is not
+// small (kFoldLimit).
 template <bool kFold>
 __device__ __forceinline__ float exp_diff(float v, float m, float c) {
-  return kFold ? exp2_approx(fmaf(v, c, -(m * c))) : exp2_approx((v - m) * kLog2e);
+  return kFold ? exp2_approx(fmaf(v, c, -(m * c))) : exp2_approx((v - m) * c);
 }
+
+// |m c| up to which the folded form is exact enough: exp2(v c - fl(m c)) gives a row's largest
+// score 2^err, |err| <= ulp(m c) / 2, 2^-5 below 2^20. A huge scale or huge q and k (scaled
+// scores of 1e6 and more) pass it, and the error grows with them: at 3e8, P of the largest
+// score came out 2^-64, which fp16 flushed to zero (a zero output row); at 1e9, 2^+256 = inf
+// (NaN). Tiles past it subtract first.
+constexpr float kFoldLimit = 1048576.f;
 
 // P = exp(v - mu) over a thread's score fragments (rows g and g + 8: e / 2), in place, and the
 // row sums l += P, before dropout.
@@ -326,7 +335,8 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
         else
           masked(std::integral_constant<MaskKind, MaskKind::Additive>{});
       }
-      float alpha[MT][2], mu[MT][2];
+      float alpha[MT][2], mu[MT][2], m_new[MT][2];
+      bool past_fold = false;  // some row max of the warp's, times c, past kFoldLimit
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         float mx[2] = {-INFINITY, -INFINITY};
@@ -338,21 +348,31 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
         for (int r = 0; r < 2; ++r) {
           mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
           mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-          const float m_new = fmaxf(m[mt][r], mx[r]);
-          mu[mt][r] = m_new == -INFINITY ? 0.f : m_new;  // no admissible key yet: all p = 0
-          alpha[mt][r] = fold ? exp_diff<true>(m[mt][r], mu[mt][r], c)
-                              : exp_diff<false>(m[mt][r], mu[mt][r], c);
-          m[mt][r] = m_new;  // (m = -inf gives alpha 0)
-          l[mt][r] *= alpha[mt][r];
+          m_new[mt][r] = fmaxf(m[mt][r], mx[r]);
+          // no admissible key yet: all p = 0
+          mu[mt][r] = m_new[mt][r] == -INFINITY ? 0.f : m_new[mt][r];
+          past_fold = past_fold || !(fabsf(mu[mt][r] * c) <= kFoldLimit);
         }
       }
-      // every row tile's exponentials under one branch: one run whose latencies overlap
-      if (fold) {
+      // warp-uniform: every row tile's exponentials under one branch, one run whose latencies
+      // overlap
+      const bool folded = fold && !__any_sync(0xffffffffu, past_fold);
+      const float cs = fold ? c : kLog2e;  // what the scores in s still need
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          alpha[mt][r] = folded ? exp_diff<true>(m[mt][r], mu[mt][r], c)
+                                : exp_diff<false>(m[mt][r], mu[mt][r], cs);
+          m[mt][r] = m_new[mt][r];  // (m = -inf gives alpha 0)
+          l[mt][r] *= alpha[mt][r];
+        }
+      if (folded) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) exp_scores<true>(s[mt], mu[mt], c, l[mt]);
       } else {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) exp_scores<false>(s[mt], mu[mt], c, l[mt]);
+        for (int mt = 0; mt < MT; ++mt) exp_scores<false>(s[mt], mu[mt], cs, l[mt]);
       }
       if (p.drop.on) {
         each_in_turn([&](float v, int i, int j) {

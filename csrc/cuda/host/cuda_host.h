@@ -4,8 +4,8 @@
 //
 // A launch runs the grid's blocks one after the other, in an order shuffled per seed; a block's
 // threads are fibers (ucontext) that each run until they reach a barrier (__syncthreads, or a
-// warp's collective: __syncwarp, __shfl_xor_sync, mma_m16n8k16, ldmatrix). The next fiber to run is the
-// first of a queue that starts shuffled and takes the fibers a completed barrier releases at its
+// warp's collective: __syncwarp, __shfl_xor_sync, __any_sync, mma_m16n8k16, ldmatrix). The next
+// fiber to run is the first of a queue that starts shuffled and takes the fibers a completed barrier releases at its
 // front, so released threads run ahead of those that have not reached the barrier yet: a missing
 // barrier lets a thread read what others have not written yet, or overwrite what they have not
 // read, and the results come out wrong.
@@ -59,6 +59,19 @@ T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
           static_cast<Slot*>(slots[l])->out = static_cast<Slot*>(slots[same_segment ? src : l])->in;
         }
       });
+  return slot.out;
+}
+
+// Whether `predicate` holds in any lane of the warp (full masks only: what the kernels use).
+inline int __any_sync(unsigned mask, int predicate) {
+  struct Slot {
+    int in, out;
+  } slot{predicate, 0};
+  ::attnx::host::warp_collective("__any_sync", mask, &slot, [](void* const* slots) {
+    int any = 0;
+    for (int l = 0; l < 32; ++l) any |= static_cast<Slot*>(slots[l])->in != 0;
+    for (int l = 0; l < 32; ++l) static_cast<Slot*>(slots[l])->out = any;
+  });
   return slot.out;
 }
 
