@@ -212,6 +212,23 @@ def test_sdpa_rows_under_a_huge_finite_bias():
     check_sdpa(f32, 2, 2, 1, 40, 37, 16, attn_mask=_huge_bias_mask(2, 40, 37))
 
 
+@pytest.mark.parametrize("dtype", [f16, bf16])
+@pytest.mark.parametrize("scale", [3e8, 1e9])
+def test_sdpa_huge_scaled_scores_forward(dtype, scale):
+    """Scaled scores of 1e8-1e10: the forward's in-band loop folds the scale into the exponent,
+    exp2(qk * qk_scale - m), which a GPU compile makes one FMA (sm_90 PTX: fma.rn.f32 into
+    ex2): a row's largest probability then comes out 2^(rounding of m), up to 2^+-64 at 1e9,
+    past fp16's range (the cuda kernel's kFoldLimit case). The interpreter does not fuse, so
+    only a GPU run tests it; the cuda backend passes the same test (test_cuda.py)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (_randn(s, dtype, gen) for s in ((1, 2, 70, 64), (1, 2, 150, 64), (1, 2, 150, 64)))
+    out = attnx.scaled_dot_product_attention(q, k, v, scale=scale, backend="triton")
+    gold = attnx.scaled_dot_product_attention(_up(q), _up(k), _up(v), scale=scale,
+                                              backend="reference")
+    base = attnx.scaled_dot_product_attention(q, k, v, scale=scale, backend="reference")
+    assert_within(out, gold, base)
+
+
 def test_sdpa_lse_is_differentiable():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (_randn(s, f32, gen) for s in ((2, 2, 20, 16), (2, 1, 33, 16), (2, 1, 33, 8)))
