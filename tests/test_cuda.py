@@ -499,7 +499,7 @@ def test_additive_rows_under_a_huge_finite_bias(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_additive_inputs_past_the_exponential_range(dtype):
-    """|q|, |k| past the kernels' limit for exponentials (10), where e^{2q} e^{2k} would leave
+    """|q|, |k| past the kernels' limit for exponentials (18), where e^{2q} e^{2k} would leave
     fp32's range or two terms' product of denominators would, in pairs whose sum q + k is small
     (tanh anything but +-1): those chunks compute tanh from q + k instead; clamped exponentials
     would give tanh(0) there, unguarded ones inf * 0 = NaN."""
@@ -508,9 +508,11 @@ def test_additive_inputs_past_the_exponential_range(dtype):
     q, k = torch.randn(2, 2, lq, a, dtype=dtype), torch.randn(2, 2, lk, a, dtype=dtype)
     q[0, 1, :, 3], k[0, 1, :, 3] = 60.0, -59.5  # q + k = 0.5 in the first A chunk of one head
     q[1, 0, 5, 35], k[1, 0, 7:, 35] = -80.0, 81.0  # one row, in the second chunk of another
-    # neighbouring keys at q + k = 50 and 0.5: each e^{2q} e^{2k} + 1 finite (below a limit of
-    # 40) but not the product of the two, which the fast chunks' paired reciprocal takes
-    q[1, 1, :, 10], k[1, 1, 0::2, 10], k[1, 1, 1::2, 10] = 25.0, 25.0, -24.5
+    # keys at q + k = 44 and 0.5 in turn every 16 keys, which is how a thread pairs them:
+    # e^{2q} e^{2k} + 1 finite, but not its product with the other key's 3.7 (the fast chunks'
+    # shared reciprocal: additive.cu r_pair), so a limit of 22 or more gives a wrong score
+    q[1, 1, :, 10] = 22.0
+    k[1, 1, :, 10] = torch.where((torch.arange(lk) // 16) % 2 == 0, 22.0, -21.5).to(dtype)
     q, k = (t.to(DEV).requires_grad_() for t in (q, k))
     check_additive(q, k, rand(2, 2, lk, 24, dtype=dtype), rand(2, a, dtype=dtype))
 

@@ -537,8 +537,9 @@ def innermost_loops(symbol: str, arch: str) -> list:
 def test_additive_score_loop_takes_one_reciprocal_per_two_terms(table):
     """The additive forward's score loop over exponentials (additive.cu chunk_scores, r_pair)
     issues one MUFU.RCP per two terms: per pair of terms two FFMA for the denominators and two
-    for the sums (so at most one RCP per four FFMA), where one reciprocal a term held the SFU
-    (16 lanes a clock an SM) twice as long as the loop took to issue. The loop over raw q, k
+    for the sums (one RCP per four FFMA; at most one per three is asked, a margin for the
+    compiler, where one reciprocal a term gives one per two), where one reciprocal a term held
+    the SFU (16 lanes a clock an SM) twice as long as the loop took to issue. The loop over raw q, k
     (exponentials per term, MUFU.EX2) is the rare path and is left out; the score loop is the
     innermost loop with the most reciprocals (the others divide integers or floats)."""
     symbols = {(kernel_name(sym), arch): sym
@@ -550,5 +551,5 @@ def test_additive_score_loop_takes_one_reciprocal_per_two_terms(table):
                  if m.get("MUFU.RCP") and not m.get("MUFU.EX2")]
         assert loops, f"{r['kernel']} {r['arch']}: no score loop over exponentials found"
         score = max(loops, key=lambda m: m["MUFU.RCP"])
-        assert 4 * score["MUFU.RCP"] <= score.get("FFMA", 0), (
+        assert 3 * score["MUFU.RCP"] <= score.get("FFMA", 0), (
             f"{r['kernel']} {r['arch']}: one reciprocal a term or more: {score}")

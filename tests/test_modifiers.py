@@ -407,23 +407,30 @@ def test_cuda_dropout_reproducible(backend, dtype):
         assert a is None and b is None or torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("backend,e,threads,dtype",
-                         [pytest.param("cuda", 64, 128, torch.bfloat16, marks=MARKS["cuda"]),
-                          pytest.param("cuda", 96, 256, torch.float16, marks=MARKS["cuda"]),
-                          pytest.param("cuda", 128, 256, torch.bfloat16, marks=MARKS["cuda"])],
+@pytest.mark.parametrize("backend,e,sm90,threads,dtype",
+                         [pytest.param("cuda", 64, True, 128, torch.bfloat16, marks=MARKS["cuda"]),
+                          pytest.param("cuda", 96, True, 256, torch.float16, marks=MARKS["cuda"]),
+                          pytest.param("cuda", 128, True, 256, torch.bfloat16, marks=MARKS["cuda"]),
+                          pytest.param("cuda", 128, False, 128, torch.float16, marks=MARKS["cuda"])],
                          ids=str)
-def test_cuda_backward_with_modifiers_in_128_key_blocks_from_96(backend, e, threads, dtype):
-    """sm_90 code (what the harness stands for by default) runs the backward with softcap and
-    ALiBi in 128-key blocks on 8 warps at head dims 96-128 (sdpa_bwd.cuh two_key_tiles<D,
-    true>: the cap's derivative kept as fp16 pairs), in 64-key blocks on 4 warps at 64, where
-    128 queries a step leave it no registers; over two key blocks, GQA, a causal band. (A GPU
-    launches the variant its part holds: there only the values are checked.)"""
+def test_cuda_backward_with_modifiers_in_128_key_blocks_from_96(backend, e, sm90, threads, dtype):
+    """sm_90 code runs the backward with softcap and ALiBi in 128-key blocks on 8 warps at head
+    dims 96-128 (sdpa_bwd.cuh two_key_tiles<D, true>: the cap's derivative kept as fp16 pairs),
+    in 64-key blocks on 4 warps at 64, where 128 queries a step leave it no registers; sm_80
+    code (the harness's set_sm90(False)) in 64-key blocks; over two key blocks, GQA, a causal
+    band. (A GPU launches the variant its part holds: there only the values are checked.)"""
     q, k, v, dout = _inputs(1, 4, 2, 60, 150, e, e)
-    check(backend, dtype, q, k, v, dout, mods=_modifiers(4, 1, ("softcap", "alibi")),
-          is_causal=True)
     if not ON_GPU:
         from attnx import _cuda_host as host
-        assert host.last_launch_threads() == threads  # the backward's block
+        host.set_sm90(sm90)
+    try:
+        check(backend, dtype, q, k, v, dout, mods=_modifiers(4, 1, ("softcap", "alibi")),
+              is_causal=True)
+        if not ON_GPU:
+            assert host.last_launch_threads() == threads  # the backward's block
+    finally:
+        if not ON_GPU:
+            host.set_sm90(True)
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=MARKS["cuda"])])

@@ -10,7 +10,7 @@
 // does 16 lanes a clock an SM against 128 FMA lanes (a warp's reciprocal holds its SM quarter's
 // SFU for 8 clocks), and one reciprocal a term left the score loop at 8 clocks of SFU per 4
 // instructions issued; tanhf would be two SFU ops and about 18 others. For |x| <= kExpLimit,
-// d lies in [1, e^{4 kExpLimit} + 1] and d1 d2 is a normal float; a chunk holding a larger |q|
+// d lies in [1, e^{4 kExpLimit} + 1] (see kExpLimit for d1 d2); a chunk holding a larger |q|
 // or |k| (rare: it is tanh's flat tail) keeps the raw values and computes
 // r = 1 / (e^{2(q+k)} + 1) per element. Then s = sum_a v - 2 sum_a v r.
 //
@@ -53,12 +53,15 @@ constexpr int kBQ = 16, kBK = 64, kAC = 32, kEC = 64, kThreads = 128, kWarps = k
 // and tc = tid % 16: a row's keys sit in the 16 lanes of a half warp.
 constexpr int kRows = 2, kCols = 4, kRowLanes = 16;
 static_assert(kBQ == kRows * kThreads / kRowLanes && kBK == kCols * kRowLanes, "score layout");
-static_assert(kCols % 2 == 0 && kBQ % 2 == 0, "terms go in pairs (r_pair)");
+static_assert(kCols % 2 == 0, "a thread's keys go in pairs (r_pair)");
 static_assert(kAC == 32 && kBK == 16 * kWarps, "gradient layout: lane = a, warp = 16 keys");
 static_assert(kEC == 64 && kBQ == 4 * kWarps, "value layout: warp = 4 rows, lane = 2 columns");
-// |x| up to which e^{2x} is used: then d1 d2 <= (e^{40} + 1)^2 < 2^128 (r_pair). Past it,
-// tanh(x + y) is +-1 in fp32 unless the other operand is as large (|x + y| >= 9 rounds it).
-constexpr float kExpLimit = 10.f;
+// |x| up to which e^{2x} is used. Then d <= e^{72} + 1 is finite, and d1 d2 (r_pair) overflows
+// only where the other d passes 3.4e38 / e^{72} = 1.8e7: its r then comes out 0 where it is at
+// most 5.6e-8, below the fp32 rounding of an r near 1 in the same sums. (At 22, e^{88} d2
+// overflows for any d2 > 2: r2 = 0 where it is up to 1/2.)
+// Past the limit tanh(x + y) is +-1 in fp32 unless the other operand is as large.
+constexpr float kExpLimit = 18.f;
 // CTAs per SM the kernels are compiled for (__launch_bounds__): ptxas (CUDA 13) then fits them
 // in 96 and 128 registers without spilling (test_cuda_resources.py); the backward's gradient
 // loop holds 16 dq partials and 16 e^{2q} per thread.

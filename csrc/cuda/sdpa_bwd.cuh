@@ -357,8 +357,8 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
                           int64_t(j0) + (BN - 1) - i0 <= seq.hi;
 
     // P^T, in the S^T fragments; with a softcap, the cap's derivative 1 - tanh^2 of each score
-    // in dcap, two to a register in fp16 (in [0, 1], 2^-11 apart: below the rounding dS takes
-    // to T for the MMAs; as floats, KT = 2's 32 more registers spilled). As in the forward, each
+    // in dcap, two to a register in fp16 (in [0, 1], 2^-11 apart: no more than the rounding dS
+    // takes to T for the MMAs; as floats, KT = 2's 32 more registers spilled). As in the forward, each
     // pass is one straight run under a warp-uniform branch (a per-element test would give every
     // exponential a basic block of its own).
     float pt[KT][NQ][4] = {};

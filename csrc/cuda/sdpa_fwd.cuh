@@ -101,7 +101,20 @@ constexpr size_t smem_bytes() {
 // small (kFoldLimit).
 template <bool kFold>
 __device__ __forceinline__ float exp_diff(float v, float m, float c) {
-  return kFold ? exp2_approx(fmaf(v, c, -(m * c))) : exp2_approx((v - m) * c);
+  return kFold ? exp2_approx(fmaf(v, c, -__fmul_rn(m, c))) : exp2_approx((v - m) * c);
+}
+
+// log2 of a row's rescale alpha = 2^(R_old - R_new), R the reference its tiles' exponents
+// subtract: fl(m c) in folded tiles (exp_diff<true>), m c exactly in the others (cs = c, or
+// log2(e) for scaled scores). Taken as the tiles took them, a row's earlier terms stay in step
+// with its new ones: the folded tiles' alpha was exp2(m_old c - fl(m c)), 2^(m c - fl(m c))
+// rather than 1 while the max stood still, compounding tile after tile (up to 2^(T / 32) over T
+// tiles just below kFoldLimit; 2^-20 over 1k tiles at scores near 10).
+__device__ __forceinline__ float rescale_log2(float m_old, float mu, float c, float cs,
+                                              bool was_folded, bool folded) {
+  if (folded)
+    return was_folded ? __fmul_rn(m_old, c) - __fmul_rn(mu, c) : fmaf(m_old, c, -__fmul_rn(mu, c));
+  return was_folded ? fmaf(-mu, c, __fmul_rn(m_old, c)) : (m_old - mu) * cs;
 }
 
 // |m c| up to which the folded form is exact enough: exp2(v c - fl(m c)) gives a row's largest
@@ -191,6 +204,7 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
   // Per row tile mt of the warp: O, and the running max and sum of rows g and g + 8.
   float o[MT][DB][4];
   float m[MT][2], l[MT][2];
+  bool was_folded = false;  // whether the warp's last tile took the folded exponent (rescale)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -362,11 +376,13 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          alpha[mt][r] = folded ? exp_diff<true>(m[mt][r], mu[mt][r], c)
-                                : exp_diff<false>(m[mt][r], mu[mt][r], cs);
-          m[mt][r] = m_new[mt][r];  // (m = -inf gives alpha 0)
+          // (m = -inf gives alpha 0)
+          alpha[mt][r] =
+              exp2_approx(rescale_log2(m[mt][r], mu[mt][r], c, cs, was_folded, folded));
+          m[mt][r] = m_new[mt][r];
           l[mt][r] *= alpha[mt][r];
         }
+      was_folded = folded;
       if (folded) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) exp_scores<true>(s[mt], mu[mt], c, l[mt]);

@@ -62,6 +62,10 @@ T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
   return slot.out;
 }
 
+// A float product rounded as it stands (never contracted into an FMA: nvcc's __fmul_rn; the
+// harness is built without FMA instructions).
+inline float __fmul_rn(float a, float b) { return a * b; }
+
 // Whether `predicate` holds in any lane of the warp (full masks only: what the kernels use).
 inline int __any_sync(unsigned mask, int predicate) {
   struct Slot {
