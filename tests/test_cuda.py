@@ -293,6 +293,17 @@ def test_sdpa_huge_scaled_scores(dtype, scale, size):
     check_sdpa(q, k, v, grads=False, scale=scale)
 
 
+def test_sdpa_tied_scores_just_below_the_fold_limit():
+    """1024 keys of one score, |m scale log2(e)| ~ 2^19.5 (kFoldLimit: still folded): the
+    output is the mean of v. The folded tiles' rescale exp2(m c - fl(m c)) was 2^(rounding), not
+    1, while the max stood still, and weighted the 16 tiles unevenly (rescale_log2)."""
+    torch.manual_seed(15)
+    q = torch.full((1, 1, 4, 64), 254.0, device=DEV, dtype=torch.bfloat16)
+    k = torch.full((1, 1, 1024, 64), 254.0, device=DEV, dtype=torch.bfloat16)
+    v = rand(1, 1, 1024, 64, dtype=torch.bfloat16, grad=False)
+    check_sdpa(q, k, v, grads=False)
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_sdpa_dropout_matches_reference(p):
     torch.manual_seed(9)
