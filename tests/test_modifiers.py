@@ -408,10 +408,11 @@ def test_cuda_dropout_reproducible(backend, dtype):
 
 
 @pytest.mark.parametrize("backend,e,sm90,threads,dtype",
-                         [pytest.param("cuda", 64, True, 128, torch.bfloat16, marks=MARKS["cuda"]),
-                          pytest.param("cuda", 96, True, 256, torch.float16, marks=MARKS["cuda"]),
-                          pytest.param("cuda", 128, True, 256, torch.bfloat16, marks=MARKS["cuda"]),
-                          pytest.param("cuda", 128, False, 128, torch.float16, marks=MARKS["cuda"])],
+                         [pytest.param("cuda", *case, marks=MARKS["cuda"])
+                          for case in [(64, True, 128, torch.bfloat16),
+                                       (96, True, 256, torch.float16),
+                                       (128, True, 256, torch.bfloat16),
+                                       (128, False, 128, torch.float16)]],
                          ids=str)
 def test_cuda_backward_with_modifiers_in_128_key_blocks_from_96(backend, e, sm90, threads, dtype):
     """sm_90 code runs the backward with softcap and ALiBi in 128-key blocks on 8 warps at head

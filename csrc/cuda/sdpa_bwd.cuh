@@ -358,9 +358,9 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
 
     // P^T, in the S^T fragments; with a softcap, the cap's derivative 1 - tanh^2 of each score
     // in dcap, two to a register in fp16 (in [0, 1], 2^-11 apart: no more than the rounding dS
-    // takes to T for the MMAs; as floats, KT = 2's 32 more registers spilled). As in the forward, each
-    // pass is one straight run under a warp-uniform branch (a per-element test would give every
-    // exponential a basic block of its own).
+    // takes to T for the MMAs; as floats, KT = 2's 32 more registers spilled). As in the
+    // forward, each pass is one straight run under a warp-uniform branch (a per-element test
+    // would give every exponential a basic block of its own).
     float pt[KT][NQ][4] = {};
     uint32_t dcap[kMods ? KT : 1][kMods ? NQ : 1][2];
     const float slope = kMods ? alibi_slope(p.mods, bh) : 0.f;

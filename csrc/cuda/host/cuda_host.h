@@ -5,10 +5,10 @@
 // A launch runs the grid's blocks one after the other, in an order shuffled per seed; a block's
 // threads are fibers (ucontext) that each run until they reach a barrier (__syncthreads, or a
 // warp's collective: __syncwarp, __shfl_xor_sync, __any_sync, mma_m16n8k16, ldmatrix). The next
-// fiber to run is the first of a queue that starts shuffled and takes the fibers a completed barrier releases at its
-// front, so released threads run ahead of those that have not reached the barrier yet: a missing
-// barrier lets a thread read what others have not written yet, or overwrite what they have not
-// read, and the results come out wrong.
+// fiber to run is the first of a queue that starts shuffled and takes the fibers a completed
+// barrier releases at its front, so released threads run ahead of those that have not reached
+// the barrier yet: a missing barrier lets a thread read what others have not written yet, or
+// overwrite what they have not read, and the results come out wrong.
 #pragma once
 
 // Execution spaces and launch bounds mean nothing on the host.
