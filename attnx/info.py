@@ -84,7 +84,15 @@ def _choice_line(built: dict) -> str:
         t = how["vector_seconds"]
         vector += (f": a tile's products {t['avx512'] * 1e6:.1f} us on AVX-512, "
                    f"{t['avx2'] * 1e6:.1f} on AVX2")
-    return f"float32 GEMM {gemm}), vector ISA {vector})"
+    line = f"float32 GEMM {gemm}), vector ISA {vector})"
+    if built.get("cpu_vector") == "avx512":
+        rows = f"{built.get('cpu_strip_rows')} ({how.get('strip_rows', '?')}"
+        if "strip_seconds" in how:
+            t = how["strip_seconds"]
+            rows += (f": a tile's products {t['12'] * 1e6:.1f} us in 12-row strips, "
+                     f"{t['6'] * 1e6:.1f} in 6-row")
+        line += f", strips of {rows})"
+    return line
 
 
 def report() -> str:

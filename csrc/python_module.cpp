@@ -33,15 +33,17 @@ pybind11::dict build_info() {
 #endif
   // Which engine runs the float32 CPU SDPA products (csrc/cpu/sdpa_products.h), and which
   // instruction set the CPU kernels' row operations (csrc/cpu/sdpa_tile.h) and the panel
-  // micro-kernel's width (csrc/cpu/sdpa_panels.h): chosen at first use (csrc/cpu/cpu_choice.h),
+  // micro-kernel's width and strip height (csrc/cpu/sdpa_panels.h): chosen at first use (csrc/cpu/cpu_choice.h),
   // which asking here triggers; how each was chosen, and the times where measured.
   const auto& engine = attnx::cpu::engine_choice();
   const auto& vector = attnx::cpu::vector_choice();
   info["cpu_gemm"] = engine.panels ? "panels" : "blas";
   info["cpu_vector"] = attnx::cpu::vector_isa();
+  info["cpu_strip_rows"] = vector.strip_rows;
   pybind11::dict how;
   how["gemm"] = engine.how;
   how["vector"] = vector.how;
+  how["strip_rows"] = vector.strip_how;
   if (std::string(engine.how) == "measured") {
     how["gemm_seconds"] = pybind11::dict(pybind11::arg("panels") = engine.panels_s,
                                          pybind11::arg("blas") = engine.blas_s);
@@ -49,6 +51,10 @@ pybind11::dict build_info() {
   if (std::string(vector.how) == "measured") {
     how["vector_seconds"] = pybind11::dict(pybind11::arg("avx512") = vector.wide_s,
                                            pybind11::arg("avx2") = vector.narrow_s);
+  }
+  if (std::string(vector.strip_how) == "measured") {
+    how["strip_seconds"] = pybind11::dict(pybind11::arg("12") = vector.tall_s,
+                                          pybind11::arg("6") = vector.short_s);
   }
   info["cpu_choice"] = how;
   return info;

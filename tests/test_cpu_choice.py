@@ -61,6 +61,12 @@ def test_choices_are_measured_and_follow_the_rule():
     t = how["vector_seconds"]
     assert t["avx512"] > 0 and t["avx2"] > 0
     assert info["cpu_vector"] == ("avx2" if t["avx2"] < (1 - MARGIN) * t["avx512"] else "avx512")
+    if info["cpu_vector"] == "avx512":
+        # the 512-bit kernel's strip height: 12 rows unless 6 are faster by the margin
+        assert how["strip_rows"] == "measured"
+        t = how["strip_seconds"]
+        assert t["12"] > 0 and t["6"] > 0
+        assert info["cpu_strip_rows"] == (6 if t["6"] < (1 - MARGIN) * t["12"] else 12)
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="one engine and one width only: nothing to fix")
@@ -73,8 +79,43 @@ def test_environment_fixes_the_choices(value):
     if HAS_AVX512:
         assert how["vector"] == f"ATTNX_CPU_AVX512={value}" and "vector_seconds" not in how
         assert info["cpu_vector"] == ("avx512" if value == "1" else "avx2")
+        assert how["strip_rows"] == ("measured" if value == "1" else "AVX-512 not chosen")
     else:
         assert (info["cpu_vector"], how["vector"]) == ("avx2", "no AVX-512")
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="the strip height is the 512-bit kernel's")
+@pytest.mark.parametrize("rows", [6, 12])
+def test_environment_fixes_the_strip_height(rows):
+    info = choices(ATTNX_CPU_AVX512="1", ATTNX_CPU_STRIP_ROWS=str(rows))
+    how = info["cpu_choice"]
+    assert info["cpu_strip_rows"] == rows and how["strip_rows"] == f"ATTNX_CPU_STRIP_ROWS={rows}"
+    assert "strip_seconds" not in how
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="the strip height is the 512-bit kernel's")
+def test_strip_height_never_changes_a_result():
+    """Each score and output is the same FMA chain whatever strip holds its row: 12-row and
+    6-row strips give bitwise the same forward and backward (Lq 300 and 97: tiles of 66 rows,
+    causal edges of 30, backward blocks of 192, each ending on a 6-row strip or a shorter one)."""
+    code = ("import torch, attnx, hashlib\n"
+            "g = torch.Generator().manual_seed(0)\n"
+            "h = hashlib.sha256()\n"
+            "for lq, lk, e, causal in ((300, 260, 64, True), (97, 333, 40, False)):\n"
+            "    q = torch.randn(1, 2, lq, e, generator=g, requires_grad=True)\n"
+            "    k, v = (torch.randn(1, 2, lk, e, generator=g, requires_grad=True) for _ in '12')\n"
+            "    o = attnx.scaled_dot_product_attention(q, k, v, is_causal=causal, backend='cpu')\n"
+            "    o.backward(torch.randn(o.shape, generator=g))\n"
+            "    for t in (o, q.grad, k.grad, v.grad):\n"
+            "        h.update(t.detach().numpy().tobytes())\n"
+            "print(h.hexdigest())\n")
+    digests = {}
+    for rows in (6, 12):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNX_CPU_")}
+        env.update(ATTNX_CPU_PANELS="1", ATTNX_CPU_AVX512="1", ATTNX_CPU_STRIP_ROWS=str(rows))
+        digests[rows] = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                       capture_output=True, text=True).stdout.split()[-1]
+    assert digests[6] == digests[12]
 
 
 def test_first_use_leaves_torchs_random_stream_alone():
@@ -113,6 +154,9 @@ def test_info_names_the_cpu_and_the_choices():
     if HAS_AVX512:
         assert re.search(r"vector ISA (avx512|avx2) \(measured: a tile's products [0-9.]+ us on "
                          r"AVX-512, [0-9.]+ on AVX2\)", kernels), kernels
+        if "vector ISA avx512" in kernels:
+            assert re.search(r"strips of (6|12) \(measured: a tile's products [0-9.]+ us in "
+                             r"12-row strips, [0-9.]+ in 6-row\)", kernels), kernels
     # fixed by the environment: exactly what was asked
     kernels = next(ln for ln in info_output(ATTNX_CPU_PANELS="0", ATTNX_CPU_AVX512="0")
                    .splitlines() if ln.startswith("CPU kernels"))

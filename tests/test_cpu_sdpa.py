@@ -122,6 +122,16 @@ def test_matches_reference(shape, mode):
     _check(torch.float32, *_inputs(*shape), **MODES[mode])
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_matches_reference_over_seeds(seed):
+    """Peaked rows (scale 0.3) over several draws. On the BLAS engine (its rerun below) with
+    MKL on an AVX-512 Xeon the backward's recomputed scores are not the forward's bit for bit:
+    before each row took its normaliser from its own scores, dV's error was 0.9-5.5x PyTorch's
+    own over seeds 0-5 (bound 3x: seed 1 failed, and test_matches_reference's seed 0 at
+    3.09x); now 0.7-1.3x (checked on that Xeon)."""
+    _check(torch.float32, *_inputs(1, 2, 1, 300, 260, 64, 64, seed=seed), scale=0.3)
+
+
 def _mask(kind, b, h, lq, lk, dtype=torch.float64):
     g = torch.Generator().manual_seed(1)
     shape = {"full": (b, h, lq, lk), "row": (lq, lk), "key": (b, 1, 1, lk),

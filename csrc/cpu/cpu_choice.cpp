@@ -23,7 +23,32 @@ int env_flag(const char* name) {
 // Rounds of each candidate, alternating: the tile's products take ~60 us, the forward ~2 ms.
 constexpr int kVectorRounds = 5, kEngineRounds = 3;
 
-VectorChoice choose_vector() {
+// ATTNX_CPU_STRIP_ROWS: 6, 12 or unset (-1).
+int env_rows() {
+  const char* v = std::getenv("ATTNX_CPU_STRIP_ROWS");
+  if (v == nullptr) return -1;
+  const std::string s(v);
+  return s == "6" ? 6 : s == "12" ? 12 : -1;
+}
+
+// The 512-bit kernel's strip height, on a CPU whose vector choice is AVX-512.
+void choose_strip_rows(VectorChoice& c) {
+  if (const int rows = env_rows(); rows > 0) {
+    c.strip_rows = rows;
+    c.strip_how = rows == 6 ? "ATTNX_CPU_STRIP_ROWS=6" : "ATTNX_CPU_STRIP_ROWS=12";
+    return;
+  }
+  double tall = std::numeric_limits<double>::infinity(), low = tall;
+  for (int r = 0; r < kVectorRounds; ++r) {
+    tall = std::min(tall, panel_gemm_seconds(true, 12));
+    low = std::min(low, panel_gemm_seconds(true, 6));
+  }
+  c.strip_rows = low < (1.0 - kMargin) * tall ? 6 : 12;
+  c.strip_how = "measured";
+  c.tall_s = tall, c.short_s = low;
+}
+
+VectorChoice choose_vector_isa() {
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
   if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) {
     return {"baseline", "no AVX2 and FMA"};
@@ -38,14 +63,20 @@ VectorChoice choose_vector() {
   }
   double wide = std::numeric_limits<double>::infinity(), narrow = wide;
   for (int r = 0; r < kVectorRounds; ++r) {
-    wide = std::min(wide, panel_gemm_seconds(true));
-    narrow = std::min(narrow, panel_gemm_seconds(false));
+    wide = std::min(wide, panel_gemm_seconds(true, 6));
+    narrow = std::min(narrow, panel_gemm_seconds(false, 6));
   }
   const bool keep = narrow >= (1.0 - kMargin) * wide;
   return {keep ? "avx512" : "avx2", "measured", wide, narrow};
 #else
   return {"baseline", "not x86"};
 #endif
+}
+
+VectorChoice choose_vector() {
+  VectorChoice c = choose_vector_isa();
+  if (std::string(c.isa) == "avx512") choose_strip_rows(c);
+  return c;
 }
 
 EngineChoice choose_engine() {

@@ -8,6 +8,11 @@
 //   tile's two products (S = Q K^T and O += P V at D = 64, 96 query rows x 256 keys) on the
 //   512-bit micro-kernel and on the 256-bit one, one thread, interleaved rounds, best of each;
 //   AVX-512 unless AVX2 is at least kMargin faster. ATTNX_CPU_AVX512=0 / =1 fixes it.
+// - The 512-bit micro-kernel's strip height (12 or 6 rows of C per pass over a B panel pair):
+//   the same tile's products both ways, AVX-512 only; 12 unless 6 is at least kMargin faster.
+//   12 rows hold 24 of the 32 zmm registers as accumulators and issue 2 + 12 loads per 24 FMAs
+//   where 6 rows issue 2 + 6 per 12: on a 4-wide Intel front end the 6-row loop's 23 uops per
+//   12 FMAs nearly starve two 512-bit FMA ports. ATTNX_CPU_STRIP_ROWS=6 / =12 fixes it.
 // - The float32 SDPA engine (attnx's panels or BLAS): a small forward (B 1, H 4, L 512, D 64)
 //   through both, on the process's threads; the panels unless BLAS is at least kMargin
 //   faster. ATTNX_CPU_PANELS=0 / =1 fixes it.
@@ -19,6 +24,7 @@
 // the first float32 CPU call (2-core VM); `attnx info` and the results files show them and
 // their times.
 #pragma once
+#include <cstdint>
 
 namespace attnx::cpu {
 
@@ -28,6 +34,9 @@ struct VectorChoice {
   const char* isa;   // "avx512", "avx2" or "baseline"
   const char* how;   // "measured", the environment variable that fixed it, or why no choice
   double wide_s = 0, narrow_s = 0;  // the tile's products on 512-bit / 256-bit (measured only)
+  int64_t strip_rows = 6;  // the 512-bit micro-kernel's strip height (12 or 6)
+  const char* strip_how = "AVX-512 not chosen";
+  double tall_s = 0, short_s = 0;  // the tile's products in 12- / 6-row strips (measured only)
 };
 
 struct EngineChoice {

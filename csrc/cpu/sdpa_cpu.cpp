@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_choice.h"
@@ -357,16 +358,25 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
         exp_sum(pr + a, e - a, base[i]);
       };
       bool huge = false, over = scores_may_overflow(g.query_max, g.key_max, scale, d.E);
+      // BLAS picks its kernels, and with them each sum's order, by a call's shape, and the
+      // backward's tiles are not the forward's: with MKL on an AVX-512 Xeon 8-83% of float32
+      // scores differ by ulps between calls of 192 and 132 (or 30) rows. exp(s - lse) of such
+      // scores sums to 1 only within those ulps, an error common to the row that adds up over
+      // the queries in dV (2-5x PyTorch's own at scale 0.3, against ~1x on the panels, whose
+      // scores are the forward's bit for bit). So in float32 every row of the BLAS engine
+      // takes its max and sum from its own recomputed scores, as a huge row does (one more
+      // score product per tile); in float64 those ulps are far below any test's bound.
+      constexpr bool renorm_all = !Grads::forward_scores && std::is_same_v<T, float>;
       for (int64_t i = 0; i < d.Lq; ++i) {
-        huge_row[i] = huge_lse(lh[i]);
+        huge_row[i] = huge_lse(lh[i]) || (renorm_all && std::isfinite(lh[i]));
         base[i] = huge_row[i] ? neg_inf<T>() : lh[i];
         renorm[i] = T(0);
         huge = huge || huge_row[i];
         over = over || !(lh[i] < std::numeric_limits<T>::infinity()) ||
                (lh[i] == neg_inf<T>() && band.admits_any(mask, b, h, i, d.Lk));
       }
-      // A huge row takes the max m and the sum l of its own recomputed scores, from a pass over
-      // its tiles before any gradient uses them: P = exp(s - m) / l. Its saved lse has lost
+      // A huge row (or any, renorm_all) takes the max m and the sum l of its own recomputed
+      // scores, from a pass over its tiles before any gradient uses them: P = exp(s - m) / l. Its saved lse has lost
       // log(l) to rounding, and a score recomputed in another order (BLAS) may sit ulps of |s|
       // from the forward's, which at |s| ~ 1e18 is past exp's range.
       for (int64_t i0 = 0; huge && i0 < d.Lq; i0 += BQ) {

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "cpu_choice.h"
 #include "line_vector.h"
 #include "sdpa_tile.h"
 
@@ -66,8 +67,11 @@ __attribute__((target("avx2,fma"))) void micro_kernel(int64_t k, float alpha, co
 // The same over two adjacent panels (32 columns) in 512-bit registers. Each score is the same
 // FMA chain as in micro_kernel, so both give bitwise the same C. Against micro_kernel on Zen 4
 // (whose 512-bit units are two 256-bit ones), interleaved in one process, 2 threads: +2-4% on
-// the forward and fwd+bwd at L = 1k-4k, D = 64 and 128; half the instructions to issue. Not
-// measured on Intel parts, whose clocks drop under sustained 512-bit FMAs.
+// the forward and fwd+bwd at L = 1k-4k, D = 64 and 128; half the instructions to issue. On an
+// Intel Xeon (Cascade Lake, two 512-bit FMA ports) 1.9x micro_kernel on one tile's products.
+// ROWS = 12 (24 accumulators) where strips of 12 are chosen (cpu_choice.h): on that Xeon the
+// 6-row loop issues 23 uops per 12 FMAs to a 4-wide front end, the 12-row one 41 per 24; the
+// forward gained 7-15% at L = 2k-4k (interleaved processes, 2 threads).
 template <int ROWS>
 __attribute__((target("avx512f"))) void micro_kernel_x2(int64_t k, float alpha, const float* a,
                                                         int64_t ars, int64_t aks,
@@ -75,13 +79,13 @@ __attribute__((target("avx512f"))) void micro_kernel_x2(int64_t k, float alpha, 
                                                         bool accumulate, float* c,
                                                         int64_t ldc) {
   __m512 lo[ROWS], hi[ROWS];
-#pragma GCC unroll 6
+#pragma GCC unroll 12
   for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < k; ++kk) {
     const __m512 b0 = _mm512_loadu_ps(panel + kk * PANEL);
     const __m512 b1 = _mm512_loadu_ps(panel + pstride + kk * PANEL);
     const float* ak = a + kk * aks;
-#pragma GCC unroll 6
+#pragma GCC unroll 12
     for (int r = 0; r < ROWS; ++r) {
       const __m512 x = _mm512_set1_ps(ak[r * ars]);
       lo[r] = _mm512_fmadd_ps(x, b0, lo[r]);
@@ -89,7 +93,7 @@ __attribute__((target("avx512f"))) void micro_kernel_x2(int64_t k, float alpha, 
     }
   }
   const __m512 s = _mm512_set1_ps(alpha);
-#pragma GCC unroll 6
+#pragma GCC unroll 12
   for (int r = 0; r < ROWS; ++r) {
     float* cr = c + r * ldc;
     if (accumulate) {
@@ -102,7 +106,7 @@ __attribute__((target("avx512f"))) void micro_kernel_x2(int64_t k, float alpha, 
   }
 }
 
-constexpr int64_t MR = 6;  // rows per strip
+constexpr int64_t MR = 6;  // rows per strip (the 256-bit kernel's 12 accumulators fill 16 ymm)
 
 // ROWS rows of C by PANELS (1 or 2) adjacent panels.
 template <int PANELS, int ROWS>
@@ -115,27 +119,39 @@ void kernel(int64_t k, float alpha, const float* a, int64_t ars, int64_t aks, co
   }
 }
 
-// Every row of C by PANELS adjacent panels: strips of MR rows, then the last m % MR. Meanwhile
-// the strips prefetch, a few lines each, the `ahead` panels of panel_gemm's next step (at
-// `next`): packed K and V of a long sequence sit in L3 or memory, and the first strip over a
-// panel would otherwise wait on every line (+4-7% on the forward at L = 4096, D = 128, nothing
-// lost at L <= 2048; interleaved in one process, 2 threads; prefetching to L2 instead measured
-// 1% slower).
+// Every row of C by PANELS adjacent panels: strips of `tall` rows (12 or MR: cpu_choice.h),
+// then one of MR if that many are left, then the last rows. Meanwhile the strips prefetch, a few
+// lines each, the `ahead` panels of panel_gemm's next step (at `next`): packed K and V of a long
+// sequence sit in L3 or memory, and the first strip over a panel would otherwise wait on every
+// line (+4-7% on the forward at L = 4096, D = 128, nothing lost at L <= 2048; interleaved in one
+// process, 2 threads; prefetching to L2 instead measured 1% slower). Every row's FMA chain is
+// the same whatever strip holds it, so the strip heights never change C.
 template <int PANELS>
 void strips(int64_t m, int64_t k, float alpha, const float* a, int64_t ars, int64_t aks,
             const float* panel, int64_t pstride, bool accumulate, float* c, int64_t ldc,
-            const float* next, int64_t ahead) {
+            const float* next, int64_t ahead, int64_t tall) {
   static_assert(PANEL * sizeof(float) == 64, "a panel row is one cache line");
-  const int64_t lines = ahead > 0 ? k : 0, count = std::max<int64_t>(1, m / MR);
+  const int64_t full = m / tall, rest = m - full * tall;
+  const int64_t lines = ahead > 0 ? k : 0, count = std::max<int64_t>(1, full + rest / MR);
   const int64_t per_strip = (lines + count - 1) / count;
   int64_t r = 0, fetched = 0;
-  for (; r + MR <= m; r += MR) {
+  const auto prefetch = [&] {
     for (const int64_t upto = std::min(lines, fetched + per_strip); fetched < upto; ++fetched) {
       for (int64_t q = 0; q < ahead; ++q) {
         _mm_prefetch(reinterpret_cast<const char*>(next + q * pstride + fetched * PANEL),
                      _MM_HINT_T0);
       }
     }
+  };
+  if constexpr (PANELS == 2) {
+    for (; tall == 2 * MR && r + 2 * MR <= m; r += 2 * MR) {
+      prefetch();
+      kernel<PANELS, 2 * MR>(k, alpha, a + r * ars, ars, aks, panel, pstride, accumulate,
+                             c + r * ldc, ldc);
+    }
+  }
+  for (; r + MR <= m; r += MR) {
+    prefetch();
     kernel<PANELS, MR>(k, alpha, a + r * ars, ars, aks, panel, pstride, accumulate,
                        c + r * ldc, ldc);
   }
@@ -151,10 +167,11 @@ void strips(int64_t m, int64_t k, float alpha, const float* a, int64_t ars, int6
   }
 }
 
-// C = alpha A B (+ C) on the 512-bit micro-kernel (wide) or the 256-bit one.
-void panel_gemm_as(bool wide, int64_t m, int64_t np, int64_t k, float alpha, const float* a,
-                   int64_t ars, int64_t aks, const float* bp, int64_t pstride, bool accumulate,
-                   float* c, int64_t ldc) {
+// C = alpha A B (+ C) on the 512-bit micro-kernel (wide) or the 256-bit one, the wide one in
+// strips of `tall` rows.
+void panel_gemm_as(bool wide, int64_t tall, int64_t m, int64_t np, int64_t k, float alpha,
+                   const float* a, int64_t ars, int64_t aks, const float* bp, int64_t pstride,
+                   bool accumulate, float* c, int64_t ldc) {
   // Panel-outer: one or two panels (k x 16 each) stay in L1 while every row strip of A streams
   // past them (two panels of 256 keys fill a 32 KiB L1 alone; still faster than one at a time).
   const int64_t step = wide ? 2 : 1;
@@ -163,11 +180,11 @@ void panel_gemm_as(bool wide, int64_t m, int64_t np, int64_t k, float alpha, con
   for (; p + step <= np; p += step) {
     const int64_t ahead = std::min(step, np - p - step);
     run(m, k, alpha, a, ars, aks, bp + p * pstride, pstride, accumulate, c + p * PANEL, ldc,
-        ahead > 0 ? bp + (p + step) * pstride : nullptr, ahead);
+        ahead > 0 ? bp + (p + step) * pstride : nullptr, ahead, wide ? tall : MR);
   }
   if (p < np) {  // the wide kernel's odd last panel
     strips<1>(m, k, alpha, a, ars, aks, bp + p * pstride, pstride, accumulate, c + p * PANEL,
-              ldc, nullptr, 0);
+              ldc, nullptr, 0, MR);
   }
 }
 
@@ -183,10 +200,11 @@ void panel_gemm(int64_t m, int64_t np, int64_t k, float alpha, const float* a, i
                 int64_t aks, const float* bp, int64_t pstride, bool accumulate, float* c,
                 int64_t ldc) {
   static const bool wide = vector_isa_is_avx512();
-  panel_gemm_as(wide, m, np, k, alpha, a, ars, aks, bp, pstride, accumulate, c, ldc);
+  static const int64_t tall = vector_choice().strip_rows;
+  panel_gemm_as(wide, tall, m, np, k, alpha, a, ars, aks, bp, pstride, accumulate, c, ldc);
 }
 
-double panel_gemm_seconds(bool wide) {
+double panel_gemm_seconds(bool wide, int64_t tall) {
   constexpr int64_t M = 96, D = 64, N = 256, REPS = 8;
   static thread_local line_vector<float> a(M * N), kp(D * N), vp(N * D), c(M * N);
   std::fill(a.begin(), a.end(), 0.01f);  // small values: no denormals, no overflow
@@ -194,10 +212,10 @@ double panel_gemm_seconds(bool wide) {
   std::fill(vp.begin(), vp.end(), 0.03f);
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t r = 0; r < REPS; ++r) {
-    panel_gemm_as(wide, M, N / PANEL, D, 1.0f, a.data(), D, 1, kp.data(), D * PANEL, false,
-                  c.data(), N);  // S: A's first D columns as Q
-    panel_gemm_as(wide, M, D / PANEL, N, 1.0f, a.data(), N, 1, vp.data(), N * PANEL, true,
-                  c.data(), N);  // O += P V into C's first D columns
+    panel_gemm_as(wide, tall, M, N / PANEL, D, 1.0f, a.data(), D, 1, kp.data(), D * PANEL,
+                  false, c.data(), N);  // S: A's first D columns as Q
+    panel_gemm_as(wide, tall, M, D / PANEL, N, 1.0f, a.data(), N, 1, vp.data(), N * PANEL,
+                  true, c.data(), N);  // O += P V into C's first D columns
   }
   const auto t1 = std::chrono::steady_clock::now();
   asm volatile("" : : "r"(c.data()) : "memory");  // C is used
@@ -206,7 +224,7 @@ double panel_gemm_seconds(bool wide) {
 #else
 bool panels_supported() { return false; }
 
-double panel_gemm_seconds(bool) { return 0.0; }
+double panel_gemm_seconds(bool, int64_t) { return 0.0; }
 
 void panel_gemm(int64_t, int64_t, int64_t, float, const float*, int64_t, int64_t, const float*,
                 int64_t, bool, float*, int64_t) {

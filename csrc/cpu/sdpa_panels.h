@@ -1,6 +1,7 @@
 // A small GEMM for the attention tiles: B packed once into 16-column panels
-// (sdpa_panel_pack.cpp), A read in place, a 6 x 16 AVX2 FMA micro-kernel, or 6 x 32 over two
-// panels in 512-bit registers where the CPU has AVX-512 (sdpa_panels.cpp). Packing K, V once
+// (sdpa_panel_pack.cpp), A read in place, a 6 x 16 AVX2 FMA micro-kernel, or 12 x 32 (or 6 x 32,
+// as measured: cpu_choice.h) over two panels in 512-bit registers where the CPU has AVX-512
+// (sdpa_panels.cpp). Packing K, V once
 // per head (not once per GEMM call, as BLAS does) and writing C without a separate beta pass
 // is what makes the CPU kernels faster than the same loops on MKL's sgemm.
 #pragma once
@@ -21,8 +22,9 @@ bool panels_supported();
 
 // Seconds one thread takes for one attention tile's two products (S = Q K^T: 96 x 64 by
 // 64 x 256; O = P V: 96 x 256 by 256 x 64), on the 512-bit micro-kernel (wide, AVX-512 only)
-// or the 256-bit one: what cpu_choice.h measures the vector width by.
-double panel_gemm_seconds(bool wide);
+// in strips of `tall` (6 or 12) rows, or on the 256-bit one (6 rows): what cpu_choice.h
+// measures the vector width and the strip height by.
+double panel_gemm_seconds(bool wide, int64_t tall);
 
 // Packs B (k x n, element (kk, j) at b[kk * bks + j * bns]) into panel_count(n) panels of
 // k x PANEL values, panel p at dst + p * k * PANEL, columns past n zero (dst 64-byte aligned,
