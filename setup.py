@@ -13,8 +13,6 @@ Switches (environment):
 
 import glob
 import os
-import sys
-import sysconfig
 
 import torch
 from setuptools import find_packages, setup
@@ -93,23 +91,11 @@ def host_harness_extension():
                          extra_compile_args={"cxx": cxx})]
 
 
-class BuildExt(BuildExtension.with_options(use_ninja=True)):
-    """ninja's objects in one directory of the tree for every kind of build: pip's editable
-    install (scripts/setup.sh) otherwise compiles in a temporary directory, and a wheel or a
-    `build_ext --inplace` after it compiles everything again (~10 minutes with the CUDA half on
-    a 2-core machine: CI's wheel stage). ninja rebuilds what changed, flags included."""
-
-    def finalize_options(self):
-        super().finalize_options()
-        self.build_temp = os.path.join(
-            ROOT, "build", f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")
-
-
 setup(
     name="attnx",
     version=_version(),
     packages=find_packages(include=["attnx", "attnx.*"]),
     ext_modules=[extension()] + host_harness_extension(),
-    cmdclass={"build_ext": BuildExt},
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     include_package_data=False,
 )
