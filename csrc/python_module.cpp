@@ -33,8 +33,9 @@ pybind11::dict build_info() {
 #endif
   // Which engine runs the float32 CPU SDPA products (csrc/cpu/sdpa_products.h), and which
   // instruction set the CPU kernels' row operations (csrc/cpu/sdpa_tile.h) and the panel
-  // micro-kernel's width and strip height (csrc/cpu/sdpa_panels.h): chosen at first use (csrc/cpu/cpu_choice.h),
-  // which asking here triggers; how each was chosen, and the times where measured.
+  // micro-kernel's width and strip height (csrc/cpu/sdpa_panels.h): chosen at first use
+  // (csrc/cpu/cpu_choice.h), which asking here triggers; how each was chosen, and the times
+  // where measured.
   const auto& engine = attnx::cpu::engine_choice();
   const auto& vector = attnx::cpu::vector_choice();
   info["cpu_gemm"] = engine.panels ? "panels" : "blas";

@@ -32,10 +32,16 @@ pytestmark = [
 ]
 
 
-def choices(**env_vars) -> dict:
-    """build_info() of a fresh process whose environment has ATTNX_CPU_* set as given only."""
+def cpu_env(**env_vars) -> dict:
+    """This process's environment with ATTNX_CPU_* set as given only."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNX_CPU_")}
     env.update(env_vars)
+    return env
+
+
+def choices(**env_vars) -> dict:
+    """build_info() of a fresh process whose environment has ATTNX_CPU_* set as given only."""
+    env = cpu_env(**env_vars)
     code = "import json; from attnx import _ops; print(json.dumps(_ops.build_info()))"
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
                          text=True).stdout
@@ -111,8 +117,7 @@ def test_strip_height_never_changes_a_result():
             "print(h.hexdigest())\n")
     digests = {}
     for rows in (6, 12):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNX_CPU_")}
-        env.update(ATTNX_CPU_PANELS="1", ATTNX_CPU_AVX512="1", ATTNX_CPU_STRIP_ROWS=str(rows))
+        env = cpu_env(ATTNX_CPU_PANELS="1", ATTNX_CPU_AVX512="1", ATTNX_CPU_STRIP_ROWS=str(rows))
         digests[rows] = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                                        capture_output=True, text=True).stdout.split()[-1]
     assert digests[6] == digests[12]
@@ -123,17 +128,14 @@ def test_first_use_leaves_torchs_random_stream_alone():
             "torch.manual_seed(0); _ops.build_info(); a = torch.rand(4)\n"
             "torch.manual_seed(0); b = torch.rand(4)\n"
             "print(bool((a == b).all()))")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNX_CPU_")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], env=cpu_env(), check=True,
+                         capture_output=True, text=True).stdout
     assert out.strip().splitlines()[-1] == "True"
 
 
 def info_output(**env_vars) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNX_CPU_")}
-    env.update(env_vars)
-    return subprocess.run([sys.executable, "-m", "attnx", "info"], env=env, check=True,
-                          capture_output=True, text=True).stdout
+    return subprocess.run([sys.executable, "-m", "attnx", "info"], env=cpu_env(**env_vars),
+                          check=True, capture_output=True, text=True).stdout
 
 
 def test_info_names_the_cpu_and_the_choices():

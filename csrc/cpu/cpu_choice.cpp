@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
+#include <initializer_list>
 #include <limits>
 #include <string>
 
@@ -12,28 +14,25 @@
 namespace attnx::cpu {
 namespace {
 
-// "0", "1" or unset (anything else counts as unset).
-int env_flag(const char* name) {
+// The variable's value where it is one of `allowed`, else -1 (unset, or anything else).
+int env_value(const char* name, std::initializer_list<int> allowed) {
   const char* v = std::getenv(name);
   if (v == nullptr) return -1;
   const std::string s(v);
-  return s == "0" ? 0 : s == "1" ? 1 : -1;
+  for (int a : allowed) {
+    if (s == std::to_string(a)) return a;
+  }
+  return -1;
 }
+
+int env_flag(const char* name) { return env_value(name, {0, 1}); }
 
 // Rounds of each candidate, alternating: the tile's products take ~60 us, the forward ~2 ms.
 constexpr int kVectorRounds = 5, kEngineRounds = 3;
 
-// ATTNX_CPU_STRIP_ROWS: 6, 12 or unset (-1).
-int env_rows() {
-  const char* v = std::getenv("ATTNX_CPU_STRIP_ROWS");
-  if (v == nullptr) return -1;
-  const std::string s(v);
-  return s == "6" ? 6 : s == "12" ? 12 : -1;
-}
-
 // The 512-bit kernel's strip height, on a CPU whose vector choice is AVX-512.
 void choose_strip_rows(VectorChoice& c) {
-  if (const int rows = env_rows(); rows > 0) {
+  if (const int rows = env_value("ATTNX_CPU_STRIP_ROWS", {6, 12}); rows > 0) {
     c.strip_rows = rows;
     c.strip_how = rows == 6 ? "ATTNX_CPU_STRIP_ROWS=6" : "ATTNX_CPU_STRIP_ROWS=12";
     return;

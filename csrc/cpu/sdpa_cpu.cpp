@@ -376,9 +376,9 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
                (lh[i] == neg_inf<T>() && band.admits_any(mask, b, h, i, d.Lk));
       }
       // A huge row (or any, renorm_all) takes the max m and the sum l of its own recomputed
-      // scores, from a pass over its tiles before any gradient uses them: P = exp(s - m) / l. Its saved lse has lost
-      // log(l) to rounding, and a score recomputed in another order (BLAS) may sit ulps of |s|
-      // from the forward's, which at |s| ~ 1e18 is past exp's range.
+      // scores, from a pass over its tiles before any gradient uses them: P = exp(s - m) / l.
+      // Its saved lse has lost log(l) to rounding, and a score recomputed in another order
+      // (BLAS) may sit ulps of |s| from the forward's, which at |s| ~ 1e18 is past exp's range.
       for (int64_t i0 = 0; huge && i0 < d.Lq; i0 += BQ) {
         const int64_t mq = std::min(BQ, d.Lq - i0);
         if (std::count(huge_row.begin() + i0, huge_row.begin() + i0 + mq, 1) == 0) continue;
