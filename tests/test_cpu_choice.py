@@ -97,6 +97,12 @@ def test_environment_fixes_the_strip_height(rows):
     how = info["cpu_choice"]
     assert info["cpu_strip_rows"] == rows and how["strip_rows"] == f"ATTNX_CPU_STRIP_ROWS={rows}"
     assert "strip_seconds" not in how
+    # and results files (attnx.bench.machine.cpu_kernels) record the height run
+    code = ("import json; from attnx.bench.machine import cpu_kernels; "
+            "print(json.dumps(cpu_kernels()))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         env=cpu_env(ATTNX_CPU_AVX512="1", ATTNX_CPU_STRIP_ROWS=str(rows))).stdout
+    assert json.loads(out.strip().splitlines()[-1])["strip_rows"] == rows
 
 
 @pytest.mark.skipif(not HAS_AVX512, reason="the strip height is the 512-bit kernel's")

@@ -25,13 +25,15 @@ def device_name(device: str) -> str:
 
 
 def cpu_kernels() -> dict:
-    """What attnx's CPU kernels run on here: the float32 GEMM engine and the instruction set of
-    the row operations and the micro-kernel, and how each was chosen (measured at first use, or
-    fixed by the environment: csrc/cpu/cpu_choice.h; the same build runs differently on Zen 3,
-    Zen 4 and Intel), with the CPU as Linux names it (vendor, model, ISA, caches)."""
+    """What attnx's CPU kernels run on here: the float32 GEMM engine, the instruction set of the
+    row operations and the micro-kernel, the micro-kernel's strip height, and how each was chosen
+    (measured at first use, or fixed by the environment: csrc/cpu/cpu_choice.h; the same build
+    runs differently on Zen 3, Zen 4 and Intel), with the CPU as Linux names it (vendor, model,
+    ISA, caches)."""
     built = attnx._ops.build_info() or {}
     return {"gemm": built.get("cpu_gemm"), "vector": built.get("cpu_vector"),
-            "choice": built.get("cpu_choice"), "cpu": cpu_description()}
+            "strip_rows": built.get("cpu_strip_rows"), "choice": built.get("cpu_choice"),
+            "cpu": cpu_description()}
 
 
 def git_commit() -> str | None:
