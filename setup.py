@@ -98,8 +98,8 @@ class BuildExt(BuildExtension.with_options(use_ninja=True)):
     build, so that ninja finds them again: pip's editable install (scripts/setup.sh) compiles in
     a temporary folder otherwise, and a wheel built after it (CI) compiled the whole extension
     again (~10 minutes with the CUDA half on 2 cores). One folder per extension because the two
-    share csrc/cuda/kernel_ops.cpp with different flags (same object name), and because ninja,
-    keeping one log per folder, would forget one extension's objects while building the other's."""
+    share csrc/cuda/kernel_ops.cpp with different flags (same object name). ninja reuses objects
+    only when the same ninja runs again (torch runs the first on PATH): .ci/run says why."""
 
     def build_extension(self, ext):
         tag = f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"

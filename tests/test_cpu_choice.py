@@ -39,13 +39,19 @@ def cpu_env(**env_vars) -> dict:
     return env
 
 
+def fresh(expression: str, **env_vars):
+    """`expression` (over _ops and cpu_kernels) as JSON from a fresh process whose environment
+    has ATTNX_CPU_* set as given only."""
+    code = ("import json; from attnx import _ops; from attnx.bench.machine import cpu_kernels; "
+            f"print(json.dumps({expression}))")
+    out = subprocess.run([sys.executable, "-c", code], env=cpu_env(**env_vars), check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def choices(**env_vars) -> dict:
     """build_info() of a fresh process whose environment has ATTNX_CPU_* set as given only."""
-    env = cpu_env(**env_vars)
-    code = "import json; from attnx import _ops; print(json.dumps(_ops.build_info()))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
-                         text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return fresh("_ops.build_info()", **env_vars)
 
 
 def test_choices_are_measured_and_follow_the_rule():
@@ -93,16 +99,13 @@ def test_environment_fixes_the_choices(value):
 @pytest.mark.skipif(not HAS_AVX512, reason="the strip height is the 512-bit kernel's")
 @pytest.mark.parametrize("rows", [6, 12])
 def test_environment_fixes_the_strip_height(rows):
-    info = choices(ATTNX_CPU_AVX512="1", ATTNX_CPU_STRIP_ROWS=str(rows))
+    info, kernels = fresh("[_ops.build_info(), cpu_kernels()]", ATTNX_CPU_AVX512="1",
+                          ATTNX_CPU_STRIP_ROWS=str(rows))
     how = info["cpu_choice"]
     assert info["cpu_strip_rows"] == rows and how["strip_rows"] == f"ATTNX_CPU_STRIP_ROWS={rows}"
     assert "strip_seconds" not in how
     # and results files (attnx.bench.machine.cpu_kernels) record the height run
-    code = ("import json; from attnx.bench.machine import cpu_kernels; "
-            "print(json.dumps(cpu_kernels()))")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                         env=cpu_env(ATTNX_CPU_AVX512="1", ATTNX_CPU_STRIP_ROWS=str(rows))).stdout
-    assert json.loads(out.strip().splitlines()[-1])["strip_rows"] == rows
+    assert kernels["strip_rows"] == rows
 
 
 @pytest.mark.skipif(not HAS_AVX512, reason="the strip height is the 512-bit kernel's")
