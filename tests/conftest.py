@@ -60,6 +60,30 @@ def _cuda_context_survives():
         pytest.exit(message, returncode=3)
 
 
+# Files whose module fixtures take minutes (the Triton AOT compile of every kernel, cuobjdump over
+# the CUDA cubins) run first. Under pytest-xdist (`-n auto --dist loadfile`: CI and the README's
+# command) each worker takes whole files in collection order (xdist's own order, most tests
+# first, is switched off), so these start at once beside the rest instead of ending the run
+# alone.
+_LONG_FILES = ("test_triton_compile.py", "test_cuda_resources.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --no-loadscope-reorder
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(_LONG_FILES)))  # stable
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per core, at most 8 (each holds torch and Triton, ~1.4 GB; whole files
+    are dealt, and past 8 workers the longest file bounds the run)."""
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
 def pytest_runtest_logreport(report):
     """ATTNX_REPORT_FAILURES_AT_ONCE=1: a failure's traceback is printed when it happens, not
     in the summary at the end, which a run stopped by its time limit never prints (under
