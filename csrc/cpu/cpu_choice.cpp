@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <initializer_list>
-#include <initializer_list>
 #include <limits>
 #include <string>
 
@@ -42,7 +41,7 @@ void choose_strip_rows(VectorChoice& c) {
     tall = std::min(tall, panel_gemm_seconds(true, 12));
     low = std::min(low, panel_gemm_seconds(true, 6));
   }
-  c.strip_rows = low < (1.0 - kMargin) * tall ? 6 : 12;
+  c.strip_rows = low < (1.0 - kStripMargin) * tall ? 6 : 12;
   c.strip_how = "measured";
   c.tall_s = tall, c.short_s = low;
 }

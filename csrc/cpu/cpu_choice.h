@@ -9,14 +9,17 @@
 //   512-bit micro-kernel and on the 256-bit one, one thread, interleaved rounds, best of each;
 //   AVX-512 unless AVX2 is at least kMargin faster. ATTNX_CPU_AVX512=0 / =1 fixes it.
 // - The 512-bit micro-kernel's strip height (12 or 6 rows of C per pass over a B panel pair):
-//   the same tile's products both ways, AVX-512 only; 12 unless 6 is at least kMargin faster.
-//   12 rows hold 24 of the 32 zmm registers as accumulators and issue 2 + 12 loads per 24 FMAs
-//   where 6 rows issue 2 + 6 per 12: on a 4-wide Intel front end the 6-row loop's 23 uops per
-//   12 FMAs nearly starve two 512-bit FMA ports. ATTNX_CPU_STRIP_ROWS=6 / =12 fixes it.
+//   the same tile's products both ways, AVX-512 only; 12 unless 6 is at least kStripMargin
+//   faster. 12 rows hold 24 of the 32 zmm registers as accumulators and issue 2 + 12 loads per
+//   24 FMAs where 6 rows issue 2 + 6 per 12: on a 4-wide Intel front end the 6-row loop's 23
+//   uops per 12 FMAs nearly starve two 512-bit FMA ports (12 rows 10% faster on a Cascade
+//   Lake); on Zen 4, one 512-bit FMA a cycle, 6 rows are 4-5% faster (the tile and the forward
+//   alike). The margin is small because both heights give bitwise the same results: a close
+//   call that flips between processes changes no number. ATTNX_CPU_STRIP_ROWS=6 / =12 fixes it.
 // - The float32 SDPA engine (attnx's panels or BLAS): a small forward (B 1, H 4, L 512, D 64)
 //   through both, on the process's threads; the panels unless BLAS is at least kMargin
 //   faster. ATTNX_CPU_PANELS=0 / =1 fixes it.
-// The margin keeps the default where both are about as fast (Zen 4's widths), so a noisy
+// kMargin keeps the default where both are about as fast (Zen 4's widths), so a noisy
 // machine does not flip between them from one process to the next; the rounds alternate, so a
 // slow stretch of a shared machine hits both. The forward is L = 512, not smaller: the panels'
 // lead grows with L (packing K and V once per head pays off over more queries), and at L = 256
@@ -28,7 +31,7 @@
 
 namespace attnx::cpu {
 
-constexpr double kMargin = 0.10;
+constexpr double kMargin = 0.10, kStripMargin = 0.02;
 
 struct VectorChoice {
   const char* isa;   // "avx512", "avx2" or "baseline"
