@@ -132,6 +132,28 @@ def test_matches_reference_over_seeds(seed):
     _check(torch.float32, *_inputs(1, 2, 1, 300, 260, 64, 64, seed=seed), scale=0.3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 4, 6, 8), (1, 2, 1, 97, 17, 16), (2, 4, 2, 64, 64, 64)],
+                         ids=str)
+def test_matches_reference_without_value_columns(shape, dtype):
+    """Ev = 0: the output is empty and only the lse carries gradients. The BLAS products then
+    sum over nothing (float64, and float32 on the BLAS engine's rerun): BLAS rejected their
+    zero leading dimensions and left dP as it was (dq off by the gradient's own size)."""
+    q, k, v, _ = _inputs(*shape, 0)
+    grads = []
+    for backend, dt in (("cpu", dtype), ("reference", torch.float64)):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k)]
+        out, lse = attnx.scaled_dot_product_attention(
+            *leaves, v.to(dt), window=(0, None), return_lse=True, backend=backend,
+            enable_gqa=q.shape[1] != k.shape[1])
+        assert out.shape == (*q.shape[:3], 0)
+        lse.sum().backward()
+        grads.append([lse.detach().double()] + [t.grad.double() for t in leaves])
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for name, got, want in zip(("lse", "dq", "dk"), *grads):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=name)
+
+
 def _mask(kind, b, h, lq, lk, dtype=torch.float64):
     g = torch.Generator().manual_seed(1)
     shape = {"full": (b, h, lq, lk), "row": (lq, lk), "key": (b, 1, 1, lk),

@@ -33,6 +33,12 @@ template <typename T>
 void gemm_impl(Blas<T> blas, bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha,
                const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
+  if (k == 0) {  // an empty sum (no value columns: lse-only gradients); BLAS rejects its
+                 // zero leading dimensions and leaves C as it was
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < n; ++j) c[r * ldc + j] = beta == T(0) ? T(0) : beta * c[r * ldc + j];
+    return;
+  }
   if (blas != nullptr && fits_int({m, n, k, lda, ldb, ldc})) {
     // Column-major BLAS sees the row-major C as C^T = op(B)^T op(A)^T.
     const int im = static_cast<int>(n), in = static_cast<int>(m), ik = static_cast<int>(k);
