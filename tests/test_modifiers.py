@@ -301,6 +301,20 @@ def test_fully_masked_rows(backend, with_sinks, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS + [TRITON])
+def test_fully_masked_rows_with_sinks_below_exp_range(backend):
+    """Sinks past exp's float64 range (-1000, -800): an empty row's lse is its sink and its
+    output 0 (the reference once took the row's max from its zeroed scores and gave 0 / 0)."""
+    q, k, v, dout = _inputs(1, 2, 2, 9, 13, 16, 16)
+    mask = torch.rand(1, 2, 9, 13, generator=torch.Generator().manual_seed(4)) > 0.5
+    mask[:, :, 2] = False
+    mods = dict(sinks=torch.tensor([-1000.0, -800.0], dtype=torch.float64))
+    out, lse, *_ = check(backend, torch.float32, q, k, v, dout, mask=mask, mods=mods,
+                         dlse=torch.randn(1, 2, 9, dtype=torch.float64))
+    assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
+    assert torch.equal(lse[0, :, 2], torch.tensor([-1000.0, -800.0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS + [TRITON])
 def test_no_nan_from_extreme_finite_inputs(backend):
     """A huge sink, huge scores under a small softcap, a -1e30 float mask: finite everywhere."""
     q, k, v, dout = _inputs(1, 2, 2, 9, 11, 8, 8)

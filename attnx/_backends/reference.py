@@ -114,9 +114,13 @@ def _softmax_with_sink(s: torch.Tensor, sink: torch.Tensor):
     sink = sink.expand(s.shape[:-1]).unsqueeze(-1)
     if s.shape[-1] == 0:
         return s, sink.squeeze(-1)
-    empty = s.amax(dim=-1, keepdim=True) == float("-inf")
+    top = s.amax(dim=-1, keepdim=True)
+    empty = top == float("-inf")
     s = torch.where(empty, torch.zeros_like(s), s)  # as masked_softmax: no exp(-inf - (-inf))
-    m = torch.maximum(s.amax(dim=-1, keepdim=True), sink).detach()
+    # An empty row's max is its sink's (not the zeroed scores' 0: below -745 exp(sink - 0)
+    # underflowed, and the row came out 0 / 0); 0 where the sink too is -inf.
+    m = torch.maximum(top, sink)
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m).detach()
     e = torch.exp(s - m).masked_fill(empty, 0.0)
     denom = e.sum(-1, keepdim=True) + torch.exp(sink - m)
     return e / denom, (m + torch.log(denom)).squeeze(-1)
