@@ -229,6 +229,26 @@ def test_scores_past_float32_range_rerun_in_float64():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, q_value, k_value, scale", [
+    (torch.float32, 1e20, 0.0, 1e30),       # q scale past float32's range, every score 0
+    (torch.float32, 1e20, 1e-30, 1e20),     # q scale past float32's range, scores 8e10
+    (torch.float64, 1e10, 1e-300, 1e300),   # q scale past float64's range, scores 8e10
+    (torch.float64, 1e300, 0.0, 1e30)], ids=["f32-zero-keys", "f32", "f64", "f64-zero-keys"])
+def test_scale_past_the_range_of_q_times_scale(backend, dtype, q_value, k_value, scale):
+    """Scores in range though q times the scale is not: the keys are all alike, so every query
+    weighs the values evenly (the cpu kernel once scaled q alone, and its NaN scores came out
+    as a silent row of zeros)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.full((2, 4, 3, 8), q_value, dtype=dtype)
+    k = torch.full((2, 2, 12, 8), k_value, dtype=dtype)
+    v = torch.randn(2, 2, 12, 8, generator=g, dtype=torch.float64).to(dtype)
+    out = attnx.attention_with_kvcache(q, k, v, 12, is_causal=False, scale=scale,
+                                       backend=backend)
+    want = v.double().mean(dim=2, keepdim=True).repeat_interleave(2, dim=1).expand(2, 4, 3, 8)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_int_seqlens_no_grad_and_auto(backend):
     q = torch.randn(2, 2, 1, 8, requires_grad=True)
     k, v = torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)

@@ -420,6 +420,21 @@ bool nan_or_posinf(const float* lse, int64_t n) {
   return found;
 }
 
+// Whether a row that admits some key came out empty (lse -inf): its scores were all NaN.
+bool lost_rows(const Shape& d, const float* lse, const std::vector<int64_t>& lens, int64_t lo,
+               int64_t hi) {
+  for (int64_t b = 0; b < d.B; ++b) {
+    const int64_t diag = lens[b] - d.Lq;
+    for (int64_t i = 0; i < d.Lq; ++i) {
+      if (std::max<int64_t>(0, i + diag + lo) >= std::min(lens[b], i + diag + hi + 1)) continue;
+      for (int64_t h = 0; h < d.Hq; ++h) {
+        if (lse[(b * d.Hq + h) * d.Lq + i] == -std::numeric_limits<float>::infinity()) return true;
+      }
+    }
+  }
+  return false;
+}
+
 // The lengths, checked against the cache (and the block ids a sequence uses against the number
 // of blocks) so that no read leaves the cache, whoever calls the op.
 std::vector<int64_t> checked_lengths(const Tensor& seqlens, const Tensor& table, const Tensor& cache) {
@@ -457,14 +472,31 @@ std::tuple<Tensor, Tensor> attend(const Shape& d, const Tensor& q, const Tensor&
                                   const Tensor& v_cache, const std::vector<int64_t>& lens,
                                   const Tensor& table, double scale, int64_t lo, int64_t hi,
                                   const ModArgs& mods) {
-  // q scaled once, rows of a kv head's group consecutive: (B, Hkv, G * Lq, E) is q's own order.
-  const Tensor qs = (q.contiguous() * scale).contiguous();
+  // q scaled once (the products take no scale), rows of a kv head's group consecutive:
+  // (B, Hkv, G * Lq, E) is q's own order.
+  Tensor qs = (q.contiguous() * scale).contiguous();
+  Tensor keys = k_cache;
+  if (q.scalar_type() == at::kDouble && any_non_finite({qs}) && !any_non_finite({q})) {
+    // |q| scale past float64's range though the scores need not be (a huge scale on small
+    // keys): the scale split between q and a copy of the keys, each side's largest value
+    // sqrt(scale max|q| max|k|) (what a score may reach anyway, up to E); slots no query reads
+    // (which may hold anything) count as 0.
+    const double q_max = q.abs().max().item<double>();
+    const double k_max = k_cache.nan_to_num(0.0, 0.0, 0.0).abs().max().item<double>();
+    if (k_max == 0.0) {
+      qs = at::zeros_like(qs);  // every read score is 0 exactly
+    } else {
+      const double f = std::exp(0.5 * (std::log(scale) + std::log(q_max) - std::log(k_max)));
+      qs = (q.contiguous() * (scale / f)).contiguous();
+      keys = k_cache * f;
+    }
+  }
   Tensor out = at::empty({d.B, d.Hq, d.Lq, d.Ev}, q.options());
   Tensor lse = at::empty({d.B, d.Hq, d.Lq}, q.options());
   if (q.scalar_type() == at::kDouble) {
-    run_with<double>(d, qs, k_cache, v_cache, lens, table, lo, hi, mods, out, lse);
+    run_with<double>(d, qs, keys, v_cache, lens, table, lo, hi, mods, out, lse);
   } else {
-    run_with<float>(d, qs, k_cache, v_cache, lens, table, lo, hi, mods, out, lse);
+    run_with<float>(d, qs, keys, v_cache, lens, table, lo, hi, mods, out, lse);
   }
   return {out, lse.to(at::kFloat)};
 }
@@ -492,8 +524,10 @@ std::tuple<Tensor, Tensor> decode(const Tensor& q, const Tensor& k_cache_in,
   d.R = d.G * d.Lq;
   auto [out, lse] = attend(d, q, k_cache, v_cache, lens, table, scale, lo, hi, mods);
   if (q.scalar_type() == at::kFloat && (any_non_finite(out.data_ptr<float>(), out.numel()) ||
-                                        nan_or_posinf(lse.data_ptr<float>(), lse.numel()))) {
-    // float32 overflowed (scores past its range) or the inputs hold non-finite values (the
+                                        nan_or_posinf(lse.data_ptr<float>(), lse.numel()) ||
+                                        lost_rows(d, lse.data_ptr<float>(), lens, lo, hi))) {
+    // float32 overflowed (q scale or scores past its range: NaN scores, which the softmax
+    // drops, leave a row that admits keys empty) or the inputs hold non-finite values (the
     // lanes multiply a refused key's value row by p = 0: an inf there lands here too); float64
     // holds every product of float32 values, and keeps the inputs' own non-finite values.
     auto [out64, lse64] = attend(d, q.to(at::kDouble), k_cache.to(at::kDouble),
