@@ -154,6 +154,24 @@ def test_matches_reference_without_value_columns(shape, dtype):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=name)
 
 
+@pytest.mark.parametrize("lq", [3, 8])
+@pytest.mark.parametrize("q_value, k_value, scale", [(1e-300, 1e300, 1e10), (1e200, 1e200, 1e-300)],
+                         ids=["scale-times-keys-past-range", "products-past-range"])
+def test_float64_scores_in_range_from_operands_past_it(lq, q_value, k_value, scale):
+    """float64 has no rerun: its scores must come out where they fit, whichever of scale x K or
+    Q K^T passes float64's range (BLAS applies alpha where it likes: NaN here before). Equal
+    keys weigh the values evenly, and the query has no influence (dq = 0)."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.full((1, 2, lq, 8), q_value, dtype=torch.float64, requires_grad=True)
+    k = torch.full((1, 2, 33, 8), k_value, dtype=torch.float64)
+    v = torch.randn(1, 2, 33, 8, generator=g, dtype=torch.float64)
+    out = attnx.scaled_dot_product_attention(q, k, v, scale=scale, backend="cpu")
+    torch.testing.assert_close(out, v.mean(dim=2, keepdim=True).expand_as(out), rtol=1e-12,
+                               atol=1e-12)
+    out.backward(torch.randn(out.shape, generator=g, dtype=torch.float64))
+    assert torch.isfinite(q.grad).all()
+
+
 def _mask(kind, b, h, lq, lk, dtype=torch.float64):
     g = torch.Generator().manual_seed(1)
     shape = {"full": (b, h, lq, lk), "row": (lq, lk), "key": (b, 1, 1, lk),

@@ -6,6 +6,9 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <cmath>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kept_buffer.h"
@@ -21,6 +24,38 @@ struct Dims {
   int64_t B, Hq, Hkv, Lq, Lk, E, Ev;
   int64_t group() const { return Hq / Hkv; }
 };
+
+// gemm_rm (sdpa_blas.h) with alpha applied where no intermediate leaves the range. Where BLAS
+// applies alpha is its own choice (MKL's dgemm folds it into an operand for some shapes,
+// scales the products for others), and float64 results in range came out NaN where either
+// passed its range (float32's such results rerun in float64). So float64 takes the plain
+// products, scaled after, and where those overflow, the products of alpha op(A) (a tiny
+// scale on huge operands).
+template <typename T>
+void gemm_scaled_rm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
+                    int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+  if constexpr (std::is_same_v<T, double>) {
+    std::vector<T> t(static_cast<size_t>(m * n));
+    gemm_rm(ta, tb, m, n, k, T(1), a, lda, b, ldb, T(0), t.data(), n);
+    bool finite = true;
+    for (const T x : t) finite &= std::abs(x) <= std::numeric_limits<T>::max();
+    if (finite) {
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = 0; j < n; ++j) {
+          T& cr = c[r * ldc + j];
+          cr = beta == T(0) ? alpha * t[r * n + j] : alpha * t[r * n + j] + beta * cr;
+        }
+    } else {  // A as stored: m x k (row stride lda), or k x m when ta
+      const int64_t rows = ta ? k : m, cols = ta ? m : k;
+      std::vector<T> as(static_cast<size_t>(rows * cols));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < cols; ++j) as[r * cols + j] = alpha * a[r * lda + j];
+      gemm_rm(ta, tb, m, n, k, T(1), as.data(), cols, b, ldb, beta, c, ldc);
+    }
+  } else {
+    gemm_rm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+}
 
 // Forward products. Engine::Heads holds what every thread reads of a round of kv heads
 // [h0, h1) (h = b * Hkv + hk), prepared by all threads together before the round's tasks; an
@@ -63,8 +98,8 @@ struct BlasProducts {
   // S[r][c0, c1) of m rows (row stride lds), q the first query row.
   void scores(int64_t m, const T* q, int64_t j0, int64_t c0, int64_t c1, T alpha, T* s,
               int64_t lds) const {
-    gemm_rm(false, true, m, c1 - c0, d.E, alpha, q, d.E, k + (j0 + c0) * d.E, d.E, T(0), s + c0,
-            lds);
+    gemm_scaled_rm(false, true, m, c1 - c0, d.E, alpha, q, d.E, k + (j0 + c0) * d.E, d.E, T(0),
+                   s + c0, lds);
   }
   // o (m rows) += P[:, c0, c1) V[j0 + c0, j0 + c1).
   void values(int64_t m, const T* p, int64_t ldp, int64_t j0, int64_t c0, int64_t c1,
@@ -139,7 +174,8 @@ struct BlasGrads {
   int64_t v_stride() const { return d.Ev; }
   // s = alpha Q K^T and dp = dO V^T, nk columns of row stride lds.
   void scores(int64_t i0, int64_t mq, int64_t j0, int64_t nk, T alpha, T* s, int64_t lds) const {
-    gemm_rm(false, true, mq, nk, d.E, alpha, q + i0 * d.E, d.E, k + j0 * d.E, d.E, T(0), s, lds);
+    gemm_scaled_rm(false, true, mq, nk, d.E, alpha, q + i0 * d.E, d.E, k + j0 * d.E, d.E, T(0), s,
+                   lds);
   }
   void dprobs(int64_t i0, int64_t mq, int64_t j0, int64_t nk, T* dp, int64_t lds) const {
     gemm_rm(false, true, mq, nk, d.Ev, T(1), dout + i0 * d.Ev, d.Ev, v + j0 * d.Ev, d.Ev, T(0),
@@ -153,13 +189,13 @@ struct BlasGrads {
   }
   void add_dq(int64_t i0, int64_t mq, int64_t j0, int64_t nk, T alpha, const T* ds, int64_t lds,
               T* dq) const {
-    gemm_rm(false, false, mq, d.E, nk, alpha, ds, lds, k + j0 * d.E, d.E, T(1), dq + i0 * d.E,
-            d.E);
+    gemm_scaled_rm(false, false, mq, d.E, nk, alpha, ds, lds, k + j0 * d.E, d.E, T(1),
+                   dq + i0 * d.E, d.E);
   }
   void add_dk(int64_t i0, int64_t mq, int64_t j0, int64_t nk, T alpha, const T* ds, int64_t lds,
               T* dk) const {
-    gemm_rm(true, false, nk, d.E, mq, alpha, ds, lds, q + i0 * d.E, d.E, T(1), dk + j0 * d.E,
-            d.E);
+    gemm_scaled_rm(true, false, nk, d.E, mq, alpha, ds, lds, q + i0 * d.E, d.E, T(1),
+                   dk + j0 * d.E, d.E);
   }
 };
 
