@@ -232,8 +232,9 @@ def test_scores_past_float32_range_rerun_in_float64():
 @pytest.mark.parametrize("dtype, q_value, k_value, scale", [
     (torch.float32, 1e20, 0.0, 1e30),       # q scale past float32's range, every score 0
     (torch.float32, 1e20, 1e-30, 1e20),     # q scale past float32's range, scores 8e10
-    (torch.float64, 1e10, 1e-300, 1e300),   # q scale past float64's range, scores 8e10
-    (torch.float64, 1e300, 0.0, 1e30)], ids=["f32-zero-keys", "f32", "f64", "f64-zero-keys"])
+    (torch.float64, 1e10, 1e-300, -1e300),  # q scale past float64's range, scores -8e10
+    (torch.float64, 1e300, 0.0, 1e30)],
+    ids=["f32-zero-keys", "f32", "f64-negative-scale", "f64-zero-keys"])
 def test_scale_past_the_range_of_q_times_scale(backend, dtype, q_value, k_value, scale):
     """Scores in range though q times the scale is not: the keys are all alike, so every query
     weighs the values evenly (the cpu kernel once scaled q alone, and its NaN scores came out

@@ -486,7 +486,8 @@ std::tuple<Tensor, Tensor> attend(const Shape& d, const Tensor& q, const Tensor&
     if (k_max == 0.0) {
       qs = at::zeros_like(qs);  // every read score is 0 exactly
     } else {
-      const double f = std::exp(0.5 * (std::log(scale) + std::log(q_max) - std::log(k_max)));
+      const double f =
+          std::exp(0.5 * (std::log(std::abs(scale)) + std::log(q_max) - std::log(k_max)));
       qs = (q.contiguous() * (scale / f)).contiguous();
       keys = k_cache * f;
     }
