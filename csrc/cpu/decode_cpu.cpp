@@ -213,10 +213,11 @@ class LaneTask {
   std::vector<int64_t> query_;  // the query i of each lane row r: r % Lq
 };
 
+// qs: the query rows, which the tasks multiply by q_scale as they copy them.
 template <typename T, bool MODS>
-void run(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& v_cache,
-         const std::vector<int64_t>& lens, const Tensor& table, int64_t lo, int64_t hi,
-         const Mods<T>& mods, const Tensor& out, const Tensor& lse) {
+void run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
+         const Tensor& v_cache, const std::vector<int64_t>& lens, const Tensor& table, int64_t lo,
+         int64_t hi, const Mods<T>& mods, const Tensor& out, const Tensor& lse) {
   const CacheRows<T> krows = cache_rows<T>(k_cache, table), vrows = cache_rows<T>(v_cache, table);
   // Each sequence's keys that some query admits, cut into slices of about equal length.
   std::vector<Slice> slices;
@@ -248,6 +249,7 @@ void run(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& 
   parallel_tasks(tasks, [&](Tasks& queue) {
     constexpr int ROWS = 4;  // rows per call of the products (decode_vectors.h)
     line_vector<T> s(static_cast<size_t>(ROWS * BLOCK_KEYS));
+    line_vector<T> q_rows(static_cast<size_t>(d.R * d.E));  // the task's rows, scaled
     std::optional<LaneTask<MODS>> lanes;
     if constexpr (std::is_same_v<T, float>) {
       if (lr.groups > 0) lanes.emplace(d, lr);
@@ -257,7 +259,9 @@ void run(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& 
     for (int64_t task; queue.next(task);) {
       const Slice& sl = slices[task / d.Hkv];
       const int64_t h = task % d.Hkv, diag = lens[sl.b] - d.Lq;
-      const T* q = q_all + (sl.b * d.Hkv + h) * d.R * d.E;
+      const T* q_in = q_all + (sl.b * d.Hkv + h) * d.R * d.E;
+      for (int64_t x = 0; x < d.R * d.E; ++x) q_rows[x] = q_in[x] * q_scale;
+      const T* q = q_rows.data();
       T* o = part_o.data() + task * d.R * d.Ev;
       T* m = part_m.data() + task * d.R;
       T* l = part_l.data() + task * d.R;
@@ -458,13 +462,14 @@ std::vector<int64_t> checked_lengths(const Tensor& seqlens, const Tensor& table,
 }
 
 template <typename T>
-void run_with(const Shape& d, const Tensor& qs, const Tensor& k_cache, const Tensor& v_cache,
-              const std::vector<int64_t>& lens, const Tensor& table, int64_t lo, int64_t hi,
-              const ModArgs& mods, const Tensor& out, const Tensor& lse) {
+void run_with(const Shape& d, const Tensor& qs, double q_scale, const Tensor& k_cache,
+              const Tensor& v_cache, const std::vector<int64_t>& lens, const Tensor& table,
+              int64_t lo, int64_t hi, const ModArgs& mods, const Tensor& out, const Tensor& lse) {
+  const T s = static_cast<T>(q_scale);  // (float32: what q * scale computes in float32)
   if (mods.any()) {
-    run<T, true>(d, qs, k_cache, v_cache, lens, table, lo, hi, mods.view<T>(), out, lse);
+    run<T, true>(d, qs, s, k_cache, v_cache, lens, table, lo, hi, mods.view<T>(), out, lse);
   } else {
-    run<T, false>(d, qs, k_cache, v_cache, lens, table, lo, hi, Mods<T>{}, out, lse);
+    run<T, false>(d, qs, s, k_cache, v_cache, lens, table, lo, hi, Mods<T>{}, out, lse);
   }
 }
 
@@ -472,11 +477,14 @@ std::tuple<Tensor, Tensor> attend(const Shape& d, const Tensor& q, const Tensor&
                                   const Tensor& v_cache, const std::vector<int64_t>& lens,
                                   const Tensor& table, double scale, int64_t lo, int64_t hi,
                                   const ModArgs& mods) {
-  // q scaled once (the products take no scale), rows of a kv head's group consecutive:
-  // (B, Hkv, G * Lq, E) is q's own order.
-  Tensor qs = (q.contiguous() * scale).contiguous();
+  // Rows of a kv head's group consecutive: (B, Hkv, G * Lq, E) is q's own order. The tasks
+  // scale their rows as they copy them (the products take no scale), not an ATen op per call:
+  // in a model's decoding step, whose weights have just flushed the caches, each op costs tens
+  // of microseconds, more than a short cache's attention.
+  Tensor qs = q.contiguous();
+  double q_scale = scale;
   Tensor keys = k_cache;
-  if (q.scalar_type() == at::kDouble && any_non_finite({qs}) && !any_non_finite({q})) {
+  if (q.scalar_type() == at::kDouble && !any_non_finite({q}) && any_non_finite({q * scale})) {
     // |q| scale past float64's range though the scores need not be (a huge scale on small
     // keys): the scale split between q and a copy of the keys, each side's largest value
     // sqrt(scale max|q| max|k|) (what a score may reach anyway, up to E); slots no query reads
@@ -491,15 +499,16 @@ std::tuple<Tensor, Tensor> attend(const Shape& d, const Tensor& q, const Tensor&
       qs = (q.contiguous() * (scale / f)).contiguous();
       keys = k_cache * f;
     }
+    q_scale = 1.0;
   }
   Tensor out = at::empty({d.B, d.Hq, d.Lq, d.Ev}, q.options());
   Tensor lse = at::empty({d.B, d.Hq, d.Lq}, q.options());
   if (q.scalar_type() == at::kDouble) {
-    run_with<double>(d, qs, keys, v_cache, lens, table, lo, hi, mods, out, lse);
+    run_with<double>(d, qs, q_scale, keys, v_cache, lens, table, lo, hi, mods, out, lse);
   } else {
-    run_with<float>(d, qs, keys, v_cache, lens, table, lo, hi, mods, out, lse);
+    run_with<float>(d, qs, q_scale, keys, v_cache, lens, table, lo, hi, mods, out, lse);
   }
-  return {out, lse.to(at::kFloat)};
+  return {out, q.scalar_type() == at::kFloat ? lse : lse.to(at::kFloat)};
 }
 
 std::tuple<Tensor, Tensor> decode(const Tensor& q, const Tensor& k_cache_in,
