@@ -175,14 +175,22 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
     An inference op: it runs under torch.no_grad(), so its outputs carry no gradient whatever
     requires one. See API.md for the contract.
     """
-    with torch.no_grad():
-        call = _validate.kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                                      is_causal, scale, window, softcap, alibi_slopes, sinks,
-                                      backend, return_lse)
-        name = select("kvcache", call)  # a forced backend that cannot serve it writes nothing
-        if call.k is not None:
-            _write_new_keys(call)
-        out, lse = _module(name).kvcache(call)
+    if torch.is_grad_enabled():
+        # (not `with no_grad()` on every call: a decoding loop runs without grad already, and
+        # the context costs tens of microseconds a step once the model's weights have flushed
+        # the caches)
+        with torch.no_grad():
+            return attention_with_kvcache(
+                q, k_cache, v_cache, cache_seqlens, k, v, block_table=block_table,
+                is_causal=is_causal, scale=scale, window=window, softcap=softcap,
+                alibi_slopes=alibi_slopes, sinks=sinks, backend=backend, return_lse=return_lse)
+    call = _validate.kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                                  is_causal, scale, window, softcap, alibi_slopes, sinks,
+                                  backend, return_lse)
+    name = select("kvcache", call)  # a forced backend that cannot serve it writes nothing
+    if call.k is not None:
+        _write_new_keys(call)
+    out, lse = _module(name).kvcache(call)
     return (out, lse.float()) if return_lse else out
 
 
