@@ -518,13 +518,21 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
                          f"capacity of {capacity} positions, got cache_seqlens {lens}")
     seqlens = cache_seqlens + lnew if lnew else cache_seqlens.contiguous()  # kernels index it
     if block_table is not None and b > 0:
-        # only the blocks that hold some key of the sequence: tables are often padded with -1
-        keys = torch.tensor(lens, dtype=torch.int64) + lnew
-        used = torch.arange(block_table.shape[1]).view(1, -1) * depth < keys.view(-1, 1)
-        ids = block_table.to("cpu")[used]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= slots):
-            raise ValueError(f"block_table: expected block ids in [0, {slots}) where the sequences "
-                             f"have keys, got ids from {int(ids.min())} to {int(ids.max())}")
+        # only the blocks that hold some key of the sequence: tables are often padded with -1.
+        # Where every sequence uses as many (B = 1, a batch of equal lengths) one slice and one
+        # reduction: a decoding step runs this per layer, and in a model's step each tensor op
+        # costs tens of microseconds (cold caches), as much as a short cache's attention.
+        used = [-(-(n + lnew) // depth) for n in lens]
+        if min(used) == max(used):
+            ids = block_table[:, :used[0]]
+        else:
+            keys = torch.tensor(used, dtype=torch.int64)
+            ids = block_table.to("cpu")[torch.arange(block_table.shape[1]).view(1, -1) < keys.view(-1, 1)]
+        if ids.numel():
+            low, high = (int(x) for x in torch.aminmax(ids))
+            if low < 0 or high >= slots:
+                raise ValueError(f"block_table: expected block ids in [0, {slots}) where the "
+                                 f"sequences have keys, got ids from {low} to {high}")
 
     scale = _check_scale(scale, e, q.dtype)
     mods = _check_modifiers(softcap, alibi_slopes, sinks, q, b, hq)

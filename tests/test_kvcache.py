@@ -336,6 +336,17 @@ def test_block_ids_out_of_range_raise_and_write_nothing():
     table[:, -1] = -1  # padding past the blocks in use is fine
     attnx.attention_with_kvcache(q, cache.k, cache.v, torch.tensor([1, 2], dtype=torch.int32),
                                  k_new, v_new, block_table=table)
+    # sequences of equal lengths (checked as one slice of the table): 5 + 2 keys use blocks 0-1
+    equal = torch.tensor([5, 5], dtype=torch.int32)
+    table = cache.table.clone()
+    table[0, 1] = -1
+    before = cache.k.clone()
+    with pytest.raises(ValueError, match=r"block_table.*block ids.*got ids from -1 to"):
+        attnx.attention_with_kvcache(q, cache.k, cache.v, equal, k_new, v_new, block_table=table)
+    torch.testing.assert_close(cache.k, before, rtol=0, atol=0, equal_nan=True)
+    table = cache.table.clone()
+    table[:, 2:] = -1
+    attnx.attention_with_kvcache(q, cache.k, cache.v, equal, k_new, v_new, block_table=table)
 
 
 def _bad_calls():
