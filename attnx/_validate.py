@@ -74,6 +74,8 @@ def _check_softcap(softcap, dtype: torch.dtype) -> Optional[float]:
 
 def _check_modifiers(softcap, alibi_slopes, sinks, q: torch.Tensor, b: int, hq: int) -> Modifiers:
     """The modifiers of a call whose (flattened) batch is b with hq query heads."""
+    if softcap is None and alibi_slopes is None and sinks is None:
+        return NO_MODIFIERS
     cap = _check_softcap(softcap, q.dtype)
     alibi = None
     if alibi_slopes is not None:
@@ -484,7 +486,8 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
                              f"capacity), got {cache_seqlens}")
         lens = [int(cache_seqlens)] * b
         cache_seqlens = torch.full((b,), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    cache_seqlens = _check_index_tensor("cache_seqlens", cache_seqlens, (b,), q.device)
+    else:
+        cache_seqlens = _check_index_tensor("cache_seqlens", cache_seqlens, (b,), q.device)
 
     if (k is None) != (v is None):
         raise ValueError(f"k, v: expected both or neither, got k {_type_name(k)} and v {_type_name(v)}")

@@ -8,6 +8,7 @@ CUDA kernels on CPU tensors through the host harness, same schemas.)
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -20,6 +21,7 @@ OPS = {"sdpa": "sdpa_fwd", "additive": "additive_fwd", "kvcache": "kvcache_fwd",
        "kvcache_mod": "kvcache_mod_fwd", "varlen_mod": "varlen_mod_fwd"}
 
 
+@functools.cache  # fixed for the process's life, and asked by every call's backend choice
 def missing_kernel(op: str, dispatch_key: str) -> Optional[str]:
     if _ops.LOAD_ERROR is not None:
         return _ops.LOAD_ERROR
