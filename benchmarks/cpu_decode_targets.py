@@ -91,7 +91,7 @@ def case(b: int, n: int, lq: int, repeats: int, sink: torch.Tensor, peak_gflops)
     attnx_bw = [kv_bytes / t for t in times["attnx"]]
     attnx_read_bw = [sink.numel() * 4 / t for t in reads["attnx"]]
     row = {"B": b, "L": n, "Lq": lq, "kv_bytes": kv_bytes}
-    for name in impls:
+    for name in times:
         row[name] = summary(times[name])
     row["read_bandwidth_gbs"] = statistics.median(read_bw) / 1e9
     row["attnx_bandwidth_gbs"] = statistics.median(attnx_bw) / 1e9

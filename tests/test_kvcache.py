@@ -336,6 +336,9 @@ def test_block_ids_out_of_range_raise_and_write_nothing():
     table[:, -1] = -1  # padding past the blocks in use is fine
     attnx.attention_with_kvcache(q, cache.k, cache.v, torch.tensor([1, 2], dtype=torch.int32),
                                  k_new, v_new, block_table=table)
+    table[0, 2:] = -1  # and where the sequences use different numbers of blocks (1 + 2, 5 + 2 keys)
+    attnx.attention_with_kvcache(q, cache.k, cache.v, torch.tensor([1, 5], dtype=torch.int32),
+                                 k_new, v_new, block_table=table)
     # sequences of equal lengths (checked as one slice of the table): 5 + 2 keys use blocks 0-1
     equal = torch.tensor([5, 5], dtype=torch.int32)
     table = cache.table.clone()

@@ -8,7 +8,6 @@ CUDA kernels on CPU tensors through the host harness, same schemas.)
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -21,7 +20,6 @@ OPS = {"sdpa": "sdpa_fwd", "additive": "additive_fwd", "kvcache": "kvcache_fwd",
        "kvcache_mod": "kvcache_mod_fwd", "varlen_mod": "varlen_mod_fwd"}
 
 
-@functools.cache  # fixed for the process's life, and asked by every call's backend choice
 def missing_kernel(op: str, dispatch_key: str) -> Optional[str]:
     if _ops.LOAD_ERROR is not None:
         return _ops.LOAD_ERROR
