@@ -529,8 +529,8 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
         if min(used) == max(used):
             ids = block_table[:, :used[0]]
         else:
-            keys = torch.tensor(used, dtype=torch.int64)
-            ids = block_table.to("cpu")[torch.arange(block_table.shape[1]).view(1, -1) < keys.view(-1, 1)]
+            counts = torch.tensor(used, dtype=torch.int64).view(-1, 1)
+            ids = block_table.to("cpu")[torch.arange(block_table.shape[1]).view(1, -1) < counts]
         if ids.numel():
             low, high = (int(x) for x in torch.aminmax(ids))
             if low < 0 or high >= slots:

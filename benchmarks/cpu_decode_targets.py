@@ -75,7 +75,7 @@ def case(b: int, n: int, lq: int, repeats: int, sink: torch.Tensor, peak_gflops)
         for name in ("attnx", "attnx_paged"):  # a benchmark of wrong answers is worth nothing
             err = (impls[name]() - ref).abs().max().item()
             assert err < 1e-4, f"{name}: max error {err} against torch"
-        times = {name: [] for name in (*impls, "read")}
+        times = {name: [] for name in impls}
         reads = {name: [] for name in impls}
         for _ in range(repeats):
             for name, fn in impls.items():

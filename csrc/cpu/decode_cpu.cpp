@@ -477,29 +477,33 @@ std::tuple<Tensor, Tensor> attend(const Shape& d, const Tensor& q, const Tensor&
                                   const Tensor& v_cache, const std::vector<int64_t>& lens,
                                   const Tensor& table, double scale, int64_t lo, int64_t hi,
                                   const ModArgs& mods) {
-  // Rows of a kv head's group consecutive: (B, Hkv, G * Lq, E) is q's own order. The tasks
-  // scale their rows as they copy them (the products take no scale), not an ATen op per call:
-  // in a model's decoding step, whose weights have just flushed the caches, each op costs tens
-  // of microseconds, more than a short cache's attention.
+  // Rows of a kv head's group consecutive: (B, Hkv, G * Lq, E) is q's own order. float32: the
+  // tasks scale their rows as they copy them (the products take no scale), not an ATen op per
+  // call: in a model's decoding step, whose weights have just flushed the caches, each op costs
+  // tens of microseconds, more than a short cache's attention. float64 (for checking) is
+  // scaled here, where its overflow is looked for.
   Tensor qs = q.contiguous();
   double q_scale = scale;
   Tensor keys = k_cache;
-  if (q.scalar_type() == at::kDouble && !any_non_finite({q}) && any_non_finite({q * scale})) {
-    // |q| scale past float64's range though the scores need not be (a huge scale on small
-    // keys): the scale split between q and a copy of the keys, each side's largest value
-    // sqrt(scale max|q| max|k|) (what a score may reach anyway, up to E); slots no query reads
-    // (which may hold anything) count as 0.
-    const double q_max = q.abs().max().item<double>();
-    const double k_max = k_cache.nan_to_num(0.0, 0.0, 0.0).abs().max().item<double>();
-    if (k_max == 0.0) {
-      qs = at::zeros_like(qs);  // every read score is 0 exactly
-    } else {
-      const double f =
-          std::exp(0.5 * (std::log(std::abs(scale)) + std::log(q_max) - std::log(k_max)));
-      qs = (q.contiguous() * (scale / f)).contiguous();
-      keys = k_cache * f;
-    }
+  if (q.scalar_type() == at::kDouble) {
+    qs = (qs * scale).contiguous();
     q_scale = 1.0;
+    if (any_non_finite({qs}) && !any_non_finite({q})) {
+      // |q| scale past float64's range though the scores need not be (a huge scale on small
+      // keys): the scale split between q and a copy of the keys, each side's largest value
+      // sqrt(scale max|q| max|k|) (what a score may reach anyway, up to E); slots no query reads
+      // (which may hold anything) count as 0.
+      const double q_max = q.abs().max().item<double>();
+      const double k_max = k_cache.nan_to_num(0.0, 0.0, 0.0).abs().max().item<double>();
+      if (k_max == 0.0) {
+        qs = at::zeros_like(qs);  // every read score is 0 exactly
+      } else {
+        const double f =
+            std::exp(0.5 * (std::log(std::abs(scale)) + std::log(q_max) - std::log(k_max)));
+        qs = (q.contiguous() * (scale / f)).contiguous();
+        keys = k_cache * f;
+      }
+    }
   }
   Tensor out = at::empty({d.B, d.Hq, d.Lq, d.Ev}, q.options());
   Tensor lse = at::empty({d.B, d.Hq, d.Lq}, q.options());
