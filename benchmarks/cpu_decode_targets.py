@@ -4,9 +4,11 @@ Decoding shapes of issue 20 item 3 / issue 23 item 3: fp32, Hq=32, Hkv=8, D=128,
 L=2k-32k (every sequence full to L), Lq=1 and 4. Per repeat, in turn: torch's
 F.scaled_dot_product_attention over the contiguous cache (enable_gqa=True; for Lq > 1 a
 bottom-right causal bool mask), attnx on the same contiguous cache, attnx on a paged copy
-(block size 16, blocks shuffled), each right after a read of a large tensor (torch.sum) that
+(block size 16, blocks shuffled), attnx's scaled_dot_product_attention with torch's own
+arguments (its `sdpa_speedup`: the same decoding kernel, reached by a drop-in user), each
+right after a read of a large tensor (torch.sum) that
 measures the memory bandwidth under the same load. attnx's bandwidth is the K and V bytes it
-must read (B * Hkv * L * 2D * 4) over its time; its fraction is against the read just before it.
+must read (B * Hkv * L * 2D * bytes per value) over its time; its fraction is against the read just before it.
 Medians with min/max. Writes benchmarks/results/cpu-decode-<date>.json.
 
 The compute side, measured in the same run: the work is 4 * B * Hq * Lq * L * D FLOPs (q.k and
@@ -57,10 +59,11 @@ def paged(cache: torch.Tensor, g: torch.Generator):
     return shuffled, perm.view(b, nb).to(torch.int32)
 
 
-def case(b: int, n: int, lq: int, repeats: int, sink: torch.Tensor, peak_gflops) -> dict:
+def case(b: int, n: int, lq: int, repeats: int, sink: torch.Tensor, peak_gflops,
+         dtype: torch.dtype) -> dict:
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(b, HQ, lq, D, generator=g)
-    k, v = (torch.randn(b, HKV, n, D, generator=g) for _ in range(2))
+    q = torch.randn(b, HQ, lq, D, generator=g).to(dtype)
+    k, v = (torch.randn(b, HKV, n, D, generator=g).to(dtype) for _ in range(2))
     (kp, table), (vp, _) = paged(k, torch.Generator().manual_seed(1)), paged(v, torch.Generator().manual_seed(1))
     lens = torch.full((b,), n, dtype=torch.int32)
     mask = torch.ones(lq, n, dtype=torch.bool).tril(n - lq) if lq > 1 else None
@@ -69,12 +72,17 @@ def case(b: int, n: int, lq: int, repeats: int, sink: torch.Tensor, peak_gflops)
         "attnx": lambda: attnx.attention_with_kvcache(q, k, v, lens, backend="cpu"),
         "attnx_paged": lambda: attnx.attention_with_kvcache(q, kp, vp, lens, block_table=table,
                                                             backend="cpu"),
+        # torch's own call through attnx's SDPA (a drop-in user's): the decoding kernel too
+        "attnx_sdpa": lambda: attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                  enable_gqa=True, backend="cpu"),
     }
     with torch.no_grad():
-        ref = impls["torch"]()
-        for name in ("attnx", "attnx_paged"):  # a benchmark of wrong answers is worth nothing
-            err = (impls[name]() - ref).abs().max().item()
-            assert err < 1e-4, f"{name}: max error {err} against torch"
+        # (bfloat16: against float32 on the same values; attnx rounds its output once)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                             enable_gqa=True)
+        for name in ("attnx", "attnx_paged", "attnx_sdpa"):  # a benchmark of wrong answers is worth nothing
+            err = (impls[name]().float() - ref.float()).abs().max().item()
+            assert err < (1e-4 if dtype == torch.float32 else 1e-2), f"{name}: max error {err}"
         times = {name: [] for name in impls}
         reads = {name: [] for name in impls}
         for _ in range(repeats):
@@ -86,7 +94,7 @@ def case(b: int, n: int, lq: int, repeats: int, sink: torch.Tensor, peak_gflops)
                 reads[name].append(timed(lambda: sink.sum()))
                 times[name].append(timed(fn))
         times["read"] = [t for ts in reads.values() for t in ts]
-    kv_bytes = b * HKV * n * 2 * D * 4
+    kv_bytes = b * HKV * n * 2 * D * k.element_size()
     read_bw = [sink.numel() * 4 / t for t in times["read"]]
     attnx_bw = [kv_bytes / t for t in times["attnx"]]
     attnx_read_bw = [sink.numel() * 4 / t for t in reads["attnx"]]
@@ -105,6 +113,7 @@ def case(b: int, n: int, lq: int, repeats: int, sink: torch.Tensor, peak_gflops)
         row["compute_bound"] = compute_floor > memory_floor
         row["roofline_fraction"] = max(memory_floor, compute_floor) / row["attnx"]["median_s"]
     row["speedup"] = row["torch"]["median_s"] / row["attnx"]["median_s"]
+    row["sdpa_speedup"] = row["torch"]["median_s"] / row["attnx_sdpa"]["median_s"]
     row["paged_over_contiguous"] = row["attnx_paged"]["median_s"] / row["attnx"]["median_s"]
     return row
 
@@ -114,6 +123,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK}")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="q and the caches (bfloat16: the kernel widens each block to fp32)")
     parser.add_argument("--out", default=None, help="JSON path (default: results/cpu-decode-<date>.json)")
     args = parser.parse_args()
     repeats = args.repeats or (5 if args.quick else 9)
@@ -123,7 +134,7 @@ def main() -> None:
     sink = torch.randn(128 * 1024 * 1024)  # 512 MiB: far past any cache
     header = (f"{'B':>2} {'L':>6} {'Lq':>3} | {'torch ms':>9} {'attnx ms':>9} {'paged ms':>9} | "
               f"{'speedup':>7} | {'attnx GB/s':>10} {'read GB/s':>9} {'fraction':>8} | {'GFLOP/s':>6} "
-              f"{'roofline':>9} | {'paged/contig':>12}")
+              f"{'roofline':>9} | {'paged/contig':>12} | {'sdpa ms':>8} {'speedup':>7}")
     print(f"threads: {torch.get_num_threads()}, targets: >= {SPEEDUP_TARGET}x torch, >= "
           f"{BANDWIDTH_TARGET:.0%} of read bandwidth, paged <= {PAGED_TARGET:.2f}x contiguous; "
           f"FMA ceiling {peak['gflops'] if peak else 'n/a'} GFLOP/s (roofline: c compute-bound, "
@@ -133,7 +144,7 @@ def main() -> None:
     rows = []
     for b, n in (QUICK if args.quick else CASES):
         for lq in (1, 4):
-            r = case(b, n, lq, repeats, sink, peak and peak["gflops"])
+            r = case(b, n, lq, repeats, sink, peak and peak["gflops"], getattr(torch, args.dtype))
             rows.append(r)
             miss = [w for w, bad in (("speed", r["speedup"] < SPEEDUP_TARGET),
                                      ("bw", r["bandwidth_fraction"] < BANDWIDTH_TARGET),
@@ -143,19 +154,20 @@ def main() -> None:
                   f"{r['speedup']:>6.2f}x | {r['attnx_bandwidth_gbs']:>10.1f} {r['read_bandwidth_gbs']:>9.1f} "
                   f"{r['bandwidth_fraction']:>8.0%} | {r['attnx_gflops']:>6.1f} "
                   f"{r.get('roofline_fraction', float('nan')):>8.0%}{'c' if r.get('compute_bound') else 'm'} | "
-                  f"{r['paged_over_contiguous']:>11.2f}x"
+                  f"{r['paged_over_contiguous']:>11.2f}x | {r['attnx_sdpa']['median_s'] * 1e3:>8.2f} "
+                  f"{r['sdpa_speedup']:>6.2f}x"
                   f"{'  MISS ' + ','.join(miss) if miss else ''}", flush=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     result = {
         "benchmark": "cpu_decode_targets", "quick": args.quick, "date": now.isoformat(),
         "machine": machine(), "fma_peak": peak,
         "torch": torch.__version__, "attnx": attnx.__version__, "repeats": repeats,
-        "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "dtype": "float32", "paged_block_size": BLOCK},
+        "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "dtype": args.dtype, "paged_block_size": BLOCK},
         "targets": {"speedup": SPEEDUP_TARGET, "bandwidth_fraction": BANDWIDTH_TARGET,
                     "paged_over_contiguous": PAGED_TARGET},
         "cases": rows,
     }
-    path = args.out or os.path.join(HERE, "results", f"cpu-decode-{now:%Y-%m-%d}-t{torch.get_num_threads()}{'-quick' if args.quick else ''}.json")
+    path = args.out or os.path.join(HERE, "results", f"cpu-decode-{now:%Y-%m-%d}-t{torch.get_num_threads()}{'-bf16' if args.dtype == 'bfloat16' else ''}{'-quick' if args.quick else ''}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

@@ -1,5 +1,7 @@
 // Decoding attention against a KV cache (attnx::kvcache_fwd): a few queries (Lq = 1-16) against
-// long cached keys, where the time goes into reading K and V once from memory.
+// long cached keys, where the time goes into reading K and V once from memory. The SDPA
+// forward of a few query rows against many keys runs here too (sdpa_decode_fwd: its mask read
+// row by row, its band and ALiBi shifted to this kernel's bottom-right alignment).
 //
 // Split-K: each task is one (sequence b, kv head, slice of b's keys) and takes every query row
 // of the kv head's group at once (G = Hq / Hkv query heads x Lq queries), so each K/V row is
@@ -9,8 +11,9 @@
 // unnormalized output with its rows' max and sum; a second pass merges a head's slices by
 // log-sum-exp. Slots past a sequence's length are never read. float32 runs on the vector
 // products of decode_vectors.h (many rows as the lanes of a vector, LaneTask; the others four
-// at a time); float64 on plain loops. Where float32 overflows on finite inputs (scores near its
-// range), the call reruns in float64, as the SDPA kernels do.
+// at a time); bfloat16 on the same, each block widened to float32 as it is read; float64 on
+// plain loops. Where float32 overflows on finite inputs (scores near its range), the call
+// reruns in float64, as the SDPA kernels do.
 #include "decode_cpu.h"
 
 #include <ATen/ATen.h>
@@ -18,16 +21,19 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "decode_vectors.h"
 #include "float64_rerun.h"
 #include "line_vector.h"
 #include "score_mods.h"
+#include "sdpa_mask.h"
 #include "sdpa_tile.h"
 #include "task_queue.h"
 
@@ -44,6 +50,7 @@ constexpr int64_t MIN_SLICE = 512;
 
 struct Shape {
   int64_t B, Hq, Hkv, G, Lq, E, Ev, R;  // R = G * Lq rows per task, row r = g * Lq + i
+  int64_t kv_size;                      // bytes per value of the caches
 };
 
 // Where row p of (sequence b, kv head h) lies: strided, or paged through the block table.
@@ -54,8 +61,9 @@ struct CacheRows {
   const int32_t* table;  // nullptr for a contiguous cache
   int64_t table_stride, block_size;
   // rows[t] = the row of position p0 + t, t in [0, n): one division per call, not per row (a
-  // 64-bit division a row cost paged reads 20-45% at Lq = 1).
-  void rows(int64_t b, int64_t h, int64_t p0, int64_t n, const T** out) const {
+  // 64-bit division a row cost paged reads 20-45% at Lq = 1). P: const T* or const void*.
+  template <typename P>
+  void rows(int64_t b, int64_t h, int64_t p0, int64_t n, P* out) const {
     if (table == nullptr) {
       for (int64_t t = 0; t < n; ++t) out[t] = base + b * s0 + h * s1 + (p0 + t) * s2;
       return;
@@ -77,6 +85,22 @@ CacheRows<T> cache_rows(const Tensor& cache, const Tensor& table) {
                       cache.size(2)};
 }
 
+// A block's n rows of len values as T (float32 or float64) for the products: the cache's own
+// rows, or bfloat16 ones widened into buf (one pass, in order, over what the products then
+// read from L1; the cache is read at half float32's bytes).
+template <typename T, typename KV>
+void stage(const KV* const* raw, int64_t n, int64_t len, T* buf, const T** out) {
+  if constexpr (std::is_same_v<T, KV>) {
+    std::copy(raw, raw + n, out);
+  } else {
+    static_assert(std::is_same_v<T, float> && std::is_same_v<KV, at::BFloat16>);
+    for (int64_t t = 0; t < n; ++t) {
+      widen_bf16(reinterpret_cast<const uint16_t*>(raw[t]), len, buf + t * len);
+      out[t] = buf + t * len;
+    }
+  }
+}
+
 // Keys [j0, j1) of sequence b, for every kv head.
 struct Slice {
   int64_t b, j0, j1;
@@ -85,6 +109,15 @@ struct Slice {
 template <typename T>
 constexpr T neg_inf() {
   return -std::numeric_limits<T>::infinity();
+}
+
+// Whether a score of s[0, n) is -inf: from finite inputs only where q k or a partial sum of it
+// passed T's range, which would drop its key silently (+inf and NaN show in the output).
+template <typename T>
+bool any_neg_inf(const T* s, int64_t n) {
+  int found = 0;
+  for (int64_t t = 0; t < n; ++t) found |= s[t] == neg_inf<T>();
+  return found != 0;
 }
 
 // Rows computed as the lanes of a vector (float32, decode_vectors.h): rows [0, rows) in groups
@@ -157,8 +190,9 @@ class LaneTask {
   // admitted keys those j with lo <= j - (i + diag) <= hi. share: rows of the task done so far,
   // over which the rows of the block after next (far) are fetched.
   void block(const float* const* k, const float* const* v, int64_t n, int64_t j0, int64_t diag,
-             int64_t lo, int64_t hi, const float* const* k_far, const float* const* v_far,
-             int64_t n_far, int64_t& share, const Mods<float>& mods) {
+             int64_t lo, int64_t hi, const void* const* k_far, const void* const* v_far,
+             int64_t n_far, int64_t& share, const Mods<float>& mods, const MaskRows& mask,
+             const MaskRows::Row* mask_rows) {
     const int64_t W = lr_.W;
     float* st = st_.data();
     for (int64_t g = 0; g < lr_.groups; ++g) {
@@ -168,7 +202,8 @@ class LaneTask {
       const int64_t a1 = share * n_far / d_.R;
       const int64_t i_lo = i_lo_[g], i_hi = i_hi_[g];
       if (j0 + n - 1 < i_lo + diag + lo || j0 > i_hi + diag + hi) continue;  // none admitted
-      lane_scores(qt_.data() + g * d_.E * W, k, n, d_.E, st, {k_far + a0, a1 - a0, d_.E});
+      lane_scores(qt_.data() + g * d_.E * W, k, n, d_.E, st, {k_far + a0, a1 - a0, d_.E * d_.kv_size});
+      overflow_ = overflow_ || any_neg_inf(st, n * W);
       if constexpr (MODS) {
         if (mods.softcap > 0) softcap_row(st, n * W, mods.softcap, nullptr);  // elementwise
         if (mods.alibi != nullptr) {
@@ -187,9 +222,11 @@ class LaneTask {
             if (dj < lo || dj > hi) st[t * W + r] = neg_inf<float>();
           }
       }
+      for (int64_t r = 0; r < rows && mask.present(); ++r)
+        mask.apply_strided(mask_rows[r0 + r], st + r, W, j0, n);
       lane_softmax(st, n, m_.data() + r0, l_.data() + r0, alpha_.data());
       lane_add(ot_.data() + g * d_.Ev * W, alpha_.data(), st, v, n, d_.Ev,
-               {v_far + a0, a1 - a0, d_.Ev});
+               {v_far + a0, a1 - a0, d_.Ev * d_.kv_size});
     }
   }
 
@@ -211,14 +248,22 @@ class LaneTask {
   std::vector<float> slope_;
   std::vector<int64_t> i_lo_, i_hi_;
   std::vector<int64_t> query_;  // the query i of each lane row r: r % Lq
+
+ public:
+  bool overflow_ = false;  // some raw score came out -inf (any_neg_inf)
 };
 
-// qs: the query rows, which the tasks multiply by q_scale as they copy them.
-template <typename T, bool MODS>
-void run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
+// T: the compute type (float or double); KV: the inputs' (T, or bfloat16 with T float). qs: the
+// query rows, which the tasks multiply by q_scale as they copy them. mask: SDPA's attention
+// mask (the caller's view, (B, Hq, Lq, keys)), or none; a task locates its rows once. out, lse
+// in T. Returns whether some score overflowed to -inf (any_neg_inf).
+template <typename T, typename KV, bool MODS>
+bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
          const Tensor& v_cache, const std::vector<int64_t>& lens, const Tensor& table, int64_t lo,
-         int64_t hi, const Mods<T>& mods, const Tensor& out, const Tensor& lse) {
-  const CacheRows<T> krows = cache_rows<T>(k_cache, table), vrows = cache_rows<T>(v_cache, table);
+         int64_t hi, const Mods<T>& mods, const MaskRows& mask, const Tensor& out,
+         const Tensor& lse) {
+  const CacheRows<KV> krows = cache_rows<KV>(k_cache, table);
+  const CacheRows<KV> vrows = cache_rows<KV>(v_cache, table);
   // Each sequence's keys that some query admits, cut into slices of about equal length.
   std::vector<Slice> slices;
   std::vector<int64_t> first_slice(d.B + 1, 0);
@@ -243,8 +288,9 @@ void run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
   line_vector<T> part_o(static_cast<size_t>(tasks * d.R * d.Ev), T(0));
   std::vector<T> part_m(static_cast<size_t>(tasks * d.R), neg_inf<T>());
   std::vector<T> part_l(static_cast<size_t>(tasks * d.R), T(0));
-  const T* q_all = qs.data_ptr<T>();
+  const KV* q_all = qs.data_ptr<KV>();
   const LaneRows lr = lane_rows<T>(d);
+  std::atomic<bool> overflow{false};
 
   parallel_tasks(tasks, [&](Tasks& queue) {
     constexpr int ROWS = 4;  // rows per call of the products (decode_vectors.h)
@@ -254,13 +300,25 @@ void run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
     if constexpr (std::is_same_v<T, float>) {
       if (lr.groups > 0) lanes.emplace(d, lr);
     }
-    const T *kp[BLOCK_KEYS], *vp[BLOCK_KEYS], *kp_next[BLOCK_KEYS], *vp_next[BLOCK_KEYS];
-    const T *kp_far[BLOCK_KEYS], *vp_far[BLOCK_KEYS];
+    // the block's rows as the products read them (kp, vp), and as the caches hold them: this
+    // block's, the next one's, and the one after (only fetched)
+    const T *kp[BLOCK_KEYS], *vp[BLOCK_KEYS];
+    const KV *kr[BLOCK_KEYS], *vr[BLOCK_KEYS], *kr_next[BLOCK_KEYS], *vr_next[BLOCK_KEYS];
+    const void *kp_far[BLOCK_KEYS], *vp_far[BLOCK_KEYS];
+    line_vector<T> kbuf, vbuf;  // bfloat16 caches: the block widened
+    if constexpr (!std::is_same_v<T, KV>) {
+      kbuf.resize(static_cast<size_t>(BLOCK_KEYS * d.E));
+      vbuf.resize(static_cast<size_t>(BLOCK_KEYS * d.Ev));
+    }
+    bool over = false;
+    std::vector<MaskRows::Row> mask_rows(mask.present() ? static_cast<size_t>(d.R) : 0);
     for (int64_t task; queue.next(task);) {
       const Slice& sl = slices[task / d.Hkv];
       const int64_t h = task % d.Hkv, diag = lens[sl.b] - d.Lq;
-      const T* q_in = q_all + (sl.b * d.Hkv + h) * d.R * d.E;
-      for (int64_t x = 0; x < d.R * d.E; ++x) q_rows[x] = q_in[x] * q_scale;
+      for (size_t r = 0; r < mask_rows.size(); ++r)  // row r: query head h G + r / Lq, query r % Lq
+        mask_rows[r] = mask.row(sl.b, h * d.G + r / d.Lq, r % d.Lq);
+      const KV* q_in = q_all + (sl.b * d.Hkv + h) * d.R * d.E;
+      for (int64_t x = 0; x < d.R * d.E; ++x) q_rows[x] = static_cast<T>(q_in[x]) * q_scale;
       const T* q = q_rows.data();
       T* o = part_o.data() + task * d.R * d.Ev;
       T* m = part_m.data() + task * d.R;
@@ -271,8 +329,8 @@ void run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
       for (int64_t j0 = sl.j0; j0 < sl.j1; j0 += BLOCK_KEYS) {
         const int64_t n = std::min(BLOCK_KEYS, sl.j1 - j0);
         if (j0 == sl.j0) {  // later blocks' rows were looked up as the next block
-          krows.rows(sl.b, h, j0, n, kp);
-          vrows.rows(sl.b, h, j0, n, vp);
+          krows.rows(sl.b, h, j0, n, kr);
+          vrows.rows(sl.b, h, j0, n, vr);
         }
         // The rows of the block after next, fetched a share per row of the group
         // (decode_vectors.h): the requests flow evenly while this block is computed, two
@@ -280,71 +338,85 @@ void run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
         // 16-26% slower than contiguous at Lq = 1; two: 0.95-1.16x). The next block's rows are
         // looked up here too, to be the current ones next time.
         const int64_t n_next = std::clamp<int64_t>(sl.j1 - j0 - n, 0, BLOCK_KEYS);
-        krows.rows(sl.b, h, j0 + n, n_next, kp_next);
-        vrows.rows(sl.b, h, j0 + n, n_next, vp_next);
+        krows.rows(sl.b, h, j0 + n, n_next, kr_next);
+        vrows.rows(sl.b, h, j0 + n, n_next, vr_next);
         const int64_t far0 = j0 + n + n_next;
         const int64_t n_far = std::clamp<int64_t>(sl.j1 - far0, 0, BLOCK_KEYS);
         krows.rows(sl.b, h, far0, n_far, kp_far);
         vrows.rows(sl.b, h, far0, n_far, vp_far);
+        stage(kr, n, d.E, kbuf.data(), kp);
+        stage(vr, n, d.Ev, vbuf.data(), vp);
         int64_t share = 0;  // rows done, for spreading the far block's fetches
         if constexpr (std::is_same_v<T, float>) {
           if (lanes)
-            lanes->block(kp, vp, n, j0, diag, lo, hi, kp_far, vp_far, n_far, share, mods);
+            lanes->block(kp, vp, n, j0, diag, lo, hi, kp_far, vp_far, n_far, share, mods, mask,
+                         mask_rows.data());
         }
-        // The other rows in fours of query heads at the same query i (row r = g * Lq + i): they
-        // admit the same keys, so the products load each K vector once for the four (AVX2: for
-        // two) and each V vector once per two rows.
-        for (int64_t i = 0; i < d.Lq; ++i) {
-          // the first query head whose row of query i is not a lane
-          const int64_t g0 = std::max<int64_t>(0, (lr.rows - i + d.Lq - 1) / d.Lq);
-          const int64_t first = std::clamp<int64_t>(i + diag + lo - j0, 0, n);
-          const int64_t last = std::clamp<int64_t>(i + diag + hi + 1 - j0, 0, n);
-          if (first >= last || g0 >= d.G) {
-            share += std::max<int64_t>(0, d.G - g0);
+        // The other rows (r = g * Lq + i, query head g, query i) in fours of consecutive rows
+        // that admit the same keys of the block (all of them, but near a band's edge): the
+        // products load each K vector once for the four (AVX2: for two) and each V vector
+        // once per two rows. (Grouped by head alone, Lq rows of one head, G = 1, took one row
+        // a call: 2.5x the time the bytes take at Lq = 4.)
+        const auto keys_of = [&](int64_t row) {  // the admitted keys [first, last) of the block
+          const int64_t i = row % d.Lq;
+          return std::pair<int64_t, int64_t>{std::clamp<int64_t>(i + diag + lo - j0, 0, n),
+                                             std::clamp<int64_t>(i + diag + hi + 1 - j0, 0, n)};
+        };
+        for (int64_t r0 = lr.rows; r0 < d.R;) {
+          const auto [first, last] = keys_of(r0);
+          if (first >= last) {
+            ++share, ++r0;
             continue;
           }
+          int rows = 1;
+          while (rows < ROWS && r0 + rows < d.R && keys_of(r0 + rows) == std::pair{first, last})
+            ++rows;
           const int64_t cnt = last - first;
-          for (int64_t g = g0; g < d.G; g += ROWS) {
-            const int rows = static_cast<int>(std::min<int64_t>(ROWS, d.G - g));
-            int64_t r[ROWS];
-            const T* qr[ROWS];
-            T *sr[ROWS], *orow[ROWS];
-            for (int rr = 0; rr < rows; ++rr) {
-              r[rr] = (g + rr) * d.Lq + i;
-              qr[rr] = q + r[rr] * d.E, sr[rr] = s.data() + rr * BLOCK_KEYS;
-              orow[rr] = o + r[rr] * d.Ev;
-            }
-            const int64_t a0 = share * n_far / d.R;
-            share += rows;
-            const int64_t a1 = share * n_far / d.R;
-            const Ahead<T> k_ahead{kp_far + a0, a1 - a0, d.E}, v_ahead{vp_far + a0, a1 - a0, d.Ev};
-            dot_rows(rows, qr, kp + first, cnt, d.E, sr, k_ahead);
-            for (int rr = 0; rr < rows; ++rr) {
-              const int64_t row = r[rr];
-              if constexpr (MODS) {  // ALiBi bottom-right: query i's diagonal is key i + diag
-                mods.apply(sr[rr], cnt, sl.b * d.Hq + h * d.G + g + rr, i + diag, j0 + first,
-                           nullptr);
-              }
-              const T top = std::max(m[row], row_max(sr[rr], cnt));
-              const T sum = exp_sum(sr[rr], cnt, top);
-              if (top != m[row]) {  // rescale what earlier blocks added (nothing on the first)
-                const T alpha = std::exp(m[row] - top);
-                scale_row(orow[rr], d.Ev, alpha);
-                l[row] *= alpha;
-              }
-              l[row] += sum;
-              m[row] = top;
-            }
-            add_rows(rows, orow, sr, vp + first, cnt, d.Ev, v_ahead);
+          const T* qr[ROWS];
+          T *sr[ROWS], *orow[ROWS];
+          for (int rr = 0; rr < rows; ++rr) {
+            qr[rr] = q + (r0 + rr) * d.E, sr[rr] = s.data() + rr * BLOCK_KEYS;
+            orow[rr] = o + (r0 + rr) * d.Ev;
           }
+          const int64_t a0 = share * n_far / d.R;
+          share += rows;
+          const int64_t a1 = share * n_far / d.R;
+          const Ahead k_ahead{kp_far + a0, a1 - a0, d.E * d.kv_size},
+              v_ahead{vp_far + a0, a1 - a0, d.Ev * d.kv_size};
+          dot_rows(rows, qr, kp + first, cnt, d.E, sr, k_ahead);
+          for (int rr = 0; rr < rows; ++rr) {
+            const int64_t row = r0 + rr, i = row % d.Lq, head = h * d.G + row / d.Lq;
+            over = over || any_neg_inf(sr[rr], cnt);
+            if constexpr (MODS) {  // ALiBi bottom-right: query i's diagonal is key i + diag
+              mods.apply(sr[rr], cnt, sl.b * d.Hq + head, i + diag, j0 + first, nullptr);
+            }
+            const T top = std::max(m[row], mask.present()
+                                               ? mask.apply(mask_rows[row], sr[rr], j0 + first, cnt)
+                                               : row_max(sr[rr], cnt));
+            if (top == neg_inf<T>()) {  // no admitted key yet: exp(-inf - -inf) is NaN
+              std::fill(sr[rr], sr[rr] + cnt, T(0));
+              continue;
+            }
+            const T sum = exp_sum(sr[rr], cnt, top);
+            if (top != m[row]) {  // rescale what earlier blocks added (nothing on the first)
+              const T alpha = std::exp(m[row] - top);
+              scale_row(orow[rr], d.Ev, alpha);
+              l[row] *= alpha;
+            }
+            l[row] += sum;
+            m[row] = top;
+          }
+          add_rows(rows, orow, sr, vp + first, cnt, d.Ev, v_ahead);
+          r0 += rows;
         }
-        std::copy(kp_next, kp_next + n_next, kp);
-        std::copy(vp_next, vp_next + n_next, vp);
+        std::copy(kr_next, kr_next + n_next, kr);
+        std::copy(vr_next, vr_next + n_next, vr);
       }
       if constexpr (std::is_same_v<T, float>) {
         if (lanes) lanes->finish(o, m, l);
       }
     }
+    if (over || (lanes && lanes->overflow_)) overflow.store(true, std::memory_order_relaxed);
   });
 
   // Merge a head's slices: out = sum_s e^(m_s - M) o_s / L, L = sum_s e^(m_s - M) l_s.
@@ -393,6 +465,7 @@ void run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
       }
     }
   });
+  return overflow.load();
 }
 
 void check_inputs(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
@@ -424,15 +497,19 @@ bool nan_or_posinf(const float* lse, int64_t n) {
   return found;
 }
 
-// Whether a row that admits some key came out empty (lse -inf): its scores were all NaN.
+// Whether a row that admits some key came out empty (lse -inf): its scores were all NaN, or
+// fell to -inf (huge float-mask values).
 bool lost_rows(const Shape& d, const float* lse, const std::vector<int64_t>& lens, int64_t lo,
-               int64_t hi) {
+               int64_t hi, const MaskRows& mask) {
   for (int64_t b = 0; b < d.B; ++b) {
     const int64_t diag = lens[b] - d.Lq;
     for (int64_t i = 0; i < d.Lq; ++i) {
-      if (std::max<int64_t>(0, i + diag + lo) >= std::min(lens[b], i + diag + hi + 1)) continue;
-      for (int64_t h = 0; h < d.Hq; ++h) {
-        if (lse[(b * d.Hq + h) * d.Lq + i] == -std::numeric_limits<float>::infinity()) return true;
+      const int64_t j0 = std::max<int64_t>(0, i + diag + lo);
+      const int64_t j1 = std::min(lens[b], i + diag + hi + 1);
+      for (int64_t h = 0; h < d.Hq && j0 < j1; ++h) {
+        if (lse[(b * d.Hq + h) * d.Lq + i] == -std::numeric_limits<float>::infinity() &&
+            mask.admits_any(b, h, i, j0, j1))
+          return true;
       }
     }
   }
@@ -461,22 +538,26 @@ std::vector<int64_t> checked_lengths(const Tensor& seqlens, const Tensor& table,
   return lens;
 }
 
-template <typename T>
-void run_with(const Shape& d, const Tensor& qs, double q_scale, const Tensor& k_cache,
+template <typename T, typename KV>
+bool run_with(const Shape& d, const Tensor& qs, double q_scale, const Tensor& k_cache,
               const Tensor& v_cache, const std::vector<int64_t>& lens, const Tensor& table,
-              int64_t lo, int64_t hi, const ModArgs& mods, const Tensor& out, const Tensor& lse) {
+              int64_t lo, int64_t hi, const ModArgs& mods, const MaskRows& mask,
+              const Tensor& out, const Tensor& lse) {
   const T s = static_cast<T>(q_scale);  // (float32: what q * scale computes in float32)
   if (mods.any()) {
-    run<T, true>(d, qs, s, k_cache, v_cache, lens, table, lo, hi, mods.view<T>(), out, lse);
-  } else {
-    run<T, false>(d, qs, s, k_cache, v_cache, lens, table, lo, hi, Mods<T>{}, out, lse);
+    return run<T, KV, true>(d, qs, s, k_cache, v_cache, lens, table, lo, hi, mods.view<T>(),
+                            mask, out, lse);
   }
+  return run<T, KV, false>(d, qs, s, k_cache, v_cache, lens, table, lo, hi, Mods<T>{}, mask,
+                           out, lse);
 }
 
-std::tuple<Tensor, Tensor> attend(const Shape& d, const Tensor& q, const Tensor& k_cache,
+// out and lse in the compute type (float64 for float64 q, else float32), and whether a score
+// overflowed (run).
+std::tuple<Tensor, Tensor, bool> attend(const Shape& d, const Tensor& q, const Tensor& k_cache,
                                   const Tensor& v_cache, const std::vector<int64_t>& lens,
                                   const Tensor& table, double scale, int64_t lo, int64_t hi,
-                                  const ModArgs& mods) {
+                                  const ModArgs& mods, const MaskRows& mask) {
   // Rows of a kv head's group consecutive: (B, Hkv, G * Lq, E) is q's own order. float32: the
   // tasks scale their rows as they copy them (the products take no scale), not an ATen op per
   // call: in a model's decoding step, whose weights have just flushed the caches, each op costs
@@ -505,14 +586,45 @@ std::tuple<Tensor, Tensor> attend(const Shape& d, const Tensor& q, const Tensor&
       }
     }
   }
-  Tensor out = at::empty({d.B, d.Hq, d.Lq, d.Ev}, q.options());
-  Tensor lse = at::empty({d.B, d.Hq, d.Lq}, q.options());
+  const auto opts = q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  Tensor out = at::empty({d.B, d.Hq, d.Lq, d.Ev}, opts);
+  Tensor lse = at::empty({d.B, d.Hq, d.Lq}, opts);
+  bool overflow;
   if (q.scalar_type() == at::kDouble) {
-    run_with<double>(d, qs, q_scale, keys, v_cache, lens, table, lo, hi, mods, out, lse);
+    overflow = run_with<double, double>(d, qs, q_scale, keys, v_cache, lens, table, lo, hi, mods,
+                                        mask, out, lse);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    overflow = run_with<float, at::BFloat16>(d, qs, q_scale, keys, v_cache, lens, table, lo, hi,
+                                             mods, mask, out, lse);
   } else {
-    run_with<float>(d, qs, q_scale, keys, v_cache, lens, table, lo, hi, mods, out, lse);
+    overflow = run_with<float, float>(d, qs, q_scale, keys, v_cache, lens, table, lo, hi, mods,
+                                      mask, out, lse);
   }
-  return {out, q.scalar_type() == at::kFloat ? lse : lse.to(at::kFloat)};
+  return {out, lse, overflow};
+}
+
+// attend, float32 rerun in float64 where it overflowed (out float32, lse float64 then).
+std::tuple<Tensor, Tensor> attend_checked(const Shape& d, const Tensor& q, const Tensor& k_cache,
+                                          const Tensor& v_cache, const std::vector<int64_t>& lens,
+                                          const Tensor& table, double scale, int64_t lo,
+                                          int64_t hi, const ModArgs& mods,
+                                          const MaskRows& mask) {
+  auto [out, lse, overflow] =
+      attend(d, q, k_cache, v_cache, lens, table, scale, lo, hi, mods, mask);
+  if (q.scalar_type() != at::kDouble && (overflow ||
+                                        any_non_finite(out.data_ptr<float>(), out.numel()) ||
+                                        nan_or_posinf(lse.data_ptr<float>(), lse.numel()) ||
+                                        lost_rows(d, lse.data_ptr<float>(), lens, lo, hi, mask))) {
+    // float32 overflowed (q scale or scores past its range: NaN scores, which the softmax
+    // drops, leave a row that admits keys empty) or the inputs hold non-finite values (the
+    // lanes multiply a refused key's value row by p = 0: an inf there lands here too); float64
+    // holds every product of float32 values, and keeps the inputs' own non-finite values.
+    auto [out64, lse64, ignored] =
+        attend(d, q.to(at::kDouble), k_cache.to(at::kDouble), v_cache.to(at::kDouble), lens,
+               table, scale, lo, hi, mods, mask);
+    return {out64.to(at::kFloat), lse64};
+  }
+  return {out, lse};
 }
 
 std::tuple<Tensor, Tensor> decode(const Tensor& q, const Tensor& k_cache_in,
@@ -521,8 +633,10 @@ std::tuple<Tensor, Tensor> decode(const Tensor& q, const Tensor& k_cache_in,
                                   int64_t window_lo, int64_t window_hi, const ModArgs& mods) {
   const Tensor table = block_table.has_value() ? block_table->contiguous() : Tensor();
   check_inputs(q, k_cache_in, v_cache_in, seqlens, table);
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
-              "attnx::kvcache_fwd (CPU): expected float32 or float64, got ", q.scalar_type());
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble ||
+                  q.scalar_type() == at::kBFloat16,
+              "attnx::kvcache_fwd (CPU): expected float32, float64 or bfloat16, got ",
+              q.scalar_type());
   // Rows are read as runs of E values: a cache whose last dim is strided (never one a model
   // keeps) is copied.
   const Tensor k_cache = k_cache_in.stride(3) == 1 ? k_cache_in : k_cache_in.contiguous();
@@ -534,24 +648,34 @@ std::tuple<Tensor, Tensor> decode(const Tensor& q, const Tensor& k_cache_in,
   const int64_t lo = std::clamp(window_lo, -capacity - lq, capacity + lq);
   const int64_t hi = std::clamp(window_hi, -capacity - lq, capacity + lq);
   Shape d{q.size(0), q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1), lq, q.size(3),
-          v_cache.size(3), 0};
+          v_cache.size(3), 0, static_cast<int64_t>(k_cache.element_size())};
   d.R = d.G * d.Lq;
-  auto [out, lse] = attend(d, q, k_cache, v_cache, lens, table, scale, lo, hi, mods);
-  if (q.scalar_type() == at::kFloat && (any_non_finite(out.data_ptr<float>(), out.numel()) ||
-                                        nan_or_posinf(lse.data_ptr<float>(), lse.numel()) ||
-                                        lost_rows(d, lse.data_ptr<float>(), lens, lo, hi))) {
-    // float32 overflowed (q scale or scores past its range: NaN scores, which the softmax
-    // drops, leave a row that admits keys empty) or the inputs hold non-finite values (the
-    // lanes multiply a refused key's value row by p = 0: an inf there lands here too); float64
-    // holds every product of float32 values, and keeps the inputs' own non-finite values.
-    auto [out64, lse64] = attend(d, q.to(at::kDouble), k_cache.to(at::kDouble),
-                                 v_cache.to(at::kDouble), lens, table, scale, lo, hi, mods);
-    return {out64.to(at::kFloat), lse64};
-  }
-  return {out, lse};
+  auto [out, lse] = attend_checked(d, q, k_cache, v_cache, lens, table, scale, lo, hi, mods,
+                                   MaskRows(std::nullopt));
+  // out in q's dtype (bfloat16 rounded once, from float32); the op's lse is float32 whatever q's
+  return {out.to(q.scalar_type()), lse.to(at::kFloat)};
 }
 
 }  // namespace
+
+std::tuple<Tensor, Tensor> sdpa_decode_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                           const MaskRows& mask, double scale, int64_t band_lo,
+                                           int64_t band_hi, const ModArgs& mods) {
+  Shape d{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), q.size(3),
+          v.size(3), 0, static_cast<int64_t>(k.element_size())};
+  d.R = d.G * d.Lq;
+  const int64_t lk = k.size(2), diag = lk - d.Lq;
+  // SDPA's band and ALiBi diagonal are top-left (query i at key i), the kernel's relative to
+  // query i's diagonal key i + diag
+  ModArgs shifted = mods;
+  shifted.alibi_offset -= diag;
+  const std::vector<int64_t> lens(static_cast<size_t>(d.B), lk);
+  auto [out, lse] = attend_checked(d, q, k.stride(3) == 1 ? k : k.contiguous(),
+                                   v.stride(3) == 1 ? v : v.contiguous(), lens, Tensor(), scale,
+                                   band_lo - diag, band_hi - diag, shifted, mask);
+  // SDPA's: out in q's dtype, lse in the compute type
+  return {out.to(q.scalar_type()), q.scalar_type() == at::kDouble ? lse : lse.to(at::kFloat)};
+}
 
 std::tuple<Tensor, Tensor> kvcache_fwd(const Tensor& q, const Tensor& k_cache,
                                        const Tensor& v_cache, const Tensor& seqlens,

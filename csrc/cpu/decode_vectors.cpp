@@ -22,14 +22,14 @@ namespace {
 // rest() fetches the lot where a loop made no step (dot_rows on fewer than 4 keys or e < W,
 // add_rows with ev < U W).
 struct Spread {
-  const Ahead<float>& ahead;
+  const Ahead& ahead;
   const int64_t row_bytes, total, steps;
   int64_t acc = 0, row = 0, off = 0;
-  Spread(const Ahead<float>& a, int64_t steps_)
-      : ahead(a), row_bytes(a.len * static_cast<int64_t>(sizeof(float))),
+  Spread(const Ahead& a, int64_t steps_)
+      : ahead(a), row_bytes(a.bytes),
         total(a.n * ((row_bytes + 63) / 64)), steps(std::max<int64_t>(1, steps_)) {}
   inline __attribute__((always_inline)) void fetch() {
-    __builtin_prefetch(reinterpret_cast<const char*>(ahead.rows[row]) + off, 0, 2);
+    __builtin_prefetch(static_cast<const char*>(ahead.rows[row]) + off, 0, 2);
     if ((off += 64) >= row_bytes) off = 0, ++row;
   }
   // (a product calls it `steps` times at most: then `row` stays below ahead.n)
@@ -46,7 +46,7 @@ struct Spread {
 // cycle), and the independent FMA chains hide the FMA latency.
 template <int W, int ROWS>
 ATTNX_BODY void dot_rows_body(const float* const* q, const float* const* k, int64_t n, int64_t e,
-                              float* const* s, const Ahead<float>& ahead) {
+                              float* const* s, const Ahead& ahead) {
   const int64_t ew = e - e % W;
   Spread spread(ahead, n / 4 * (ew / W));
   int64_t t = 0;
@@ -92,7 +92,7 @@ ATTNX_BODY void dot_rows_body(const float* const* q, const float* const* k, int6
 // the ISA's registers (32 zmm, 16 ymm).
 template <int W, int ROWS>
 ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const float* const* v,
-                              int64_t n, int64_t ev, const Ahead<float>& ahead) {
+                              int64_t n, int64_t ev, const Ahead& ahead) {
   constexpr int U = (ROWS == 2 && W == 8) ? 4 : 8;
   int64_t c = 0;
   Spread spread(ahead, ev < U * W ? 0 : n);  // over the keys of the first pass
@@ -141,7 +141,7 @@ ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const floa
 // accumulators, AVX2's 16 two: there, rows 3 and 4 go in a second call.
 template <int W>
 ATTNX_BODY void dot_rows_any(int rows, const float* const* q, const float* const* k, int64_t n,
-                             int64_t e, float* const* s, const Ahead<float>& ahead) {
+                             int64_t e, float* const* s, const Ahead& ahead) {
   if constexpr (W == 16) {
     switch (rows) {
       case 4: return dot_rows_body<W, 4>(q, k, n, e, s, ahead);
@@ -159,7 +159,7 @@ ATTNX_BODY void dot_rows_any(int rows, const float* const* q, const float* const
 template <int W>
 ATTNX_BODY void add_rows_any(int rows, float* const* o, const float* const* p,
                              const float* const* v, int64_t n, int64_t ev,
-                             const Ahead<float>& ahead) {
+                             const Ahead& ahead) {
   // Two rows at a time even on AVX-512: four would take two passes over each value row, whose
   // first touch then no longer streams in order (14% slower at Lq = 1 from memory, one thread).
   if (rows == 1) return add_rows_body<W, 1>(o, p, v, n, ev, ahead);
@@ -172,7 +172,7 @@ ATTNX_BODY void add_rows_any(int rows, float* const* o, const float* const* p,
 // row pointers in general registers: per column c, one load of qt and KB broadcast FMAs.
 template <int W, int KB>
 ATTNX_BODY void lane_scores_body(const float* qt, const float* const* k, int64_t n, int64_t e,
-                                 float* st, const Ahead<float>& ahead) {
+                                 float* st, const Ahead& ahead) {
   // fetches once per 8 columns, out of the loop that needs every general register: a step per
   // 8 columns of each pass of KB keys and of each key left over
   Spread spread(ahead, (n / KB + n % KB) * ((e + 7) / 8));
@@ -255,7 +255,7 @@ ATTNX_BODY void lane_add_pass(float* ot, int64_t c0, vf<W> alpha, const float* s
 template <int W>
 ATTNX_BODY void lane_add_body(float* ot, const float* alpha, const float* st,
                               const float* const* v, int64_t n, int64_t ev,
-                              const Ahead<float>& ahead) {
+                              const Ahead& ahead) {
   // CB accumulators within the ISA's registers (32 zmm; 16 ymm, where AVX2 broadcasts into a
   // register of its own)
   constexpr int CB = W == 16 ? 16 : 8;
@@ -266,33 +266,56 @@ ATTNX_BODY void lane_add_body(float* ot, const float* alpha, const float* st,
   for (; c < ev; ++c) lane_add_pass<W, 1>(ot, c, a, st, v, n, spread);
 }
 
+// bfloat16 is float32's upper half: each value's bits shifted into place.
+template <int W>
+ATTNX_BODY void widen_bf16_body(const uint16_t* src, int64_t n, float* dst) {
+  typedef uint16_t vh __attribute__((vector_size(2 * W)));
+  int64_t t = 0;
+  for (; t + W <= n; t += W) {
+    vh x;
+    std::memcpy(&x, src + t, sizeof(x));
+    const vu<W> bits = __builtin_convertvector(x, vu<W>) << 16;
+    store<W>(dst + t, (vf<W>)bits);
+  }
+  for (; t < n; ++t) {
+    const uint32_t bits = static_cast<uint32_t>(src[t]) << 16;
+    std::memcpy(dst + t, &bits, sizeof(bits));
+  }
+}
+
 #ifdef ATTNX_X86_DISPATCH
+ATTNX_AVX2 void widen_bf16_avx2(const uint16_t* src, int64_t n, float* dst) {
+  widen_bf16_body<8>(src, n, dst);
+}
+ATTNX_AVX512 void widen_bf16_avx512(const uint16_t* src, int64_t n, float* dst) {
+  widen_bf16_body<16>(src, n, dst);
+}
 ATTNX_AVX2 void dot_rows_avx2(int rows, const float* const* q, const float* const* k, int64_t n,
-                              int64_t e, float* const* s, const Ahead<float>& ahead) {
+                              int64_t e, float* const* s, const Ahead& ahead) {
   dot_rows_any<8>(rows, q, k, n, e, s, ahead);
 }
 ATTNX_AVX512 void dot_rows_avx512(int rows, const float* const* q, const float* const* k,
                                   int64_t n, int64_t e, float* const* s,
-                                  const Ahead<float>& ahead) {
+                                  const Ahead& ahead) {
   dot_rows_any<16>(rows, q, k, n, e, s, ahead);
 }
 ATTNX_AVX2 void add_rows_avx2(int rows, float* const* o, const float* const* p,
                               const float* const* v, int64_t n, int64_t ev,
-                              const Ahead<float>& ahead) {
+                              const Ahead& ahead) {
   add_rows_any<8>(rows, o, p, v, n, ev, ahead);
 }
 ATTNX_AVX512 void add_rows_avx512(int rows, float* const* o, const float* const* p,
                                   const float* const* v, int64_t n, int64_t ev,
-                                  const Ahead<float>& ahead) {
+                                  const Ahead& ahead) {
   add_rows_any<16>(rows, o, p, v, n, ev, ahead);
 }
 
 ATTNX_AVX2 void lane_scores_avx2(const float* qt, const float* const* k, int64_t n, int64_t e,
-                                 float* st, const Ahead<float>& ahead) {
+                                 float* st, const Ahead& ahead) {
   lane_scores_body<8, 8>(qt, k, n, e, st, ahead);
 }
 ATTNX_AVX512 void lane_scores_avx512(const float* qt, const float* const* k, int64_t n,
-                                     int64_t e, float* st, const Ahead<float>& ahead) {
+                                     int64_t e, float* st, const Ahead& ahead) {
   lane_scores_body<16, 8>(qt, k, n, e, st, ahead);
 }
 ATTNX_AVX2 void lane_softmax_avx2(float* st, int64_t n, float* m, float* l, float* alpha) {
@@ -303,12 +326,12 @@ ATTNX_AVX512 void lane_softmax_avx512(float* st, int64_t n, float* m, float* l, 
 }
 ATTNX_AVX2 void lane_add_avx2(float* ot, const float* alpha, const float* st,
                               const float* const* v, int64_t n, int64_t ev,
-                              const Ahead<float>& ahead) {
+                              const Ahead& ahead) {
   lane_add_body<8>(ot, alpha, st, v, n, ev, ahead);
 }
 ATTNX_AVX512 void lane_add_avx512(float* ot, const float* alpha, const float* st,
                                   const float* const* v, int64_t n, int64_t ev,
-                                  const Ahead<float>& ahead) {
+                                  const Ahead& ahead) {
   lane_add_body<16>(ot, alpha, st, v, n, ev, ahead);
 }
 
@@ -325,7 +348,7 @@ Isa isa() {
 }  // namespace
 
 void dot_rows(int rows, const float* const* q, const float* const* k, int64_t n, int64_t e,
-              float* const* s, Ahead<float> ahead) {
+              float* const* s, Ahead ahead) {
 #ifdef ATTNX_X86_DISPATCH
   switch (isa()) {
     case Isa::avx512: return dot_rows_avx512(rows, q, k, n, e, s, ahead);
@@ -337,7 +360,7 @@ void dot_rows(int rows, const float* const* q, const float* const* k, int64_t n,
 }
 
 void add_rows(int rows, float* const* o, const float* const* p, const float* const* v, int64_t n,
-              int64_t ev, Ahead<float> ahead) {
+              int64_t ev, Ahead ahead) {
 #ifdef ATTNX_X86_DISPATCH
   switch (isa()) {
     case Isa::avx512: return add_rows_avx512(rows, o, p, v, n, ev, ahead);
@@ -356,7 +379,7 @@ int lane_width() {
 }
 
 void lane_scores(const float* qt, const float* const* k, int64_t n, int64_t e, float* st,
-                 Ahead<float> ahead) {
+                 Ahead ahead) {
 #ifdef ATTNX_X86_DISPATCH
   switch (isa()) {
     case Isa::avx512: return lane_scores_avx512(qt, k, n, e, st, ahead);
@@ -379,7 +402,7 @@ void lane_softmax(float* st, int64_t n, float* m, float* l, float* alpha) {
 }
 
 void lane_add(float* ot, const float* alpha, const float* st, const float* const* v, int64_t n,
-              int64_t ev, Ahead<float> ahead) {
+              int64_t ev, Ahead ahead) {
 #ifdef ATTNX_X86_DISPATCH
   switch (isa()) {
     case Isa::avx512: return lane_add_avx512(ot, alpha, st, v, n, ev, ahead);
@@ -390,8 +413,19 @@ void lane_add(float* ot, const float* alpha, const float* st, const float* const
   lane_add_body<8>(ot, alpha, st, v, n, ev, ahead);
 }
 
+void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
+#ifdef ATTNX_X86_DISPATCH
+  switch (isa()) {
+    case Isa::avx512: return widen_bf16_avx512(src, n, dst);
+    case Isa::avx2: return widen_bf16_avx2(src, n, dst);
+    case Isa::baseline: break;
+  }
+#endif
+  widen_bf16_body<8>(src, n, dst);
+}
+
 void dot_rows(int rows, const double* const* q, const double* const* k, int64_t n, int64_t e,
-              double* const* s, Ahead<double>) {
+              double* const* s, Ahead) {
   for (int rr = 0; rr < rows; ++rr)
     for (int64_t t = 0; t < n; ++t) {
       double sum = 0.0;
@@ -401,7 +435,7 @@ void dot_rows(int rows, const double* const* q, const double* const* k, int64_t 
 }
 
 void add_rows(int rows, double* const* o, const double* const* p, const double* const* v,
-              int64_t n, int64_t ev, Ahead<double>) {
+              int64_t n, int64_t ev, Ahead) {
   for (int rr = 0; rr < rows; ++rr)
     for (int64_t t = 0; t < n; ++t)
       for (int64_t c = 0; c < ev; ++c) o[rr][c] += p[rr][t] * v[t][c];

@@ -6,30 +6,29 @@
 
 namespace attnx::cpu {
 
-// Rows to fetch towards L2 while a product runs: rows[0, n) of `len` values each (n = 0: none),
+// Rows to fetch towards L2 while a product runs: rows[0, n) of `bytes` each (n = 0: none),
 // so that reading the next block from memory overlaps computing on this one. The caller
 // shares a block's rows out over its products, and each product spreads its share's lines
 // evenly over its loop: a burst of prefetches overflows the CPU's queue of misses, stalls the
 // product and leaves memory idle for the rest of the block.
-template <typename T>
 struct Ahead {
-  const T* const* rows = nullptr;
-  int64_t n = 0, len = 0;
+  const void* const* rows = nullptr;
+  int64_t n = 0, bytes = 0;  // rows, bytes per row
 };
 
 // For each of `rows` (1 to 4) query rows q[rr]: s[rr][t] = dot(q[rr], k[t][0, e)), t in [0, n).
 // Rows sharing the keys (query heads of a GQA group) load each key once for all of them (AVX2:
 // two rows per pass).
 void dot_rows(int rows, const float* const* q, const float* const* k, int64_t n, int64_t e,
-              float* const* s, Ahead<float> ahead = {});
+              float* const* s, Ahead ahead = {});
 void dot_rows(int rows, const double* const* q, const double* const* k, int64_t n, int64_t e,
-              double* const* s, Ahead<double> ahead = {});
+              double* const* s, Ahead ahead = {});
 
 // For each of `rows` (1 to 4) rows: o[rr][0, ev) += sum over t in [0, n) of p[rr][t] v[t][0, ev).
 void add_rows(int rows, float* const* o, const float* const* p, const float* const* v, int64_t n,
-              int64_t ev, Ahead<float> ahead = {});
+              int64_t ev, Ahead ahead = {});
 void add_rows(int rows, double* const* o, const double* const* p, const double* const* v,
-              int64_t n, int64_t ev, Ahead<double> ahead = {});
+              int64_t n, int64_t ev, Ahead ahead = {});
 
 // Query rows as the lanes of a vector (float32 only), for groups of many rows (Hq / Hkv x Lq >
 // W / 2): each key's score comes out for every row at once with no horizontal sums, and
@@ -39,7 +38,7 @@ int lane_width();  // W: 16 on AVX-512, else 8
 
 // st[t * W + r] = dot(q_r, k[t][0, e)) for t in [0, n).
 void lane_scores(const float* qt, const float* const* k, int64_t n, int64_t e, float* st,
-                 Ahead<float> ahead = {});
+                 Ahead ahead = {});
 
 // The online softmax of a lane tile, per lane r: m[r] <- max(m[r], st[., r]); st <- exp(st -
 // m[r]) (0 for -inf: masked keys); l[r] <- l[r] alpha[r] + the sum of the new st[., r], where
@@ -50,6 +49,9 @@ void lane_softmax(float* st, int64_t n, float* m, float* l, float* alpha);
 // ot[c * W + r] <- alpha[r] ot[c * W + r] + sum over t in [0, n) of st[t * W + r] v[t][c], c in
 // [0, ev): the output rows held transposed, a vector over the rows per column.
 void lane_add(float* ot, const float* alpha, const float* st, const float* const* v, int64_t n,
-              int64_t ev, Ahead<float> ahead = {});
+              int64_t ev, Ahead ahead = {});
+
+// dst[0, n) = the bfloat16 values src[0, n) (raw bits) as float32, exactly.
+void widen_bf16(const uint16_t* src, int64_t n, float* dst);
 
 }  // namespace attnx::cpu

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -38,8 +39,17 @@ bool any_above_neg_inf(const M* m, int64_t sj, int64_t n) {
 }
 
 template <typename T, typename M>
-void add_row(T* s, const M* m, int64_t sj, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) s[j] += static_cast<T>(m[j * sj]);
+void add_row(T* s, const M* m, int64_t sj, int64_t n, int64_t stride = 1) {
+  for (int64_t j = 0; j < n; ++j) s[j * stride] += static_cast<T>(m[j * sj]);
+}
+
+// The bits of keys [k, k + n) of a packed row, key k in bit 0 (n <= 24): only the bytes that
+// hold them are read.
+uint32_t bit_word(const uint8_t* bits, int64_t k, int64_t n) {
+  uint32_t w = 0;
+  for (int64_t byte = k >> 3, shift = 0; byte <= (k + n - 1) >> 3; ++byte, shift += 8)
+    w |= static_cast<uint32_t>(bits[byte]) << shift;
+  return (w >> (k & 7)) & ((uint32_t{1} << n) - 1);
 }
 
 }  // namespace
@@ -76,11 +86,11 @@ MaskRows::MaskRows(const std::optional<at::Tensor>& mask) {
 }
 
 template <typename T>
-T MaskRows::apply(T* s, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n) const {
+T MaskRows::apply(const Row& r, T* s, int64_t j0, int64_t n) const {
   if (dtype_ == at::kBool) {
-    return mask_bits(s, bit_row(b, h, i), j0, n);
+    return mask_bits(s, r.bits, j0, n);
   }
-  const char* row = data_ + (b * sb_ + h * sh_ + i * si_ + j0 * sj_) * esize_;
+  const char* row = r.data + j0 * sj_ * esize_;
   switch (dtype_) {
     case at::kFloat: add_row(s, reinterpret_cast<const float*>(row), sj_, n); break;
     case at::kDouble: add_row(s, reinterpret_cast<const double*>(row), sj_, n); break;
@@ -88,6 +98,31 @@ T MaskRows::apply(T* s, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n) 
     default: TORCH_CHECK(false, "attnx::sdpa: unexpected mask dtype ", dtype_);
   }
   return row_max(s, n);
+}
+
+template <typename T>
+void MaskRows::apply_strided(const Row& r, T* s, int64_t stride, int64_t j0, int64_t n) const {
+  if (dtype_ == at::kBool) {
+    // 16 keys at a time: most blocks admit every key (padding sits at one end), and the others
+    // visit only their refused keys
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - t0);
+      for (uint32_t refused = ~bit_word(r.bits, j0 + t0, m) & ((uint32_t{1} << m) - 1);
+           refused != 0; refused &= refused - 1) {
+        s[(t0 + __builtin_ctz(refused)) * stride] = -std::numeric_limits<T>::infinity();
+      }
+    }
+    return;
+  }
+  const char* row = r.data + j0 * sj_ * esize_;
+  switch (dtype_) {
+    case at::kFloat: add_row(s, reinterpret_cast<const float*>(row), sj_, n, stride); break;
+    case at::kDouble: add_row(s, reinterpret_cast<const double*>(row), sj_, n, stride); break;
+    case at::kBFloat16:
+      add_row(s, reinterpret_cast<const at::BFloat16*>(row), sj_, n, stride);
+      break;
+    default: TORCH_CHECK(false, "attnx::sdpa: unexpected mask dtype ", dtype_);
+  }
 }
 
 bool MaskRows::admits_any(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j1) const {
@@ -110,7 +145,9 @@ bool MaskRows::admits_any(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j
   }
 }
 
-template float MaskRows::apply(float*, int64_t, int64_t, int64_t, int64_t, int64_t) const;
-template double MaskRows::apply(double*, int64_t, int64_t, int64_t, int64_t, int64_t) const;
+template float MaskRows::apply(const Row&, float*, int64_t, int64_t) const;
+template double MaskRows::apply(const Row&, double*, int64_t, int64_t) const;
+template void MaskRows::apply_strided(const Row&, float*, int64_t, int64_t, int64_t) const;
+template void MaskRows::apply_strided(const Row&, double*, int64_t, int64_t, int64_t) const;
 
 }  // namespace attnx::cpu

@@ -17,10 +17,30 @@ class MaskRows {
   explicit MaskRows(const std::optional<at::Tensor>& mask);
   bool present() const { return present_; }
 
-  // Scores s of keys j0 .. j0 + n - 1 of row (b, h, i): keys a bool mask refuses become -inf,
-  // a float mask is added. Returns the max of the row after.
+  // Row (b, h, i) located once, for a kernel that applies it to many short blocks of keys (the
+  // decoding kernel's 16).
+  struct Row {
+    const uint8_t* bits;  // bool masks: the packed row
+    const char* data;     // float masks: key 0 of the row
+  };
+  Row row(int64_t b, int64_t h, int64_t i) const {
+    if (dtype_ == at::kBool) return {bit_row(b, h, i), nullptr};
+    return {nullptr, data_ + (b * sb_ + h * sh_ + i * si_) * esize_};
+  }
+
+  // Scores s of keys j0 .. j0 + n - 1 of a row: keys a bool mask refuses become -inf, a float
+  // mask is added. Returns the max of the row after.
   template <typename T>
-  T apply(T* s, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n) const;
+  T apply(const Row& row, T* s, int64_t j0, int64_t n) const;
+  template <typename T>
+  T apply(T* s, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n) const {
+    return apply(row(b, h, i), s, j0, n);
+  }
+
+  // The same on scores `stride` apart (a column of the decoding kernel's lane tile, whose rows
+  // are keys), without the max.
+  template <typename T>
+  void apply_strided(const Row& row, T* s, int64_t stride, int64_t j0, int64_t n) const;
 
   // Whether row (b, h, i) may attend some key of [j0, j1): a true bit, or a float value other
   // than -inf. Without a mask, whether the range is non-empty.

@@ -1,0 +1,179 @@
+"""The CPU SDPA forward on the decoding kernel: one query row, or up to 32 against 1024 keys or
+more (csrc/cpu/sdpa_cpu.cpp, `decoding_rows`), float32 and bfloat16 without dropout run on
+csrc/cpu/decode_cpu.cpp, with the SDPA contract's masks (bool and float, any broadcast),
+top-left band, modifiers, fully-masked rows and float32 overflow reruns. Every shape here takes
+that route; the backward (the tile kernels, from the forward's lse) is checked too.
+
+The kernel computes rows in three ways, all exercised: four rows a call of one query head
+group (Lq = 1, GQA), consecutive rows of one head (G = 1, Lq > 1), and rows as the lanes of a
+vector (G x Lq > 8: AVX-512's 16 lanes, AVX2's 8, rerun below under ATTNX_CPU_AVX512=0).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.bias import causal_lower_right
+
+from attnx import _ops
+from tests import test_cpu_sdpa as sdpa
+from tests import test_modifiers as modifiers
+from tests._rerun import rerun_under, skip_unless_avx512
+
+pytestmark = pytest.mark.skipif(_ops.has_kernel("sdpa_fwd", "CPU") is False,
+                                reason="attnx._C is not built")
+
+SHAPES = [  # b, hq, hkv, lq, lk, e, ev
+    (1, 1, 1, 1, 1, 16, 16),
+    (2, 4, 1, 1, 37, 16, 16),  # GQA 4 at Lq = 1: four rows a call
+    (1, 2, 2, 5, 1030, 16, 24),  # one head's 5 queries grouped, Ev != E
+    (1, 8, 2, 4, 1025, 32, 32),  # 16 rows a kv head: lanes
+    (2, 3, 3, 16, 1100, 20, 12),  # 16 queries of one head: lanes, dims off the vector width
+    (1, 6, 2, 3, 1024, 8, 8),  # 9 rows: one partial lane group (AVX2: 8 lanes and one row)
+    (1, 4, 2, 32, 1024, 16, 16),  # 64 rows a kv head: four lane groups (AVX2: eight)
+    (2, 3, 1, 25, 1050, 24, 8),  # 75 rows: lane groups whose queries wrap, rows left over
+]
+MODES = {
+    "none": {},
+    "causal": dict(is_causal=True),
+    "window": dict(window=(7, 3)),
+    "causal_window": dict(is_causal=True, window=(5, None)),
+    "scale": dict(scale=0.3),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_matches_reference(shape, mode):
+    q, k, v, dout = sdpa._inputs(*shape)
+    sdpa._check(torch.float32, q, k, v, dout, **MODES[mode])
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 1, 1, 37, 16, 16), (1, 8, 2, 4, 1025, 32, 24)], ids=str)
+def test_bfloat16(shape):
+    """bfloat16 keys and values read as they lie, widened block by block, computed in float32
+    (four-row products at Lq = 1, lanes at 16 rows), with a key-padding mask."""
+    q, k, v, dout = sdpa._inputs(*shape)
+    pad = torch.ones(shape[0], 1, 1, shape[4], dtype=torch.bool)
+    pad[0, ..., :5] = False
+    sdpa._check(torch.bfloat16, q, k, v, dout)
+    sdpa._check(torch.bfloat16, q, k, v, dout, mask=pad)
+
+
+def test_lower_right_causal_as_in_decoding():
+    """What a model's decoding step with a few new tokens asks: lower-right causal."""
+    q, k, v, dout = sdpa._inputs(2, 8, 2, 4, 1030, 16, 16)
+    sdpa._check(torch.float32, q, k, v, dout, mask=causal_lower_right(4, 1030))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 3, 1, 53), (1, 8, 2, 4, 1030)], ids=str)
+@pytest.mark.parametrize("kind", ["full", "row", "key", "head", "query"])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64], ids=["bool", "float"])
+def test_masks(shape, kind, mask_dtype):
+    b, hq, hkv, lq, lk = shape
+    q, k, v, dout = sdpa._inputs(b, hq, hkv, lq, lk, 16, 16)
+    sdpa._check(torch.float32, q, k, v, dout, mask=sdpa._mask(kind, b, hq, lq, lk, mask_dtype))
+
+
+def test_key_padding_inside_a_window():
+    """Left padding (a generate() batch) and a sliding window: the mask bits read at every
+    offset of a 16-key block."""
+    b, hq, hkv, lq, lk = 3, 8, 2, 2, 1100
+    q, k, v, dout = sdpa._inputs(b, hq, hkv, lq, lk, 16, 16)
+    pad = torch.ones(b, 1, 1, lk, dtype=torch.bool)
+    pad[0, ..., :7] = False
+    pad[1, ..., :700] = False
+    sdpa._check(torch.float32, q, k, v, dout, mask=pad, window=(500, 1098))
+
+
+def test_fully_masked_rows_are_zero():
+    """Rows with no admitted key, among rows with some, in every way of computing them (GQA
+    Lq = 1, lanes): zero output, lse -inf, zero dq; float -inf rows alike."""
+    for b, hq, hkv, lq, lk in ((2, 4, 1, 1, 45), (1, 8, 2, 4, 1027)):
+        q, k, v, dout = sdpa._inputs(b, hq, hkv, lq, lk, 16, 16)
+        mask = torch.rand(b, hq, lq, lk, generator=torch.Generator().manual_seed(2)) > 0.5
+        mask[0, 1] = False
+        mask[-1, 2, lq - 1] = False
+        out, lse, dq, *_ = sdpa._check(torch.float32, q, k, v, dout, mask=mask)
+        assert (out[0, 1] == 0).all() and torch.isneginf(lse[0, 1]).all() and (dq[0, 1] == 0).all()
+        assert (out[-1, 2, lq - 1] == 0).all() and torch.isneginf(lse[-1, 2, lq - 1])
+        fmask = torch.zeros(b, hq, lq, lk, dtype=torch.float64)
+        fmask[0, 3] = float("-inf")
+        out, lse, *_ = sdpa._check(torch.float32, q, k, v, dout, mask=fmask)
+        assert (out[0, 3] == 0).all() and torch.isneginf(lse[0, 3]).all()
+
+
+def test_rows_under_a_huge_finite_bias():
+    """Every key of some rows biased by finfo.min (padding by a float mask): those rows are a
+    softmax over their own scores, not empty (float32's sums fall to -inf and rerun)."""
+    q, k, v, dout = sdpa._inputs(2, 8, 2, 3, 1030, 16, 8)
+    big = torch.finfo(torch.float32).min
+    mask = torch.zeros(2, 8, 3, 1030, dtype=torch.float64)
+    mask[0, :, 1] = big
+    mask[1, 5, 2, 100:] = big
+    mask[1, 6, 0] = big
+    mask[1, 6, 0, 7] = big / 2
+    sdpa._check(torch.float32, q, k, v, dout, mask=mask)
+
+
+def test_scores_overflowing_to_minus_inf_rerun():
+    """A score whose float32 dot product overflows to -inf part way (q.k = +7e39 exactly) must
+    not drop its key silently: the call reruns in float64, in the lanes (16 rows a kv head)
+    and in the four-row products alike."""
+    for b, hq, hkv, lq, lk in ((1, 4, 1, 1, 3), (1, 8, 2, 4, 1024)):
+        q, k, v, _ = sdpa._inputs(b, hq, hkv, lq, lk, 2, 1)
+        q[0, 0, 0] = torch.tensor([1e20, 1e20])
+        k[0, 0, 1] = torch.tensor([-1e20, 2e20])
+        q, k, v = (t.float().double() for t in (q, k, v))  # the values float32 holds
+        got = sdpa._run("cpu", torch.float32, q, k, v, torch.ones(b, hq, lq, 1))
+        gold = sdpa._run("reference", torch.float64, q, k, v, torch.ones(b, hq, lq, 1))
+        for name, a, g in zip(sdpa.NAMES[:2], got, gold):
+            assert torch.allclose(a.double(), g.to(a.dtype).double(), rtol=1e-6, atol=1e-6), name
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 1, 1, 37, 16, 16), (1, 8, 2, 4, 1025, 16, 16),
+                                   (1, 2, 2, 5, 1030, 16, 24)], ids=str)
+@pytest.mark.parametrize("which", ["softcap", "alibi", "alibi_batch", "sinks", "all"])
+@pytest.mark.parametrize("mode", ["none", "causal_window"])
+def test_modifiers(shape, which, mode):
+    """Softcap, ALiBi (its diagonal top-left, as SDPA's) and sinks, against the contract's
+    formula (tests/test_modifiers.py)."""
+    q, k, v, dout = modifiers._inputs(*shape)
+    kw = {"none": {}, "causal_window": dict(window=(600, 3), scale=0.3)}[mode]
+    modifiers.check("cpu", torch.float32, q, k, v, dout,
+                    mods=modifiers._modifiers(shape[1], shape[0], modifiers.WHICH[which]), **kw)
+
+
+def test_modifiers_with_a_mask_and_empty_rows():
+    b, hq, hkv, lq, lk = 2, 8, 2, 2, 1024
+    q, k, v, dout = modifiers._inputs(b, hq, hkv, lq, lk, 16, 16)
+    mask = torch.rand(b, hq, lq, lk, generator=torch.Generator().manual_seed(5)) > 0.4
+    mask[1, 3] = False
+    dlse = torch.randn(b, hq, lq, dtype=torch.float64)
+    modifiers.check("cpu", torch.float32, q, k, v, dout, mask=mask, dlse=dlse,
+                    mods=modifiers._modifiers(hq, b, modifiers.WHICH["all"]))
+
+
+def test_strided_keys_and_values():
+    """Keys and values as a model holds them ((B, L, H, E) transposed: read in place) and with
+    a strided last dim (copied)."""
+    q, k, v, dout = sdpa._inputs(2, 4, 2, 3, 1030, 16, 16)
+    kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    sdpa._check(torch.float32, q, kt, vt, dout)
+    ks = torch.stack([k, k], dim=-1)[..., 0]
+    assert ks.stride(-1) == 2
+    sdpa._check(torch.float32, q, ks, v, dout)
+
+
+def test_avx2_bodies_match_reference():
+    """ATTNX_CPU_AVX512=0: the 8-lane bodies (lane groups of 8 rows) on a CPU with AVX-512."""
+    skip_unless_avx512()
+    rerun_under("ATTNX_CPU_AVX512", __file__, "not avx2 and not blas",
+                probe="cpu_vector", expect=("avx2", "baseline"))
+
+
+def test_blas_engine_backward_matches_reference():
+    """ATTNX_CPU_PANELS=0: the forward as before, the backward on the BLAS engine."""
+    rerun_under("ATTNX_CPU_PANELS", __file__,
+                "(matches_reference or masks or fully_masked or huge_finite) and not avx2"
+                " and not blas", probe="cpu_gemm", expect=("blas",))
