@@ -33,20 +33,12 @@ SHAPES = [  # b, hq, hkv, lq, lk, e, ev
     (1, 4, 2, 32, 1024, 16, 16),  # 64 rows a kv head: four lane groups (AVX2: eight)
     (2, 3, 1, 25, 1050, 24, 8),  # 75 rows: lane groups whose queries wrap, rows left over
 ]
-MODES = {
-    "none": {},
-    "causal": dict(is_causal=True),
-    "window": dict(window=(7, 3)),
-    "causal_window": dict(is_causal=True, window=(5, None)),
-    "scale": dict(scale=0.3),
-}
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(sdpa.MODES))  # none, causal, window, causal_window, scale
 def test_matches_reference(shape, mode):
-    q, k, v, dout = sdpa._inputs(*shape)
-    sdpa._check(torch.float32, q, k, v, dout, **MODES[mode])
+    sdpa._check(torch.float32, *sdpa._inputs(*shape), **sdpa.MODES[mode])
 
 
 @pytest.mark.parametrize("shape", [(2, 4, 1, 1, 37, 16, 16), (1, 8, 2, 4, 1025, 32, 24)], ids=str)

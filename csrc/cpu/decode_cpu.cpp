@@ -86,8 +86,8 @@ CacheRows<T> cache_rows(const Tensor& cache, const Tensor& table) {
 }
 
 // A block's n rows of len values as T (float32 or float64) for the products: the cache's own
-// rows, or bfloat16 ones widened into buf (one pass, in order, over what the products then
-// read from L1; the cache is read at half float32's bytes).
+// rows, or bfloat16 ones widened into buf for the lanes (one pass, in order, over what every
+// lane group then reads from L1; the cache is read at half float32's bytes).
 template <typename T, typename KV>
 void stage(const KV* const* raw, int64_t n, int64_t len, T* buf, const T** out) {
   if constexpr (std::is_same_v<T, KV>) {
@@ -272,6 +272,8 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
     const int64_t diag = lens[b] - d.Lq;
     admitted += std::max<int64_t>(0, std::min(lens[b], diag + d.Lq + hi) - std::max<int64_t>(0, diag + lo));
   }
+  // (so the split, and with it the merge's rounding, depends on the thread count: results are
+  // the same from run to run at a given count, not across counts)
   const int64_t wanted = 4 * std::max<int64_t>(1, at::get_num_threads());
   int64_t slice_len = std::max(MIN_SLICE, (admitted * d.Hkv + wanted - 1) / wanted);
   slice_len = (slice_len + BLOCK_KEYS - 1) / BLOCK_KEYS * BLOCK_KEYS;
@@ -305,7 +307,7 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
     const T *kp[BLOCK_KEYS], *vp[BLOCK_KEYS];
     const KV *kr[BLOCK_KEYS], *vr[BLOCK_KEYS], *kr_next[BLOCK_KEYS], *vr_next[BLOCK_KEYS];
     const void *kp_far[BLOCK_KEYS], *vp_far[BLOCK_KEYS];
-    line_vector<T> kbuf, vbuf;  // bfloat16 caches: the block widened
+    line_vector<T> kbuf, vbuf;  // bfloat16 caches: the block widened for the lanes
     if constexpr (!std::is_same_v<T, KV>) {
       kbuf.resize(static_cast<size_t>(BLOCK_KEYS * d.E));
       vbuf.resize(static_cast<size_t>(BLOCK_KEYS * d.Ev));
@@ -344,8 +346,13 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
         const int64_t n_far = std::clamp<int64_t>(sl.j1 - far0, 0, BLOCK_KEYS);
         krows.rows(sl.b, h, far0, n_far, kp_far);
         vrows.rows(sl.b, h, far0, n_far, vp_far);
-        stage(kr, n, d.E, kbuf.data(), kp);
-        stage(vr, n, d.Ev, vbuf.data(), vp);
+        // bfloat16: the lanes read the block widened to float32 once; the four-row products
+        // alone widen it as they load it (a copy through L1 cost them a fifth at Lq = 1)
+        const bool staged = std::is_same_v<T, KV> || lanes.has_value();
+        if (staged) {
+          stage(kr, n, d.E, kbuf.data(), kp);
+          stage(vr, n, d.Ev, vbuf.data(), vp);
+        }
         int64_t share = 0;  // rows done, for spreading the far block's fetches
         if constexpr (std::is_same_v<T, float>) {
           if (lanes)
@@ -383,7 +390,11 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
           const int64_t a1 = share * n_far / d.R;
           const Ahead k_ahead{kp_far + a0, a1 - a0, d.E * d.kv_size},
               v_ahead{vp_far + a0, a1 - a0, d.Ev * d.kv_size};
-          dot_rows(rows, qr, kp + first, cnt, d.E, sr, k_ahead);
+          if (staged) {
+            dot_rows(rows, qr, kp + first, cnt, d.E, sr, k_ahead);
+          } else if constexpr (!std::is_same_v<T, KV>) {
+            dot_rows(rows, qr, kr + first, cnt, d.E, sr, k_ahead);
+          }
           for (int rr = 0; rr < rows; ++rr) {
             const int64_t row = r0 + rr, i = row % d.Lq, head = h * d.G + row / d.Lq;
             over = over || any_neg_inf(sr[rr], cnt);
@@ -406,7 +417,11 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
             l[row] += sum;
             m[row] = top;
           }
-          add_rows(rows, orow, sr, vp + first, cnt, d.Ev, v_ahead);
+          if (staged) {
+            add_rows(rows, orow, sr, vp + first, cnt, d.Ev, v_ahead);
+          } else if constexpr (!std::is_same_v<T, KV>) {
+            add_rows(rows, orow, sr, vr + first, cnt, d.Ev, v_ahead);
+          }
           r0 += rows;
         }
         std::copy(kr_next, kr_next + n_next, kr);

@@ -16,6 +16,22 @@
 namespace attnx::cpu {
 namespace {
 
+// A vector of W keys' or values' entries as float32: a float32 row's own, or a bfloat16 row's
+// widened in registers (bfloat16 is float32's upper half: each value's bits shifted into place).
+template <int W>
+ATTNX_BODY vf<W> load_kv(const float* p) {
+  return load<W>(p);
+}
+template <int W>
+ATTNX_BODY vf<W> load_kv(const c10::BFloat16* p) {
+  typedef uint16_t vh __attribute__((vector_size(2 * W)));
+  vh x;
+  std::memcpy(&x, p, sizeof(x));
+  return (vf<W>)(__builtin_convertvector(x, vu<W>) << 16);
+}
+ATTNX_BODY float to_float(float x) { return x; }
+ATTNX_BODY float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
 // The lines of `ahead`'s rows fetched evenly over `steps` calls of step(), in order, without a
 // division per step: a row at a time (8 lines at E = 128) overflows the CPU's queue of misses,
 // the prefetch then stalls (13% of the four-row products' time at Lq = 1 before this).
@@ -44,22 +60,22 @@ struct Spread {
 // Four keys per pass over the ROWS query rows: each key vector loaded once serves every row
 // (four rows: 8 loads per 16 FMAs; two: 6 per 8, not 10 — Zen 4 issues one 512-bit load a
 // cycle), and the independent FMA chains hide the FMA latency.
-template <int W, int ROWS>
-ATTNX_BODY void dot_rows_body(const float* const* q, const float* const* k, int64_t n, int64_t e,
+template <int W, int ROWS, typename KV>
+ATTNX_BODY void dot_rows_body(const float* const* q, const KV* const* k, int64_t n, int64_t e,
                               float* const* s, const Ahead& ahead) {
   const int64_t ew = e - e % W;
   Spread spread(ahead, n / 4 * (ew / W));
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
     // (unrolled by hand into named values: GCC kept arrays of vectors on the stack)
-    const float *k0 = k[t], *k1 = k[t + 1], *k2 = k[t + 2], *k3 = k[t + 3];
+    const KV *k0 = k[t], *k1 = k[t + 1], *k2 = k[t + 2], *k3 = k[t + 3];
     vf<W> a[ROWS][4];
 #pragma GCC unroll 4
     for (int rr = 0; rr < ROWS; ++rr) a[rr][0] = a[rr][1] = a[rr][2] = a[rr][3] = vf<W>{};
     for (int64_t c = 0; c < ew; c += W) {
       spread.step();
-      const vf<W> x0 = load<W>(k0 + c), x1 = load<W>(k1 + c), x2 = load<W>(k2 + c),
-                  x3 = load<W>(k3 + c);
+      const vf<W> x0 = load_kv<W>(k0 + c), x1 = load_kv<W>(k1 + c), x2 = load_kv<W>(k2 + c),
+                  x3 = load_kv<W>(k3 + c);
 #pragma GCC unroll 4
       for (int rr = 0; rr < ROWS; ++rr) {
         const vf<W> qv = load<W>(q[rr] + c);
@@ -70,16 +86,16 @@ ATTNX_BODY void dot_rows_body(const float* const* q, const float* const* k, int6
     for (int rr = 0; rr < ROWS; ++rr) {
       hsum4(a[rr][0], a[rr][1], a[rr][2], a[rr][3], s[rr] + t);
       for (int64_t c = ew; c < e; ++c)
-        for (int u = 0; u < 4; ++u) s[rr][t + u] += q[rr][c] * k[t + u][c];
+        for (int u = 0; u < 4; ++u) s[rr][t + u] += q[rr][c] * to_float(k[t + u][c]);
     }
   }
   spread.rest();
   for (; t < n; ++t) {
     for (int rr = 0; rr < ROWS; ++rr) {
       vf<W> a{};
-      for (int64_t c = 0; c < ew; c += W) a += load<W>(q[rr] + c) * load<W>(k[t] + c);
+      for (int64_t c = 0; c < ew; c += W) a += load<W>(q[rr] + c) * load_kv<W>(k[t] + c);
       float sum = hsum<W>(a);
-      for (int64_t c = ew; c < e; ++c) sum += q[rr][c] * k[t][c];
+      for (int64_t c = ew; c < e; ++c) sum += q[rr][c] * to_float(k[t][c]);
       s[rr][t] = sum;
     }
   }
@@ -90,8 +106,8 @@ ATTNX_BODY void dot_rows_body(const float* const* q, const float* const* k, int6
 // row, and each value row read as one run of U W floats (the whole row at Ev = 128 on AVX-512,
 // one row): a row's first touch streams from memory in order. U keeps the accumulators within
 // the ISA's registers (32 zmm, 16 ymm).
-template <int W, int ROWS>
-ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const float* const* v,
+template <int W, int ROWS, typename KV>
+ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const KV* const* v,
                               int64_t n, int64_t ev, const Ahead& ahead) {
   constexpr int U = (ROWS == 2 && W == 8) ? 4 : 8;
   int64_t c = 0;
@@ -104,13 +120,13 @@ ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const floa
       for (int u = 0; u < U; ++u) acc[rr][u] = load<W>(o[rr] + c + u * W);
     for (int64_t t = 0; t < n; ++t) {
       if (c == 0) spread.step();
-      const float* row = v[t] + c;
+      const KV* row = v[t] + c;
       vf<W> pt[ROWS];
 #pragma GCC unroll 4
       for (int rr = 0; rr < ROWS; ++rr) pt[rr] = vf<W>{} + p[rr][t];
 #pragma GCC unroll 8
       for (int u = 0; u < U; ++u) {
-        const vf<W> x = load<W>(row + u * W);
+        const vf<W> x = load_kv<W>(row + u * W);
 #pragma GCC unroll 4
         for (int rr = 0; rr < ROWS; ++rr) acc[rr][u] += pt[rr] * x;
       }
@@ -124,14 +140,14 @@ ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const floa
   for (; c + W <= ev; c += W) {
     for (int rr = 0; rr < ROWS; ++rr) {
       vf<W> acc = load<W>(o[rr] + c);
-      for (int64_t t = 0; t < n; ++t) acc += (vf<W>{} + p[rr][t]) * load<W>(v[t] + c);
+      for (int64_t t = 0; t < n; ++t) acc += (vf<W>{} + p[rr][t]) * load_kv<W>(v[t] + c);
       store<W>(o[rr] + c, acc);
     }
   }
   for (; c < ev; ++c) {
     for (int rr = 0; rr < ROWS; ++rr) {
       float acc = o[rr][c];
-      for (int64_t t = 0; t < n; ++t) acc += p[rr][t] * v[t][c];
+      for (int64_t t = 0; t < n; ++t) acc += p[rr][t] * to_float(v[t][c]);
       o[rr][c] = acc;
     }
   }
@@ -139,8 +155,8 @@ ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const floa
 
 // One body per row count, so that the row loops unroll. AVX-512's 32 registers hold four rows'
 // accumulators, AVX2's 16 two: there, rows 3 and 4 go in a second call.
-template <int W>
-ATTNX_BODY void dot_rows_any(int rows, const float* const* q, const float* const* k, int64_t n,
+template <int W, typename KV>
+ATTNX_BODY void dot_rows_any(int rows, const float* const* q, const KV* const* k, int64_t n,
                              int64_t e, float* const* s, const Ahead& ahead) {
   if constexpr (W == 16) {
     switch (rows) {
@@ -156,9 +172,9 @@ ATTNX_BODY void dot_rows_any(int rows, const float* const* q, const float* const
     if (rows == 4) dot_rows_body<W, 2>(q + 2, k, n, e, s + 2, {});
   }
 }
-template <int W>
+template <int W, typename KV>
 ATTNX_BODY void add_rows_any(int rows, float* const* o, const float* const* p,
-                             const float* const* v, int64_t n, int64_t ev,
+                             const KV* const* v, int64_t n, int64_t ev,
                              const Ahead& ahead) {
   // Two rows at a time even on AVX-512: four would take two passes over each value row, whose
   // first touch then no longer streams in order (14% slower at Lq = 1 from memory, one thread).
@@ -290,22 +306,26 @@ ATTNX_AVX2 void widen_bf16_avx2(const uint16_t* src, int64_t n, float* dst) {
 ATTNX_AVX512 void widen_bf16_avx512(const uint16_t* src, int64_t n, float* dst) {
   widen_bf16_body<16>(src, n, dst);
 }
-ATTNX_AVX2 void dot_rows_avx2(int rows, const float* const* q, const float* const* k, int64_t n,
+template <typename KV>
+ATTNX_AVX2 void dot_rows_avx2(int rows, const float* const* q, const KV* const* k, int64_t n,
                               int64_t e, float* const* s, const Ahead& ahead) {
   dot_rows_any<8>(rows, q, k, n, e, s, ahead);
 }
-ATTNX_AVX512 void dot_rows_avx512(int rows, const float* const* q, const float* const* k,
+template <typename KV>
+ATTNX_AVX512 void dot_rows_avx512(int rows, const float* const* q, const KV* const* k,
                                   int64_t n, int64_t e, float* const* s,
                                   const Ahead& ahead) {
   dot_rows_any<16>(rows, q, k, n, e, s, ahead);
 }
+template <typename KV>
 ATTNX_AVX2 void add_rows_avx2(int rows, float* const* o, const float* const* p,
-                              const float* const* v, int64_t n, int64_t ev,
+                              const KV* const* v, int64_t n, int64_t ev,
                               const Ahead& ahead) {
   add_rows_any<8>(rows, o, p, v, n, ev, ahead);
 }
+template <typename KV>
 ATTNX_AVX512 void add_rows_avx512(int rows, float* const* o, const float* const* p,
-                                  const float* const* v, int64_t n, int64_t ev,
+                                  const KV* const* v, int64_t n, int64_t ev,
                                   const Ahead& ahead) {
   add_rows_any<16>(rows, o, p, v, n, ev, ahead);
 }
@@ -347,8 +367,11 @@ Isa isa() {
 
 }  // namespace
 
-void dot_rows(int rows, const float* const* q, const float* const* k, int64_t n, int64_t e,
-              float* const* s, Ahead ahead) {
+namespace {
+
+template <typename KV>
+void dot_rows_of(int rows, const float* const* q, const KV* const* k, int64_t n, int64_t e,
+                 float* const* s, const Ahead& ahead) {
 #ifdef ATTNX_X86_DISPATCH
   switch (isa()) {
     case Isa::avx512: return dot_rows_avx512(rows, q, k, n, e, s, ahead);
@@ -359,8 +382,9 @@ void dot_rows(int rows, const float* const* q, const float* const* k, int64_t n,
   dot_rows_any<8>(rows, q, k, n, e, s, ahead);
 }
 
-void add_rows(int rows, float* const* o, const float* const* p, const float* const* v, int64_t n,
-              int64_t ev, Ahead ahead) {
+template <typename KV>
+void add_rows_of(int rows, float* const* o, const float* const* p, const KV* const* v, int64_t n,
+                 int64_t ev, const Ahead& ahead) {
 #ifdef ATTNX_X86_DISPATCH
   switch (isa()) {
     case Isa::avx512: return add_rows_avx512(rows, o, p, v, n, ev, ahead);
@@ -369,6 +393,26 @@ void add_rows(int rows, float* const* o, const float* const* p, const float* con
   }
 #endif
   add_rows_any<8>(rows, o, p, v, n, ev, ahead);
+}
+
+}  // namespace
+
+void dot_rows(int rows, const float* const* q, const float* const* k, int64_t n, int64_t e,
+              float* const* s, Ahead ahead) {
+  dot_rows_of(rows, q, k, n, e, s, ahead);
+}
+void dot_rows(int rows, const float* const* q, const c10::BFloat16* const* k, int64_t n,
+              int64_t e, float* const* s, Ahead ahead) {
+  dot_rows_of(rows, q, k, n, e, s, ahead);
+}
+
+void add_rows(int rows, float* const* o, const float* const* p, const float* const* v, int64_t n,
+              int64_t ev, Ahead ahead) {
+  add_rows_of(rows, o, p, v, n, ev, ahead);
+}
+void add_rows(int rows, float* const* o, const float* const* p, const c10::BFloat16* const* v,
+              int64_t n, int64_t ev, Ahead ahead) {
+  add_rows_of(rows, o, p, v, n, ev, ahead);
 }
 
 int lane_width() {

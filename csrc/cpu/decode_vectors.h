@@ -2,6 +2,8 @@
 // rows are not evenly spaced). The float versions are vectorized (AVX-512 or AVX2, the ISA of
 // vector_isa() in sdpa_tile.h); the double ones are plain loops (float64 is for checking).
 #pragma once
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
 
 namespace attnx::cpu {
@@ -21,12 +23,17 @@ struct Ahead {
 // two rows per pass).
 void dot_rows(int rows, const float* const* q, const float* const* k, int64_t n, int64_t e,
               float* const* s, Ahead ahead = {});
+// The same on bfloat16 keys, widened in registers (Lq = 1: no float32 copy of the block).
+void dot_rows(int rows, const float* const* q, const c10::BFloat16* const* k, int64_t n,
+              int64_t e, float* const* s, Ahead ahead = {});
 void dot_rows(int rows, const double* const* q, const double* const* k, int64_t n, int64_t e,
               double* const* s, Ahead ahead = {});
 
 // For each of `rows` (1 to 4) rows: o[rr][0, ev) += sum over t in [0, n) of p[rr][t] v[t][0, ev).
 void add_rows(int rows, float* const* o, const float* const* p, const float* const* v, int64_t n,
               int64_t ev, Ahead ahead = {});
+void add_rows(int rows, float* const* o, const float* const* p, const c10::BFloat16* const* v,
+              int64_t n, int64_t ev, Ahead ahead = {});
 void add_rows(int rows, double* const* o, const double* const* p, const double* const* v,
               int64_t n, int64_t ev, Ahead ahead = {});
 
