@@ -347,7 +347,7 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
         krows.rows(sl.b, h, far0, n_far, kp_far);
         vrows.rows(sl.b, h, far0, n_far, vp_far);
         // bfloat16: the lanes read the block widened to float32 once; the four-row products
-        // alone widen it as they load it (a copy through L1 cost them a fifth at Lq = 1)
+        // alone widen it as they load it (a copy through L1 cost them 15% at Lq = 1)
         const bool staged = std::is_same_v<T, KV> || lanes.has_value();
         if (staged) {
           stage(kr, n, d.E, kbuf.data(), kp);
