@@ -95,7 +95,7 @@ void stage(const KV* const* raw, int64_t n, int64_t len, T* buf, const T** out) 
   } else {
     static_assert(std::is_same_v<T, float> && std::is_same_v<KV, at::BFloat16>);
     for (int64_t t = 0; t < n; ++t) {
-      widen_bf16(reinterpret_cast<const uint16_t*>(raw[t]), len, buf + t * len);
+      widen_bf16(raw[t], len, buf + t * len);
       out[t] = buf + t * len;
     }
   }

@@ -282,28 +282,18 @@ ATTNX_BODY void lane_add_body(float* ot, const float* alpha, const float* st,
   for (; c < ev; ++c) lane_add_pass<W, 1>(ot, c, a, st, v, n, spread);
 }
 
-// bfloat16 is float32's upper half: each value's bits shifted into place.
 template <int W>
-ATTNX_BODY void widen_bf16_body(const uint16_t* src, int64_t n, float* dst) {
-  typedef uint16_t vh __attribute__((vector_size(2 * W)));
+ATTNX_BODY void widen_bf16_body(const c10::BFloat16* src, int64_t n, float* dst) {
   int64_t t = 0;
-  for (; t + W <= n; t += W) {
-    vh x;
-    std::memcpy(&x, src + t, sizeof(x));
-    const vu<W> bits = __builtin_convertvector(x, vu<W>) << 16;
-    store<W>(dst + t, (vf<W>)bits);
-  }
-  for (; t < n; ++t) {
-    const uint32_t bits = static_cast<uint32_t>(src[t]) << 16;
-    std::memcpy(dst + t, &bits, sizeof(bits));
-  }
+  for (; t + W <= n; t += W) store<W>(dst + t, load_kv<W>(src + t));
+  for (; t < n; ++t) dst[t] = to_float(src[t]);
 }
 
 #ifdef ATTNX_X86_DISPATCH
-ATTNX_AVX2 void widen_bf16_avx2(const uint16_t* src, int64_t n, float* dst) {
+ATTNX_AVX2 void widen_bf16_avx2(const c10::BFloat16* src, int64_t n, float* dst) {
   widen_bf16_body<8>(src, n, dst);
 }
-ATTNX_AVX512 void widen_bf16_avx512(const uint16_t* src, int64_t n, float* dst) {
+ATTNX_AVX512 void widen_bf16_avx512(const c10::BFloat16* src, int64_t n, float* dst) {
   widen_bf16_body<16>(src, n, dst);
 }
 template <typename KV>
@@ -457,7 +447,7 @@ void lane_add(float* ot, const float* alpha, const float* st, const float* const
   lane_add_body<8>(ot, alpha, st, v, n, ev, ahead);
 }
 
-void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
+void widen_bf16(const c10::BFloat16* src, int64_t n, float* dst) {
 #ifdef ATTNX_X86_DISPATCH
   switch (isa()) {
     case Isa::avx512: return widen_bf16_avx512(src, n, dst);

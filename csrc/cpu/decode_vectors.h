@@ -58,7 +58,7 @@ void lane_softmax(float* st, int64_t n, float* m, float* l, float* alpha);
 void lane_add(float* ot, const float* alpha, const float* st, const float* const* v, int64_t n,
               int64_t ev, Ahead ahead = {});
 
-// dst[0, n) = the bfloat16 values src[0, n) (raw bits) as float32, exactly.
-void widen_bf16(const uint16_t* src, int64_t n, float* dst);
+// dst[0, n) = the bfloat16 values src[0, n) as float32, exactly.
+void widen_bf16(const c10::BFloat16* src, int64_t n, float* dst);
 
 }  // namespace attnx::cpu

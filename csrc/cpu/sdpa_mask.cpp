@@ -39,7 +39,7 @@ bool any_above_neg_inf(const M* m, int64_t sj, int64_t n) {
 }
 
 template <typename T, typename M>
-void add_row(T* s, const M* m, int64_t sj, int64_t n, int64_t stride = 1) {
+void add_row(T* s, const M* m, int64_t sj, int64_t n, int64_t stride) {
   for (int64_t j = 0; j < n; ++j) s[j * stride] += static_cast<T>(m[j * sj]);
 }
 
@@ -90,13 +90,7 @@ T MaskRows::apply(const Row& r, T* s, int64_t j0, int64_t n) const {
   if (dtype_ == at::kBool) {
     return mask_bits(s, r.bits, j0, n);
   }
-  const char* row = r.data + j0 * sj_ * esize_;
-  switch (dtype_) {
-    case at::kFloat: add_row(s, reinterpret_cast<const float*>(row), sj_, n); break;
-    case at::kDouble: add_row(s, reinterpret_cast<const double*>(row), sj_, n); break;
-    case at::kBFloat16: add_row(s, reinterpret_cast<const at::BFloat16*>(row), sj_, n); break;
-    default: TORCH_CHECK(false, "attnx::sdpa: unexpected mask dtype ", dtype_);
-  }
+  add_values(r, s, 1, j0, n);
   return row_max(s, n);
 }
 
@@ -114,6 +108,11 @@ void MaskRows::apply_strided(const Row& r, T* s, int64_t stride, int64_t j0, int
     }
     return;
   }
+  add_values(r, s, stride, j0, n);
+}
+
+template <typename T>
+void MaskRows::add_values(const Row& r, T* s, int64_t stride, int64_t j0, int64_t n) const {
   const char* row = r.data + j0 * sj_ * esize_;
   switch (dtype_) {
     case at::kFloat: add_row(s, reinterpret_cast<const float*>(row), sj_, n, stride); break;

@@ -47,6 +47,10 @@ class MaskRows {
   bool admits_any(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j1) const;
 
  private:
+  // A float mask's values of keys j0 .. j0 + n - 1 of a row added to scores `stride` apart.
+  template <typename T>
+  void add_values(const Row& r, T* s, int64_t stride, int64_t j0, int64_t n) const;
+
   const uint8_t* bit_row(int64_t b, int64_t h, int64_t i) const {
     return bits_data_ + (((b % nb_) * nh_ + h % nh_) * nq_ + i % nq_) * row_bytes_;
   }
