@@ -101,49 +101,61 @@ ATTNX_BODY void dot_rows_body(const float* const* q, const KV* const* k, int64_t
   }
 }
 
-// The ROWS output rows are held in registers U vectors at a time while every key's value row
-// adds to them: o is read and written once per call, each value vector loaded once for every
-// row, and each value row read as one run of U W floats (the whole row at Ev = 128 on AVX-512,
-// one row): a row's first touch streams from memory in order. U keeps the accumulators within
-// the ISA's registers (32 zmm, 16 ymm).
+// Columns [c, c + U W) of the ROWS output rows held in registers while every key's value row
+// adds to them: o is read and written once per pass, each value vector loaded once for every
+// row. `spread` (the first pass only) fetches the block after next as the keys go by.
+template <int W, int ROWS, int U, typename KV>
+ATTNX_BODY void add_rows_pass(float* const* o, const float* const* p, const KV* const* v,
+                              int64_t n, int64_t c, Spread* spread) {
+  vf<W> acc[ROWS][U];
+#pragma GCC unroll 4
+  for (int rr = 0; rr < ROWS; ++rr)
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) acc[rr][u] = load<W>(o[rr] + c + u * W);
+  for (int64_t t = 0; t < n; ++t) {
+    if (spread) spread->step();
+    const KV* row = v[t] + c;
+    vf<W> pt[ROWS];
+#pragma GCC unroll 4
+    for (int rr = 0; rr < ROWS; ++rr) pt[rr] = vf<W>{} + p[rr][t];
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) {
+      const vf<W> x = load_kv<W>(row + u * W);
+#pragma GCC unroll 4
+      for (int rr = 0; rr < ROWS; ++rr) acc[rr][u] += pt[rr] * x;
+    }
+  }
+#pragma GCC unroll 4
+  for (int rr = 0; rr < ROWS; ++rr)
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) store<W>(o[rr] + c + u * W, acc[rr][u]);
+}
+
+// Passes of U W columns, then of U / 2 and U / 4 where the rest still fills them, then single
+// vectors: each value row is read as one run of the widest pass (the whole row at Ev = 128 on
+// AVX-512, and at Ev = 64, where passes of 8 vectors alone left every column to one-vector
+// passes, one FMA chain per row and column: a block took 5-10% longer at D = 64 on a Zen 5): a
+// row's first touch streams from memory in order. U keeps the accumulators within the ISA's
+// registers (32 zmm, 16 ymm).
 template <int W, int ROWS, typename KV>
 ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const KV* const* v,
                               int64_t n, int64_t ev, const Ahead& ahead) {
   constexpr int U = (ROWS == 2 && W == 8) ? 4 : 8;
+  Spread spread(ahead, ev < W ? 0 : n);  // over the keys of the first pass
+  Spread* first = &spread;
   int64_t c = 0;
-  Spread spread(ahead, ev < U * W ? 0 : n);  // over the keys of the first pass
-  for (; c + U * W <= ev; c += U * W) {
-    vf<W> acc[ROWS][U];
-#pragma GCC unroll 4
-    for (int rr = 0; rr < ROWS; ++rr)
-#pragma GCC unroll 8
-      for (int u = 0; u < U; ++u) acc[rr][u] = load<W>(o[rr] + c + u * W);
-    for (int64_t t = 0; t < n; ++t) {
-      if (c == 0) spread.step();
-      const KV* row = v[t] + c;
-      vf<W> pt[ROWS];
-#pragma GCC unroll 4
-      for (int rr = 0; rr < ROWS; ++rr) pt[rr] = vf<W>{} + p[rr][t];
-#pragma GCC unroll 8
-      for (int u = 0; u < U; ++u) {
-        const vf<W> x = load_kv<W>(row + u * W);
-#pragma GCC unroll 4
-        for (int rr = 0; rr < ROWS; ++rr) acc[rr][u] += pt[rr] * x;
-      }
-    }
-#pragma GCC unroll 4
-    for (int rr = 0; rr < ROWS; ++rr)
-#pragma GCC unroll 8
-      for (int u = 0; u < U; ++u) store<W>(o[rr] + c + u * W, acc[rr][u]);
+  for (; c + U * W <= ev; c += U * W, first = nullptr)
+    add_rows_pass<W, ROWS, U>(o, p, v, n, c, first);
+  if (c + U / 2 * W <= ev) {
+    add_rows_pass<W, ROWS, U / 2>(o, p, v, n, c, first);
+    c += U / 2 * W, first = nullptr;
   }
+  if (c + U / 4 * W <= ev) {
+    add_rows_pass<W, ROWS, U / 4>(o, p, v, n, c, first);
+    c += U / 4 * W, first = nullptr;
+  }
+  for (; c + W <= ev; c += W, first = nullptr) add_rows_pass<W, ROWS, 1>(o, p, v, n, c, first);
   spread.rest();
-  for (; c + W <= ev; c += W) {
-    for (int rr = 0; rr < ROWS; ++rr) {
-      vf<W> acc = load<W>(o[rr] + c);
-      for (int64_t t = 0; t < n; ++t) acc += (vf<W>{} + p[rr][t]) * load_kv<W>(v[t] + c);
-      store<W>(o[rr] + c, acc);
-    }
-  }
   for (; c < ev; ++c) {
     for (int rr = 0; rr < ROWS; ++rr) {
       float acc = o[rr][c];

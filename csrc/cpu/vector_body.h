@@ -54,12 +54,24 @@ ATTNX_BODY vf<W> splat(float x) {
   return vf<W>{} + x;
 }
 
-// The sum of a vector's lanes, in lane order.
+// The sum of a vector's lanes, halving the vector at each step: log2(W) adds deep, where a sum
+// in lane order chains W of them (a decoding block's four exp_sum calls on 16 keys spent 17% of
+// the block there, D = 64, Zen 5).
 template <int W>
 ATTNX_BODY float hsum(vf<W> v) {
-  float s = 0.0f;
-  for (int t = 0; t < W; ++t) s += v[t];
-  return s;
+  if constexpr (W == 16) {
+    return hsum<8>(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  } else if constexpr (W == 8) {
+    return hsum<4>(__builtin_shufflevector(v, v, 0, 1, 2, 3) +
+                   __builtin_shufflevector(v, v, 4, 5, 6, 7));
+  } else if constexpr (W == 4) {
+    return (v[0] + v[2]) + (v[1] + v[3]);
+  } else {
+    float s = 0.0f;
+    for (int t = 0; t < W; ++t) s += v[t];
+    return s;
+  }
 }
 
 // out[t] = the sum of a_t's lanes, t < 4: the four reduced together (decode's dot products,
