@@ -395,27 +395,39 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
           } else if constexpr (!std::is_same_v<T, KV>) {
             dot_rows(rows, qr, kr + first, cnt, d.E, sr, k_ahead);
           }
+          T top[ROWS], sum[ROWS];
+          int live = 0;  // rows that admit a key by now
           for (int rr = 0; rr < rows; ++rr) {
             const int64_t row = r0 + rr, i = row % d.Lq, head = h * d.G + row / d.Lq;
             over = over || any_neg_inf(sr[rr], cnt);
             if constexpr (MODS) {  // ALiBi bottom-right: query i's diagonal is key i + diag
               mods.apply(sr[rr], cnt, sl.b * d.Hq + head, i + diag, j0 + first, nullptr);
             }
-            const T top = std::max(m[row], mask.present()
-                                               ? mask.apply(mask_rows[row], sr[rr], j0 + first, cnt)
-                                               : row_max(sr[rr], cnt));
-            if (top == neg_inf<T>()) {  // no admitted key yet: exp(-inf - -inf) is NaN
+            top[rr] = std::max(m[row], mask.present()
+                                           ? mask.apply(mask_rows[row], sr[rr], j0 + first, cnt)
+                                           : row_max(sr[rr], cnt));
+            if (top[rr] == neg_inf<T>()) {  // no admitted key yet: exp(-inf - -inf) is NaN
               std::fill(sr[rr], sr[rr] + cnt, T(0));
-              continue;
+              sum[rr] = 0;
+            } else {
+              ++live;
             }
-            const T sum = exp_sum(sr[rr], cnt, top);
-            if (top != m[row]) {  // rescale what earlier blocks added (nothing on the first)
-              const T alpha = std::exp(m[row] - top);
+          }
+          bool summed = false;
+          if constexpr (std::is_same_v<T, float>) {
+            if (rows == ROWS && live == ROWS) exp_sum4(sr, cnt, top, sum), summed = true;
+          }
+          for (int rr = 0; rr < rows; ++rr) {
+            const int64_t row = r0 + rr;
+            if (top[rr] == neg_inf<T>()) continue;
+            if (!summed) sum[rr] = exp_sum(sr[rr], cnt, top[rr]);
+            if (top[rr] != m[row]) {  // rescale what earlier blocks added (nothing on the first)
+              const T alpha = std::exp(m[row] - top[rr]);
               scale_row(orow[rr], d.Ev, alpha);
               l[row] *= alpha;
             }
-            l[row] += sum;
-            m[row] = top;
+            l[row] += sum[rr];
+            m[row] = top[rr];
           }
           if (staged) {
             add_rows(rows, orow, sr, vp + first, cnt, d.Ev, v_ahead);

@@ -127,6 +127,38 @@ ATTNX_BODY float exp_sum_loop(float* x, int64_t n, float sub) {
   return hsum<W>(acc);
 }
 
+template <int W, bool FUSED>
+ATTNX_BODY void exp_sum4_loop(float* const* x, int64_t n, const float* sub, float* sums) {
+  vf<W> acc[4] = {};
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const vf<W> a = exp2v<W>(exp_arg<W, FUSED>(load<W>(x[r] + j), sub[r]));
+      store<W>(x[r] + j, a);
+      acc[r] += a;
+    }
+  }
+  if (j < n) {
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const vf<W> a =
+          exp2v<W>(exp_arg<W, FUSED>(load_tail<W>(x[r] + j, n - j, NEG_INF), sub[r]));
+      store_tail<W>(x[r] + j, n - j, a);
+      acc[r] += a;
+    }
+  }
+  hsum4(acc[0], acc[1], acc[2], acc[3], sums);
+}
+
+template <int W, bool FMA = true>
+ATTNX_BODY void exp_sum4_body(float* const* x, int64_t n, const float* sub, float* sums) {
+  bool fused = FMA;  // the four rows take one form: fused where every sub allows it
+  for (int r = 0; r < 4; ++r) fused = fused && std::abs(sub[r]) <= FUSED_SUB_MAX;
+  if (fused) return exp_sum4_loop<W, true>(x, n, sub, sums);
+  exp_sum4_loop<W, false>(x, n, sub, sums);
+}
+
 template <int W, bool FMA = true>
 ATTNX_BODY float exp_sum_body(float* x, int64_t n, float sub) {
   if (FMA && std::abs(sub) <= FUSED_SUB_MAX) return exp_sum_loop<W, true>(x, n, sub);
@@ -251,6 +283,8 @@ Isa isa() {
 ATTNX_TARGETS(float, row_max, (const float* x, int64_t n), x, n)
 ATTNX_TARGETS(float, abs_max, (const float* x, int64_t n), x, n)
 ATTNX_TARGETS(float, exp_sum, (float* x, int64_t n, float sub), x, n, sub)
+ATTNX_TARGETS(void, exp_sum4, (float* const* x, int64_t n, const float* sub, float* sums), x, n,
+              sub, sums)
 ATTNX_TARGETS(void, dropout,
               (float* x, int64_t n, uint32_t key_row, uint32_t j0, uint32_t threshold,
                float inv_keep),
@@ -304,6 +338,11 @@ double abs_max(const double* x, int64_t n) {
 float exp_sum(float* x, int64_t n, float sub) {
   ATTNX_PICK(exp_sum, x, n, sub);
   return exp_sum_body<8, false>(x, n, sub);
+}
+
+void exp_sum4(float* const* x, int64_t n, const float* sub, float* sums) {
+  ATTNX_PICK(exp_sum4, x, n, sub, sums);
+  exp_sum4_body<8, false>(x, n, sub, sums);
 }
 
 float mask_bits(float* s, const uint8_t* bits, int64_t pos, int64_t n) {

@@ -29,6 +29,11 @@ double abs_max(const double* x, int64_t n);
 // |sub| 2^-24 common to the call where |sub| <= 64 (sdpa_tile.cpp), as a float lse does.
 float exp_sum(float* x, int64_t n, float sub);
 double exp_sum(double* x, int64_t n, double sub);
+// exp_sum of four rows at once: sums[r] = exp_sum(x[r], n, sub[r]), r < 4 (the same terms; the
+// sums reduced in another order). The four rows' exponentials interleave and one tree reduces
+// their sums: a decoding block's four query rows of 16 keys (decode_cpu.cpp), where four calls
+// each waited on its own exponential and reduction.
+void exp_sum4(float* const* x, int64_t n, const float* sub, float* sums);
 
 void scale_row(float* x, int64_t n, float a);
 void scale_row(double* x, int64_t n, double a);
