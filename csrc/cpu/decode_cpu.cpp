@@ -408,11 +408,12 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
                                            : row_max(sr[rr], cnt));
             if (top[rr] == neg_inf<T>()) {  // no admitted key yet: exp(-inf - -inf) is NaN
               std::fill(sr[rr], sr[rr] + cnt, T(0));
-              sum[rr] = 0;
             } else {
               ++live;
             }
           }
+          // Four rows that all admit a key take their exponentials in one call, whose four
+          // chains interleave (exp_sum4); others one row a call.
           bool summed = false;
           if constexpr (std::is_same_v<T, float>) {
             if (rows == ROWS && live == ROWS) exp_sum4(sr, cnt, top, sum), summed = true;
