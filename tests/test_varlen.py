@@ -491,7 +491,7 @@ def test_triton_alibi_rows_of_huge_lse(backend):
     keys for its row sums, ALiBi's bottom-right distance included (Lq != Lk). A wrong distance
     there puts r far from 1. The gradients' bound admits what recomputing the scores costs: the
     dK/dV kernel forms them as K Q^T, the forward as Q K^T; summed in different orders (the
-    interpreter's numpy matmul on OpenBLAS's Haswell kernels: Zen 3 and 5) they differ by an
+    interpreter's numpy matmul on OpenBLAS's Haswell kernels, its pick on a Zen 5) they differ by an
     ulp of |s| ~ 300, so each probability by ~2e-5 relative, which PyTorch's softmax, formed
     once, does not pay (dk's error was 6x its own there; 0.7x on the SkylakeX kernels)."""
     lens = [(3, 20), (20, 3), (5, 5)]

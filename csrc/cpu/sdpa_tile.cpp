@@ -103,50 +103,41 @@ ATTNX_BODY vf<W> exp_arg(vf<W> x, float sub) {
   return FUSED ? x * c - splat<W>(sub * 1.44269504088896341f) : (x - splat<W>(sub)) * c;
 }
 
+// x[0, n) = exp(x - sub) in place, n <= W (n == W: a whole vector); returns the new values
+// (0 past n: the tail loads -inf there).
+template <int W, bool FUSED>
+ATTNX_BODY vf<W> exp_in_place(float* x, int64_t n, float sub) {
+  if (n == W) {
+    const vf<W> a = exp2v<W>(exp_arg<W, FUSED>(load<W>(x), sub));
+    store<W>(x, a);
+    return a;
+  }
+  const vf<W> a = exp2v<W>(exp_arg<W, FUSED>(load_tail<W>(x, n, NEG_INF), sub));
+  store_tail<W>(x, n, a);
+  return a;
+}
+
 template <int W, bool FUSED>
 ATTNX_BODY float exp_sum_loop(float* x, int64_t n, float sub) {
   vf<W> acc = splat<W>(0.0f);
   int64_t j = 0;
   for (; j + 2 * W <= n; j += 2 * W) {
-    const vf<W> a = exp2v<W>(exp_arg<W, FUSED>(load<W>(x + j), sub));
-    const vf<W> b = exp2v<W>(exp_arg<W, FUSED>(load<W>(x + j + W), sub));
-    store<W>(x + j, a);
-    store<W>(x + j + W, b);
+    const vf<W> a = exp_in_place<W, FUSED>(x + j, W, sub);
+    const vf<W> b = exp_in_place<W, FUSED>(x + j + W, W, sub);
     acc += a + b;  // one accumulator: a second spilled to the stack (5% slower, AVX2)
   }
-  for (; j + W <= n; j += W) {
-    const vf<W> a = exp2v<W>(exp_arg<W, FUSED>(load<W>(x + j), sub));
-    store<W>(x + j, a);
-    acc += a;
-  }
-  if (j < n) {
-    const vf<W> a = exp2v<W>(exp_arg<W, FUSED>(load_tail<W>(x + j, n - j, NEG_INF), sub));
-    store_tail<W>(x + j, n - j, a);
-    acc += a;
-  }
+  for (; j + W <= n; j += W) acc += exp_in_place<W, FUSED>(x + j, W, sub);
+  if (j < n) acc += exp_in_place<W, FUSED>(x + j, n - j, sub);
   return hsum<W>(acc);
 }
 
 template <int W, bool FUSED>
 ATTNX_BODY void exp_sum4_loop(float* const* x, int64_t n, const float* sub, float* sums) {
   vf<W> acc[4] = {};
-  int64_t j = 0;
-  for (; j + W <= n; j += W) {
+  for (int64_t j = 0; j < n; j += W) {
+    const int64_t m = std::min<int64_t>(W, n - j);
 #pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) {
-      const vf<W> a = exp2v<W>(exp_arg<W, FUSED>(load<W>(x[r] + j), sub[r]));
-      store<W>(x[r] + j, a);
-      acc[r] += a;
-    }
-  }
-  if (j < n) {
-#pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) {
-      const vf<W> a =
-          exp2v<W>(exp_arg<W, FUSED>(load_tail<W>(x[r] + j, n - j, NEG_INF), sub[r]));
-      store_tail<W>(x[r] + j, n - j, a);
-      acc[r] += a;
-    }
+    for (int r = 0; r < 4; ++r) acc[r] += exp_in_place<W, FUSED>(x[r] + j, m, sub[r]);
   }
   hsum4(acc[0], acc[1], acc[2], acc[3], sums);
 }
