@@ -320,6 +320,23 @@ def test_capacity_overflow_raises_and_writes_nothing(paged):
     torch.testing.assert_close(cache.v, before_v, rtol=0, atol=0, equal_nan=True)
 
 
+def test_new_keys_read_from_the_cache_itself():
+    """New k, v that are views of the caches, over the slots they are written to: the values as
+    they were before the call go in (as from copies), k and v alike; the overlapping write had
+    raised torch's RuntimeError after writing k."""
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(1, 1, 64, 4), torch.randn(1, 1, 64, 4)
+    q = torch.randn(1, 1, 1, 4)
+    k_new, v_new = k_cache[:, :, 1:9], v_cache[:, :, 2:10]  # written to slots 3-10
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    k_want[:, :, 3:11], v_want[:, :, 3:11] = k_new.clone(), v_new.clone()
+    out = attnx.attention_with_kvcache(q, k_cache, v_cache, 3, k_new, v_new)
+    torch.testing.assert_close(k_cache, k_want, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache, v_want, rtol=0, atol=0)
+    ref = F.scaled_dot_product_attention(q, k_want[:, :, :11], v_want[:, :, :11])
+    torch.testing.assert_close(out, ref)
+
+
 def test_block_ids_out_of_range_raise_and_write_nothing():
     cache, q, k_new, v_new = _errors_case(paged=True)
     before = cache.k.clone()

@@ -218,6 +218,26 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("score", SCORES)
+def test_inputs_of_another_dtype_raise_naming_the_argument(score):
+    """A float64 input to a float32 module: TypeError naming it, before any projection (one
+    with weights raised nn.Linear's RuntimeError)."""
+    att = Attention(4, 4, score=score)
+    q, k = torch.randn(2, 3, 4), torch.randn(2, 5, 4)
+    if score in ("additive", "general", "location"):  # the query meets W_a
+        with pytest.raises(TypeError, match=r"query: expected dtype torch.float32 \(the module's\)"):
+            att(q.double(), k.double())
+    else:  # no weights: the dtype of the inputs
+        assert att(q.double(), k.double())[0].dtype == torch.float64
+    with pytest.raises(TypeError, match="key: expected dtype torch.float32"):
+        att(q, k.double())
+    with pytest.raises(TypeError, match="value: expected dtype torch.float32"):
+        att(q, k, k.double())
+    if score == "additive":
+        with pytest.raises(TypeError, match="projected_key: expected dtype torch.float32"):
+            att(q, k, projected_key=att.project_key(k).double())
+
+
+@pytest.mark.parametrize("score", SCORES)
 def test_no_keys_gives_zero_context_and_empty_weights(score):
     """Lk = 0: every row admits nothing, so zeros, as for a fully-masked row."""
     att = Attention(DQ, DQ, score=score)

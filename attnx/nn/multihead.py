@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from attnx import _dispatch
 
 from .._validate import _check_tensor
-from ._inputs import check_features
+from ._inputs import check_dtype, check_features
 from ._masks import check_mask, check_mask_type, combine
 from ._weights import after_dropout, dropout_seed, softmax_weights, weight_scores
 
@@ -91,8 +91,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                              f"{tuple(value.shape)} (batch-first)")
         weight = self.in_proj_weight if self._qkv_same_embed_dim else self.q_proj_weight
         for name, x in (("query", query), ("key", key), ("value", value)):
-            if x.dtype != weight.dtype:
-                raise TypeError(f"{name}: expected dtype {weight.dtype} (the module's), got {x.dtype}")
+            check_dtype(name, x, weight)
         check_mask("attn_mask", attn_mask, [(lq, ls), (n * h, lq, ls)])
         check_mask("key_padding_mask", key_padding_mask, [(n, ls)])
 

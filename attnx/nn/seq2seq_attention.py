@@ -42,7 +42,7 @@ import attnx
 from attnx import _dispatch
 
 from .._validate import _check_tensor
-from ._inputs import check_features
+from ._inputs import check_dtype, check_features
 from ._masks import check_mask, combine
 from ._weights import after_dropout, dropout_seed, softmax_weights, weight_scores
 
@@ -130,6 +130,15 @@ class Attention(nn.Module):
                 raise ValueError(f"{name}: expected a (B, L, dim) tensor, got shape {tuple(x.shape)}")
         check_features("query", query, self.query_dim, "query_dim")
         check_features("key", key, self.key_dim, "key_dim")
+        if self.score in ("additive", "general", "location"):
+            # the query (and the key, unless projected_key stands for it) meets W_a (U_a), and
+            # the additive op takes v's dtype for every input
+            for name, x in (("query", query), ("key", key if projected_key is None else None),
+                            ("value", value), ("projected_key", projected_key)):
+                if x is not None and (name == "query" or self.score == "additive"):
+                    check_dtype(name, x, self.W_a.weight)
+        if value is None and key.dtype != query.dtype:  # the keys are the values too
+            raise TypeError(f"key: expected dtype {query.dtype} (that of query), got {key.dtype}")
         b, lq, _ = query.shape
         lk = key.shape[1]
         if key.shape[0] != b:
