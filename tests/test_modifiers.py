@@ -300,6 +300,51 @@ def test_fully_masked_rows(backend, with_sinks, dtype):
         assert (lse[:, :, 2] == float("-inf")).all()
 
 
+@pytest.mark.parametrize("backend,dtype", cases(["reference", "cpu", "triton"], [torch.float32])
+                         + cases(["cuda"], [torch.bfloat16]), ids=str)
+def test_minus_infinity_sinks_are_no_sinks(backend, dtype):
+    """A sink of -inf adds exp(-inf) = 0 to its head's sums: the head's results are those of no
+    sink, its empty rows zeros with lse -inf and zero gradients, the sink's gradient 0 (the
+    kernels took exp(-inf - -inf) = NaN for an empty row: NaN lse, then NaN dK, dV for every
+    key of the head; the reference a NaN row)."""
+    b, h, lq, lk = 1, 2, 9, 13
+    e = 64 if backend == "cuda" else 16
+    q, k, v, dout = _inputs(b, h, h, lq, lk, e, e)
+    mask = torch.rand(b, h, lq, lk, generator=torch.Generator().manual_seed(4)) > 0.5
+    mask[:, :, 2] = False
+    sinks = torch.tensor([float("-inf"), 0.5], dtype=torch.float64)
+    dlse = torch.randn(b, h, lq, dtype=torch.float64)
+    out, lse, dq, dk, dv, _, dsinks = check(backend, dtype, q, k, v, dout, mask=mask,
+                                            mods=dict(sinks=sinks), dlse=dlse)
+    for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv), ("dsinks", dsinks)):
+        assert not t.isnan().any(), name
+    assert torch.equal(out[:, 0, 2], torch.zeros_like(out[:, 0, 2]))
+    assert (lse[:, 0, 2] == float("-inf")).all() and dsinks[0] == 0
+    none = check(backend, dtype, q[:, :1], k[:, :1], v[:, :1], dout[:, :1], mask=mask[:, :1],
+                 dlse=dlse[:, :1])
+    for name, with_sink, without in zip(NAMES[:5], (out, lse, dq, dk, dv), none):
+        torch.testing.assert_close(with_sink[:, :1], without, msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + [TRITON])
+def test_varlen_minus_infinity_sinks(backend):
+    """Packed sequences, the first with no key, under sinks of -inf and 0.5: no NaN out or in
+    the gradients, and the -inf sink's gradient 0 (the triton backward's exp(sink - lse) was
+    NaN on the keyless rows)."""
+    dev = device(backend)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(n, 2, 16, generator=g, device=dev).requires_grad_() for n in (10, 7, 7))
+    sinks = torch.tensor([float("-inf"), 0.5], device=dev, requires_grad=True)
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=dev) for c in ([0, 4, 10], [0, 0, 7]))
+    out, lse = attnx.varlen_attention(q, k, v, cu_q, cu_k, sinks=sinks, window=(1, 1),
+                                      backend=backend, return_lse=True)
+    (out.sum() + lse.nan_to_num(neginf=0.0).sum()).backward()
+    assert (lse[0, :4] == float("-inf")).all() and (out[:4, 0] == 0).all()
+    for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        assert not t.isnan().any(), name
+    assert sinks.grad[0] == 0 and torch.isfinite(sinks.grad).all()
+
+
 @pytest.mark.parametrize("backend", BACKENDS + [TRITON])
 def test_fully_masked_rows_with_sinks_below_exp_range(backend):
     """Sinks past exp's float64 range (-1000, -800): an empty row's lse is its sink and its
@@ -666,6 +711,39 @@ def test_cuda_kvcache(backend, paged, which, lq_mode, dtype):
     """The cuda decoding kernels with two key splits (a 45-key cache): the sink joins at the
     merge (test_cuda_kvcache_one_split: in the split kernel)."""
     test_kvcache(backend, paged, which, lq_mode, dtype=dtype)
+
+
+@pytest.mark.parametrize("backend,dtype,lq",
+                         cases(["reference", "cpu", "triton"], [torch.float32], [1, 3])
+                         + cases(["cuda"], [torch.float16], [1, 3]), ids=str)
+def test_kvcache_minus_infinity_sinks(backend, dtype, lq):
+    """Decoding with sinks of -inf (exp(-inf) = 0: no sink) beside finite ones: rows that admit
+    no key (sequence 0: no cached key at Lq = 1, its first query outside every window at Lq = 3)
+    give zeros and lse -inf under a -inf sink, the sink under a finite one, and no NaN (the
+    merge of the CPU kernel took exp(-inf - -inf))."""
+    dev = device(backend)
+    g = torch.Generator().manual_seed(6)
+    b, hq, hkv, e = 2, 4, 2, 64 if backend == "cuda" else 16
+    keys = torch.randn(b, hkv, 20, e, generator=g, dtype=torch.float64)
+    values = torch.randn(b, hkv, 20, e, generator=g, dtype=torch.float64)
+    q = torch.randn(b, hq, lq, e, generator=g, dtype=torch.float64)
+    lengths = [0, 20] if lq == 1 else [2, 20]
+    mods = dict(sinks=torch.tensor([float("-inf"), 0.5, float("-inf"), -1.0]))
+    kw = dict(is_causal=True, window=(5, None))
+    out, lse = attnx.attention_with_kvcache(
+        q.to(dev, dtype), keys.to(dev, dtype), values.to(dev, dtype),
+        torch.tensor(lengths, dtype=torch.int32, device=dev), backend=backend, return_lse=True,
+        **kw, **to(dev, mods))
+    out, lse = out.cpu(), lse.cpu()
+    assert not out.isnan().any() and not lse.isnan().any()
+    gold_out, gold_lse = _kvcache_golden(q, keys, values, lengths, torch.float64, mods=mods, **kw)
+    base_out, base_lse = _kvcache_golden(q, keys, values, lengths, dtype, mods=mods, **kw)
+    assert_within(out, gold_out, base_out, factor=3.0, floor=FLOORS[dtype])
+    assert torch.equal(torch.isinf(lse), torch.isinf(gold_lse))
+    assert_within(*(t.float().nan_to_num(neginf=0.0) for t in (lse, gold_lse, base_lse)),
+                  factor=3.0, floor=FLOORS[dtype], what="lse")
+    assert torch.equal(out[0, :, 0], torch.zeros_like(out[0, :, 0]))
+    assert (lse[0, ::2, 0] == float("-inf")).all()
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=MARKS["cuda"])])

@@ -123,7 +123,11 @@ def _softmax_with_sink(s: torch.Tensor, sink: torch.Tensor):
     m = torch.where(m == float("-inf"), torch.zeros_like(m), m).detach()
     e = torch.exp(s - m).masked_fill(empty, 0.0)
     denom = e.sum(-1, keepdim=True) + torch.exp(sink - m)
-    return e / denom, (m + torch.log(denom)).squeeze(-1)
+    # an empty row whose sink is -inf has nothing in its denominator: zeros, lse -inf, and no
+    # 0 / 0 or log(0) for the backward either
+    none = denom == 0
+    denom = denom.masked_fill(none, 1.0)
+    return e / denom, (m + torch.log(denom)).masked_fill(none, float("-inf")).squeeze(-1)
 
 
 def apply_dropout(p: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor]) -> torch.Tensor:

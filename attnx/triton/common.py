@@ -51,6 +51,12 @@ def huge_rows(lse, huge_lse):
     return (tl.abs(lse) > huge_lse) & (tl.abs(lse) < float("inf"))
 
 
+def sink_probabilities(sinks: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """exp(sink - lse): each row's probability of its sink (the backward's dsinks); 0 under a
+    sink of -inf, also on a row that admitted no key, whose lse is then -inf too."""
+    return torch.where(sinks == float("-inf"), 0.0, torch.exp(sinks - lse))
+
+
 def clamped_band(lo: int, hi: int, lq: int, lk: int) -> tuple[int, int]:
     """The band (lo, hi) in [-Lq, Lk]: the same admissible pairs, and i + lo, i + hi cannot
     overflow in the kernels whatever a direct caller of the ops passes."""

@@ -342,8 +342,11 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS,
     if HAS_SINKS:  # the sink's term joins the denominator (and the lse), nothing the output
         sink = tl.load(SINKS + h).to(tl.float32)
         m_new = tl.maximum(m_i, sink)
-        alpha = tl.exp(m_i - m_new)  # 0 on rows that admitted no key
-        l_i = l_i * alpha + tl.exp(sink - m_new)
+        # (-inf only where the row admitted no key and the sink is -inf: nothing joins, and
+        # the row keeps l = 0, so zeros and lse -inf, with no exp(-inf - -inf))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - ref)  # 0 on rows that admitted no key
+        l_i = l_i * alpha + tl.exp(sink - ref)
         acc = acc * alpha[:, None]
         acc2 = acc2 * alpha[:, None]
         m_i = m_new
@@ -895,7 +898,8 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     # d lse_i / d sink = P_sink,i = exp(sink - lse_i) / r_i, and the sink's value is 0: its
     # score gradient is P_sink,i (0 - D_i), and DELTA holds D_i / r_i.
     dsinks = q.new_empty((0,)) if sinks is None else (
-        -(torch.exp(sinks.float().view(1, h, 1) - lse) * delta).sum((0, 2))).to(sinks.dtype)
+        -(common.sink_probabilities(sinks.float().view(1, h, 1), lse) * delta).sum((0, 2))
+    ).to(sinks.dtype)
     common.launcher(_dq_kernel)[
         lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)](
         q, k, v, m, dos, lse, delta, rng, dq, *strides, *dos.stride(),

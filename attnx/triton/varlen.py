@@ -114,7 +114,7 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dk, dv = dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype)
     # as sdpa_bwd's: the sink's score gradient P_sink,i (0 - D_i), DELTA holding D_i / r_i
     dsinks = q.new_empty((0,)) if sinks is None else (
-        -(torch.exp(sinks.float().view(h, 1) - lse) * delta).sum(1)).to(sinks.dtype)
+        -(common.sink_probabilities(sinks.float().view(h, 1), lse) * delta).sum(1)).to(sinks.dtype)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     common.launcher(sdpa._dq_kernel)[
         lambda meta: common.tiles_grid(max_seqlen_q, meta["BLOCK_M"], n * h)](

@@ -231,7 +231,9 @@ bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
           T inv = l[r] > T(0) ? T(1) / l[r] : T(0);  // no admitted key: zeros
           lp[r] = l[r] > T(0) ? m[r] + std::log(l[r]) : neg_inf<T>();
           if constexpr (MODS) {
-            if (mods.sinks != nullptr) {  // exp(sink) joins the denominator l exp(m)
+            // exp(sink) joins the denominator l exp(m) (a sink of -inf adds 0: an empty row
+            // keeps zeros and lse -inf, not exp(-inf - -inf))
+            if (mods.sinks != nullptr && mods.sinks[h] > neg_inf<T>()) {
               const T sink = mods.sinks[h];
               const T top = l[r] > T(0) ? std::max(m[r], sink) : sink;
               const T keys = l[r] > T(0) ? l[r] * std::exp(m[r] - top) : T(0);
@@ -409,7 +411,8 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
       for (int64_t i = 0; huge && i < d.Lq; ++i) {
         if (!huge_row[i]) continue;
         if constexpr (MODS) {
-          if (mods.sinks != nullptr) {  // the sink joins the recomputed sum as it did the lse
+          // the sink joins the recomputed sum as it did the lse
+          if (mods.sinks != nullptr && mods.sinks[h] > neg_inf<T>()) {
             const T sink = mods.sinks[h], top = std::max(base[i], sink);
             renorm[i] = (base[i] == neg_inf<T>() ? T(0) : renorm[i] * std::exp(base[i] - top)) +
                         std::exp(sink - top);

@@ -317,8 +317,10 @@ Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout
     view[head_dim] = p.Hq;
     for (int64_t d = 0; d < int64_t(rows.size()); ++d)
       if (d != head_dim) dims.push_back(d);
-    g.dsinks =
-        (-(at::exp(sinks32.view(view) - lse32) / row_sums * delta)).sum(at::IntArrayRef(dims));
+    // (0 under a sink of -inf, also on rows that admitted no key: lse -inf there too)
+    const Tensor sink = sinks32.view(view);
+    const Tensor p_sink = at::where(sink == -INFINITY, 0.0, at::exp(sink - lse32));
+    g.dsinks = (-(p_sink / row_sums * delta)).sum(at::IntArrayRef(dims));
   }
   return g;
 }

@@ -439,14 +439,17 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
     }
     if constexpr (kMods) {
       // The sink joins the denominator (and the lse, and the row sums R) as one more score, of
-      // no value: a row that admitted no key ends with l = 1, m = the sink, zeros out.
+      // no value: a row that admitted no key ends with l = 1, m = the sink, zeros out. A sink
+      // of -inf joins nothing: such a row keeps l = 0 (zeros, lse -inf), taking exponentials
+      // against 0, not exp(-inf - -inf).
       if (p.mods.sinks != nullptr) {
         const float sink = p.mods.sinks[h];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const float m_new = fmaxf(m[mt][r], sink);
-          const float alpha = fast_exp(m[mt][r] - m_new);  // 0 when m = -inf
-          l[mt][r] = l[mt][r] * alpha + fast_exp(sink - m_new);
+          const float ref = m_new == -INFINITY ? 0.f : m_new;
+          const float alpha = fast_exp(m[mt][r] - ref);  // 0 when m = -inf
+          l[mt][r] = l[mt][r] * alpha + fast_exp(sink - ref);
           m[mt][r] = m_new;
 #pragma unroll
           for (int db = 0; db < DB; ++db)
