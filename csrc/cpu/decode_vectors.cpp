@@ -82,9 +82,14 @@ ATTNX_BODY void dot_rows_body(const float* const* q, const KV* const* k, int64_t
         a[rr][0] += qv * x0, a[rr][1] += qv * x1, a[rr][2] += qv * x2, a[rr][3] += qv * x3;
       }
     }
+    if constexpr (W == 16 && ROWS == 4) {
+      hsum4x4(a, s, t);
+    } else {
+#pragma GCC unroll 4
+      for (int rr = 0; rr < ROWS; ++rr) hsum4(a[rr][0], a[rr][1], a[rr][2], a[rr][3], s[rr] + t);
+    }
 #pragma GCC unroll 4
     for (int rr = 0; rr < ROWS; ++rr) {
-      hsum4(a[rr][0], a[rr][1], a[rr][2], a[rr][3], s[rr] + t);
       for (int64_t c = ew; c < e; ++c)
         for (int u = 0; u < 4; ++u) s[rr][t + u] += q[rr][c] * to_float(k[t + u][c]);
     }
@@ -104,7 +109,7 @@ ATTNX_BODY void dot_rows_body(const float* const* q, const KV* const* k, int64_t
 // Columns [c, c + U W) of the ROWS output rows held in registers while every key's value row
 // adds to them: o is read and written once per pass, each value vector loaded once for every
 // row. `spread` (the first pass only) fetches the block after next as the keys go by.
-template <int W, int ROWS, int U, typename KV>
+template <int W, int ROWS, int U, bool REG, typename KV>
 ATTNX_BODY void add_rows_pass(float* const* o, const float* const* p, const KV* const* v,
                               int64_t n, int64_t c, Spread* spread) {
   vf<W> acc[ROWS][U];
@@ -120,7 +125,7 @@ ATTNX_BODY void add_rows_pass(float* const* o, const float* const* p, const KV* 
     for (int rr = 0; rr < ROWS; ++rr) pt[rr] = vf<W>{} + p[rr][t];
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u) {
-      const vf<W> x = load_kv<W>(row + u * W);
+      const vf<W> x = in_register<REG, W>(load_kv<W>(row + u * W));
 #pragma GCC unroll 4
       for (int rr = 0; rr < ROWS; ++rr) acc[rr][u] += pt[rr] * x;
     }
@@ -137,7 +142,7 @@ ATTNX_BODY void add_rows_pass(float* const* o, const float* const* p, const KV* 
 // passes, one FMA chain per row and column: a block took 5-10% longer at D = 64 on a Zen 5): a
 // row's first touch streams from memory in order. U keeps the accumulators within the ISA's
 // registers (32 zmm, 16 ymm).
-template <int W, int ROWS, typename KV>
+template <int W, int ROWS, bool REG, typename KV>
 ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const KV* const* v,
                               int64_t n, int64_t ev, const Ahead& ahead) {
   constexpr int U = (ROWS == 2 && W == 8) ? 4 : 8;
@@ -145,16 +150,17 @@ ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const KV* 
   Spread* first = &spread;
   int64_t c = 0;
   for (; c + U * W <= ev; c += U * W, first = nullptr)
-    add_rows_pass<W, ROWS, U>(o, p, v, n, c, first);
+    add_rows_pass<W, ROWS, U, REG>(o, p, v, n, c, first);
   if (c + U / 2 * W <= ev) {
-    add_rows_pass<W, ROWS, U / 2>(o, p, v, n, c, first);
+    add_rows_pass<W, ROWS, U / 2, REG>(o, p, v, n, c, first);
     c += U / 2 * W, first = nullptr;
   }
   if (c + U / 4 * W <= ev) {
-    add_rows_pass<W, ROWS, U / 4>(o, p, v, n, c, first);
+    add_rows_pass<W, ROWS, U / 4, REG>(o, p, v, n, c, first);
     c += U / 4 * W, first = nullptr;
   }
-  for (; c + W <= ev; c += W, first = nullptr) add_rows_pass<W, ROWS, 1>(o, p, v, n, c, first);
+  for (; c + W <= ev; c += W, first = nullptr)
+    add_rows_pass<W, ROWS, 1, REG>(o, p, v, n, c, first);
   spread.rest();
   for (; c < ev; ++c) {
     for (int rr = 0; rr < ROWS; ++rr) {
@@ -184,16 +190,17 @@ ATTNX_BODY void dot_rows_any(int rows, const float* const* q, const KV* const* k
     if (rows == 4) dot_rows_body<W, 2>(q + 2, k, n, e, s + 2, {});
   }
 }
-template <int W, typename KV>
+template <int W, bool REG, typename KV>
 ATTNX_BODY void add_rows_any(int rows, float* const* o, const float* const* p,
                              const KV* const* v, int64_t n, int64_t ev,
                              const Ahead& ahead) {
   // Two rows at a time even on AVX-512: four would take two passes over each value row, whose
-  // first touch then no longer streams in order (14% slower at Lq = 1 from memory, one thread).
-  if (rows == 1) return add_rows_body<W, 1>(o, p, v, n, ev, ahead);
-  add_rows_body<W, 2>(o, p, v, n, ev, ahead);
-  if (rows == 3) add_rows_body<W, 1>(o + 2, p + 2, v, n, ev, {});
-  if (rows == 4) add_rows_body<W, 2>(o + 2, p + 2, v, n, ev, {});
+  // first touch then no longer streams in order (14% slower at Lq = 1 from memory, one thread;
+  // again with its loads in registers: 27% faster in L1, 10% slower from memory, Zen 5).
+  if (rows == 1) return add_rows_body<W, 1, REG>(o, p, v, n, ev, ahead);
+  add_rows_body<W, 2, REG>(o, p, v, n, ev, ahead);
+  if (rows == 3) add_rows_body<W, 1, REG>(o + 2, p + 2, v, n, ev, {});
+  if (rows == 4) add_rows_body<W, 2, REG>(o + 2, p + 2, v, n, ev, {});
 }
 
 // KB keys per pass, each an independent FMA chain (8 cover the FMA latency of two pipes), their
@@ -323,13 +330,13 @@ template <typename KV>
 ATTNX_AVX2 void add_rows_avx2(int rows, float* const* o, const float* const* p,
                               const KV* const* v, int64_t n, int64_t ev,
                               const Ahead& ahead) {
-  add_rows_any<8>(rows, o, p, v, n, ev, ahead);
+  add_rows_any<8, true>(rows, o, p, v, n, ev, ahead);
 }
 template <typename KV>
 ATTNX_AVX512 void add_rows_avx512(int rows, float* const* o, const float* const* p,
                                   const KV* const* v, int64_t n, int64_t ev,
                                   const Ahead& ahead) {
-  add_rows_any<16>(rows, o, p, v, n, ev, ahead);
+  add_rows_any<16, true>(rows, o, p, v, n, ev, ahead);
 }
 
 ATTNX_AVX2 void lane_scores_avx2(const float* qt, const float* const* k, int64_t n, int64_t e,
@@ -394,7 +401,7 @@ void add_rows_of(int rows, float* const* o, const float* const* p, const KV* con
     case Isa::baseline: break;
   }
 #endif
-  add_rows_any<8>(rows, o, p, v, n, ev, ahead);
+  add_rows_any<8, false>(rows, o, p, v, n, ev, ahead);
 }
 
 }  // namespace
