@@ -41,7 +41,7 @@ from torch import nn
 import attnx
 from attnx import _dispatch
 
-from .._validate import _check_tensor
+from .._validate import _check_same, _check_tensor
 from ._inputs import check_dtype, check_features
 from ._masks import check_mask, combine
 from ._weights import after_dropout, dropout_seed, softmax_weights, weight_scores
@@ -130,15 +130,16 @@ class Attention(nn.Module):
                 raise ValueError(f"{name}: expected a (B, L, dim) tensor, got shape {tuple(x.shape)}")
         check_features("query", query, self.query_dim, "query_dim")
         check_features("key", key, self.key_dim, "key_dim")
-        if self.score in ("additive", "general", "location"):
-            # the query (and the key, unless projected_key stands for it) meets W_a (U_a), and
-            # the additive op takes v's dtype for every input
-            for name, x in (("query", query), ("key", key if projected_key is None else None),
-                            ("value", value), ("projected_key", projected_key)):
-                if x is not None and (name == "query" or self.score == "additive"):
+        if self.score in ("additive", "general", "location"):  # the query meets W_a
+            check_dtype("query", query, self.W_a.weight)
+        if self.score == "additive":  # U_a meets the key, unless projected_key stands for it,
+            # and the op takes every input in v's dtype
+            for name, x in (("key", key if projected_key is None else None), ("value", value),
+                            ("projected_key", projected_key)):
+                if x is not None:
                     check_dtype(name, x, self.W_a.weight)
-        if value is None and key.dtype != query.dtype:  # the keys are the values too
-            raise TypeError(f"key: expected dtype {query.dtype} (that of query), got {key.dtype}")
+        if value is None:  # the keys are the values too
+            _check_same("key", key, query, "query")
         b, lq, _ = query.shape
         lk = key.shape[1]
         if key.shape[0] != b:
