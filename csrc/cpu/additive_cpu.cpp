@@ -28,7 +28,6 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -96,6 +95,12 @@ struct MaskView {
   }
 };
 
+// x in the accumulation type, contiguous: x itself where it already is, without a dispatcher
+// call (see vpad below for why that matters at decoder sizes).
+at::Tensor in_type(const at::Tensor& x, at::ScalarType acc) {
+  return x.scalar_type() == acc && x.is_contiguous() ? x : x.to(acc).contiguous();
+}
+
 // What both passes read: contiguous accumulation-type copies of the inputs and the problem.
 template <typename acc_t>
 struct Problem {
@@ -110,10 +115,10 @@ struct Problem {
           int64_t window_hi, double dropout_p, const std::optional<at::Tensor>& seed)
       : mask(mask_), drop(dropout_p, seed) {
     const auto acc = c10::CppTypeToScalarType<acc_t>::value;
-    q = q_.to(acc).contiguous();
-    k = k_.to(acc).contiguous();
-    value = value_.to(acc).contiguous();
-    v = v_.to(acc).contiguous();
+    q = in_type(q_, acc);
+    k = in_type(k_, acc);
+    value = in_type(value_, acc);
+    v = in_type(v_, acc);
     B = q.size(0);
     H = q.size(1);
     Lq = q.size(2);
@@ -126,19 +131,26 @@ struct Problem {
     ap = A;
     if constexpr (std::is_same_v<acc_t, float>) {
       ap = (A + additive::kPad - 1) / additive::kPad * additive::kPad;
-      const auto pad = [&](const at::Tensor& x) { return at::constant_pad_nd(x, {0, ap - A}, 0); };
-      vpad = pad(v).contiguous();
-      vsum = v.to(at::kDouble).sum(-1).to(at::kFloat).contiguous();
+      // v padded with zeros to ap, and each head's sum of v (in double), by plain loops over
+      // the H x A values: ATen ops for them cost more than a decoder-sized attention once a
+      // step's other work has flushed the caches
+      vpad.assign(static_cast<size_t>(H * ap), 0.0f);
+      vsum.resize(static_cast<size_t>(H));
+      const float* v_p = v.data_ptr<float>();
+      for (int64_t h = 0; h < H; ++h) {
+        double sum = 0;
+        for (int64_t a = 0; a < A; ++a) sum += vpad[h * ap + a] = v_p[h * A + a];
+        vsum[h] = static_cast<float>(sum);
+      }
       // e^{2q}, e^{2k} and the guard's flags in one pass over the rows (one parallel region:
       // on a shared machine each region may wait for a descheduled thread)
       const int64_t nq = B * H * Lq, nk = B * H * Lk;
       // in the kept buffer (kept_buffer.h): fresh pages every call, faulted in by both threads
       // at once, cost 15% of the forward at B = 64, L = 32, A = 256 (2 threads)
       e_rows = std::make_unique<KeptBuffer>(static_cast<size_t>((nq + nk) * ap));
-      exact_q_ = at::empty({B, H, Lq}, q.options().dtype(at::kBool));
-      exact_k_ = at::empty({B, H, Lk}, q.options().dtype(at::kBool));
+      exact_flags = std::make_unique<bool[]>(static_cast<size_t>(nq + nk));
       float *e_q = e_rows->data(), *e_k = e_q + nq * ap;
-      bool *x_q = exact_q_.data_ptr<bool>(), *x_k = exact_k_.data_ptr<bool>();
+      bool *x_q = exact_flags.get(), *x_k = x_q + nq;
       const float *q_p = q.data_ptr<float>(), *k_p = k.data_ptr<float>();
       at::parallel_for(0, nq + nk, std::max<int64_t>(1, 16384 / ap), [&](int64_t b0, int64_t b1) {
         for (int64_t r = b0; r < b1; ++r) {
@@ -151,10 +163,10 @@ struct Problem {
       });
       eq_p = e_q;
       ek_p = e_k;
-      vpad_p = vpad.data_ptr<float>();
-      vsum_p = vsum.data_ptr<float>();
-      exact_q_p = exact_q_.data_ptr<bool>();
-      exact_k_p = exact_k_.data_ptr<bool>();
+      vpad_p = vpad.data();
+      vsum_p = vsum.data();
+      exact_q_p = x_q;
+      exact_k_p = x_k;
     }
   }
 
@@ -162,7 +174,8 @@ struct Problem {
   // the kernels read them per row and per key.
   int64_t ap;
   std::unique_ptr<KeptBuffer> e_rows;  // e^{2q} rows, then e^{2k} rows
-  at::Tensor vpad, vsum, exact_q_, exact_k_;
+  std::unique_ptr<bool[]> exact_flags;  // rows of q, then of k, that take the exact tanh
+  std::vector<float> vpad, vsum;
   const float *eq_p = nullptr, *ek_p = nullptr, *vpad_p = nullptr, *vsum_p = nullptr;
   const bool *exact_q_p = nullptr, *exact_k_p = nullptr;
   bool exact_q(int64_t bh, int64_t i) const { return exact_q_p == nullptr || exact_q_p[bh * Lq + i]; }
@@ -502,7 +515,21 @@ using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, fl
 // value or gradient sum past the range shows as a non-finite result, or as an lse of NaN or
 // +inf. (The forward's value sums are normalized as they go, so they overflow only there.)
 bool overflowed(const at::Tensor& v, bool non_finite_results) {
-  return (v.numel() > 0 && !(v.abs().sum(-1).max().item<double>() <= 1e30)) || non_finite_results;
+  if (non_finite_results) return true;
+  // a plain loop over the H x A values (the ATen reduction chain it replaced cost tens of
+  // microseconds a call with cold caches); NaN counts as past
+  const at::Tensor vc = v.contiguous();
+  const int64_t A = vc.dim() > 0 ? vc.size(-1) : 0, H = A > 0 ? vc.numel() / A : 0;
+  bool past = false;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, vc.scalar_type(), "attnx_additive_v_range", [&] {
+    const scalar_t* p = vc.data_ptr<scalar_t>();
+    for (int64_t h = 0; h < H; ++h) {
+      double sum = 0;
+      for (int64_t a = 0; a < A; ++a) sum += std::abs(static_cast<double>(p[h * A + a]));
+      past |= !(sum <= 1e30);
+    }
+  });
+  return past;
 }
 
 at::Tensor f64(const at::Tensor& t) { return t.to(at::kDouble); }
