@@ -328,6 +328,51 @@ def test_float32_overflow_reruns_in_float64(case):
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 
+def _rows_near_one_huge_value(dtype, grad=True):
+    """q, k and values whose rows differ by ~1e-6 around 1e38: with an output gradient of ones,
+    each dP = dO V^T (8e38) passes float32's range while dP - D, hence dS and dq, dk, does not."""
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g)
+    v = 1e38 + 1e32 * torch.randint(-4, 5, (1, 2, 7, 8), generator=g).float()
+    return [t.to(dtype).requires_grad_(grad) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("op", ["sdpa", "varlen", "additive"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_float32_backward_overflow_reruns_in_float64(op, backend):
+    """Finite inputs never give NaN gradients either: where the float32 backward overflows
+    (dP - D as the difference of two values past the range), it runs again in float64."""
+    w = torch.randn(8, generator=torch.Generator().manual_seed(8))
+
+    def call(q, k, v, backend):
+        if op == "sdpa":
+            return attnx.scaled_dot_product_attention(q, k, v, backend=backend)
+        if op == "additive":
+            return attnx.additive_attention(q, k, v, w.to(q.dtype), backend=backend)
+        cu = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int32)
+        rows = [t[0].transpose(0, 1) for t in (q, k, v)]
+        return attnx.varlen_attention(*rows, *cu, backend=backend).transpose(0, 1)[None]
+
+    q, k, v = _rows_near_one_huge_value(torch.float32)
+    grads = torch.autograd.grad(call(q, k, v, backend), (q, k, v), torch.ones(1, 2, 5, 8))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(call(q64, k64, v64, "reference"), (q64, k64, v64),
+                               torch.ones(1, 2, 5, 8, dtype=torch.float64))
+    for name, got, gold in zip("qkv", grads, want):
+        assert torch.isfinite(got).all(), f"d{name}: non-finite"
+        # float64's own rounding of dP (8e38, ulp 1e23) bounds how well dq, dk (~1e32) are known
+        assert (got.double() - gold).abs().max() <= 1e-3 * gold.abs().max() + 1e-5, f"d{name}"
+
+
+def test_gradients_of_one_tensor_as_query_key_and_value():
+    """Self-attention on one tensor: its gradient is the sum over the three roles, once."""
+    x = rand(2, 3, 6, 4, grad=True)
+    got, = torch.autograd.grad(attnx.scaled_dot_product_attention(x, x, x, **REF).sum(), x)
+    x64 = x.detach().double().requires_grad_()
+    want, = torch.autograd.grad(F.scaled_dot_product_attention(x64, x64, x64).sum(), x64)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_half_inputs_under_a_huge_scale_stay_finite():
     """The auto backend of CPU float16 tensors is the reference: scale 1e38 overflows float32."""
     q, k, v = qkv(1, 2, lq=3, lk=5, e=4, dtype=torch.float16)

@@ -8,13 +8,14 @@ once at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
 import torch
 
 from .. import _rng
-from .._validate import AdditiveCall, KvcacheCall, Modifiers, SdpaCall, VarlenCall
+from .._validate import NO_MODIFIERS, AdditiveCall, KvcacheCall, Modifiers, SdpaCall, VarlenCall
 
 
 def availability() -> Optional[str]:
@@ -33,21 +34,90 @@ def _float64_where_float32_overflows(op):
     """op(call, dtype) run in _compute_dtype; where float32 overflows on finite inputs (scores or
     sums past its range: |q| |k| ~ 1e19, values ~ 3e38, a huge v or scale), it runs again in
     float64, which holds every product of float32 values, as the fused CPU kernels do: finite
-    inputs never give NaN. (Non-finite inputs rerun too, and keep their non-finite results.)"""
+    inputs never give NaN. (Non-finite inputs rerun too, and keep their non-finite results.)
+    The backward does the same (_GuardedBackward): float32's can overflow where the forward did
+    not (dO V^T past the range on rows whose difference dP - D is small)."""
 
-    @functools.wraps(op)
-    def run(call):
-        result = op(call, _compute_dtype(call.q.dtype))
+    def forward(call):  # (result, the dtype it was computed in)
+        dtype = _compute_dtype(call.q.dtype)
+        result = op(call, dtype)
         if (call.q.dtype == torch.float64 or torch.compiler.is_compiling()
                 or call.q.device.type == "meta"):
             # (a traced graph keeps no data-dependent branch, meta tensors no data: no rerun)
-            return result
+            return result, dtype
         out, lse = result[0], result[1]
         if not (bool(torch.isfinite(out).all()) and not bool((lse.isnan() | (lse == float("inf"))).any())):
-            result = op(call, torch.float64)
-        return result
+            return op(call, torch.float64), torch.float64
+        return result, dtype
+
+    @functools.wraps(op)
+    def run(call):
+        fields, inputs = _requiring_grad(call)
+        if (not inputs or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or call.q.device.type == "meta" or call.q.dtype == torch.float64):
+            return forward(call)[0]  # plain autograd: nothing to guard, or nothing to rerun in
+        return _GuardedBackward.apply(op, forward, call, fields, *inputs)
 
     return run
+
+
+def _requiring_grad(call):
+    """The tensors of `call` (its fields and its modifiers') that require grad, each once (the
+    same tensor as q, k and v takes one gradient, summed), and where each lies: (field path,
+    index into the tensors)."""
+    fields, inputs = [], []
+    candidates = [((f.name,), getattr(call, f.name)) for f in dataclasses.fields(call)]
+    mods = getattr(call, "mods", NO_MODIFIERS)  # (additive attention takes none)
+    candidates += [(("mods", name), x) for name, x in zip(Modifiers._fields, mods)]
+    for path, x in candidates:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            index = next((i for i, t in enumerate(inputs) if t is x), None)
+            if index is None:
+                index = len(inputs)
+                inputs.append(x)
+            fields.append((path, index))
+    return fields, inputs
+
+
+def _with(call, fields, tensors):
+    """`call` with the tensors at `fields` replaced by `tensors` (by index)."""
+    plain = {path[0]: tensors[i] for path, i in fields if len(path) == 1}
+    mods = {path[1]: tensors[i] for path, i in fields if len(path) == 2}
+    if mods:
+        plain["mods"] = call.mods._replace(**mods)
+    return dataclasses.replace(call, **plain)
+
+
+class _GuardedBackward(torch.autograd.Function):
+    """A reference op whose backward recomputes it (in the forward's dtype) and takes autograd's
+    gradients of that, rerunning in float64 where those come out non-finite from finite inputs
+    and output gradients. Differentiable again (create_graph): gradgradcheck holds."""
+
+    @staticmethod
+    def forward(ctx, op, forward, call, fields, *inputs):
+        result, ctx.dtype = forward(call)
+        ctx.op, ctx.call, ctx.fields = op, call, fields
+        ctx.save_for_backward(*inputs)
+        return result  # (additive's weights may be None: untracked, a None gradient)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        inputs = ctx.saved_tensors
+        higher = torch.is_grad_enabled()  # create_graph: the gradients are differentiated again
+        grads = _input_grads(ctx, inputs, ctx.dtype, grad_outputs, higher)
+        if (ctx.dtype != torch.float64
+                and not all(g is None or bool(torch.isfinite(g).all()) for g in grads)
+                and all(t is None or bool(torch.isfinite(t).all()) for t in (*inputs, *grad_outputs))):
+            grads = _input_grads(ctx, inputs, torch.float64, grad_outputs, higher)
+        return (None, None, None, None, *grads)
+
+
+def _input_grads(ctx, inputs, dtype, grad_outputs, higher: bool):
+    with torch.enable_grad():
+        outs = ctx.op(_with(ctx.call, ctx.fields, inputs), dtype)
+        pairs = [(o, g) for o, g in zip(outs, grad_outputs) if o is not None and o.requires_grad]
+        return torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
+                                   create_graph=higher, allow_unused=True)
 
 
 def band(lq: int, lk: int, lo: int, hi: int, device) -> torch.Tensor:
