@@ -178,12 +178,12 @@ def _check_same(name: str, x: torch.Tensor, ref: torch.Tensor, ref_name: str) ->
         raise TypeError(f"{name}: expected device {ref.device} (that of {ref_name}), got {x.device}")
 
 
-def _check_dropout(dropout_p) -> float:
+def _check_dropout(dropout_p, name: str = "dropout_p") -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p: expected a float, got {_type_name(dropout_p)}")
-    p = _to_float("dropout_p", dropout_p, "0 <= dropout_p <= 1")
+        raise TypeError(f"{name}: expected a float, got {_type_name(dropout_p)}")
+    p = _to_float(name, dropout_p, f"0 <= {name} <= 1")
     if not (0.0 <= p <= 1.0):
-        raise ValueError(f"dropout_p: expected 0 <= dropout_p <= 1, got {dropout_p}")
+        raise ValueError(f"{name}: expected 0 <= {name} <= 1, got {dropout_p}")
     return p
 
 

@@ -107,6 +107,20 @@ def test_local_window_and_attn_mask(score):
     torch.testing.assert_close(w, want_w, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("score", SCORES)
+def test_query_offset_shifts_the_window(score):
+    """A decoder's step t alone (query_offset=t) attends as row t of all steps at once."""
+    torch.manual_seed(0)
+    att = Attention(DQ, DK, score=score, window=(0, 1), max_len=LK).double()
+    q, k, _ = _data()
+    ctx, w = att(q, k, key_padding_mask=_kpm(), need_weights=True)
+    for t in range(LQ):
+        step, step_w = att(q[:, t:t + 1], k, key_padding_mask=_kpm(), need_weights=True,
+                           query_offset=t)
+        torch.testing.assert_close(step, ctx[:, t:t + 1], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(step_w, w[:, t:t + 1], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("score", ["additive", "scaled_dot", "cosine", "location"])
 def test_multi_head_splits(score):
     torch.manual_seed(0)
@@ -215,6 +229,16 @@ def test_bad_arguments():
         two(q, torch.randn(2, 5, 6), projected_key=torch.randn(2, 5, 6))
     with pytest.raises(ValueError, match="projected_key: expected shape"):
         two(q, torch.randn(2, 5, 6), projected_key=torch.randn(10, 8))
+    with pytest.raises(ValueError, match="query_offset: expected >= 0"):
+        att(q, k, query_offset=-1)
+    with pytest.raises(TypeError, match="query_offset: expected an int"):
+        att(q, k, query_offset=1.0)
+    with pytest.raises(ValueError, match="dropout: expected 0 <= dropout <= 1"):
+        Attention(4, 4, dropout=1.5)
+    with pytest.raises(TypeError, match="dropout: expected a float"):
+        Attention(4, 4, dropout="0.1")
+    with pytest.raises(TypeError, match="window: expected left to be an int"):
+        Attention(4, 4, window=(1.5, 2))
 
 
 @pytest.mark.parametrize("score", SCORES)

@@ -64,6 +64,44 @@ def test_padding_does_not_change_results(style, rnn):
     assert tokens.shape[0] == 2 and weights.shape[:2] == tokens.shape and weights.shape[2] == 6
 
 
+@pytest.mark.parametrize("style", ["bahdanau", "luong"])
+def test_padding_anywhere_reads_the_real_tokens_in_order(style):
+    """Left padding, or padding between tokens, gives what the row without it gives."""
+    torch.manual_seed(0)
+    model = Seq2Seq(9, 8, emb_dim=8, hidden_dim=8, style=style).double().eval()
+    tgt = torch.tensor([[1, 3, 4]])
+    alone, w_alone = model(torch.tensor([[5, 6, 7]]), tgt, need_weights=True)
+    for src in ([[0, 0, 5, 6, 7]], [[5, 0, 6, 0, 7]], [[0, 5, 6, 7, 0]]):
+        src = torch.tensor(src)
+        logits, w = model(src, tgt, need_weights=True)
+        torch.testing.assert_close(logits, alone, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(w[..., src[0] != 0], w_alone, rtol=1e-12, atol=1e-12)
+        assert torch.all(w[..., src[0] == 0] == 0)
+        # an explicit mask: the same (token 3 at a masked position is not read)
+        masked = torch.where(src == 0, 3, src)
+        logits_m, _ = model(masked, tgt, src_key_padding_mask=src == 0)
+        torch.testing.assert_close(logits_m, alone, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("style", ["bahdanau", "luong"])
+def test_window_moves_with_the_decoder_step(style):
+    """With window=(1, 1), step t attends source positions t-1..t+1, in teacher forcing and in
+    greedy decoding alike, so greedy's tokens are teacher forcing's argmax on them."""
+    torch.manual_seed(0)
+    model = Seq2Seq(11, 13, emb_dim=8, hidden_dim=6, style=style, score="dot", window=(1, 1),
+                    eos_idx=12).double().eval()
+    src = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])
+    tokens, w_greedy = model.greedy(src, 5)
+    logits, w_forced = model(src, torch.cat([torch.tensor([[1]]), tokens[:, :-1]], 1),
+                             need_weights=True)
+    steps = tokens.shape[1]
+    for t in range(steps):
+        admitted = torch.nonzero(w_greedy[0, t]).flatten().tolist()
+        assert admitted == list(range(max(0, t - 1), t + 2)), (t, admitted)
+    torch.testing.assert_close(w_greedy, w_forced[:, :steps], rtol=1e-10, atol=1e-10)
+    assert torch.equal(logits.argmax(-1)[:, :steps], tokens)
+
+
 # 150 steps sat on a loss spike at lr 1e-2 (accuracy 0.86-0.90 depending on rounding); at 200
 # both the reference and the fused cpu backend reach 0.99.
 @pytest.mark.parametrize("style,score,steps", [("bahdanau", "additive", 200), ("luong", "dot", 300)])
@@ -126,6 +164,12 @@ def test_date_formats_are_correct():
     (lambda m, s, t: m(s, t, src_key_padding_mask=(s == 0).float()), TypeError, "src_key_padding_mask"),
     (lambda m, s, t: m.greedy(s, 0), ValueError, "max_len: expected an int >= 1"),
     (lambda m, s, t: m.greedy(s, -1), ValueError, "max_len"),
+    (lambda m, s, t: Seq2Seq(12, 9, pad_idx=9), ValueError, r"pad_idx: expected an id in \[0, 9\)"),
+    (lambda m, s, t: Seq2Seq(12, 9, bos_idx=20), ValueError, r"bos_idx: expected an id in \[0, 9\)"),
+    (lambda m, s, t: Seq2Seq(12, 9, eos_idx=-1), ValueError, "eos_idx: expected >= 0"),
+    (lambda m, s, t: Seq2Seq(0, 9), ValueError, "src_vocab: expected >= 1"),
+    (lambda m, s, t: Seq2Seq(12, 9, hidden_dim=2.0), TypeError, "hidden_dim: expected an int"),
+    (lambda m, s, t: Seq2Seq(12, 9, dropout=-0.1), ValueError, "dropout: expected 0 <= dropout"),
 ])
 def test_seq2seq_bad_inputs_raise_naming_the_argument(call, error, match):
     torch.manual_seed(0)

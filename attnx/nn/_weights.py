@@ -17,12 +17,14 @@ from .. import _rng
 from .._backends import reference
 
 
-def band_mask(lq: int, lk: int, window, device) -> Optional[torch.Tensor]:
-    """Bool (Lq, Lk), True where i - left <= j <= i + right; None for no window."""
+def band_mask(lq: int, lk: int, window, device, offset: int = 0) -> Optional[torch.Tensor]:
+    """Bool (Lq, Lk), True where p - left <= j <= p + right for query i at position p = i +
+    offset; None for no window."""
     if window is None:
         return None
     left, right = window
-    d = torch.arange(lk, device=device).view(1, lk) - torch.arange(lq, device=device).view(lq, 1)
+    d = (torch.arange(lk, device=device).view(1, lk)
+         - torch.arange(offset, offset + lq, device=device).view(lq, 1))
     keep = torch.ones_like(d, dtype=torch.bool)
     if left is not None:
         keep &= d >= -left

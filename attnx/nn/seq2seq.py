@@ -1,8 +1,10 @@
 """`Seq2Seq`: a bidirectional RNN encoder and an attention decoder (Bahdanau or Luong style).
 
 - Encoder: embedding, bidirectional GRU or LSTM over the padded batch (packed by length, so
-  the backward direction starts at each sequence's last real token). Its outputs h_j, of width
-  2 * hidden_dim, are the attention keys and values; padding is masked out of the attention.
+  the backward direction starts at each sequence's last real token; padding anywhere, left or
+  between tokens too: each row's real tokens are read in order and their outputs put back in
+  place). Its outputs h_j, of width 2 * hidden_dim, are the attention keys and values (0 at
+  padding); padding is masked out of the attention.
 - Decoder state width is 2 * hidden_dim, so every score of `Attention` (dot and cosine
   included) applies; s_0 = tanh(W_init [forward final; backward final]) (LSTM: c_0 = 0).
 - style="bahdanau" (Bahdanau et al. 2015): at step i attend with the previous state,
@@ -12,17 +14,20 @@
   first, then c_i = Attn(s_i, h), h~_i = tanh(W_c [c_i; s_i]), logits = W_s h~_i. Without
   input feeding, so with teacher forcing the whole target runs as one RNN call and one
   attention call over all its positions.
-- Training uses teacher forcing (`forward`), inference greedy decoding (`greedy`).
+- Training uses teacher forcing (`forward`), inference greedy decoding (`greedy`). With a
+  `window`, decoder step i (from 0) attends source positions i-left..i+right in both.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from .._validate import _check_dropout
 from .seq2seq_attention import Attention
 
 
@@ -42,12 +47,30 @@ def _check_tokens(name: str, x, vocab: int, batch: Optional[int] = None) -> None
         raise ValueError(f"{name}: expected token ids in [0, {vocab}), got ids from {low} to {high}")
 
 
+def _check_int(name: str, n, low: int) -> None:
+    """An integer (numpy's too, as nn.Embedding takes), not a bool, >= low."""
+    if isinstance(n, bool) or not hasattr(n, "__index__"):
+        raise TypeError(f"{name}: expected an int, got {type(n).__name__}")
+    if operator.index(n) < low:
+        raise ValueError(f"{name}: expected >= {low}, got {n}")
+
+
 class Seq2Seq(nn.Module):
     def __init__(self, src_vocab: int, tgt_vocab: int, emb_dim: int = 64, hidden_dim: int = 128,
                  rnn: str = "gru", score: str = "additive", style: str = "bahdanau",
                  attn_dim: Optional[int] = None, dropout: float = 0.0, window=None,
                  pad_idx: int = 0, bos_idx: int = 1, eos_idx: int = 2):
         super().__init__()
+        for name, n in (("src_vocab", src_vocab), ("tgt_vocab", tgt_vocab), ("emb_dim", emb_dim),
+                        ("hidden_dim", hidden_dim)):
+            _check_int(name, n, 1)
+        # pad_idx is the padding row of both embeddings; BOS and EOS are target tokens
+        for name, idx, size in (("pad_idx", pad_idx, min(src_vocab, tgt_vocab)),
+                                ("bos_idx", bos_idx, tgt_vocab), ("eos_idx", eos_idx, tgt_vocab)):
+            _check_int(name, idx, 0)
+            if idx >= size:
+                raise ValueError(f"{name}: expected an id in [0, {size}), got {idx}")
+        _check_dropout(dropout, "dropout")
         if rnn not in ("gru", "lstm"):
             raise ValueError(f"rnn: expected 'gru' or 'lstm', got {rnn!r}")
         if style not in ("bahdanau", "luong"):
@@ -84,10 +107,15 @@ class Seq2Seq(nn.Module):
         if src_key_padding_mask is None:
             src_key_padding_mask = src == self.pad_idx
         lengths = (~src_key_padding_mask).sum(1).clamp(min=1).cpu()
-        packed = pack_padded_sequence(self.drop(self.src_embed(src)), lengths, batch_first=True,
-                                      enforce_sorted=False)
+        # each row's real tokens first, in order (a stable sort of the padding flags): packing
+        # reads a row's first `length` positions
+        order = torch.argsort(src_key_padding_mask.int(), dim=1, stable=True)
+        embedded = self.drop(self.src_embed(src.gather(1, order)))
+        packed = pack_padded_sequence(embedded, lengths, batch_first=True, enforce_sorted=False)
         out, final = self.encoder(packed)
-        memory, _ = pad_packed_sequence(out, batch_first=True, total_length=src.shape[1])
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=src.shape[1])
+        # and their outputs back at their own positions (padding's rows are 0)
+        memory = out.new_zeros(out.shape).scatter(1, order[..., None].expand(out.shape), out)
         h_n = final[0] if self.rnn == "lstm" else final  # (2, B, H): forward, backward
         s0 = torch.tanh(self.init_state(torch.cat([h_n[0], h_n[1]], dim=-1)))
         state = (s0, torch.zeros_like(s0)) if self.rnn == "lstm" else s0
@@ -97,20 +125,22 @@ class Seq2Seq(nn.Module):
     def _hidden(state):
         return state[0] if isinstance(state, tuple) else state
 
-    def _bahdanau_step(self, y_prev, state, memory, keys, mask, need_weights):
+    def _bahdanau_step(self, t, y_prev, state, memory, keys, mask, need_weights):
+        """Decoder step t (from 0)."""
         e = self.drop(self.tgt_embed(y_prev))  # (B, emb)
         ctx, w = self.attention(self._hidden(state).unsqueeze(1), memory, key_padding_mask=mask,
-                                need_weights=need_weights, projected_key=keys)
+                                need_weights=need_weights, projected_key=keys, query_offset=t)
         ctx = ctx.squeeze(1)
         state = self.decoder(torch.cat([e, ctx], dim=-1), state)
         logits = self.out(self.drop(torch.cat([self._hidden(state), ctx, e], dim=-1)))
         return logits, state, w
 
-    def _luong_steps(self, y_prev, state, memory, mask, need_weights):
-        """y_prev (B, T): run T steps at once (teacher forcing) or one step (T = 1)."""
+    def _luong_steps(self, t, y_prev, state, memory, mask, need_weights):
+        """y_prev (B, T): run steps t..t+T-1 at once (teacher forcing: t = 0) or one (T = 1)."""
         rnn_state = (state[0].unsqueeze(0), state[1].unsqueeze(0)) if self.rnn == "lstm" else state.unsqueeze(0)
         h, rnn_state = self.decoder(self.drop(self.tgt_embed(y_prev)), rnn_state)
-        ctx, w = self.attention(h, memory, key_padding_mask=mask, need_weights=need_weights)
+        ctx, w = self.attention(h, memory, key_padding_mask=mask, need_weights=need_weights,
+                                query_offset=t)
         logits = self.out(self.drop(torch.tanh(self.combine(torch.cat([ctx, h], dim=-1)))))
         state = (rnn_state[0][0], rnn_state[1][0]) if self.rnn == "lstm" else rnn_state[0]
         return logits, state, w
@@ -122,12 +152,13 @@ class Seq2Seq(nn.Module):
         memory, mask, state = self.encode(src, src_key_padding_mask)
         _check_tokens("tgt_in", tgt_in, self.tgt_embed.num_embeddings, batch=src.shape[0])
         if self.style == "luong":
-            logits, _, w = self._luong_steps(tgt_in, state, memory, mask, need_weights)
+            logits, _, w = self._luong_steps(0, tgt_in, state, memory, mask, need_weights)
             return logits, w
         logits, weights = [], []
         keys = self.attention.project_key(memory)
         for t in range(tgt_in.shape[1]):
-            step, state, w = self._bahdanau_step(tgt_in[:, t], state, memory, keys, mask, need_weights)
+            step, state, w = self._bahdanau_step(t, tgt_in[:, t], state, memory, keys, mask,
+                                                 need_weights)
             logits.append(step)
             weights.append(w)
         return torch.stack(logits, 1), (torch.cat(weights, 1) if need_weights else None)
@@ -145,12 +176,12 @@ class Seq2Seq(nn.Module):
         done = torch.zeros(b, dtype=torch.bool, device=src.device)
         tokens, weights = [], []
         keys = self.attention.project_key(memory)
-        for _ in range(max_len):
+        for t in range(max_len):
             if self.style == "luong":
-                logits, state, w = self._luong_steps(y.unsqueeze(1), state, memory, mask, True)
+                logits, state, w = self._luong_steps(t, y.unsqueeze(1), state, memory, mask, True)
                 logits = logits.squeeze(1)
             else:
-                logits, state, w = self._bahdanau_step(y, state, memory, keys, mask, True)
+                logits, state, w = self._bahdanau_step(t, y, state, memory, keys, mask, True)
             y = logits.argmax(-1).masked_fill(done, self.pad_idx)
             tokens.append(y)
             weights.append(w)

@@ -17,7 +17,9 @@ c_i = sum_j a_ij value_j (no output projection: that is the decoder's business).
   so any Lk <= max_len works. Runs on the SDPA op with zero-width scores and W_a s_i as an
   additive mask.
 - `window=(left, right)`: Luong's local attention, "local-m" flavour: the aligned position of
-  query i is i itself (monotonic alignment), and only keys i-left..i+right are attended.
+  query i is i itself (monotonic alignment), and only keys i-left..i+right are attended. A
+  decoder that runs one step at a time passes its step as `forward(..., query_offset=t)`:
+  query i is then position t + i.
 
 Masks follow torch.nn.MultiheadAttention: `key_padding_mask` (B, Lk) and `attn_mask` (Lq, Lk)
 or (B, Lq, Lk), bool True = may NOT attend, or float added to the scores. Rows with no
@@ -41,17 +43,18 @@ from torch import nn
 import attnx
 from attnx import _dispatch
 
-from .._validate import _check_same, _check_tensor
+from .._validate import _check_dropout, _check_same, _check_tensor, _windowed
 from ._inputs import check_dtype, check_features
 from ._masks import check_mask, combine
-from ._weights import after_dropout, dropout_seed, softmax_weights, weight_scores
+from ._weights import after_dropout, band_mask, dropout_seed, softmax_weights, weight_scores
 
 SCORES = ("additive", "concat", "dot", "general", "scaled_dot", "cosine", "location")
 
 
-def _attnx_mask(attn_mask, key_padding_mask, dtype) -> Optional[torch.Tensor]:
-    """torch.nn-convention masks -> one attnx mask broadcasting to (B, 1, Lq, Lk)."""
-    masks = []
+def _attnx_mask(attn_mask, key_padding_mask, dtype, band=None) -> Optional[torch.Tensor]:
+    """torch.nn-convention masks (and `band`, (Lq, Lk) bool True = outside the window) -> one
+    attnx mask broadcasting to (B, 1, Lq, Lk)."""
+    masks = [] if band is None else [band]
     if attn_mask is not None:
         masks.append(attn_mask.unsqueeze(-3) if attn_mask.dim() == 3 else attn_mask)
     if key_padding_mask is not None:
@@ -78,9 +81,10 @@ class Attention(nn.Module):
                 raise ValueError(f"{name}: expected >= 1, got {n}")
         if score not in SCORES:
             raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
+        _windowed(0, 0, window)  # checked here, not at the first forward
         self.score = "additive" if score == "concat" else score
         self.query_dim, self.key_dim, self.num_heads = query_dim, key_dim, num_heads
-        self.dropout, self.window, self.max_len = dropout, window, max_len
+        self.dropout, self.window, self.max_len = _check_dropout(dropout, "dropout"), window, max_len
         if self.score in ("dot", "scaled_dot", "cosine") and query_dim != key_dim:
             raise ValueError(f"score={score!r}: expected query_dim == key_dim, got {query_dim} and {key_dim}")
         if self.score == "additive":
@@ -122,7 +126,7 @@ class Attention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: Optional[torch.Tensor] = None,
                 key_padding_mask: Optional[torch.Tensor] = None,
                 attn_mask: Optional[torch.Tensor] = None, need_weights: bool = False, *,
-                projected_key: Optional[torch.Tensor] = None):
+                projected_key: Optional[torch.Tensor] = None, query_offset: int = 0):
         for name, x in (("query", query), ("key", key), ("value", value)):
             if x is None and name == "value":
                 continue
@@ -154,12 +158,20 @@ class Attention(nn.Module):
                                  f"{tuple(projected_key.shape)}")
         check_mask("attn_mask", attn_mask, [(lq, lk), (b, lq, lk)])
         check_mask("key_padding_mask", key_padding_mask, [(b, lk)])
+        if isinstance(query_offset, bool) or not hasattr(query_offset, "__index__"):
+            raise TypeError(f"query_offset: expected an int, got {type(query_offset).__name__}")
+        if operator.index(query_offset) < 0:
+            raise ValueError(f"query_offset: expected >= 0, got {query_offset}")
         value = key if value is None else value
         pk = self.project_key(key) if projected_key is None else projected_key
         if value.shape[-1] % self.num_heads:
             raise ValueError(f"value: expected a last dim divisible by num_heads={self.num_heads}, "
                              f"got shape {tuple(value.shape)}")
-        mask = _attnx_mask(attn_mask, key_padding_mask, query.dtype)
+        window, band = self.window, None
+        if window is not None and query_offset > 0:
+            # the ops' windows are relative to query i's own index: a shifted band is a mask
+            band, window = ~band_mask(lq, lk, window, query.device, operator.index(query_offset)), None
+        mask = _attnx_mask(attn_mask, key_padding_mask, query.dtype, band)
         dropout_p = self.dropout if self.training else 0.0
         vh = self._heads(value)
         weights = None
@@ -167,7 +179,7 @@ class Attention(nn.Module):
         if self.score == "additive":
             qa, ka = self._heads(self.W_a(query)), self._heads(pk)
             res = attnx.additive_attention(qa, ka, vh, self.v, attn_mask=mask, dropout_p=dropout_p,
-                                           window=self.window, return_weights=need_weights)
+                                           window=window, return_weights=need_weights)
             out, weights = res if need_weights else (res, None)
         else:
             if self.score == "location":
@@ -188,11 +200,11 @@ class Attention(nn.Module):
                     q = F.normalize(q, dim=-1) * self.sharpness
             seed = dropout_seed(dropout_p) if need_weights else None
             out = _dispatch.sdpa_seeded(seed, q, k, vh, attn_mask=mask, dropout_p=dropout_p,
-                                        scale=scale, window=self.window)
+                                        scale=scale, window=window)
             if need_weights:
                 s = q.new_zeros(b, self.num_heads, lq, lk) if self.score == "location" else \
                     weight_scores(q, k, q.shape[-1] ** -0.5 if scale is None else scale)
-                weights = softmax_weights(s, mask, self.window, dtype=q.dtype)
+                weights = softmax_weights(s, mask, window, dtype=q.dtype)
                 weights = after_dropout(weights, dropout_p, seed)
         out = out.transpose(1, 2).reshape(b, lq, value.shape[-1])
         if weights is not None and self.num_heads == 1:
