@@ -53,13 +53,15 @@ def _inputs(hq, hk, length, e, ev, dtype, seed=0):
 
 def ring_matches(layout, is_causal=False, window=None, hq=4, hk=2, per_rank=4, e=5, ev=7,
                  dtype=torch.float32, backend=None, scale=None, huge_lse=False, softcap=None,
-                 overflow=False):
+                 overflow=False, huge_values=False):
     """out, lse, dq, dk, dv of ring_attention on this rank's shard == the single-process op on
     the full sequence, sliced; the loss reads the lse too, so its gradient is checked.
     `huge_lse`: every key shares a large first coordinate, which shifts each row's scores by
     a constant in the hundreds (|lse| > 256) and leaves its softmax as spread as before.
     `overflow`: finite inputs whose scores pass float32's range on some rows (one query row and
-    two keys of +-3e19 in one coordinate), on the last rank's shard and the first's."""
+    two keys of +-3e19 in one coordinate), on the last rank's shard and the first's.
+    `huge_values`: values of +-1e38, whose float32 backward overflows (dout V^T) where the
+    forward does not."""
     world = dist.get_world_size()
     q, k, v, dout, dlse = _inputs(hq, hk, per_rank * world, e, ev, dtype)
     if huge_lse:
@@ -68,6 +70,8 @@ def ring_matches(layout, is_causal=False, window=None, hq=4, hk=2, per_rank=4, e
     if overflow:
         q[0, 0, -2, 0] = 3e19
         k[0, 0, 1, 0], k[0, 0, -1, 0] = 3e19, -3e19
+    if huge_values:
+        v = v.sign() * 1e38
 
     def single(inputs, backend):
         full = [t.clone().requires_grad_() for t in inputs]
@@ -102,6 +106,8 @@ def ring_matches(layout, is_causal=False, window=None, hq=4, hk=2, per_rank=4, e
                           what=f"{what} {name}")
         return
     tol = _tol(dtype)
+    if huge_values:  # terms of +-1e38 that cancel: float32's rounding of them, ~1e38 * 6e-8 each
+        tol = dict(rtol=1e-4, atol=1e32)
     torch.testing.assert_close(out_l, cut(out), **tol, msg=lambda m: f"{what} out: {m}")
     torch.testing.assert_close(lse_l, cut(lse, -1), **tol, msg=lambda m: f"{what} lse: {m}")
     for name, mine, ref in zip("qkv", local, full):
@@ -176,6 +182,19 @@ def bad_input_everywhere():
     _expect_error(ValueError, ["softcap"], lambda: ring_attention(ql, kl, vl, softcap=-1.0))
     _expect_error(ValueError, ["softcap"],
                   lambda: ring_attention(ql, kl, vl, softcap=1.0 + rank))
+    # a meta tensor on one rank: refused there before any collective, so the others raise too
+    meta = ql.to("meta") if rank == 1 else ql
+    _expect_error(TypeError if rank == 1 else ValueError,
+                  ["q: expected a CPU or CUDA tensor"] if rank == 1 else ["rank(s) [1]"],
+                  lambda: ring_attention(meta, meta, meta))
+    for odd_one, words in ((ql.to("meta"), ["x_local: expected a CPU or CUDA tensor"]),
+                           (ql.to_sparse(), ["x_local: expected a dense"])):
+        _expect_error(TypeError if rank == 1 else ValueError,
+                      words if rank == 1 else ["unshard: rank(s) [1]"],
+                      lambda: unshard(odd_one if rank == 1 else ql))
+    # unshard recording a graph on one rank only: its backward all-reduce would hang the other
+    _expect_error(ValueError, ["gradient recording", "graph recorded", "graph none"],
+                  lambda: unshard(ql.clone().requires_grad_(rank == 0)))
     # a graph recorded on one rank only: its backward ring would wait for the other forever
     qg = ql.clone().requires_grad_(rank == 0)
     _expect_error(ValueError, ["gradient recording", "rank 0: 1", "rank 1: 0"],

@@ -17,6 +17,7 @@ from attnx._backends import reference
 from attnx.distributed import blocks, layout, merge
 
 import _ring_worker
+from _rerun import rerun_under
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without "
                                 "torch.distributed")
@@ -101,27 +102,57 @@ def test_gloo_world(world):
     _spawn(world, checks)
 
 
+def test_gloo_world_cpu_kernels():
+    """The ring on the cpu kernels: float32 and bfloat16 (rerun on the BLAS engine by
+    test_blas_engine_ring, whose backward renormalizes every row by its own sum); values whose
+    float32 backward overflows (cpu and reference); soft-capped scores whose float32 products
+    overflow (the whole ring in float64)."""
+    _spawn(2, [("ring_matches", dict(layout="zigzag", is_causal=True, backend="cpu")),
+               ("ring_matches", dict(layout="contiguous", backend="cpu", window=(3, 2))),
+               ("ring_matches", dict(layout="zigzag", dtype=torch.bfloat16, backend="cpu")),
+               ("ring_matches", dict(layout="zigzag", is_causal=True, backend="cpu",
+                                     huge_lse=True, dtype=F64)),
+               ("ring_matches", dict(layout="zigzag", is_causal=True, huge_values=True,
+                                     backend="cpu")),
+               ("ring_matches", dict(layout="contiguous", huge_values=True, backend="reference")),
+               ("ring_matches", dict(layout="zigzag", overflow=True, softcap=1.5,
+                                     backend="reference"))])
+
+
+def test_blas_engine_ring():
+    """ATTNX_CPU_PANELS=0: the BLAS engine's backward takes each row's max and sum from its
+    own recomputed scores, wrong for the part of a row one block holds unless given the
+    block's own lse (blocks._with_block_lse): its gradients were off by O(1) before."""
+    rerun_under("ATTNX_CPU_PANELS", __file__, "split_keys_with_global_lse or cpu_kernels",
+                probe="cpu_gemm", expect=("blas",))
+
+
 def test_a_rank_that_dies_leaves_the_others_raising_not_hanging():
     _spawn(2, [("peer_dies_mid_ring", dict(timeout_s=10))], timeout_s=10)
 
 
-def test_only_scores_that_may_overflow_float32_take_the_float64_ring():
-    """ring._scores_may_overflow: scale * E * max|q| * max|k| past 2^100 (the ring_matches
-    `overflow` cases run it); ordinary, large and float64 inputs stay as they are."""
+def test_only_inputs_that_may_overflow_float32_take_the_float64_ring():
+    """ring._may_overflow: scale * E * max|q| * max|k| or Ev * max|v| past 2^100 (the
+    ring_matches `overflow` and `huge_values` cases run it); ordinary, large and float64 inputs
+    stay as they are."""
     from attnx import _validate
-    from attnx.distributed.ring import _extremes, _scores_may_overflow
+    from attnx.distributed.ring import _extremes, _may_overflow
 
-    def may(q_max, k_max, dtype=torch.float32, softcap=None, e=64):
+    def may(q_max, k_max, v_max=1.0, dtype=torch.float32, softcap=None, e=64):
         q = torch.zeros(1, 1, 2, e, dtype=dtype)
         call = _validate.sdpa_call(q, q, q, None, 0.0, False, None, True, None, None, True,
                                    softcap=softcap)
-        return _scores_may_overflow(call, q_max, k_max)
+        return _may_overflow(call, q_max, k_max, v_max)
 
-    assert not may(10.0, 10.0) and not may(1e12, 1e12)
-    assert may(3e19, 3e19) and may(3e19, 3e19, torch.bfloat16) and may(float("inf"), 1.0)
-    assert not may(3e19, 3e19, torch.float64) and not may(3e19, 3e19, softcap=5.0)
-    assert _extremes(torch.tensor([[1.0, -4.0]]), torch.tensor([[2.0]])) == (4.0, 2.0)
-    assert _extremes(torch.empty(0, 3), torch.ones(2, 3)) == (0.0, 0.0)
+    assert not may(10.0, 10.0) and not may(1e12, 1e12) and not may(1.0, 1.0, 1e20)
+    assert may(3e19, 3e19) and may(3e19, 3e19, dtype=torch.bfloat16) and may(float("inf"), 1.0)
+    assert not may(3e19, 3e19, 1e38, dtype=torch.float64)
+    assert may(3e19, 3e19, softcap=5.0)  # a cap bounds the scores, not inf - inf in the products
+    assert may(1.0, 1.0, 1e38)  # dout V^T in the backward
+    assert _extremes(torch.tensor([[1.0, -4.0]]), torch.tensor([[2.0]]),
+                     torch.tensor([[-3.0]])) == (4.0, 2.0, 3.0)
+    assert _extremes(torch.empty(0, 3), torch.ones(2, 3), torch.ones(2, 3)) == (0.0, 0.0, 0.0)
+    assert _extremes(torch.ones(2, 3), torch.ones(2, 3), torch.empty(2, 0)) == (1.0, 1.0, 0.0)
 
 
 def test_merge_matches_attention_over_the_union_and_keeps_empty_rows_zero():
@@ -149,7 +180,8 @@ def test_split_keys_with_global_lse_match_one_call(backend, softcap):
     (bands shifted to each part) merged by lse give its one call's out and lse, and its
     backward on each part given the GLOBAL out and lse gives the one call's gradients. GQA, an
     lse gradient, rows that see no key of one part (causal), soft-capping where the backend
-    serves it; the parts' lse and its gradient given as strided views."""
+    serves it; the parts' lse and its gradient given as strided views, with each part's own
+    forward lse for the rows a kernel renormalizes (blocks._with_block_lse)."""
     status = attnx.backends()[backend]
     if not status.usable:
         pytest.skip(f"backend {backend} is not usable here: {status.reason}")
@@ -164,20 +196,21 @@ def test_split_keys_with_global_lse_match_one_call(backend, softcap):
     kern, lo, hi, split = blocks.kernels(backend, softcap), -8, 1, 4
     out, lse = kern.fwd(q, k, v, 0.4, lo, hi)
     parts = [(slice(0, split), 0), (slice(split, 10), split)]
-    merged = None
+    merged, part_lse = None, []
     for keys, at in parts:
         o, l = kern.fwd(q, k[:, :, keys], v[:, :, keys], 0.4, lo - at, hi - at)
         merged = (o.float(), l.float()) if merged is None else merge.merge(*merged, o, l)
+        part_lse.append(l)
     torch.testing.assert_close(merged[0], out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(merged[1], lse, rtol=1e-5, atol=1e-6)
-    whole = kern.bwd(dout, q, k, v, out, lse, 0.4, lo, hi, dlse)
+    whole = kern.bwd(dout, q, k, v, out, lse, lse, 0.4, lo, hi, dlse)
 
     def strided(t):  # the same values in a view of a wider tensor, as the ring's row slices
         return torch.cat([t, t], -1)[..., :t.shape[-1]]
     dq = torch.zeros_like(q)
     dk, dv = [], []
-    for keys, at in parts:
-        gq, gk, gv = kern.bwd(dout, q, k[:, :, keys], v[:, :, keys], out, strided(lse), 0.4,
+    for (keys, at), lb in zip(parts, part_lse):
+        gq, gk, gv = kern.bwd(dout, q, k[:, :, keys], v[:, :, keys], out, strided(lse), lb, 0.4,
                               lo - at, hi - at, strided(dlse))
         dq = dq + gq
         dk.append(gk)

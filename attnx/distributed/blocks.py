@@ -60,14 +60,47 @@ def plan(qsegs: tuple, ksegs: tuple, lo: int, hi: int) -> list:
 
 class Kernels(NamedTuple):
     """A backend's forward (q, k, v, scale, lo, hi) -> (out, lse) and backward
-    (dout, q, k, v, out, lse, scale, lo, hi, grad_lse) -> (dq, dk, dv) on one block; the
-    backward takes the GLOBAL out and lse of the rows, so that its probabilities
-    exp(s - lse) and D = rowsum(dout * out) are those of the whole row."""
+    (dout, q, k, v, out, lse, block_lse, scale, lo, hi, grad_lse) -> (dq, dk, dv) on one block;
+    the backward takes the GLOBAL out and lse of the rows, so that its probabilities
+    exp(s - lse) and D = rowsum(dout * out) are those of the whole row, and the block's own lse
+    (its forward's) for the rows the kernel renormalizes (_with_block_lse). `wide_out`: the
+    backward takes out in the ring's accumulation dtype (float32 for half precision: D from
+    it, not from its rounding), else in q's."""
     fwd: object
     bwd: object
+    wide_out: bool = False
 
 
-def _native(softcap: Optional[float], up) -> Kernels:
+# Rows whose |lse| passes this may have lost log(l) to rounding: the backward kernels then
+# renormalize such a row by its own sum of exp(s - lse) (csrc/cpu/huge_lse.h,
+# attnx/triton/common.py HUGE_LSE), right for a whole row, wrong for the part of it one block
+# holds.
+HUGE_LSE = 256.0
+
+
+def _with_block_lse(bwd, renormalizes_all, up=lambda t: t) -> object:
+    """A block backward (dout, q, k, v, out, lse, scale, lo, hi, grad_lse) that renormalizes some
+    rows by their own sum of exp(s - lse) (every float32 row: `renormalizes_all(q)`; rows of
+    huge |lse|: every kernel), made right for a block of a row: such rows go in with the block's
+    own lse lb and dout, grad_lse scaled by w = exp(lb - lse). The kernel's probabilities
+    exp(s - lb) are then those of the block (their renormalization changes nothing) and w times
+    the row's; dV, dS and D are linear in (dout, grad_lse), so the gradients are exact. `up`:
+    how the kernel widens its operands (the CPU kernels take bfloat16 as float32), so that
+    w dout is rounded once, to what the kernel computes in."""
+    def run(dout, q, k, v, out, lse, block_lse, scale, lo, hi, grad_lse):
+        finite = torch.isfinite(lse)
+        if not (renormalizes_all(q) or ((lse.abs() > HUGE_LSE) & finite).any()):
+            return bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse)
+        lb = block_lse.to(lse.dtype)
+        finite = finite & torch.isfinite(lb)
+        w = torch.where(finite, torch.exp(lb - torch.where(finite, lse, lb)), torch.zeros_like(lse))
+        scaled = (up(dout).to(w.dtype) * w.unsqueeze(-1)).to(up(dout).dtype)
+        return bwd(scaled, q, k, v, out, lb, scale, lo, hi,
+                   None if grad_lse is None else grad_lse.to(w.dtype) * w)
+    return run
+
+
+def _native(softcap: Optional[float], up, renormalizes_all, wide_out: bool) -> Kernels:
     """The dispatcher's ops: attnx::sdpa_fwd/bwd, or with soft-capping attnx::sdpa_mod_fwd/bwd
     (the plain ops keep kernels compiled without the modifiers' code)."""
     ops = torch.ops.attnx
@@ -78,7 +111,7 @@ def _native(softcap: Optional[float], up) -> Kernels:
         def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
             return ops.sdpa_bwd(up(dout), up(q), up(k), up(v), None, up(out), lse, scale, lo, hi,
                                 0.0, None, False, grad_lse)[:3]
-        return Kernels(fwd, bwd)
+        return Kernels(fwd, _with_block_lse(bwd, renormalizes_all, up), wide_out)
 
     def fwd(q, k, v, scale, lo, hi):
         return ops.sdpa_mod_fwd(up(q), up(k), up(v), None, scale, lo, hi, 0.0, None, softcap,
@@ -87,7 +120,20 @@ def _native(softcap: Optional[float], up) -> Kernels:
     def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
         return ops.sdpa_mod_bwd(up(dout), up(q), up(k), up(v), None, up(out), lse, scale, lo,
                                 hi, 0.0, None, False, grad_lse, softcap, None, None, False)[:3]
-    return Kernels(fwd, bwd)
+    return Kernels(fwd, _with_block_lse(bwd, renormalizes_all, up), wide_out)
+
+
+def _cpu_renormalizes_all(q) -> bool:
+    """Whether the CPU backward renormalizes every row of q's blocks: float32 (and bfloat16,
+    computed in it) on the BLAS engine, whose scores are not the forward's bit for bit
+    (csrc/cpu/sdpa_cpu.cpp renorm_all). The engine is chosen once per process, so ranks may
+    differ: each handles its own blocks."""
+    from .. import _ops
+    return q.dtype != torch.float64 and _ops._C.build_info()["cpu_gemm"] == "blas"
+
+
+def _never(q) -> bool:
+    return False
 
 
 def _triton(softcap: Optional[float]) -> Kernels:
@@ -103,7 +149,7 @@ def _triton(softcap: Optional[float]) -> Kernels:
     def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
         return tk.sdpa_bwd(dout, q, k, v, None, out, lse, scale, lo, hi, 0.0, None, False,
                            grad_lse, **mods)[:3]
-    return Kernels(fwd, bwd)
+    return Kernels(fwd, _with_block_lse(bwd, _never))
 
 
 def _upcast(t):
@@ -134,9 +180,9 @@ def _reference(softcap: Optional[float]) -> Kernels:
         v = v.to(s.dtype).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         return torch.matmul(p, v), lse
 
-    def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
-        s, t = _scores(q, k, scale, softcap)
-        dtype, groups = s.dtype, q.shape[1] // k.shape[1]
+    def bwd_in(dtype, dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
+        s, t = _scores(q.to(dtype), k.to(dtype), scale, softcap)
+        groups = q.shape[1] // k.shape[1]
         allowed = reference.band(s.shape[-2], s.shape[-1], lo, hi, s.device)
         allowed = allowed & torch.isfinite(lse).unsqueeze(-1)
         safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
@@ -156,7 +202,19 @@ def _reference(softcap: Optional[float]) -> Kernels:
         dk = dk.view(b, hk, groups, *dk.shape[2:]).sum(2)
         dv = dv.view(b, hk, groups, *dv.shape[2:]).sum(2)
         return dq, dk, dv
-    return Kernels(fwd, bwd)
+
+    def bwd(dout, q, k, v, out, lse, scale, lo, hi, grad_lse):
+        """In float32 (float64 inputs: float64), again in float64 where that overflows on
+        finite inputs (dout V^T past the range), as the reference backend itself does."""
+        args = (dout, q, k, v, out, lse, scale, lo, hi, grad_lse)
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        grads = bwd_in(dtype, *args)
+        inputs = [x for x in (dout, q, k, v, out, grad_lse) if x is not None]
+        if (dtype != torch.float64 and not all(bool(torch.isfinite(g).all()) for g in grads)
+                and all(bool(torch.isfinite(x).all()) for x in inputs)):
+            grads = bwd_in(torch.float64, *args)
+        return grads
+    return Kernels(fwd, _with_block_lse(bwd, _never), wide_out=True)
 
 
 def kernels(backend: str, softcap: Optional[float]) -> Kernels:
@@ -168,4 +226,6 @@ def kernels(backend: str, softcap: Optional[float]) -> Kernels:
         return _triton(softcap)
     # cpu and cuda: the same dispatcher ops, by the tensors' device (the CUDA kernels compute
     # half precision natively: their block results stay in it)
-    return _native(softcap, _upcast if backend == "cpu" else lambda t: t)
+    if backend == "cpu":
+        return _native(softcap, _upcast, _cpu_renormalizes_all, wide_out=True)
+    return _native(softcap, lambda t: t, _never, wide_out=False)

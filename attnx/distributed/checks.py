@@ -84,6 +84,15 @@ def local_spec(call, world: int, is_causal, window, layout, backend: str) -> Spe
                 hash(tuple(call.prefix)), int(grad))
 
 
+def check_device(name: str, x: torch.Tensor) -> None:
+    """The collectives move real data: a tensor on a CPU or a GPU, dense (a meta or sparse
+    one is refused here, before any of them, rather than failing inside one on this rank
+    alone)."""
+    if x.device.type not in ("cpu", "cuda"):
+        raise TypeError(f"{name}: expected a CPU or CUDA tensor, got device {x.device}")
+    _validate._check_dense(name, x)
+
+
 def _device(group) -> torch.device:
     import torch.distributed as dist
     if dist.get_backend(group) == "nccl":
@@ -139,25 +148,29 @@ _GATHER_DIMS = 8  # shape entries sent as they are; a hash of the whole shape co
 def agree_gather(x: Optional[torch.Tensor], dim: int, layout: str,
                  error: Optional[Exception], rank: int, world: int, group) -> None:
     """unshard's check across the ranks, in one all-gather before its own: every rank raises if
-    any rank's input was rejected or the shards differ in shape, dtype, dim or layout (an
-    all-gather of unequal shards would fail on some ranks and leave the others waiting)."""
-    width = 6 + _GATHER_DIMS  # flag, dims, dim, dtype, layout, shape hash, the first sizes
+    any rank's input was rejected or the shards differ in shape, dtype, dim, layout, device
+    type or gradient recording (an all-gather of unequal shards would fail on some ranks and
+    leave the others waiting, as would a backward all-reduce on the ranks that recorded one)."""
+    # flag, dims, dim, dtype, layout, device type, graph, shape hash, the first sizes
+    width = 8 + _GATHER_DIMS
     row = [1] + [0] * (width - 1)
     if error is None:
         dtype = (_GATHER_DTYPES.index(x.dtype) if x.dtype in _GATHER_DTYPES
                  else len(_GATHER_DTYPES) + x.dtype.itemsize)
         sizes = list(x.shape[:_GATHER_DIMS])
-        row = [0, x.dim(), dim, dtype, _LAYOUTS.index(layout), hash(tuple(x.shape)),
-               *sizes, *[-1] * (_GATHER_DIMS - len(sizes))]
+        graph = torch.is_grad_enabled() and x.requires_grad
+        row = [0, x.dim(), dim, dtype, _LAYOUTS.index(layout), int(x.device.type == "cuda"),
+               int(graph), hash(tuple(x.shape)), *sizes, *[-1] * (_GATHER_DIMS - len(sizes))]
     table = _table(row, world, group)
     _raise_rejected("unshard", table, error, rank)
     if any(other != table[0] for other in table[1:]):
         per_rank = ", ".join(
-            f"rank {r}: shape {tuple(t[6:6 + min(t[1], _GATHER_DIMS)])}"
+            f"rank {r}: shape {tuple(t[8:8 + min(t[1], _GATHER_DIMS)])}"
             f"{'...' if t[1] > _GATHER_DIMS else ''}, dim {t[2]}, {_gather_dtype(t[3])}, "
-            f"{_LAYOUTS[t[4]]}" for r, t in enumerate(table))
-        raise ValueError(f"unshard: expected the same shard shape, dtype, dim and layout on "
-                         f"every rank, got {per_rank}")
+            f"{_LAYOUTS[t[4]]}, {'cuda' if t[5] else 'cpu'}, graph {'recorded' if t[6] else 'none'}"
+            for r, t in enumerate(table))
+        raise ValueError(f"unshard: expected the same shard shape, dtype, dim, layout, device "
+                         f"and gradient recording on every rank, got {per_rank}")
 
 
 def _gather_dtype(key: int) -> str:
@@ -180,5 +193,9 @@ def _mismatch(name: str, values: list) -> str:
              "divide evenly over the ranks)", "lead_id": "leading dims of the query",
              "grad": "gradient recording (inputs that require grad, outside torch.no_grad(); "
              "1 = recorded)"}.get(name, name)
+    if name == "lead_id":  # a hash of the dims: which ranks differ from rank 0, not the hashes
+        odd = [r for r, x in enumerate(values) if x != values[0]]
+        return (f"ring_attention: expected the same {label} on every rank, got other ones on "
+                f"rank(s) {odd} than on rank 0")
     per_rank = ", ".join(f"rank {r}: {shown(x)}" for r, x in enumerate(values))
     return f"ring_attention: expected the same {label} on every rank, got {per_rank}"

@@ -113,16 +113,17 @@ def unshard(x_local: torch.Tensor, *, group=None, layout: str = "zigzag",
     """The full tensor gathered from every rank's shard along `dim` (differentiable). The ranks
     first agree on their shards (checks.agree_gather): bad input on one rank, or shards that
     differ, raise on every rank."""
-    from .checks import agree_gather  # checks imports this module
+    from .checks import agree_gather, check_device  # checks imports this module
     rank, world = group_info(group)
     try:
         layout = check_layout(layout)
         dim = _dim(x_local, dim, "x_local")
+        check_device("x_local", x_local)
         if layout == "zigzag" and x_local.shape[dim] % 2:
             raise ValueError(f"x_local: expected an even shard length (zigzag holds two "
                              f"chunks), got {x_local.shape[dim]}")
         error = None
-    except (TypeError, ValueError) as exc:  # told to every rank before this one raises it
+    except Exception as exc:  # any: told to every rank before this one raises it
         error = exc
     agree_gather(x_local if error is None else None, dim, layout, error, rank, world, group)
     return _Gather.apply(x_local, group, layout, dim)

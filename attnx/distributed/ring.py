@@ -86,12 +86,16 @@ def _acc_dtype(dtype):
 
 
 def _forward(ring: _Ring, q, k, v):
+    """(out, lse, each block's own lse by (step, block)) of this rank's rows, out in the
+    accumulation dtype (the backward's D = rowsum(dout out) from it, not from its rounding to
+    bfloat16)."""
     r, w = ring.rank, ring.world
     reach = [ring.reach(s) for s in range(w)]
     acc = _acc_dtype(q.dtype)
     out = q.new_zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc)
     lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
     kv, touched = _pack(k, v), bytearray(q.shape[-2])  # rows that hold a partial result
+    block_lse = {}
     for t in range(w):
         s = (r - t) % w
         holding = t <= reach[s]  # else that shard stopped before reaching this rank
@@ -102,9 +106,10 @@ def _forward(ring: _Ring, q, k, v):
             nxt = torch.empty_like(kv)
             works.append(_recv(ring, nxt, r - 1, _TAG_KV))
         ks, vs = _unpack(kv, k, v)
-        for b in ring.blocks(r, s) if holding else ():
+        for i, b in enumerate(ring.blocks(r, s) if holding else ()):
             o, l = ring.kernels.fwd(q[:, :, b.q0:b.q1], ks[:, :, b.k0:b.k1], vs[:, :, b.k0:b.k1],
                                     ring.scale, b.lo, b.hi)
+            block_lse[t, i] = l
             rows = slice(b.q0, b.q1)
             if any(touched[rows]):
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows],
@@ -116,35 +121,10 @@ def _forward(ring: _Ring, q, k, v):
             work.wait()
         if nxt is not None:
             kv = nxt
-    return out.to(q.dtype), lse
+    return out, lse, block_lse
 
 
-# Rows whose |lse| passes this may have lost log(l) to rounding: the backward kernels then
-# renormalize such a row by its own sum of exp(s - lse) (csrc/cpu/huge_lse.h,
-# attnx/triton/common.py HUGE_LSE), right for a whole row, wrong for the part of it one block
-# of the ring holds.
-_HUGE_LSE = 256.0
-
-
-def _block_terms(ring, b, q, ks, vs, dout, lse, grad_lse):
-    """(dout, lse, grad_lse) of block b's rows for its backward kernel. Normally the global
-    ones. When a row's |lse| is huge: the block's own lse (from its forward), with dout and
-    grad_lse scaled by w = exp(lse_block - lse): the kernel's probabilities exp(s - lse_block)
-    are then those of the block (a renormalization by their sum changes nothing) and w times
-    the row's, and since dV, dS and D are linear in (dout, grad_lse) the gradients are exact."""
-    rows, keys = slice(b.q0, b.q1), slice(b.k0, b.k1)
-    do, l, gl = dout[:, :, rows], lse[:, :, rows], None if grad_lse is None else grad_lse[:, :, rows]
-    if not ((l.abs() > _HUGE_LSE) & torch.isfinite(l)).any():
-        return do, l, gl
-    _, lb = ring.kernels.fwd(q[:, :, rows], ks[:, :, keys], vs[:, :, keys], ring.scale, b.lo, b.hi)
-    lb = lb.to(l.dtype)
-    finite = torch.isfinite(l) & torch.isfinite(lb)
-    scale = torch.where(finite, torch.exp(lb - torch.where(finite, l, lb)), torch.zeros_like(l))
-    do = (do * scale.unsqueeze(-1).to(do.dtype))
-    return do, lb, None if gl is None else gl.to(scale.dtype) * scale
-
-
-def _backward(ring: _Ring, dout, q, k, v, out, lse, grad_lse):
+def _backward(ring: _Ring, dout, q, k, v, out, lse, grad_lse, block_lse):
     r, w = ring.rank, ring.world
     reach = [ring.reach(s) for s in range(w)]
     acc = _acc_dtype(q.dtype)
@@ -167,11 +147,12 @@ def _backward(ring: _Ring, dout, q, k, v, out, lse, grad_lse):
         if holding:
             ks, vs = _unpack(kv, k, v)
             dk, dv = torch.zeros_like(dk0), torch.zeros_like(dv0)
-            for b in ring.blocks(r, s):
+            for i, b in enumerate(ring.blocks(r, s)):
                 rows, keys = slice(b.q0, b.q1), slice(b.k0, b.k1)
-                do, lb, gl = _block_terms(ring, b, q, ks, vs, dout, lse, grad_lse)
-                gq, gk, gv = ring.kernels.bwd(do, q[:, :, rows], ks[:, :, keys], vs[:, :, keys],
-                                              out[:, :, rows], lb, ring.scale, b.lo, b.hi, gl)
+                gl = None if grad_lse is None else grad_lse[:, :, rows]
+                gq, gk, gv = ring.kernels.bwd(dout[:, :, rows], q[:, :, rows], ks[:, :, keys],
+                                              vs[:, :, keys], out[:, :, rows], lse[:, :, rows],
+                                              block_lse[t, i], ring.scale, b.lo, b.hi, gl)
                 dq[:, :, rows] += gq
                 dk[:, :, keys] += gk
                 dv[:, :, keys] += gv
@@ -202,41 +183,48 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring):
         ctx.set_materialize_grads(False)  # an unused lse passes None, not a tensor of zeros
-        out, lse = _forward(ring, q, k, v)
+        out, lse, ctx.block_lse = _forward(ring, q, k, v)
         ctx.ring = ring
         ctx.save_for_backward(q, k, v, out, lse)
-        return out, lse.float()
+        return out.to(q.dtype), lse.float()
 
     @staticmethod
     def backward(ctx, dout, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dq, dk, dv = _backward(ctx.ring, dout, q, k, v, out, lse, grad_lse)
+        dout = torch.zeros_like(out, dtype=q.dtype) if dout is None else dout.contiguous()
+        out = out if ctx.ring.kernels.wide_out else out.to(q.dtype)
+        dq, dk, dv = _backward(ctx.ring, dout, q, k, v, out, lse, grad_lse, ctx.block_lse)
         return dq, dk, dv, None
 
 
-# Scores whose magnitude may pass this run the whole ring in float64: a block's float32 lse past
-# 3.4e38 would be inf (its kernel reruns its scores in float64, but returns lse in float32) and
-# the merge then NaN. scale * E * max|q| * max|k| bounds every |score| (Cauchy-Schwarz, with
-# |x|_2 <= sqrt(E) max|x|), the maxima taken over every rank in the call's agreement; a bound
-# under 2^100 leaves every lse and merge weight far inside float32.
-_F32_SCORE_BOUND = 2.0 ** 100
+# Scores or value products whose magnitude may pass this run the whole ring in float64: a
+# block's float32 lse past 3.4e38 would be inf (its kernel reruns its scores in float64, but
+# returns lse in float32) and the merge then NaN; a backward's dout V^T past the range makes
+# its kernel rerun in float64 from a forward on the block alone, not the whole row. scale * E *
+# max|q| * max|k| bounds every |score| (Cauchy-Schwarz, with |x|_2 <= sqrt(E) max|x|), Ev *
+# max|v| every dout V^T per unit of dout, the maxima taken over every rank in the call's
+# agreement; a bound under 2^100 leaves every lse, merge weight and gradient far inside float32.
+_F32_BOUND = 2.0 ** 100
 
 
-def _extremes(q: torch.Tensor, k: torch.Tensor) -> tuple:
-    """(max|q|, max|k|) of this rank's shards: no copy of them, one device-to-host read."""
+def _extremes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """(max|q|, max|k|, max|v|) of this rank's shards: no copy of them, one device-to-host
+    read."""
     if not q.numel() or not k.numel():  # no scores
-        return 0.0, 0.0
-    return tuple(torch.stack([torch.linalg.vector_norm(t.detach(), float("inf")).double()
-                              for t in (q, k)]).tolist())
+        return 0.0, 0.0, 0.0
+    maxima = [torch.linalg.vector_norm(t.detach(), float("inf")).double() if t.numel()
+              else torch.zeros((), dtype=torch.float64, device=t.device) for t in (q, k, v)]
+    return tuple(torch.stack(maxima).tolist())
 
 
-def _scores_may_overflow(call, q_max: float, k_max: float) -> bool:
+def _may_overflow(call, q_max: float, k_max: float, v_max: float) -> bool:
     """Whether the float32 accumulation (float32, bfloat16 and float16 inputs) might overflow
-    a score; a soft cap bounds them by the cap (tanh of an overflowed score is still 1)."""
-    if call.q.dtype == torch.float64 or call.mods.softcap is not None:
+    a score, soft-capped or not (a cap bounds the scores, not the products: inf - inf is NaN),
+    or the backward's products of values."""
+    if call.q.dtype == torch.float64:
         return False
-    return abs(call.scale) * call.q.shape[-1] * q_max * k_max > _F32_SCORE_BOUND
+    return (abs(call.scale) * call.q.shape[-1] * q_max * k_max > _F32_BOUND
+            or call.v.shape[-1] * v_max > _F32_BOUND)
 
 
 def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="zigzag",
@@ -252,14 +240,15 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     try:
         call = _validate.sdpa_call(q, k, v, None, 0.0, False, scale, True, None, backend,
                                    return_lse, softcap=softcap)
+        checks.check_device("q", call.q)  # (sdpa_call: k and v on q's device)
         # The dispatcher's choice for the whole shard is the blocks' too: a backend that serves
         # the call (softcap included) with its lse serves every block of it.
         name = _dispatch.select("sdpa", call)
         spec = checks.local_spec(call, world, is_causal, window, layout, name)
-        extremes, error = _extremes(call.q, call.k), None
-    except (TypeError, ValueError) as exc:  # told to every rank before this one raises it
-        spec, extremes, error = None, (0.0, 0.0), exc
-    q_max, k_max = checks.agree(spec, error, rank, world, group, extremes)
+        extremes, error = _extremes(call.q, call.k, call.v), None
+    except Exception as exc:  # any: told to every rank before this one raises it
+        spec, extremes, error = None, (0.0, 0.0, 0.0), exc
+    q_max, k_max, v_max = checks.agree(spec, error, rank, world, group, extremes)
     if spec.batch == 0 or spec.heads_q == 0:  # nothing to attend: no ring (it divides by heads)
         shape = call.q.shape[:-1] + (call.v.shape[-1],)
         anchor = (call.q.sum() + call.k.sum() + call.v.sum()) * 0  # keeps the inputs' graph
@@ -268,7 +257,7 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
         out = out.reshape(call.prefix + tuple(out.shape[-2:]))
         return (out, lse.reshape(call.prefix + (lse.shape[-1],))) if return_lse else out
     qf, kf, vf = (t.contiguous() for t in (call.q, call.k, call.v))
-    if _scores_may_overflow(call, q_max, k_max):  # the same answer on every rank
+    if _may_overflow(call, q_max, k_max, v_max):  # the same answer on every rank
         qf, kf, vf = (t.to(torch.float64) for t in (qf, kf, vf))
         name = _dispatch.select("sdpa", _validate.sdpa_call(
             qf, kf, vf, None, 0.0, False, call.scale, True, None, None, call.return_lse,
