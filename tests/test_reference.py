@@ -373,6 +373,20 @@ def test_gradients_of_one_tensor_as_query_key_and_value():
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_torch_func_grad_sees_plain_pytorch():
+    """torch.func.grad over the reference backend: its plain PyTorch, as before the guarded
+    backward (which autograd runs, not functorch)."""
+    x = rand(2, 3, 6, 4)
+
+    def loss(t):
+        return attnx.scaled_dot_product_attention(t, t, t, **REF).sum()
+
+    got = torch.func.grad(loss)(x)
+    x64 = x.double().requires_grad_()
+    want, = torch.autograd.grad(F.scaled_dot_product_attention(x64, x64, x64).sum(), x64)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_half_inputs_under_a_huge_scale_stay_finite():
     """The auto backend of CPU float16 tensors is the reference: scale 1e38 overflows float32."""
     q, k, v = qkv(1, 2, lq=3, lk=5, e=4, dtype=torch.float16)

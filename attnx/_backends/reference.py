@@ -54,8 +54,11 @@ def _float64_where_float32_overflows(op):
     def run(call):
         fields, inputs = _requiring_grad(call)
         if (not inputs or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or call.q.device.type == "meta" or call.q.dtype == torch.float64):
-            return forward(call)[0]  # plain autograd: nothing to guard, or nothing to rerun in
+                or call.q.device.type == "meta" or call.q.dtype == torch.float64
+                or torch._C._are_functorch_transforms_active()):
+            # plain autograd: nothing to guard, nothing to rerun in, or torch.func's transforms
+            # (which take this backend's plain PyTorch, not an autograd.Function's backward)
+            return forward(call)[0]
         return _GuardedBackward.apply(op, forward, call, fields, *inputs)
 
     return run
