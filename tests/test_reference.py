@@ -387,6 +387,38 @@ def test_torch_func_grad_sees_plain_pytorch():
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_guarded_backward_keeps_autograd_contracts():
+    """The backward that reruns in float64 is an autograd.Function: its inputs are freed after
+    the backward (while the output lives), an in-place change to one of them before the
+    backward raises as autograd does, and forward-mode AD sees the plain PyTorch."""
+    import gc
+    import weakref
+
+    import torch.autograd.forward_ad as fwAD
+    x, k = rand(1, 2, 4, 8, grad=True), rand(1, 2, 5, 8, grad=True)
+    q, m = x * 2, rand(1, 2, 4, 5)
+    alive = [weakref.ref(q), weakref.ref(m)]
+    out = attnx.scaled_dot_product_attention(q, k, k, attn_mask=m, **REF)
+    out.sum().backward()
+    del q, m
+    gc.collect()
+    assert all(ref() is None for ref in alive)
+    q, k = rand(1, 2, 4, 8, grad=True), rand(1, 2, 5, 8)
+    out = attnx.scaled_dot_product_attention(q, k, k, **REF)
+    k.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out.sum(), q)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, torch.ones_like(q))
+        tangent = fwAD.unpack_dual(attnx.scaled_dot_product_attention(dual, k, k, **REF)).tangent
+    x64, k64 = q.detach().double(), k.double()
+
+    def formula(t):
+        return torch.softmax(t @ k64.transpose(-2, -1) / math.sqrt(8), dim=-1) @ k64
+    _, want = torch.func.jvp(formula, (x64,), (torch.ones_like(x64),))
+    torch.testing.assert_close(tangent.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_half_inputs_under_a_huge_scale_stay_finite():
     """The auto backend of CPU float16 tensors is the reference: scale 1e38 overflows float32."""
     q, k, v = qkv(1, 2, lq=3, lk=5, e=4, dtype=torch.float16)

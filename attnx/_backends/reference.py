@@ -52,40 +52,42 @@ def _float64_where_float32_overflows(op):
 
     @functools.wraps(op)
     def run(call):
-        fields, inputs = _requiring_grad(call)
-        if (not inputs or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or call.q.device.type == "meta" or call.q.dtype == torch.float64
-                or torch._C._are_functorch_transforms_active()):
-            # plain autograd: nothing to guard, nothing to rerun in, or torch.func's transforms
-            # (which take this backend's plain PyTorch, not an autograd.Function's backward)
+        fields, tensors = _tensors(call)
+        if (not any(t.requires_grad for t in tensors) or not torch.is_grad_enabled()
+                or torch.compiler.is_compiling() or call.q.device.type == "meta"
+                or call.q.dtype == torch.float64 or torch._C._are_functorch_transforms_active()
+                or torch.autograd.forward_ad._current_level >= 0):
+            # plain autograd: nothing to guard, nothing to rerun in, or a transform that takes
+            # this backend's plain PyTorch (torch.func, forward-mode AD), not a Function's
             return forward(call)[0]
-        return _GuardedBackward.apply(op, forward, call, fields, *inputs)
+        return _GuardedBackward.apply(op, forward, call, fields, *tensors)
 
     return run
 
 
-def _requiring_grad(call):
-    """The tensors of `call` (its fields and its modifiers') that require grad, each once (the
-    same tensor as q, k and v takes one gradient, summed), and where each lies: (field path,
-    index into the tensors)."""
-    fields, inputs = [], []
+def _tensors(call):
+    """The tensors of `call` (its fields and its modifiers'), each once (the same tensor as q,
+    k and v takes one gradient, summed), and where each lies: (field path, index)."""
+    fields, tensors = [], []
     candidates = [((f.name,), getattr(call, f.name)) for f in dataclasses.fields(call)]
     mods = getattr(call, "mods", NO_MODIFIERS)  # (additive attention takes none)
     candidates += [(("mods", name), x) for name, x in zip(Modifiers._fields, mods)]
     for path, x in candidates:
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            index = next((i for i, t in enumerate(inputs) if t is x), None)
+        if isinstance(x, torch.Tensor):
+            index = next((i for i, t in enumerate(tensors) if t is x), None)
             if index is None:
-                index = len(inputs)
-                inputs.append(x)
+                index = len(tensors)
+                tensors.append(x)
             fields.append((path, index))
-    return fields, inputs
+    return fields, tensors
 
 
 def _with(call, fields, tensors):
-    """`call` with the tensors at `fields` replaced by `tensors` (by index)."""
-    plain = {path[0]: tensors[i] for path, i in fields if len(path) == 1}
-    mods = {path[1]: tensors[i] for path, i in fields if len(path) == 2}
+    """`call` with the tensors at `fields` replaced by `tensors` (by index; None: a template
+    that holds none)."""
+    at = {path: None if tensors is None else tensors[i] for path, i in fields}
+    plain = {path[0]: x for path, x in at.items() if len(path) == 1}
+    mods = {path[1]: x for path, x in at.items() if len(path) == 2}
     if mods:
         plain["mods"] = call.mods._replace(**mods)
     return dataclasses.replace(call, **plain)
@@ -94,33 +96,41 @@ def _with(call, fields, tensors):
 class _GuardedBackward(torch.autograd.Function):
     """A reference op whose backward recomputes it (in the forward's dtype) and takes autograd's
     gradients of that, rerunning in float64 where those come out non-finite from finite inputs
-    and output gradients. Differentiable again (create_graph): gradgradcheck holds."""
+    and output gradients. Differentiable again (create_graph): gradgradcheck holds. Every
+    tensor of the call is saved for the backward (version-checked, freed after it); the ctx
+    keeps the call without them."""
 
     @staticmethod
-    def forward(ctx, op, forward, call, fields, *inputs):
+    def forward(ctx, op, forward, call, fields, *tensors):
         result, ctx.dtype = forward(call)
-        ctx.op, ctx.call, ctx.fields = op, call, fields
-        ctx.save_for_backward(*inputs)
+        ctx.op, ctx.template, ctx.fields = op, _with(call, fields, None), fields
+        ctx.save_for_backward(*tensors)
         return result  # (additive's weights may be None: untracked, a None gradient)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        inputs = ctx.saved_tensors
+        tensors = ctx.saved_tensors
+        wanted = [i for i, t in enumerate(tensors) if ctx.needs_input_grad[4 + i]]
         higher = torch.is_grad_enabled()  # create_graph: the gradients are differentiated again
-        grads = _input_grads(ctx, inputs, ctx.dtype, grad_outputs, higher)
+        grads = _input_grads(ctx, tensors, wanted, ctx.dtype, grad_outputs, higher)
         if (ctx.dtype != torch.float64
                 and not all(g is None or bool(torch.isfinite(g).all()) for g in grads)
-                and all(t is None or bool(torch.isfinite(t).all()) for t in (*inputs, *grad_outputs))):
-            grads = _input_grads(ctx, inputs, torch.float64, grad_outputs, higher)
-        return (None, None, None, None, *grads)
+                and all(not t.is_floating_point() or bool(torch.isfinite(t).all())
+                        for t in tensors)
+                and all(g is None or bool(torch.isfinite(g).all()) for g in grad_outputs)):
+            grads = _input_grads(ctx, tensors, wanted, torch.float64, grad_outputs, higher)
+        every = [None] * len(tensors)
+        for i, g in zip(wanted, grads):
+            every[i] = g
+        return (None, None, None, None, *every)
 
 
-def _input_grads(ctx, inputs, dtype, grad_outputs, higher: bool):
+def _input_grads(ctx, tensors, wanted, dtype, grad_outputs, higher: bool):
     with torch.enable_grad():
-        outs = ctx.op(_with(ctx.call, ctx.fields, inputs), dtype)
+        outs = ctx.op(_with(ctx.template, ctx.fields, tensors), dtype)
         pairs = [(o, g) for o, g in zip(outs, grad_outputs) if o is not None and o.requires_grad]
-        return torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
-                                   create_graph=higher, allow_unused=True)
+        return torch.autograd.grad([o for o, _ in pairs], [tensors[i] for i in wanted],
+                                   [g for _, g in pairs], create_graph=higher, allow_unused=True)
 
 
 def band(lq: int, lk: int, lo: int, hi: int, device) -> torch.Tensor:
