@@ -53,7 +53,7 @@ def _inputs(hq, hk, length, e, ev, dtype, seed=0):
 
 def ring_matches(layout, is_causal=False, window=None, hq=4, hk=2, per_rank=4, e=5, ev=7,
                  dtype=torch.float32, backend=None, scale=None, huge_lse=False, softcap=None,
-                 overflow=False, huge_values=False):
+                 overflow=False, huge_values=False, huge_dout=False):
     """out, lse, dq, dk, dv of ring_attention on this rank's shard == the single-process op on
     the full sequence, sliced; the loss reads the lse too, so its gradient is checked.
     `huge_lse`: every key shares a large first coordinate, which shifts each row's scores by
@@ -61,7 +61,8 @@ def ring_matches(layout, is_causal=False, window=None, hq=4, hk=2, per_rank=4, e
     `overflow`: finite inputs whose scores pass float32's range on some rows (one query row and
     two keys of +-3e19 in one coordinate), on the last rank's shard and the first's.
     `huge_values`: values of +-1e38, whose float32 backward overflows (dout V^T) where the
-    forward does not."""
+    forward does not. `huge_dout`: an output gradient of ~1e37 (values ~10), the same in the
+    backward alone (dout is known only there)."""
     world = dist.get_world_size()
     q, k, v, dout, dlse = _inputs(hq, hk, per_rank * world, e, ev, dtype)
     if huge_lse:
@@ -72,6 +73,8 @@ def ring_matches(layout, is_causal=False, window=None, hq=4, hk=2, per_rank=4, e
         k[0, 0, 1, 0], k[0, 0, -1, 0] = 3e19, -3e19
     if huge_values:
         v = v.sign() * 1e38
+    if huge_dout:  # dout V^T ~1e39 for values ~10
+        dout, v = dout * 1e37, v * 10
 
     def single(inputs, backend):
         full = [t.clone().requires_grad_() for t in inputs]
@@ -108,6 +111,8 @@ def ring_matches(layout, is_causal=False, window=None, hq=4, hk=2, per_rank=4, e
     tol = _tol(dtype)
     if huge_values:  # terms of +-1e38 that cancel: float32's rounding of them, ~1e38 * 6e-8 each
         tol = dict(rtol=1e-4, atol=1e32)
+    if huge_dout:  # gradients ~1e38: the same relative bound
+        tol = dict(rtol=1e-4, atol=1e34)
     torch.testing.assert_close(out_l, cut(out), **tol, msg=lambda m: f"{what} out: {m}")
     torch.testing.assert_close(lse_l, cut(lse, -1), **tol, msg=lambda m: f"{what} lse: {m}")
     for name, mine, ref in zip("qkv", local, full):

@@ -104,9 +104,9 @@ def test_gloo_world(world):
 
 def test_gloo_world_cpu_kernels():
     """The ring on the cpu kernels: float32 and bfloat16 (rerun on the BLAS engine by
-    test_blas_engine_ring, whose backward renormalizes every row by its own sum); values whose
-    float32 backward overflows (cpu and reference); soft-capped scores whose float32 products
-    overflow (the whole ring in float64)."""
+    test_blas_engine_ring, whose backward renormalizes every row by its own sum); values or an
+    output gradient whose float32 backward overflows (cpu and reference); soft-capped scores
+    whose float32 products overflow (the whole ring in float64)."""
     _spawn(2, [("ring_matches", dict(layout="zigzag", is_causal=True, backend="cpu")),
                ("ring_matches", dict(layout="contiguous", backend="cpu", window=(3, 2))),
                ("ring_matches", dict(layout="zigzag", dtype=torch.bfloat16, backend="cpu")),
@@ -115,6 +115,7 @@ def test_gloo_world_cpu_kernels():
                ("ring_matches", dict(layout="zigzag", is_causal=True, huge_values=True,
                                      backend="cpu")),
                ("ring_matches", dict(layout="contiguous", huge_values=True, backend="reference")),
+               ("ring_matches", dict(layout="contiguous", huge_dout=True, backend="cpu")),
                ("ring_matches", dict(layout="zigzag", overflow=True, softcap=1.5,
                                      backend="reference"))])
 
@@ -229,7 +230,7 @@ def test_blocks_cover_the_band_exactly_once(world, lay, band):
     from attnx.distributed.ring import _Ring
     local = 4
     total = local * world
-    ring = _Ring(None, 0, world, local, lay, band[0], band[1], 1.0, None)
+    ring = _Ring(None, 0, world, local, lay, band[0], band[1], 1.0, None, None, 0.0)
     count = torch.zeros(total, total, dtype=torch.int64)
     for r in range(world):
         qsegs = ring.segs(r)

@@ -71,7 +71,7 @@ def _compute_only(rank, world, length, layout, heads, dim, q):
     from attnx.distributed.ring import _Ring  # the schedule, to time its kernels alone
     n = length // world
     ring = _Ring(None, rank, world, n, layout, -length, 0, dim ** -0.5,
-                 blocks.kernels("cpu", None))
+                 blocks.kernels("cpu", None), None, 0.0)
     kv = torch.randn(1, heads, n, dim)
     todo = [(b, kv) for t in range(world) for s in [(rank - t) % world]
             if t <= ring.reach(s) for b in ring.blocks(rank, s)]

@@ -12,7 +12,7 @@ sends and receives always pair up.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,6 +38,8 @@ class _Ring:
     hi: int
     scale: float
     kernels: blocks.Kernels
+    softcap: object  # None or the cap (for the float64 kernels of a backward that needs them)
+    v_max: float  # max|v| over every rank (the agreement's)
 
     def segs(self, rank: int) -> tuple:
         return segments(rank, self.world, self.local_len, self.layout)
@@ -191,10 +193,37 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
         dout = torch.zeros_like(out, dtype=q.dtype) if dout is None else dout.contiguous()
-        out = out if ctx.ring.kernels.wide_out else out.to(q.dtype)
-        dq, dk, dv = _backward(ctx.ring, dout, q, k, v, out, lse, grad_lse, ctx.block_lse)
+        if q.dtype != torch.float64 and _dout_may_overflow(ring, dout, v):
+            # dout V^T past float32's range: the blocks' float32 kernels would rerun in float64
+            # from a forward on the block alone, not the whole row; the whole backward in
+            # float64 instead (every rank alike: the ranks agreed on it)
+            dtypes = (q.dtype, k.dtype, v.dtype)
+            q, k, v, out, lse, dout = (t.double() for t in (q, k, v, out, lse, dout))
+            grad_lse = None if grad_lse is None else grad_lse.double()
+            call = _validate.sdpa_call(q, k, v, None, 0.0, False, ring.scale, True, None, None,
+                                       False, softcap=ring.softcap)
+            ring = replace(ring, kernels=blocks.kernels(_dispatch.select("sdpa", call),
+                                                        ring.softcap))
+            dq, dk, dv = _backward(ring, dout, q, k, v, out, lse, grad_lse, ctx.block_lse)
+            return dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2]), None
+        out = out if ring.kernels.wide_out else out.to(q.dtype)
+        dq, dk, dv = _backward(ring, dout, q, k, v, out, lse, grad_lse, ctx.block_lse)
         return dq, dk, dv, None
+
+
+def _dout_may_overflow(ring: _Ring, dout, v) -> bool:
+    """Whether Ev max|dout| max|v| (max|dout| over every rank: one all-reduce, which every rank
+    of the backward makes) may pass the float32 bound below."""
+    import torch.distributed as dist
+    d_max = torch.linalg.vector_norm(dout.detach(), float("inf")).double() if dout.numel() \
+        else torch.zeros((), dtype=torch.float64, device=dout.device)
+    d_max = d_max.reshape(1)
+    if ring.world > 1:
+        d_max = d_max.to(checks._device(ring.group))
+        dist.all_reduce(d_max, op=dist.ReduceOp.MAX, group=ring.group)
+    return v.shape[-1] * ring.v_max * float(d_max) > _F32_BOUND
 
 
 # Scores or value products whose magnitude may pass this run the whole ring in float64: a
@@ -203,7 +232,9 @@ class _RingAttention(torch.autograd.Function):
 # its kernel rerun in float64 from a forward on the block alone, not the whole row. scale * E *
 # max|q| * max|k| bounds every |score| (Cauchy-Schwarz, with |x|_2 <= sqrt(E) max|x|), Ev *
 # max|v| every dout V^T per unit of dout, the maxima taken over every rank in the call's
-# agreement; a bound under 2^100 leaves every lse, merge weight and gradient far inside float32.
+# agreement; a bound under 2^100 leaves every lse and merge weight far inside float32. dout is
+# known only in the backward, which checks Ev max|v| max|dout| against the same bound
+# (_dout_may_overflow) and runs in float64 past it.
 _F32_BOUND = 2.0 ** 100
 
 
@@ -263,7 +294,7 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
             qf, kf, vf, None, 0.0, False, call.scale, True, None, None, call.return_lse,
             softcap=softcap))
     ring = _Ring(group, rank, world, spec.local_len, spec.layout, spec.lo, spec.hi, call.scale,
-                 blocks.kernels(name, spec.softcap))
+                 blocks.kernels(name, spec.softcap), spec.softcap, v_max)
     out, lse = _RingAttention.apply(qf, kf, vf, ring)
     out = out.to(call.q.dtype)
     out = out.reshape(call.prefix + tuple(out.shape[-2:]))
