@@ -187,8 +187,10 @@ class _RingAttention(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused lse passes None, not a tensor of zeros
         out, lse, ctx.block_lse = _forward(ring, q, k, v)
         ctx.ring = ring
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype), lse.float()
+        result = out.to(q.dtype)
+        # the backward's out: the float32 accumulation where its kernels take it (wide_out)
+        ctx.save_for_backward(q, k, v, out if ring.kernels.wide_out else result, lse)
+        return result, lse.float()
 
     @staticmethod
     def backward(ctx, dout, grad_lse):
@@ -208,7 +210,6 @@ class _RingAttention(torch.autograd.Function):
                                                         ring.softcap))
             dq, dk, dv = _backward(ring, dout, q, k, v, out, lse, grad_lse, ctx.block_lse)
             return dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2]), None
-        out = out if ring.kernels.wide_out else out.to(q.dtype)
         dq, dk, dv = _backward(ring, dout, q, k, v, out, lse, grad_lse, ctx.block_lse)
         return dq, dk, dv, None
 

@@ -4,7 +4,8 @@
   the backward direction starts at each sequence's last real token; padding anywhere, left or
   between tokens too: each row's real tokens are read in order and their outputs put back in
   place). Its outputs h_j, of width 2 * hidden_dim, are the attention keys and values (0 at
-  padding); padding is masked out of the attention.
+  padding, but for a row of padding alone, whose first position is read); padding is masked
+  out of the attention.
 - Decoder state width is 2 * hidden_dim, so every score of `Attention` (dot and cosine
   included) applies; s_0 = tanh(W_init [forward final; backward final]) (LSTM: c_0 = 0).
 - style="bahdanau" (Bahdanau et al. 2015): at step i attend with the previous state,
@@ -114,7 +115,8 @@ class Seq2Seq(nn.Module):
         packed = pack_padded_sequence(embedded, lengths, batch_first=True, enforce_sorted=False)
         out, final = self.encoder(packed)
         out, _ = pad_packed_sequence(out, batch_first=True, total_length=src.shape[1])
-        # and their outputs back at their own positions (padding's rows are 0)
+        # and their outputs back at their own positions (padding's rows are 0, but a row of
+        # padding alone has its first position read: a packed length is at least 1)
         memory = out.new_zeros(out.shape).scatter(1, order[..., None].expand(out.shape), out)
         h_n = final[0] if self.rnn == "lstm" else final  # (2, B, H): forward, backward
         s0 = torch.tanh(self.init_state(torch.cat([h_n[0], h_n[1]], dim=-1)))
