@@ -113,16 +113,19 @@ class _GuardedBackward(torch.autograd.Function):
         wanted = [i for i, t in enumerate(tensors) if ctx.needs_input_grad[4 + i]]
         higher = torch.is_grad_enabled()  # create_graph: the gradients are differentiated again
         grads = _input_grads(ctx, tensors, wanted, ctx.dtype, grad_outputs, higher)
-        if (ctx.dtype != torch.float64
-                and not all(g is None or bool(torch.isfinite(g).all()) for g in grads)
-                and all(not t.is_floating_point() or bool(torch.isfinite(t).all())
-                        for t in tensors)
-                and all(g is None or bool(torch.isfinite(g).all()) for g in grad_outputs)):
+        if (ctx.dtype != torch.float64 and not all_finite(grads)
+                and all_finite(tensors) and all_finite(grad_outputs)):
             grads = _input_grads(ctx, tensors, wanted, torch.float64, grad_outputs, higher)
         every = [None] * len(tensors)
         for i, g in zip(wanted, grads):
             every[i] = g
         return (None, None, None, None, *every)
+
+
+def all_finite(tensors) -> bool:
+    """Whether every floating tensor of `tensors` (None and integer ones pass) is finite."""
+    return all(t is None or not t.is_floating_point() or bool(torch.isfinite(t).all())
+               for t in tensors)
 
 
 def _input_grads(ctx, tensors, wanted, dtype, grad_outputs, higher: bool):

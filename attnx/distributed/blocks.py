@@ -94,7 +94,8 @@ def _with_block_lse(bwd, renormalizes_all, up=lambda t: t) -> object:
         lb = block_lse.to(lse.dtype)
         finite = finite & torch.isfinite(lb)
         w = torch.where(finite, torch.exp(lb - torch.where(finite, lse, lb)), torch.zeros_like(lse))
-        scaled = (up(dout).to(w.dtype) * w.unsqueeze(-1)).to(up(dout).dtype)
+        wide = up(dout)
+        scaled = (wide.to(w.dtype) * w.unsqueeze(-1)).to(wide.dtype)
         return bwd(scaled, q, k, v, out, lb, scale, lo, hi,
                    None if grad_lse is None else grad_lse.to(w.dtype) * w)
     return run
@@ -209,9 +210,8 @@ def _reference(softcap: Optional[float]) -> Kernels:
         args = (dout, q, k, v, out, lse, scale, lo, hi, grad_lse)
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         grads = bwd_in(dtype, *args)
-        inputs = [x for x in (dout, q, k, v, out, grad_lse) if x is not None]
-        if (dtype != torch.float64 and not all(bool(torch.isfinite(g).all()) for g in grads)
-                and all(bool(torch.isfinite(x).all()) for x in inputs)):
+        if (dtype != torch.float64 and not reference.all_finite(grads)
+                and reference.all_finite((dout, q, k, v, out, grad_lse))):
             grads = bwd_in(torch.float64, *args)
         return grads
     return Kernels(fwd, _with_block_lse(bwd, _never), wide_out=True)

@@ -204,10 +204,8 @@ class _RingAttention(torch.autograd.Function):
             dtypes = (q.dtype, k.dtype, v.dtype)
             q, k, v, out, lse, dout = (t.double() for t in (q, k, v, out, lse, dout))
             grad_lse = None if grad_lse is None else grad_lse.double()
-            call = _validate.sdpa_call(q, k, v, None, 0.0, False, ring.scale, True, None, None,
-                                       False, softcap=ring.softcap)
-            ring = replace(ring, kernels=blocks.kernels(_dispatch.select("sdpa", call),
-                                                        ring.softcap))
+            ring = replace(ring, kernels=blocks.kernels(
+                _float64_backend(q, k, v, ring.scale, ring.softcap), ring.softcap))
             dq, dk, dv = _backward(ring, dout, q, k, v, out, lse, grad_lse, ctx.block_lse)
             return dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2]), None
         dq, dk, dv = _backward(ring, dout, q, k, v, out, lse, grad_lse, ctx.block_lse)
@@ -218,9 +216,7 @@ def _dout_may_overflow(ring: _Ring, dout, v) -> bool:
     """Whether Ev max|dout| max|v| (max|dout| over every rank: one all-reduce, which every rank
     of the backward makes) may pass the float32 bound below."""
     import torch.distributed as dist
-    d_max = torch.linalg.vector_norm(dout.detach(), float("inf")).double() if dout.numel() \
-        else torch.zeros((), dtype=torch.float64, device=dout.device)
-    d_max = d_max.reshape(1)
+    d_max = _max_abs(dout).reshape(1)
     if ring.world > 1:
         d_max = d_max.to(checks._device(ring.group))
         dist.all_reduce(d_max, op=dist.ReduceOp.MAX, group=ring.group)
@@ -244,9 +240,21 @@ def _extremes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     read."""
     if not q.numel() or not k.numel():  # no scores
         return 0.0, 0.0, 0.0
-    maxima = [torch.linalg.vector_norm(t.detach(), float("inf")).double() if t.numel()
-              else torch.zeros((), dtype=torch.float64, device=t.device) for t in (q, k, v)]
-    return tuple(torch.stack(maxima).tolist())
+    return tuple(torch.stack([_max_abs(t) for t in (q, k, v)]).tolist())
+
+
+def _max_abs(t: torch.Tensor) -> torch.Tensor:
+    """max|t| as a float64 0-d tensor on t's device (0 for an empty t)."""
+    if not t.numel():
+        return torch.zeros((), dtype=torch.float64, device=t.device)
+    return torch.linalg.vector_norm(t.detach(), float("inf")).double()
+
+
+def _float64_backend(q, k, v, scale: float, softcap) -> str:
+    """The backend the dispatcher picks for the float64 copies q, k, v (a float64 ring, or
+    backward, may leave the one chosen for the inputs' dtype: CUDA kernels take no float64)."""
+    return _dispatch.select("sdpa", _validate.sdpa_call(q, k, v, None, 0.0, False, scale, True,
+                                                        None, None, False, softcap=softcap))
 
 
 def _may_overflow(call, q_max: float, k_max: float, v_max: float) -> bool:
@@ -291,9 +299,7 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     qf, kf, vf = (t.contiguous() for t in (call.q, call.k, call.v))
     if _may_overflow(call, q_max, k_max, v_max):  # the same answer on every rank
         qf, kf, vf = (t.to(torch.float64) for t in (qf, kf, vf))
-        name = _dispatch.select("sdpa", _validate.sdpa_call(
-            qf, kf, vf, None, 0.0, False, call.scale, True, None, None, call.return_lse,
-            softcap=softcap))
+        name = _float64_backend(qf, kf, vf, call.scale, softcap)
     ring = _Ring(group, rank, world, spec.local_len, spec.layout, spec.lo, spec.hi, call.scale,
                  blocks.kernels(name, spec.softcap), spec.softcap, v_max)
     out, lse = _RingAttention.apply(qf, kf, vf, ring)
