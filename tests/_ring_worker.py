@@ -132,6 +132,11 @@ def shard_roundtrip(layout):
     assert torch.equal(full, x)
     (full * x).sum().backward()  # every rank's loss reads every position
     assert torch.equal(local.grad, world * shard(x, layout=layout, dim=-1))
+    # dtypes the collectives do not gather themselves travel as bytes
+    for dtype in (torch.float8_e4m3fn, torch.uint16):
+        y = x.to(dtype)
+        assert torch.equal(unshard(shard(y, layout=layout, dim=-1), layout=layout,
+                                   dim=-1).view(torch.uint8), y.view(torch.uint8))
 
 
 def _expect_error(exc_type, words, fn):
@@ -179,6 +184,8 @@ def bad_input_everywhere():
                   lambda: unshard(uneven))
     _expect_error(ValueError, ["torch.float64", "torch.float32"],
                   lambda: unshard(ql.double() if rank == 1 else ql))
+    _expect_error(ValueError, ["torch.float8_e4m3fn", "torch.float8_e5m2"],  # the same bytes
+                  lambda: unshard(ql.to(torch.float8_e5m2 if rank == 1 else torch.float8_e4m3fn)))
     _expect_error(ValueError, ["contiguous", "zigzag"],
                   lambda: unshard(ql, layout="contiguous" if rank == 0 else "zigzag"))
     assert unshard(ql).shape == q.shape

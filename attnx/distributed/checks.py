@@ -138,10 +138,13 @@ def _raise_rejected(what: str, table: list, error: Optional[Exception], rank: in
                          f"(their own error says why); this rank (rank {rank}) stops too")
 
 
-# unshard's agreement: dtypes by position (any other dtype by its item size, past the list).
-_GATHER_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-                  torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-                  torch.complex64, torch.complex128)
+# The dtypes the collectives gather as they are; any other travels as its bytes (layout._Gather).
+GATHER_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                 torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+                 torch.complex64, torch.complex128)
+# unshard's agreement sends a dtype as its position here (every dtype of this torch: float8's
+# kinds, which travel as the same bytes, must still differ)
+_ALL_DTYPES = sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str)
 _GATHER_DIMS = 8  # shape entries sent as they are; a hash of the whole shape covers the rest
 
 
@@ -155,8 +158,7 @@ def agree_gather(x: Optional[torch.Tensor], dim: int, layout: str,
     width = 8 + _GATHER_DIMS
     row = [1] + [0] * (width - 1)
     if error is None:
-        dtype = (_GATHER_DTYPES.index(x.dtype) if x.dtype in _GATHER_DTYPES
-                 else len(_GATHER_DTYPES) + x.dtype.itemsize)
+        dtype = _ALL_DTYPES.index(x.dtype)
         sizes = list(x.shape[:_GATHER_DIMS])
         graph = torch.is_grad_enabled() and x.requires_grad
         row = [0, x.dim(), dim, dtype, _LAYOUTS.index(layout), int(x.device.type == "cuda"),
@@ -174,9 +176,7 @@ def agree_gather(x: Optional[torch.Tensor], dim: int, layout: str,
 
 
 def _gather_dtype(key: int) -> str:
-    if key < len(_GATHER_DTYPES):
-        return str(_GATHER_DTYPES[key])
-    return f"a {key - len(_GATHER_DTYPES)}-byte dtype"
+    return str(_ALL_DTYPES[key])
 
 
 def _mismatch(name: str, values: list) -> str:

@@ -86,10 +86,16 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, layout, dim):
         import torch.distributed as dist
+
+        from .checks import GATHER_DTYPES
         rank, world = group_info(group)
         ctx.args = (group, layout, dim)
-        pieces = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
-        dist.all_gather(pieces, x.contiguous(), group=group)
+        sent = x.contiguous()
+        # other dtypes (float8, uint16, ...) travel as their bytes: gloo gathers none of them
+        wire = sent if x.dtype in GATHER_DTYPES else sent.view(torch.uint8)
+        pieces = [torch.empty_like(wire) for _ in range(world)]
+        dist.all_gather(pieces, wire, group=group)
+        pieces = [p.view(x.dtype) for p in pieces]
         local = x.shape[dim]
         full = list(x.shape)
         full[dim] = local * world

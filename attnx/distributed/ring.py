@@ -185,16 +185,20 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring):
         ctx.set_materialize_grads(False)  # an unused lse passes None, not a tensor of zeros
-        out, lse, ctx.block_lse = _forward(ring, q, k, v)
+        out, lse, block_lse = _forward(ring, q, k, v)
         ctx.ring = ring
         result = out.to(q.dtype)
-        # the backward's out: the float32 accumulation where its kernels take it (wide_out)
-        ctx.save_for_backward(q, k, v, out if ring.kernels.wide_out else result, lse)
+        # the backward's out: the float32 accumulation where its kernels take it (wide_out);
+        # the blocks' own lse saved too (not kept on ctx: freed with the rest after the backward)
+        ctx.block_keys = list(block_lse)
+        ctx.save_for_backward(q, k, v, out if ring.kernels.wide_out else result, lse,
+                              *block_lse.values())
         return result, lse.float()
 
     @staticmethod
     def backward(ctx, dout, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *saved_lse = ctx.saved_tensors
+        block_lse = dict(zip(ctx.block_keys, saved_lse))
         ring = ctx.ring
         dout = torch.zeros_like(out, dtype=q.dtype) if dout is None else dout.contiguous()
         if q.dtype != torch.float64 and _dout_may_overflow(ring, dout, v):
@@ -206,9 +210,9 @@ class _RingAttention(torch.autograd.Function):
             grad_lse = None if grad_lse is None else grad_lse.double()
             ring = replace(ring, kernels=blocks.kernels(
                 _float64_backend(q, k, v, ring.scale, ring.softcap), ring.softcap))
-            dq, dk, dv = _backward(ring, dout, q, k, v, out, lse, grad_lse, ctx.block_lse)
+            dq, dk, dv = _backward(ring, dout, q, k, v, out, lse, grad_lse, block_lse)
             return dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2]), None
-        dq, dk, dv = _backward(ring, dout, q, k, v, out, lse, grad_lse, ctx.block_lse)
+        dq, dk, dv = _backward(ring, dout, q, k, v, out, lse, grad_lse, block_lse)
         return dq, dk, dv, None
 
 
