@@ -228,9 +228,11 @@ def _write_new_keys(call) -> None:
         block_size = call.k_cache.shape[2]
         rows, slots = call.block_table.long().gather(1, pos // block_size), pos % block_size
     k, v = call.k, call.v
-    if any(_may_overlap(x, c) for x in (k, v) for c in (call.k_cache, call.v_cache)):
+    if torch.compiler.is_compiling() or any(
+            _may_overlap(x, c) for x in (k, v) for c in (call.k_cache, call.v_cache)):
         # new keys read from the cache itself (a view of it): taken before anything is written,
-        # where the indexed write refused an overlap after writing k
+        # where the indexed write refused an overlap after writing k. A traced graph cannot ask
+        # where storage lies (fullgraph=True would fail): it copies the few new rows always.
         k, v = k.clone(), v.clone()
     # cache[rows, :, slots] is (B, Lnew, Hkv, E): the indexed dims come first
     call.k_cache[rows, :, slots] = k.transpose(1, 2)

@@ -504,7 +504,8 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
             raise ValueError(f"v: expected shape {(b, hkv, lnew, ev)}, got {tuple(v.shape)}")
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             # an expanded cache (stride 0) would take every sequence's new keys in one slot
-            if torch._debug_has_internal_overlap(cache) == 1:
+            # (from shape and strides alone, which torch.compile traces with fullgraph=True)
+            if any(st == 0 and n > 1 for n, st in zip(cache.shape, cache.stride())):
                 raise ValueError(f"{name}: expected a cache whose slots do not share memory to "
                                  f"write k, v into, got strides {cache.stride()} for shape "
                                  f"{tuple(cache.shape)}")

@@ -106,3 +106,50 @@ def test_kvcache_with_int_lengths_compiles_fullgraph():
     torch._dynamo.reset()
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, kc, vc)
     torch.testing.assert_close(got, f(q, kc, vc))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_writing_new_keys_compiles_fullgraph(paged):
+    """With new k, v written into the cache at an int length, the call still traces whole: the
+    expanded-cache check reads strides only, and the overlap check (which asks where storage
+    lies) gives way to a copy of the new rows. Output and cache writes are eager's. (A paged
+    cache's block ids are checked by value: a graph break there, by design.)"""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 2, 8, generator=g)
+    slots = (6, 2, 4, 8) if paged else (2, 2, 12, 8)  # paged: 6 blocks of 4 slots
+    kc, vc = torch.randn(*slots, generator=g), torch.randn(*slots, generator=g)
+    kn, vn = torch.randn(2, 2, 2, 8, generator=g), torch.randn(2, 2, 2, 8, generator=g)
+    table = torch.tensor([[4, 0, 2], [1, 5, 3]], dtype=torch.int32) if paged else None
+
+    def f(q, kc, vc, kn, vn):
+        return attnx.attention_with_kvcache(q, kc, vc, 5, kn, vn, block_table=table)
+
+    eager_caches = kc.clone(), vc.clone()
+    want = f(q, *eager_caches, kn, vn)
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=not paged, backend="aot_eager")(q, kc, vc, kn, vn)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(kc, eager_caches[0], rtol=0, atol=0)
+    torch.testing.assert_close(vc, eager_caches[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["reference", "empty_keys", "empty_additive"])
+def test_fake_tensors_take_no_data_dependent_branch(case):
+    """Under FakeTensorMode (what torch.compile and make_fx use to work out shapes) the
+    reference backend, which every empty call also lands on, skips its float64 rerun guard,
+    as it does on the meta device: fake tensors hold no values to test."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    lk = 0 if case.startswith("empty") else 5
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, lk, 8), torch.randn(1, 2, lk, 8)
+    if case == "empty_additive":
+        def f(q, k, v):
+            return attnx.additive_attention(q, k, v, torch.randn(8))
+    else:
+        def f(q, k, v):
+            return attnx.scaled_dot_product_attention(
+                q, k, v, backend="reference" if case == "reference" else None)
+    want = f(q, k, v)
+    with FakeTensorMode() as mode:
+        got = f(*(mode.from_tensor(t) for t in (q, k, v)))
+    assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
