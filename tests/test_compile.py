@@ -153,3 +153,19 @@ def test_fake_tensors_take_no_data_dependent_branch(case):
     with FakeTensorMode() as mode:
         got = f(*(mode.from_tensor(t) for t in (q, k, v)))
     assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+
+
+def test_fake_tensors_through_multihead_weights():
+    """need_weights' scores take the same guard (attnx._values): under FakeTensorMode the
+    module returns fake output and weights of eager's shapes, not DataDependentOutputException."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import attnx.nn
+
+    m = attnx.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    want = m(x, x, x, need_weights=True)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fx = mode.from_tensor(x)
+        got = m(fx, fx, fx, need_weights=True)
+    assert [t.shape for t in got] == [t.shape for t in want]

@@ -13,9 +13,9 @@ import functools
 from typing import Optional
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from .. import _rng
+from .._values import values_readable
 from .._validate import NO_MODIFIERS, AdditiveCall, KvcacheCall, Modifiers, SdpaCall, VarlenCall
 
 
@@ -31,12 +31,6 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _no_data(t: torch.Tensor) -> bool:
-    """Whether t holds no values to look at: a meta tensor, or a fake one (FakeTensorMode,
-    make_fx's fake tracing), whose shapes alone are being worked out."""
-    return t.device.type == "meta" or is_fake(t)
-
-
 def _float64_where_float32_overflows(op):
     """op(call, dtype) run in _compute_dtype; where float32 overflows on finite inputs (scores or
     sums past its range: |q| |k| ~ 1e19, values ~ 3e38, a huge v or scale), it runs again in
@@ -48,9 +42,7 @@ def _float64_where_float32_overflows(op):
     def forward(call):  # (result, the dtype it was computed in)
         dtype = _compute_dtype(call.q.dtype)
         result = op(call, dtype)
-        if call.q.dtype == torch.float64 or torch.compiler.is_compiling() or _no_data(call.q):
-            # (a traced graph keeps no data-dependent branch, meta and fake tensors no data: no
-            # rerun)
+        if call.q.dtype == torch.float64 or not values_readable(call.q):
             return result, dtype
         out, lse = result[0], result[1]
         if not (bool(torch.isfinite(out).all()) and not bool((lse.isnan() | (lse == float("inf"))).any())):
@@ -61,7 +53,7 @@ def _float64_where_float32_overflows(op):
     def run(call):
         fields, tensors = _tensors(call)
         if (not any(t.requires_grad for t in tensors) or not torch.is_grad_enabled()
-                or torch.compiler.is_compiling() or _no_data(call.q)
+                or not values_readable(call.q)
                 or call.q.dtype == torch.float64 or torch._C._are_functorch_transforms_active()
                 or torch.autograd.forward_ad._current_level >= 0):
             # plain autograd: nothing to guard, nothing to rerun in, or a transform that takes

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from transformers import masking_utils as mu
 
+from .._values import values_readable
 from .attention import CompactMask
 
 # sliding_window_causal_mask_function(w) is and_masks(sliding_window_overlay(w),
@@ -109,6 +110,6 @@ def _padding(attention_mask, kv_length: int, kv_offset: int):
         return None
     padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
     padding = padding[:, kv_offset:kv_offset + kv_length]
-    if torch.compiler.is_compiling():  # a compiled graph does not branch on values: kept as is
+    if not values_readable(padding):  # kept as is
         return padding
     return None if bool(padding.all()) else padding

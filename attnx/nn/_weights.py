@@ -15,6 +15,7 @@ import torch
 
 from .. import _rng
 from .._backends import reference
+from .._values import values_readable
 
 
 def band_mask(lq: int, lk: int, window, device, offset: int = 0) -> Optional[torch.Tensor]:
@@ -38,8 +39,7 @@ def weight_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tenso
     overflows (|q| |k| past its range), as the fused op does: finite inputs never give NaN
     weights. softmax_weights takes either and returns the weights in `dtype`."""
     s = torch.matmul(q * scale, k.transpose(-2, -1))
-    # (a traced graph keeps no data-dependent branch: no rerun there)
-    if not torch.compiler.is_compiling() and not bool(torch.isfinite(s).all()):
+    if values_readable(s) and not bool(torch.isfinite(s).all()):
         s = torch.matmul(q.double() * scale, k.double().transpose(-2, -1))
     return s
 
