@@ -5,11 +5,11 @@
 //
 // Split-K: each task is one (sequence b, kv head, slice of b's keys) and takes every query row
 // of the kv head's group at once (G = Hq / Hkv query heads x Lq queries), so each K/V row is
-// read from memory once per group. Keys go in blocks of BLOCK_KEYS whose rows' addresses are
-// looked up first (contiguous or through the block table), so the block stays in L1/L2 while
-// every row of the group uses it: scores, online softmax, then o += p V. A task leaves its
-// unnormalized output with its rows' max and sum; a second pass merges a head's slices by
-// log-sum-exp. Slots past a sequence's length are never read. float32 runs on the vector
+// read from memory once per group. Keys go in blocks (BLOCK_KEYS, LANE_BLOCK_KEYS) whose rows'
+// addresses are looked up first (contiguous or through the block table), so the block stays in
+// L1/L2 while every row of the group uses it: scores, online softmax, then o += p V. A task
+// leaves its unnormalized output with its rows' max and sum; a second pass merges a head's
+// slices by log-sum-exp. Slots past a sequence's length are never read. float32 runs on the vector
 // products of decode_vectors.h (many rows as the lanes of a vector, LaneTask; the others four
 // at a time); bfloat16 on the same, each block widened to float32 as it is read; float64 on
 // plain loops. Where float32 overflows on finite inputs (scores near its range), the call
@@ -43,8 +43,14 @@ namespace {
 using at::Tensor;
 
 // Keys per block: a block's K and V rows (2 x 16 x 512 bytes at E = 128, float32) stay in L1
-// while the group's rows use them (32 or 64 keys: no faster at Lq = 1 or 4).
+// while the group's rows use them: the four-row products read each block's value rows once per
+// two rows (32 keys: 9% slower at B = 8, Lq = 1 from memory, Zen 4).
 constexpr int64_t BLOCK_KEYS = 16;
+// Where the lanes take every row in one group (LaneRows; Lq = 4 with Hq / Hkv = 4), no row of a
+// block is read twice, and longer blocks only spread the per-block work (reloading the output
+// columns, the softmax's max and rescale, the rows' lookups) over more keys: 7-11% faster at
+// Lq = 4 from memory at 32 keys than at 16 (64: no faster than 32; one thread, Zen 4).
+constexpr int64_t LANE_BLOCK_KEYS = 32;
 // Fewest keys per slice: shorter slices cost more in the merge than they gain in balance.
 constexpr int64_t MIN_SLICE = 512;
 
@@ -148,7 +154,8 @@ class LaneTask {
   LaneTask(const Shape& d, const LaneRows& lr)
       : d_(d), lr_(lr), qt_(static_cast<size_t>(lr.groups * d.E * lr.W)),
         ot_(static_cast<size_t>(lr.groups * d.Ev * lr.W)),
-        st_(static_cast<size_t>(BLOCK_KEYS * lr.W)), m_(static_cast<size_t>(lr.groups * lr.W)),
+        st_(static_cast<size_t>(LANE_BLOCK_KEYS * lr.W)),
+        m_(static_cast<size_t>(lr.groups * lr.W)),
         l_(m_.size()), alpha_(static_cast<size_t>(lr.W)), slope_(m_.size()),
         i_lo_(static_cast<size_t>(lr.groups), d.Lq), i_hi_(i_lo_.size(), 0),
         query_(static_cast<size_t>(lr.rows)) {
@@ -202,8 +209,8 @@ class LaneTask {
       const int64_t a1 = share * n_far / d_.R;
       const int64_t i_lo = i_lo_[g], i_hi = i_hi_[g];
       if (j0 + n - 1 < i_lo + diag + lo || j0 > i_hi + diag + hi) continue;  // none admitted
-      lane_scores(qt_.data() + g * d_.E * W, k, n, d_.E, st, {k_far + a0, a1 - a0, d_.E * d_.kv_size});
-      overflow_ = overflow_ || any_neg_inf(st, n * W);
+      overflow_ = lane_scores(qt_.data() + g * d_.E * W, k, n, d_.E, st,
+                              {k_far + a0, a1 - a0, d_.E * d_.kv_size}) || overflow_;
       if constexpr (MODS) {
         if (mods.softcap > 0) softcap_row(st, n * W, mods.softcap, nullptr);  // elementwise
         if (mods.alibi != nullptr) {
@@ -250,14 +257,15 @@ class LaneTask {
   std::vector<int64_t> query_;  // the query i of each lane row r: r % Lq
 
  public:
-  bool overflow_ = false;  // some raw score came out -inf (any_neg_inf)
+  bool overflow_ = false;  // some raw score came out -inf (lane_scores)
 };
 
 // T: the compute type (float or double); KV: the inputs' (T, or bfloat16 with T float). qs: the
 // query rows, which the tasks multiply by q_scale as they copy them. mask: SDPA's attention
 // mask (the caller's view, (B, Hq, Lq, keys)), or none; a task locates its rows once. out, lse
-// in T. Returns whether some score overflowed to -inf (any_neg_inf).
-template <typename T, typename KV, bool MODS>
+// in T. BK: keys per block (BLOCK_KEYS, or LANE_BLOCK_KEYS where the lanes take every row in
+// one group). Returns whether some score overflowed to -inf (any_neg_inf).
+template <typename T, typename KV, bool MODS, int64_t BK>
 bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
          const Tensor& v_cache, const std::vector<int64_t>& lens, const Tensor& table, int64_t lo,
          int64_t hi, const Mods<T>& mods, const MaskRows& mask, const Tensor& out,
@@ -276,7 +284,7 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
   // the same from run to run at a given count, not across counts)
   const int64_t wanted = 4 * std::max<int64_t>(1, at::get_num_threads());
   int64_t slice_len = std::max(MIN_SLICE, (admitted * d.Hkv + wanted - 1) / wanted);
-  slice_len = (slice_len + BLOCK_KEYS - 1) / BLOCK_KEYS * BLOCK_KEYS;
+  slice_len = (slice_len + BK - 1) / BK * BK;
   for (int64_t b = 0; b < d.B; ++b) {
     const int64_t diag = lens[b] - d.Lq;
     const int64_t begin = std::max<int64_t>(0, diag + lo);
@@ -296,7 +304,7 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
 
   parallel_tasks(tasks, [&](Tasks& queue) {
     constexpr int ROWS = 4;  // rows per call of the products (decode_vectors.h)
-    line_vector<T> s(static_cast<size_t>(ROWS * BLOCK_KEYS));
+    line_vector<T> s(static_cast<size_t>(ROWS * BK));
     line_vector<T> q_rows(static_cast<size_t>(d.R * d.E));  // the task's rows, scaled
     std::optional<LaneTask<MODS>> lanes;
     if constexpr (std::is_same_v<T, float>) {
@@ -304,13 +312,13 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
     }
     // the block's rows as the products read them (kp, vp), and as the caches hold them: this
     // block's, the next one's, and the one after (only fetched)
-    const T *kp[BLOCK_KEYS], *vp[BLOCK_KEYS];
-    const KV *kr[BLOCK_KEYS], *vr[BLOCK_KEYS], *kr_next[BLOCK_KEYS], *vr_next[BLOCK_KEYS];
-    const void *kp_far[BLOCK_KEYS], *vp_far[BLOCK_KEYS];
+    const T *kp[BK], *vp[BK];
+    const KV *kr[BK], *vr[BK], *kr_next[BK], *vr_next[BK];
+    const void *kp_far[BK], *vp_far[BK];
     line_vector<T> kbuf, vbuf;  // bfloat16 caches: the block widened for the lanes
     if constexpr (!std::is_same_v<T, KV>) {
-      kbuf.resize(static_cast<size_t>(BLOCK_KEYS * d.E));
-      vbuf.resize(static_cast<size_t>(BLOCK_KEYS * d.Ev));
+      kbuf.resize(static_cast<size_t>(BK * d.E));
+      vbuf.resize(static_cast<size_t>(BK * d.Ev));
     }
     bool over = false;
     std::vector<MaskRows::Row> mask_rows(mask.present() ? static_cast<size_t>(d.R) : 0);
@@ -328,8 +336,8 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
       if constexpr (std::is_same_v<T, float>) {
         if (lanes) lanes->start(q, sl.b, h, mods);
       }
-      for (int64_t j0 = sl.j0; j0 < sl.j1; j0 += BLOCK_KEYS) {
-        const int64_t n = std::min(BLOCK_KEYS, sl.j1 - j0);
+      for (int64_t j0 = sl.j0; j0 < sl.j1; j0 += BK) {
+        const int64_t n = std::min(BK, sl.j1 - j0);
         if (j0 == sl.j0) {  // later blocks' rows were looked up as the next block
           krows.rows(sl.b, h, j0, n, kr);
           vrows.rows(sl.b, h, j0, n, vr);
@@ -339,11 +347,11 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
         // blocks ahead (one ahead left paged reads, 8 KB runs scattered by the block table,
         // 16-26% slower than contiguous at Lq = 1; two: 0.95-1.16x). The next block's rows are
         // looked up here too, to be the current ones next time.
-        const int64_t n_next = std::clamp<int64_t>(sl.j1 - j0 - n, 0, BLOCK_KEYS);
+        const int64_t n_next = std::clamp<int64_t>(sl.j1 - j0 - n, 0, BK);
         krows.rows(sl.b, h, j0 + n, n_next, kr_next);
         vrows.rows(sl.b, h, j0 + n, n_next, vr_next);
         const int64_t far0 = j0 + n + n_next;
-        const int64_t n_far = std::clamp<int64_t>(sl.j1 - far0, 0, BLOCK_KEYS);
+        const int64_t n_far = std::clamp<int64_t>(sl.j1 - far0, 0, BK);
         krows.rows(sl.b, h, far0, n_far, kp_far);
         vrows.rows(sl.b, h, far0, n_far, vp_far);
         // bfloat16: the lanes read the block widened to float32 once; the four-row products
@@ -382,7 +390,7 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
           const T* qr[ROWS];
           T *sr[ROWS], *orow[ROWS];
           for (int rr = 0; rr < rows; ++rr) {
-            qr[rr] = q + (r0 + rr) * d.E, sr[rr] = s.data() + rr * BLOCK_KEYS;
+            qr[rr] = q + (r0 + rr) * d.E, sr[rr] = s.data() + rr * BK;
             orow[rr] = o + (r0 + rr) * d.Ev;
           }
           const int64_t a0 = share * n_far / d.R;
@@ -572,12 +580,23 @@ bool run_with(const Shape& d, const Tensor& qs, double q_scale, const Tensor& k_
               int64_t lo, int64_t hi, const ModArgs& mods, const MaskRows& mask,
               const Tensor& out, const Tensor& lse) {
   const T s = static_cast<T>(q_scale);  // (float32: what q * scale computes in float32)
-  if (mods.any()) {
-    return run<T, KV, true>(d, qs, s, k_cache, v_cache, lens, table, lo, hi, mods.view<T>(),
-                            mask, out, lse);
+  if constexpr (std::is_same_v<T, float>) {
+    const LaneRows lr = lane_rows<T>(d);
+    if (lr.groups == 1 && lr.rows == d.R) {
+      if (mods.any()) {
+        return run<T, KV, true, LANE_BLOCK_KEYS>(d, qs, s, k_cache, v_cache, lens, table, lo, hi,
+                                                 mods.view<T>(), mask, out, lse);
+      }
+      return run<T, KV, false, LANE_BLOCK_KEYS>(d, qs, s, k_cache, v_cache, lens, table, lo, hi,
+                                                Mods<T>{}, mask, out, lse);
+    }
   }
-  return run<T, KV, false>(d, qs, s, k_cache, v_cache, lens, table, lo, hi, Mods<T>{}, mask,
-                           out, lse);
+  if (mods.any()) {
+    return run<T, KV, true, BLOCK_KEYS>(d, qs, s, k_cache, v_cache, lens, table, lo, hi,
+                                        mods.view<T>(), mask, out, lse);
+  }
+  return run<T, KV, false, BLOCK_KEYS>(d, qs, s, k_cache, v_cache, lens, table, lo, hi,
+                                       Mods<T>{}, mask, out, lse);
 }
 
 // out and lse in the compute type (float64 for float64 q, else float32), and whether a score

@@ -43,8 +43,9 @@ void add_rows(int rows, double* const* o, const double* const* p, const double* 
 // (st[t * W + r]); qt, a group's query rows transposed (qt[c * W + r], zero past its rows).
 int lane_width();  // W: 16 on AVX-512, else 8
 
-// st[t * W + r] = dot(q_r, k[t][0, e)) for t in [0, n).
-void lane_scores(const float* qt, const float* const* k, int64_t n, int64_t e, float* st,
+// st[t * W + r] = dot(q_r, k[t][0, e)) for t in [0, n); returns whether one of them is -inf
+// (from finite inputs only where a sum passed float32's range: the caller reruns in float64).
+bool lane_scores(const float* qt, const float* const* k, int64_t n, int64_t e, float* st,
                  Ahead ahead = {});
 
 // The online softmax of a lane tile, per lane r: m[r] <- max(m[r], st[., r]); st <- exp(st -
