@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -45,6 +46,13 @@ class Modifiers(NamedTuple):  # a tuple: torch.compile traces it on every suppor
 NO_MODIFIERS = Modifiers()
 
 
+def _finite(x: float) -> bool:
+    """math.isfinite(x), in a form torch.compile traces where x is symbolic (a float argument
+    under dynamic=True, or once automatic dynamic shapes made it one): dynamo cannot call
+    math.isfinite on a SymFloat, and a comparison becomes a guard. NaN compares false."""
+    return abs(x) <= sys.float_info.max
+
+
 def _to_float(name: str, x: numbers.Real, expected: str) -> float:
     """float(x), where an int too large for a float raises naming the argument (float() raises
     OverflowError with no name)."""
@@ -61,7 +69,7 @@ def _check_softcap(softcap, dtype: torch.dtype) -> Optional[float]:
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap: expected None or a float > 0, got {_type_name(softcap)}")
     c = _to_float("softcap", softcap, "a finite float > 0")
-    if not (math.isfinite(c) and c > 0):
+    if not (_finite(c) and c > 0):
         raise ValueError(f"softcap: expected a finite float > 0, got {softcap}")
     if dtype != torch.float64 and c > torch.finfo(torch.float32).max:
         raise ValueError(f"softcap: expected a value float32 can hold for {dtype} inputs, got {softcap}")
@@ -197,15 +205,22 @@ def _check_backend(backend) -> str:
     return backend
 
 
-def _band(lq: int, lk: int, is_causal: bool, causal_offset: Optional[int], window) -> tuple:
+# A band's open edge: a constant, not the lengths (every j - i lies in [-(Lq - 1), Lk - 1]), so
+# that a graph torch.compile traces does not specialize to the sequence lengths through the
+# ops' int arguments (a recompile per length, then eager past dynamo's limit). Every kernel
+# clamps the band to its own shapes before using it (far from overflow in i + lo there).
+UNBOUNDED = 1 << 40
+
+
+def _band(is_causal: bool, causal_offset: Optional[int], window) -> tuple:
     """Fold causal, CausalBias and window into (window_lo, window_hi)."""
-    lo, hi = -lq, lk  # unbounded: every j - i lies in [-(lq - 1), lk - 1]
+    lo, hi = -UNBOUNDED, UNBOUNDED
     if is_causal:
         hi = 0
     if causal_offset is not None:
         hi = min(hi, causal_offset)
     lo, hi = _windowed(lo, hi, window)
-    return max(lo, -lq), min(hi, lk)
+    return max(lo, -UNBOUNDED), min(hi, UNBOUNDED)
 
 
 def _windowed(lo: int, hi: int, window) -> tuple:
@@ -337,7 +352,7 @@ def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     if is_causal and attn_mask is not None:
         raise ValueError("attn_mask: expected None when is_causal=True (pass one or the other), "
                          f"got {_type_name(attn_mask)}")
-    lo, hi = _band(lq, lk, is_causal, causal_offset, window)
+    lo, hi = _band(is_causal, causal_offset, window)
 
     q, k, v = (_flatten_lead(t, lead) for t in (q, k, v))
     if mask is not None:
@@ -387,7 +402,7 @@ def additive_call(query, key, value, v, attn_mask, dropout_p, is_causal, window,
                          f"got {_type_name(attn_mask)}")
     if mask is not None and three_d:
         mask = mask.unsqueeze(1)
-    lo, hi = _band(lq, lk, is_causal, causal_offset, window)
+    lo, hi = _band(is_causal, causal_offset, window)
     seed = _rng.draw_seed() if 0 < p < 1 else None
     return AdditiveCall(q, k, val, vv, mask, lo, hi, p, seed, backend, three_d, return_weights)
 
@@ -433,7 +448,7 @@ def _check_scale(scale, e: int, dtype: torch.dtype) -> float:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale: expected None or a float, got {_type_name(scale)}")
     value = _to_float("scale", scale, "a finite float")
-    if not math.isfinite(value):
+    if not _finite(value):
         raise ValueError(f"scale: expected a finite float, got {scale}")
     if dtype != torch.float64 and abs(value) > torch.finfo(torch.float32).max:
         # the kernels scale in float32 (float64 only for float64 inputs): inf there, NaN after
@@ -484,7 +499,7 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
         if not 0 <= cache_seqlens <= capacity:  # (and within int32, which the tensor holds)
             raise ValueError(f"cache_seqlens: expected an int in [0, {capacity}] (the cache's "
                              f"capacity), got {cache_seqlens}")
-        lens = [int(cache_seqlens)] * b
+        lens = [int(cache_seqlens)]  # every sequence's (not one per row: b may be symbolic)
         cache_seqlens = torch.full((b,), int(cache_seqlens), dtype=torch.int32, device=q.device)
     else:
         cache_seqlens = _check_index_tensor("cache_seqlens", cache_seqlens, (b,), q.device)
@@ -540,13 +555,11 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
 
     scale = _check_scale(scale, e, q.dtype)
     mods = _check_modifiers(softcap, alibi_slopes, sinks, q, b, hq)
-    # The band relative to the bottom-right diagonal d = n - Lq: every j - (i + d) lies in
-    # [-(n - 1), Lq - 1] (Lq - 1 for query 0 when Lq > n), so unbounded is
-    # [-(capacity + Lq), capacity + Lq], far from overflow in a kernel's i + d + lo.
-    bound = capacity + lq
-    lo, hi = _windowed(-bound, 0 if is_causal else bound, window)
+    # The band relative to the bottom-right diagonal d = n - Lq (every j - (i + d) lies in
+    # [-(n - 1), Lq - 1]); the kernels clamp it to [-(capacity + Lq), capacity + Lq]
+    lo, hi = _band(is_causal, None, window)
     return KvcacheCall(q, k_cache, v_cache, cache_seqlens, seqlens, k, v, block_table, scale,
-                       max(lo, -bound), min(hi, bound), backend, return_lse, mods)
+                       lo, hi, backend, return_lse, mods)
 
 
 @dataclass

@@ -169,3 +169,96 @@ def test_fake_tensors_through_multihead_weights():
         fx = mode.from_tensor(x)
         got = m(fx, fx, fx, need_weights=True)
     assert [t.shape for t in got] == [t.shape for t in want]
+
+
+def _recompiles(fn, calls, **compile_kwargs) -> int:
+    """How many frames torch.compile compiles for fn past those of the first call, over the
+    calls (argument tuples), each result checked against eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fn, backend=counter, **compile_kwargs)
+    first = None
+    for args in calls:
+        torch.testing.assert_close(compiled(*args), fn(*args))
+        first = counter.frame_count if first is None else first
+    return counter.frame_count - first
+
+
+@pytest.mark.parametrize("op", ["sdpa", "sdpa_causal", "sdpa_window", "additive", "kvcache"])
+def test_one_graph_serves_every_sequence_length(op):
+    """dynamic=True: the lengths stay symbolic (the band's open edges are constants, not
+    +-(Lq + Lk), which the ops' int arguments specialized: a graph per length, then eager once
+    dynamo's recompile limit was hit). Lengths past 1 (torch specializes sizes 0 and 1) and
+    unlike the other dims (duck sizing would tie them)."""
+    def fn(q):
+        if op == "additive":
+            return attnx.additive_attention(q, q, q, torch.ones(16))
+        if op == "kvcache":  # the cache's capacity and the int length follow L
+            return attnx.attention_with_kvcache(q[:, :, -1:], q, q, q.shape[2] - 1)
+        return attnx.scaled_dot_product_attention(
+            q, q, q, is_causal=op == "sdpa_causal", window=(3, 2) if op == "sdpa_window" else None)
+
+    lengths = (3, 5, 17, 33)
+    assert _recompiles(fn, [(torch.randn(1, 2, n, 16),) for n in lengths], dynamic=True) == 0
+
+
+def test_mark_dynamic_sequence_length():
+    """torch.compile refused a length marked dynamic (ConstraintViolationError: specialized)."""
+    q = torch.randn(1, 2, 17, 16)
+    torch._dynamo.mark_dynamic(q, 2)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q: attnx.scaled_dot_product_attention(q, q, q, is_causal=True),
+                      fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(f(q), attnx.scaled_dot_product_attention(q, q, q, is_causal=True))
+
+
+@pytest.mark.parametrize("which", ["scale", "softcap"])
+def test_symbolic_float_arguments(which):
+    """dynamic=True makes a float argument symbolic: validation's finiteness check raised
+    Unsupported (math.isfinite on a SymFloat) under fullgraph=True on the first call."""
+    q = torch.randn(1, 2, 8, 16)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, x: attnx.scaled_dot_product_attention(q, q, q, **{which: x}),
+                      fullgraph=True, backend="aot_eager", dynamic=True)
+    for x in (0.2, 0.7):
+        torch.testing.assert_close(f(q, x), attnx.scaled_dot_product_attention(q, q, q, **{which: x}))
+
+
+def test_multihead_key_padding_mask_with_a_dynamic_batch():
+    """The padding mask's shape was checked by hashing it: a graph per batch size under
+    dynamic=True, and torch.export with a dynamic batch raised TypeError (unhashable SymInt)."""
+    import attnx.nn
+
+    torch.manual_seed(0)
+    m = attnx.nn.MultiheadAttention(16, 2, batch_first=True).eval()
+
+    def fn(x, kpm):
+        return m(x, x, x, key_padding_mask=kpm, need_weights=False)[0]
+
+    def inputs(b):
+        kpm = torch.zeros(b, 7, dtype=torch.bool)
+        kpm[0, -1] = True
+        return torch.randn(b, 7, 16), kpm
+
+    assert _recompiles(fn, [inputs(b) for b in (2, 3, 5)], dynamic=True) == 0
+
+    class Module(torch.nn.Module):
+        def forward(self, x, kpm):
+            return fn(x, kpm)
+
+    batch = torch.export.Dim("batch", min=2, max=64)
+    exported = torch.export.export(Module(), inputs(3), dynamic_shapes=({0: batch}, {0: batch}))
+    x, kpm = inputs(5)
+    torch.testing.assert_close(exported.module()(x, kpm), fn(x, kpm))
+
+
+def test_kvcache_int_length_with_a_dynamic_batch():
+    """An int cache length became a list of one entry per sequence ([n] * B): a graph per
+    batch size."""
+    def fn(q, cache):
+        return attnx.attention_with_kvcache(q, cache, cache, 9)
+
+    calls = [(torch.randn(b, 4, 1, 16), torch.randn(b, 2, 12, 16)) for b in (3, 5, 7)]
+    assert _recompiles(fn, calls, dynamic=True) == 0

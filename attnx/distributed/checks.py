@@ -76,7 +76,7 @@ def local_spec(call, world: int, is_causal, window, layout, backend: str) -> Spe
     check_divisible("query", lq * world, world, layout)
     total = lq * world
     softcap = call.mods.softcap
-    lo, hi = _validate._band(total, total, is_causal, None, window)
+    lo, hi = _validate._band(is_causal, None, window)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v))
     return Spec(b, hq, hk, lq, e, ev, _DTYPES.index(call.q.dtype), int(is_causal),
                 _LAYOUTS.index(layout), lo, hi, _bits(call.scale),

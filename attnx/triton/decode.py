@@ -151,6 +151,8 @@ def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     paged = block_table is not None
     page = k_cache.shape[2] if paged else 1
     capacity = block_table.shape[1] * page if paged else k_cache.shape[2]
+    # every j - (i + d) lies in [-(capacity - 1), Lq - 1]: far from overflow in i + d + lo
+    window_lo, window_hi = common.clamped_band(window_lo, window_hi, capacity + lq, capacity + lq)
     block_m = min(MAX_ROWS, max(16, triton.next_power_of_2(group * lq)))
     programs = b * hkv * triton.cdiv(group * lq, block_m)
     block_d, block_dv = common.head_block(e), common.head_block(ev)
