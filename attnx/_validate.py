@@ -20,6 +20,7 @@ import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from . import _rng
+from ._values import values_readable
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKEND_NAMES = ("auto", "cuda", "triton", "cpu", "reference")
@@ -547,7 +548,9 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
         else:
             counts = torch.tensor(used, dtype=torch.int64).view(-1, 1)
             ids = block_table.to("cpu")[torch.arange(block_table.shape[1]).view(1, -1) < counts]
-        if ids.numel():
+        # (fake and meta tensors hold no ids to read: FakeTensorMode makes the table's slice
+        # fake; while torch.compile traces, the read stays, a graph break)
+        if ids.numel() and (torch.compiler.is_compiling() or values_readable(ids)):
             low, high = (int(x) for x in torch.aminmax(ids))
             if low < 0 or high >= slots:
                 raise ValueError(f"block_table: expected block ids in [0, {slots}) where the "

@@ -262,3 +262,17 @@ def test_kvcache_int_length_with_a_dynamic_batch():
 
     calls = [(torch.randn(b, 4, 1, 16), torch.randn(b, 2, 12, 16)) for b in (3, 5, 7)]
     assert _recompiles(fn, calls, dynamic=True) == 0
+
+
+def test_fake_tensors_through_a_paged_cache():
+    """A real block table under FakeTensorMode: its slice is fake, and the block-id check read
+    it (DataDependentOutputException); fake tensors get the output's shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, kc, vc = torch.randn(2, 4, 1, 16), torch.randn(6, 2, 4, 16), torch.randn(6, 2, 4, 16)
+    table = torch.tensor([[1, 0, 2], [5, 4, 3]], dtype=torch.int32)
+    want = attnx.attention_with_kvcache(q, kc, vc, 7, block_table=table)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        got = attnx.attention_with_kvcache(*(mode.from_tensor(t) for t in (q, kc, vc)), 7,
+                                           block_table=table)
+    assert (got.shape, got.dtype) == (want.shape, want.dtype)
