@@ -574,6 +574,20 @@ std::vector<int64_t> checked_lengths(const Tensor& seqlens, const Tensor& table,
   return lens;
 }
 
+// run with the modifiers compiled in only when the call has some.
+template <typename T, typename KV, int64_t BK>
+bool run_blocks(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
+                const Tensor& v_cache, const std::vector<int64_t>& lens, const Tensor& table,
+                int64_t lo, int64_t hi, const ModArgs& mods, const MaskRows& mask,
+                const Tensor& out, const Tensor& lse) {
+  if (mods.any()) {
+    return run<T, KV, true, BK>(d, qs, q_scale, k_cache, v_cache, lens, table, lo, hi,
+                                mods.view<T>(), mask, out, lse);
+  }
+  return run<T, KV, false, BK>(d, qs, q_scale, k_cache, v_cache, lens, table, lo, hi, Mods<T>{},
+                               mask, out, lse);
+}
+
 template <typename T, typename KV>
 bool run_with(const Shape& d, const Tensor& qs, double q_scale, const Tensor& k_cache,
               const Tensor& v_cache, const std::vector<int64_t>& lens, const Tensor& table,
@@ -583,20 +597,12 @@ bool run_with(const Shape& d, const Tensor& qs, double q_scale, const Tensor& k_
   if constexpr (std::is_same_v<T, float>) {
     const LaneRows lr = lane_rows<T>(d);
     if (lr.groups == 1 && lr.rows == d.R) {
-      if (mods.any()) {
-        return run<T, KV, true, LANE_BLOCK_KEYS>(d, qs, s, k_cache, v_cache, lens, table, lo, hi,
-                                                 mods.view<T>(), mask, out, lse);
-      }
-      return run<T, KV, false, LANE_BLOCK_KEYS>(d, qs, s, k_cache, v_cache, lens, table, lo, hi,
-                                                Mods<T>{}, mask, out, lse);
+      return run_blocks<T, KV, LANE_BLOCK_KEYS>(d, qs, s, k_cache, v_cache, lens, table, lo, hi,
+                                                mods, mask, out, lse);
     }
   }
-  if (mods.any()) {
-    return run<T, KV, true, BLOCK_KEYS>(d, qs, s, k_cache, v_cache, lens, table, lo, hi,
-                                        mods.view<T>(), mask, out, lse);
-  }
-  return run<T, KV, false, BLOCK_KEYS>(d, qs, s, k_cache, v_cache, lens, table, lo, hi,
-                                       Mods<T>{}, mask, out, lse);
+  return run_blocks<T, KV, BLOCK_KEYS>(d, qs, s, k_cache, v_cache, lens, table, lo, hi, mods,
+                                       mask, out, lse);
 }
 
 // out and lse in the compute type (float64 for float64 q, else float32), and whether a score
