@@ -113,7 +113,7 @@ def _register(ns: str) -> None:
     def _sdpa_bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi,
                        dropout_p, seed, mask_grad, grad_lse=None):
         same_device(q, grad_out, k, v, mask, out, lse, grad_lse)
-        dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
+        dmask = mask.new_empty(mask.shape) if mask_grad else _empty_grad(q)
         return (*contiguous_grads(q, k, v), dmask)
 
     @torch.library.register_fake(f"{ns}::additive_fwd")
@@ -130,7 +130,7 @@ def _register(ns: str) -> None:
     def _additive_bwd_fake(grad_out, q, k, value, v, mask, out, lse, window_lo, window_hi,
                            dropout_p, seed, mask_grad, grad_lse=None, grad_weights=None):
         same_device(q, grad_out, k, value, v, mask, out, lse, grad_lse, grad_weights)
-        dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
+        dmask = mask.new_empty(mask.shape) if mask_grad else _empty_grad(q)
         return (*contiguous_grads(q, k, value, v), dmask)
 
     def _wants_mask_grad(ctx, mask) -> bool:
@@ -283,7 +283,7 @@ def _register_modifiers(ns: str) -> None:
     def _bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi, dropout_p,
                   seed, mask_grad, grad_lse, softcap, alibi, sinks, sinks_grad):
         same_device(q, grad_out, k, v, mask, out, lse, grad_lse, alibi, sinks)
-        dmask = q.new_empty(mask.shape) if mask_grad else _empty_grad(q)
+        dmask = mask.new_empty(mask.shape) if mask_grad else _empty_grad(q)
         dsinks = sinks.new_empty(sinks.shape) if sinks_grad else _empty_grad(q)
         return (*contiguous_grads(q, k, v), dmask, dsinks)
 

@@ -118,7 +118,7 @@ class SdpaCall:
     q: torch.Tensor  # (B, Hq, Lq, E)
     k: torch.Tensor  # (B, Hkv, Lk, E)
     v: torch.Tensor  # (B, Hkv, Lk, Ev)
-    mask: Optional[torch.Tensor]  # (B, Hq, Lq, Lk) view, bool or q.dtype
+    mask: Optional[torch.Tensor]  # (B, Hq, Lq, Lk) view: bool, float32 or q.dtype
     scale: float
     window_lo: int
     window_hi: int
@@ -136,7 +136,7 @@ class AdditiveCall:
     k: torch.Tensor  # (B, H, Lk, A)
     value: torch.Tensor  # (B, H, Lk, Ev)
     v: torch.Tensor  # (H, A), possibly a stride-0 view of a (A,) vector
-    mask: Optional[torch.Tensor]  # (B, H, Lq, Lk) view, bool or q.dtype
+    mask: Optional[torch.Tensor]  # (B, H, Lq, Lk) view: bool, float32 or q.dtype
     window_lo: int
     window_hi: int
     dropout_p: float
@@ -258,8 +258,10 @@ def _check_mask(attn_mask, q: torch.Tensor, target: tuple, lq: int, lk: int):
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask: expected None, a Tensor or a CausalBias, got {_type_name(attn_mask)}")
     _check_dense("attn_mask", attn_mask)
-    if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
-        raise TypeError(f"attn_mask: expected dtype torch.bool or {q.dtype} (that of query), got {attn_mask.dtype}")
+    # torch's rule: bool, float32 (added in float32 whatever the query's dtype), or q's dtype
+    if attn_mask.dtype not in (torch.bool, torch.float32, q.dtype):
+        raise TypeError(f"attn_mask: expected dtype torch.bool, torch.float32 or {q.dtype} "
+                        f"(that of query), got {attn_mask.dtype}")
     if attn_mask.device != q.device:
         raise TypeError(f"attn_mask: expected device {q.device} (that of query), got {attn_mask.device}")
     extra = attn_mask.dim() - len(target)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import attnx.nn as ann
+from attnx.nn._masks import combine
 from _compare import assert_within
 
 E, H = 12, 3
@@ -143,6 +144,28 @@ def test_float32_error_bounded_by_torch():
     o1, _ = ours(q.float(), k.float(), v.float(), **masks)
     o2, _ = ref(q.float(), k.float(), v.float(), **masks)
     assert_within(o1, gold, o2, factor=4.0, floor=1e-6)
+
+
+def test_bfloat16_module_with_a_float32_mask_adds_it_in_float32():
+    """torch's MultiheadAttention passes a float32 attn_mask to its SDPA as it is (added to the
+    scores in float32); a mask cast to bfloat16 would move them by up to ~0.1 at |mask| ~ 40."""
+    ours, ref = _pair(dtype=torch.bfloat16, batch_first=True)
+    _, gold_mod = _pair(batch_first=True)
+    q, k, v = _inputs(3, 17, 33, True)
+    g = torch.Generator().manual_seed(4)
+    mask = torch.randn(17, 33, generator=g).mul(40)
+    kpm = _masks(3, 17, 33, "kpm")["key_padding_mask"]
+    low = [t.to(torch.bfloat16).double() for t in (q, k, v)]  # the same inputs in float64
+    gold, _ = gold_mod(*low, attn_mask=mask.double(), key_padding_mask=kpm, need_weights=False)
+    kw = dict(attn_mask=mask, key_padding_mask=kpm, need_weights=False)
+    o1, _ = ours(*(t.to(torch.bfloat16) for t in (q, k, v)), **kw)
+    o2, _ = ref(*(t.to(torch.bfloat16) for t in (q, k, v)), **kw)
+    assert o1.dtype == torch.bfloat16
+    assert_within(o1, gold, o2, factor=2.0, floor=1e-5)
+    # the bf16 projections' error hides the mask's rounding above: the mask the kernel gets
+    merged = combine([mask, kpm.view(3, 1, 1, 33)], torch.bfloat16)
+    assert merged.dtype == torch.float32
+    assert torch.equal(merged, mask.masked_fill(kpm.view(3, 1, 1, 33), float("-inf")))
 
 
 def test_state_dict_both_ways():

@@ -14,12 +14,12 @@ def _mask(kind, shape):
         return None
     if kind == "bool":
         m = torch.rand(shape[-2:]) > 0.2
-    else:
-        m = torch.randn(shape[-2:], dtype=torch.float64)
+    else:  # "float": q's dtype (float64); "float32": torch's other float mask dtype
+        m = torch.randn(shape[-2:], dtype=torch.float32 if kind == "float32" else torch.float64)
     return m.expand(shape)
 
 
-@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float", "float32"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
 def test_opcheck_sdpa(mask_kind, dropout_p):
     q = torch.randn(2, 4, 9, 8, dtype=torch.float64, requires_grad=True)
@@ -32,12 +32,12 @@ def test_opcheck_sdpa(mask_kind, dropout_p):
     out, lse = torch.ops.attnx.sdpa_fwd(*fwd)
     g = torch.randn_like(out)
     bwd = (g, q.detach(), k.detach(), v.detach(), mask, out.detach(), lse.detach(), 0.3, -5, 3, dropout_p, seed,
-           mask_kind == "float")
+           mask_kind in ("float", "float32"))
     torch.library.opcheck(torch.ops.attnx.sdpa_bwd.default, bwd)
     torch.library.opcheck(torch.ops.attnx.sdpa_bwd.default, bwd + (torch.randn_like(lse),))
 
 
-@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float", "float32"])
 @pytest.mark.parametrize("return_weights", [False, True])
 def test_opcheck_additive(mask_kind, return_weights):
     q = torch.randn(2, 3, 7, 8, dtype=torch.float64, requires_grad=True)
@@ -50,7 +50,7 @@ def test_opcheck_additive(mask_kind, return_weights):
     out, lse, _ = torch.ops.attnx.additive_fwd(*fwd)
     g = torch.randn_like(out)
     bwd = (g, q.detach(), k.detach(), value.detach(), v.detach(), mask, out.detach(), lse.detach(), -7, 5, 0.0,
-           None, mask_kind == "float")
+           None, mask_kind in ("float", "float32"))
     torch.library.opcheck(torch.ops.attnx.additive_bwd.default, bwd)
     torch.library.opcheck(torch.ops.attnx.additive_bwd.default, bwd + (torch.randn_like(lse),))
     grad_weights = torch.randn(2, 3, 7, 5, dtype=torch.float64)

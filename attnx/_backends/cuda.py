@@ -1,6 +1,8 @@
 """The `cuda` backend: the CUDA C++ kernels of `csrc/cuda/`, the default for CUDA tensors.
 
-What the kernels serve (keep in step with csrc/cuda/): float16 and bfloat16; SDPA head dims
+What the kernels serve (keep in step with csrc/cuda/): float16 and bfloat16 (masks: bool or
+q's dtype, and for additive attention float32 too; an SDPA call with a float32 mask goes to
+triton); SDPA head dims
 E, Ev up to 256 (the forward is built for the head-dim families 32, 64, 96, 128, 160, 192 and
 256, the backward for the same; each zero-pads below its family);
 additive value dims up to 2048 (the output tile lives in shared memory); the SDPA score
@@ -145,6 +147,11 @@ def unsupported(op: str, call) -> Optional[str]:
         return f"the cuda backend takes CUDA tensors, got device {call.q.device}"
     if call.q.dtype not in DTYPES:
         return f"the cuda backend takes float16 and bfloat16, got {call.q.dtype}"
+    mask = getattr(call, "mask", None)
+    if op == "sdpa" and mask is not None and mask.dtype not in (torch.bool, call.q.dtype):
+        # the SDPA kernels read a float mask as q's dtype (csrc/cuda/kernel_ops.cpp mask_view)
+        return (f"the cuda backend's SDPA takes a bool attn_mask or one of q's dtype "
+                f"{call.q.dtype}, got {mask.dtype}")
     reason = availability() if on_cpu() else _device_reason(call.q.device)
     if reason is not None:
         return reason

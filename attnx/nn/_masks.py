@@ -41,7 +41,9 @@ def check_mask(name: str, mask: Optional[torch.Tensor], shapes: Sequence[tuple])
 
 
 def combine(masks: Sequence[Optional[torch.Tensor]], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """torch.nn-convention masks, already shaped to broadcast together -> one attnx mask."""
+    """torch.nn-convention masks, already shaped to broadcast together -> one attnx mask.
+    Float masks are summed in `dtype` (the query's), or in float32 at least where one of them
+    is float32: torch adds a float32 mask to half-precision scores in float32."""
     masks = [m for m in masks if m is not None]
     if not masks:
         return None
@@ -50,6 +52,8 @@ def combine(masks: Sequence[Optional[torch.Tensor]], dtype: torch.dtype) -> Opti
         for m in masks[1:]:
             allowed = allowed & ~m
         return allowed
+    if any(m.dtype == torch.float32 for m in masks):
+        dtype = torch.promote_types(dtype, torch.float32)
     total = None
     for m in masks:
         f = (torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))

@@ -376,7 +376,7 @@ def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value
     dk = q.new_zeros((b, h, lk, a), dtype=torch.float32)
     dw = q.new_zeros((b, h, n_blocks, a), dtype=torch.float32)
     dvalue = value.new_empty((b, h, lk, ev))
-    dmask = q.new_zeros((b, h, lq, lk)) if mask_grad else q.new_empty((0,))
+    dmask = mask.new_zeros((b, h, lq, lk)) if mask_grad else q.new_empty((0,))
     sizes = (h, lq, lk, a, ev, window_lo, window_hi, inv_keep)
     has_dw = grad_weights is not None
     common.launcher(_dk_kernel)[common.tiles_grid(lk, consts["BLOCK_N"], b * h)](
@@ -403,7 +403,7 @@ def _additive_fwd_fake(q, k, value, v, mask, window_lo, window_hi, dropout_p, se
 def _additive_bwd_fake(grad_out, q, k, value, v, mask, out, lse, window_lo, window_hi,
                        dropout_p, seed, mask_grad, grad_lse, grad_weights):
     same_device(q, grad_out, k, value, v, mask, out, lse, grad_lse, grad_weights)
-    dmask = q.new_empty((*q.shape[:3], k.shape[2]) if mask_grad else (0,))
+    dmask = mask.new_empty((*q.shape[:3], k.shape[2])) if mask_grad else q.new_empty((0,))
     return (*contiguous_grads(q, k, value, v), dmask)
 
 

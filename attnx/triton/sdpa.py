@@ -885,7 +885,7 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         dk = k.new_empty((b, hkv, split, lk, e), dtype=torch.float32)
         dv = v.new_empty((b, hkv, split, lk, ev), dtype=torch.float32)
     # Only in-band entries are written: the rest of dmask stays zero.
-    dmask = q.new_zeros((b, h, lq, lk)) if mask_grad else q.new_empty((0,))
+    dmask = mask.new_zeros((b, h, lq, lk)) if mask_grad else q.new_empty((0,))
     sizes = (lq, lk, e, ev, h // hkv)
     band = (scale, window_lo, window_hi, inv_keep, slopes, *a_strides, cap)
     common.launcher(_dkdv_kernel)[
@@ -954,7 +954,7 @@ def _sdpa_fwd_fake(q, k, v, mask, scale, window_lo, window_hi, dropout_p, seed, 
 def _sdpa_bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi, dropout_p,
                    seed, mask_grad, grad_lse=None, softcap=None, alibi=None, sinks=None):
     same_device(q, grad_out, k, v, mask, out, lse, grad_lse, alibi, sinks)
-    dmask = q.new_empty((*q.shape[:3], k.shape[2]) if mask_grad else (0,))
+    dmask = mask.new_empty((*q.shape[:3], k.shape[2])) if mask_grad else q.new_empty((0,))
     dsinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
     return (*contiguous_grads(q, k, v), dmask, dsinks)
 

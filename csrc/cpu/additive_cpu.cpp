@@ -221,9 +221,11 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
     TORCH_CHECK(mask->dim() == 4 && mask->size(0) == q.size(0) && mask->size(1) == q.size(1) &&
                     mask->size(2) == q.size(2) && mask->size(3) == k.size(2),
                 op, ": expected a (B, H, Lq, Lk) mask view, got ", mask->sizes());
-    TORCH_CHECK(mask->scalar_type() == at::kBool || mask->scalar_type() == q.scalar_type(), op,
-                ": expected a bool mask or one of dtype ", q.scalar_type(), ", got ",
-                mask->scalar_type());
+    // torch's rule: a float32 mask goes with any q (MaskView reads every float dtype)
+    TORCH_CHECK(mask->scalar_type() == at::kBool || mask->scalar_type() == q.scalar_type() ||
+                    mask->scalar_type() == at::kFloat,
+                op, ": expected a bool mask, a float32 one or one of dtype ", q.scalar_type(),
+                ", got ", mask->scalar_type());
   }
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": expected 0 <= dropout_p < 1, got ",
               dropout_p);
@@ -361,10 +363,10 @@ struct Slices {
   int64_t begin(int64_t s) const { return s * rows / count; }
 };
 
-template <typename scalar_t, typename acc_t>
+template <typename acc_t>
 struct Grads {
   acc_t *dq, *dk, *dvalue, *dv;  // dv: (B*H, A), summed over B at the end
-  scalar_t* dmask;               // (B, H, Lq, Lk) contiguous, or null
+  acc_t* dmask;                  // (B, H, Lq, Lk) contiguous, or null; the mask's dtype after
 };
 
 // What the backward reads besides the inputs (contiguous, acc_t unless said): dout and out
@@ -388,8 +390,8 @@ struct RowScratch {
 // applied at the end; dv (rows of A values) gets its sum over j of ds_ij tanh_ija here.
 template <typename scalar_t, typename acc_t>
 void backward_rows(const Problem<acc_t>& pb, const Upstream<acc_t>& up, int64_t bh, int64_t i0,
-                   int64_t i1, acc_t* dk, acc_t* dvalue, acc_t* dv,
-                   const Grads<scalar_t, acc_t>& g, RowScratch<acc_t>& w) {
+                   int64_t i1, acc_t* dk, acc_t* dvalue, acc_t* dv, const Grads<acc_t>& g,
+                   RowScratch<acc_t>& w) {
   constexpr acc_t ninf = -std::numeric_limits<acc_t>::infinity();
   const float* lse = up.lse;
   const int64_t b = bh / pb.H, h = bh % pb.H;
@@ -444,7 +446,7 @@ void backward_rows(const Problem<acc_t>& pb, const Upstream<acc_t>& up, int64_t 
       ds[j] = p * (keep * dp - D);
       ds_sum += ds[j];
       if (pd != acc_t(0)) axpy(pd, doi, dvalue + j * pb.Ev, pb.Ev);
-      if (g.dmask) g.dmask[r * pb.Lk + j] = static_cast<scalar_t>(ds[j]);
+      if (g.dmask) g.dmask[r * pb.Lk + j] = ds[j];
     }
     // the terms' gradients: exact pairs first (their ds then cleared), the rest at once
     acc_t* dqi = g.dq + r * pb.ap;
@@ -470,8 +472,7 @@ void backward_rows(const Problem<acc_t>& pb, const Upstream<acc_t>& up, int64_t 
 }
 
 template <typename scalar_t, typename acc_t>
-void backward(const Problem<acc_t>& pb, const Upstream<acc_t>& up,
-              const Grads<scalar_t, acc_t>& g) {
+void backward(const Problem<acc_t>& pb, const Upstream<acc_t>& up, const Grads<acc_t>& g) {
   const int64_t BH = pb.B * pb.H, rows = BH * pb.Lq;
   Slices<acc_t> slices(rows, at::get_num_threads());
   at::parallel_for(0, slices.count, 1, [&](int64_t s_begin, int64_t s_end) {
@@ -494,7 +495,7 @@ void backward(const Problem<acc_t>& pb, const Upstream<acc_t>& up,
           dvalue = sh.dvalue.data();
           dv = sh.dv.data();
         }
-        backward_rows(pb, up, bh, i0, i1, dk, dvalue, dv, g, scratch);
+        backward_rows<scalar_t>(pb, up, bh, i0, i1, dk, dvalue, dv, g, scratch);
       }
     }
   });
@@ -609,10 +610,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
     at::Tensor dk_acc = at::zeros({B, H, Lk, pb.ap}, acc_opts);
     at::Tensor dvalue_acc = at::zeros({B, H, Lk, Ev}, acc_opts);
     at::Tensor dv_acc = at::zeros({B, H, A}, acc_opts);
-    dmask = mask_grad ? at::zeros({B, H, Lq, Lk}, q.options()) : at::empty({0}, q.options());
-    const Grads<scalar_t, acc_t> g{dq_acc.data_ptr<acc_t>(), dk_acc.data_ptr<acc_t>(),
-                                   dvalue_acc.data_ptr<acc_t>(), dv_acc.data_ptr<acc_t>(),
-                                   mask_grad ? dmask.data_ptr<scalar_t>() : nullptr};
+    dmask = mask_grad ? at::zeros({B, H, Lq, Lk}, acc_opts) : at::empty({0}, q.options());
+    const Grads<acc_t> g{dq_acc.data_ptr<acc_t>(), dk_acc.data_ptr<acc_t>(),
+                         dvalue_acc.data_ptr<acc_t>(), dv_acc.data_ptr<acc_t>(),
+                         mask_grad ? dmask.data_ptr<acc_t>() : nullptr};
     const Upstream<acc_t> up{dout_acc.data_ptr<acc_t>(), out_acc.data_ptr<acc_t>(),
                              lse_c.data_ptr<float>(),
                              glse.defined() ? glse.data_ptr<acc_t>() : nullptr,
@@ -635,6 +636,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
     dk = dk_f.to(q.scalar_type());
     dvalue = dvalue_acc.to(q.scalar_type());
     dv = dv_f.to(q.scalar_type());
+    if (mask_grad) dmask = dmask.to(mask->scalar_type());
   });
   const auto gl = grad_lse.value_or(at::Tensor()), gw = grad_weights.value_or(at::Tensor());
   if (q.scalar_type() != at::kDouble && overflowed(v, grads_non_finite) &&
@@ -647,7 +649,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
                               opt64(gl), opt64(gw));
     const auto dt = q.scalar_type();
     return {std::get<0>(grads).to(dt), std::get<1>(grads).to(dt), std::get<2>(grads).to(dt),
-            std::get<3>(grads).to(dt), std::get<4>(grads).to(dt)};
+            std::get<3>(grads).to(dt),
+            mask_grad ? std::get<4>(grads).to(mask->scalar_type()) : std::get<4>(grads).to(dt)};
   }
   return {dq, dk, dvalue, dv, dmask};
 }

@@ -536,8 +536,11 @@ Dims check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor
     TORCH_CHECK(m.dim() == 4 && m.size(0) == d.B && m.size(1) == d.Hq && m.size(2) == d.Lq &&
                     m.size(3) == d.Lk,
                 op, ": expected a (B, Hq, Lq, Lk) mask view, got ", m.sizes());
-    TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == dt, op,
-                ": expected a bool mask or one of q's dtype, got ", m.scalar_type());
+    // torch's rule: a float32 mask goes with any q (MaskRows reads every float dtype)
+    TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == dt ||
+                    m.scalar_type() == at::kFloat,
+                op, ": expected a bool mask, a float32 one or one of q's dtype, got ",
+                m.scalar_type());
   }
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": expected 0 <= dropout_p < 1");
   return d;
@@ -769,7 +772,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> sdpa_bwd(
                                 dropout_p, seed, mask_grad, grad_lse, d, ModArgs{}, false);
   const auto dt = q.scalar_type();
   return {g.dq.to(dt), g.dk.to(dt), g.dv.to(dt),
-          mask_grad ? g.dmask.to(dt) : at::empty({0}, q.options())};
+          mask_grad ? g.dmask.to(mask->scalar_type()) : at::empty({0}, q.options())};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sdpa_mod_bwd(
@@ -785,7 +788,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sdpa_mod_bwd(
                                 dropout_p, seed, mask_grad, grad_lse, d, mods, sinks_grad);
   const auto dt = q.scalar_type();
   return {g.dq.to(dt), g.dk.to(dt), g.dv.to(dt),
-          mask_grad ? g.dmask.to(dt) : at::empty({0}, q.options()),
+          mask_grad ? g.dmask.to(mask->scalar_type()) : at::empty({0}, q.options()),
           sinks_grad ? g.dsinks.to(sinks->scalar_type()) : at::empty({0}, q.options())};
 }
 

@@ -546,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, kBwdMinBlocks)
         sm[L.dS + c * kStrideT + r] = ds;
         ds_thread += ds;
         if (p.dmask != nullptr && i < p.Lq && j < p.Lk)
-          static_cast<T*>(p.dmask)[(hd.bh * p.Lq + i) * p.Lk + j] = from_float<T>(ds);
+          store_mask_grad<T>(p.dmask, p.mask.kind, (hd.bh * p.Lq + i) * p.Lk + j, ds);
       }
     ds_thread += __shfl_xor_sync(0xffffffffu, ds_thread, 16);
     ds_thread = row_sum(ds_thread);

@@ -94,7 +94,17 @@ __device__ __forceinline__ float admit(float s, const MaskView& m, int64_t lo, i
   if (m.kind == MaskKind::None) return s;
   const int64_t off = mask_offset(m, b, h, i, j);
   if (m.kind == MaskKind::Bool) return static_cast<const uint8_t*>(m.ptr)[off] != 0 ? s : -INFINITY;
+  if (m.kind == MaskKind::Additive32) return s + static_cast<const float*>(m.ptr)[off];
   return s + to_float(static_cast<const T*>(m.ptr)[off]);
+}
+
+// Element idx of a float mask's gradient dmask (contiguous, the mask's dtype: kind).
+template <typename T>
+__device__ __forceinline__ void store_mask_grad(void* dmask, MaskKind kind, int64_t idx, float g) {
+  if (kind == MaskKind::Additive32)
+    static_cast<float*>(dmask)[idx] = g;
+  else
+    static_cast<T*>(dmask)[idx] = from_float<T>(g);
 }
 
 // The scaled score x of a query and a key `dist` = |i - j| apart (SDPA; the KV cache: from the

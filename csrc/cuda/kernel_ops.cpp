@@ -38,8 +38,12 @@ Strides4 strides(const Tensor& t) {
   return {t.stride(0), t.stride(1), t.stride(2), vec16};
 }
 
+// float32_ok: whether the kernels read a float32 mask with half q (MaskKind::Additive32): the
+// additive ones do; the SDPA ones read a float mask as q's dtype only (a third instantiation of
+// their masked tiles took up to 35 more registers in their variants' cubins: not taken
+// unmeasured on a GPU; the triton backend serves those calls).
 MaskView mask_view(const Target& target, const OptTensor& mask, Tensor& held, const Tensor& q,
-                   int64_t H, int64_t Lq, int64_t Lk) {
+                   int64_t H, int64_t Lq, int64_t Lk, bool float32_ok) {
   MaskView m;
   if (!mask.has_value() || !mask->defined()) return m;
   const Tensor& t = *mask;
@@ -47,16 +51,25 @@ MaskView mask_view(const Target& target, const OptTensor& mask, Tensor& held, co
   TORCH_CHECK(t.dim() == 4 && t.size(0) == q.size(0) && t.size(1) == H && t.size(2) == Lq &&
                   t.size(3) == Lk,
               "mask: expected shape (", q.size(0), ", ", H, ", ", Lq, ", ", Lk, "), got ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == at::kBool || t.scalar_type() == q.scalar_type(),
-              "mask: expected bool or ", q.scalar_type(), ", got ", t.scalar_type());
+  const auto dt = t.scalar_type();
+  TORCH_CHECK(dt == at::kBool || dt == q.scalar_type() || (float32_ok && dt == at::kFloat),
+              "mask: expected bool", float32_ok ? ", float32" : "", " or ", q.scalar_type(),
+              ", got ", dt);
   held = target.input(t);
   m.ptr = held.data_ptr();
-  m.kind = t.scalar_type() == at::kBool ? MaskKind::Bool : MaskKind::Additive;
+  m.kind = dt == at::kBool ? MaskKind::Bool
+           : dt == q.scalar_type() ? MaskKind::Additive
+                                   : MaskKind::Additive32;
   m.b = held.stride(0);
   m.h = held.stride(1);
   m.i = held.stride(2);
   m.j = held.stride(3);
   return m;
+}
+
+// A float mask's gradient is of the mask's dtype (additive attention's kernels).
+at::TensorOptions mask_grad_options(const MaskView& m, const Tensor& q) {
+  return q.options().dtype(m.kind == MaskKind::Additive32 ? at::kFloat : q.scalar_type());
 }
 
 Dropout dropout(double p, const OptTensor& seed) {
@@ -165,7 +178,7 @@ SdpaParams sdpa_params(const Target& target, SdpaInputs& in, const Tensor& q_in,
   p.sq = strides(q);
   p.sk = strides(k);
   p.sv = strides(v);
-  p.mask = mask_view(target, mask, in.mask, q, Hq, Lq, Lk);
+  p.mask = mask_view(target, mask, in.mask, q, Hq, Lq, Lk, false);
   p.drop = dropout(dropout_p, seed);
   return p;
 }
@@ -436,7 +449,7 @@ AdditiveParams additive_params(const Target& target, AdditiveInputs& in, const T
   p.svalue = strides(value);
   p.vh = in.v.stride(0);
   p.va = in.v.stride(1);
-  p.mask = mask_view(target, mask, in.mask, q, H, Lq, Lk);
+  p.mask = mask_view(target, mask, in.mask, q, H, Lq, Lk, true);
   p.drop = dropout(dropout_p, seed);
   return p;
 }
@@ -537,9 +550,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
   Tensor dk = target.zeros({p.B, p.H, p.Lk, p.A}, f32);
   Tensor dvalue = target.zeros({p.B, p.H, p.Lk, p.Ev}, f32);
   Tensor dv_parts = target.zeros({int64_t(p.B) * additive_query_tiles(p.Lq), p.H, p.A}, f32);
-  const bool want_dmask = mask_grad && p.mask.kind == MaskKind::Additive;
-  Tensor dmask =
-      want_dmask ? target.zeros({p.B, p.H, p.Lq, p.Lk}, in.q.options()) : in.q.new_empty({0});
+  const bool want_dmask =
+      mask_grad && (p.mask.kind == MaskKind::Additive || p.mask.kind == MaskKind::Additive32);
+  Tensor dmask = want_dmask ? target.zeros({p.B, p.H, p.Lq, p.Lk}, mask_grad_options(p.mask, in.q))
+                            : in.q.new_empty({0});
   p.dout = s.dout.data_ptr();
   p.lse = s.lse.data_ptr<float>();
   p.delta = s.delta.data_ptr<float>();

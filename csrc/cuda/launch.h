@@ -11,7 +11,10 @@ namespace attnx {
 namespace cuda {
 
 enum class DType : int { Half = 0, BFloat16 = 1 };
-enum class MaskKind : int { None = 0, Bool = 1, Additive = 2 };  // Additive: q's dtype
+// A float mask is added to the scores: Additive in q's dtype, Additive32 in float32 with half
+// q (torch's rule for masks: bool, float32 or q's dtype; the additive kernels read it, the SDPA
+// kernels do not: kernel_ops.cpp mask_view). Its gradient has its dtype.
+enum class MaskKind : int { None = 0, Bool = 1, Additive = 2, Additive32 = 3 };
 
 // A (B, H, L, D) tensor whose last dim is contiguous. vec16: its data pointer is 16-byte
 // aligned and b, h, l and D are multiples of 8 elements, so rows can be read 16 bytes at a time.

@@ -26,7 +26,8 @@ class Variant:
     op: str                 # "sdpa", "additive", "kvcache" or "varlen"
     dtype: str              # key of DTYPES
     head_dim: int           # E = Ev for sdpa; A = Ev for additive
-    mask: str = "none"      # "none", "bool", "float" (float masks also take their gradient)
+    mask: str = "none"      # "none", "bool", "float" (q's dtype), "float32" (float masks also
+                            # take their gradient, of the mask's dtype)
     dropout: bool = False
     gqa: bool = False       # sdpa, varlen: 4 query heads on 2 kv heads
     weights: bool = False   # additive: return_weights and a loss on them
@@ -99,10 +100,12 @@ def _run_variant(v: Variant) -> None:
         mask = torch.rand((b, h, L, L), generator=gen) > 0.3
     elif v.mask == "float":
         mask = rand(b, h, L, L)
+    elif v.mask == "float32":  # torch's other float mask dtype, with any q
+        mask = rand(b, h, L, L, dt=torch.float32)
     p = 0.1 if v.dropout else 0.0
     seed = torch.tensor([12345, 678], dtype=torch.int64) if v.dropout else None
     lo, hi = -L, L
-    mask_grad = v.mask == "float"
+    mask_grad = v.mask in ("float", "float32")
     qb = {"kvcache": 2, "varlen": 3}.get(v.op, b)  # the slopes' rows: batches or sequences
     mods = (30.0 if v.softcap else None,
             torch.rand((qb, h), generator=gen) if v.alibi else None,

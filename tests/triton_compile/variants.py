@@ -10,7 +10,8 @@ HEAD_DIMS = (16, 64, 96, 128, 192, 256)
 DTYPES = ("fp32", "fp16", "bf16")
 
 # The CI set: each dtype, each head-dim family and each constexpr flag at least once per op
-# (masks none/bool/float, dropout, GQA, additive weights, paged caches, softcap, ALiBi, sinks),
+# (masks none/bool/float/float32, dropout, GQA, additive weights, paged caches, softcap, ALiBi,
+# sinks),
 # wide heads in each dtype family.
 CI = (
     Variant("sdpa", "fp16", 64),
@@ -25,13 +26,14 @@ CI = (
     Variant("additive", "fp32", 64, weights=True),
     Variant("additive", "fp16", 128, mask="bool", dropout=True),
     Variant("additive", "bf16", 256, mask="float", weights=True),
+    Variant("additive", "fp16", 64, mask="float32"),
     Variant("kvcache", "fp16", 128, gqa=True, paged=True),
     Variant("kvcache", "bf16", 64),
     Variant("kvcache", "fp32", 256, paged=True),
     # the score modifiers: each flag alone and all together, forward, backward and decoding
     Variant("sdpa", "fp16", 128, softcap=True),
     Variant("sdpa", "bf16", 64, alibi=True, gqa=True),
-    Variant("sdpa", "fp16", 64, sinks=True, mask="float"),
+    Variant("sdpa", "fp16", 64, sinks=True, mask="float32"),
     Variant("sdpa", "bf16", 128, mask="bool", softcap=True, alibi=True, sinks=True),
     Variant("sdpa", "fp32", 256, softcap=True, alibi=True, sinks=True),
     Variant("kvcache", "fp16", 64, softcap=True),
@@ -46,12 +48,14 @@ CI = (
 def full() -> list[Variant]:
     """Every dtype x head dim x each flag alone and all flags together, for each op."""
     flags = {
-        "sdpa": [{}, dict(mask="bool"), dict(mask="float"), dict(dropout=True), dict(gqa=True),
+        "sdpa": [{}, dict(mask="bool"), dict(mask="float"), dict(mask="float32"),
+                 dict(dropout=True), dict(gqa=True),
                  dict(mask="float", dropout=True, gqa=True), dict(softcap=True),
                  dict(alibi=True), dict(sinks=True),
                  dict(mask="float", dropout=True, gqa=True, softcap=True, alibi=True,
                       sinks=True)],
-        "additive": [{}, dict(mask="bool"), dict(mask="float"), dict(dropout=True),
+        "additive": [{}, dict(mask="bool"), dict(mask="float"), dict(mask="float32"),
+                     dict(dropout=True),
                      dict(weights=True), dict(mask="float", dropout=True, weights=True)],
         "kvcache": [{}, dict(gqa=True), dict(paged=True), dict(gqa=True, paged=True),
                     dict(gqa=True, paged=True, softcap=True, alibi=True, sinks=True)],

@@ -1,0 +1,165 @@
+"""A float32 `attn_mask` with a query of another dtype, as torch's SDPA takes it.
+
+torch's rule for the mask's dtype is: bool, float32, or the query's dtype; a float32 mask is
+added to the scores in float32 whatever the query's dtype (bf16/fp16/fp64 queries), and its
+gradient comes back float32. attnx follows it on every op with a mask (SDPA, additive) and
+every backend but the cuda backend's SDPA kernels, which read a float mask as q's dtype: they
+refuse the call and `backend=None` takes triton (the additive cuda kernels take it, tested
+through the host harness where there is no GPU). Casting the mask to the query's dtype first
+would not do: with |mask| ~ 40, bf16 moves the scores by up
+to ~0.1 and the output with them (these tests' masks are that large, so their bounds catch it).
+
+The bound: a float32 mask costs no accuracy. Each result's error against the float64 golden
+value stays within a small multiple of the larger of two baselines' errors against theirs:
+the same backend given the mask rounded to q's dtype (as a mask of q's dtype: its own
+rounding, interpreter or GPU, whatever its summation order), and for SDPA torch's own function
+on the float32 mask.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnx
+from attnx import _dispatch
+from _backends import INTERPRET, ON_GPU, cuda_reason, device
+from _compare import max_err
+
+f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+FLOOR = {bf16: 1e-5, f16: 1e-5, f64: 1e-10}
+
+# (backend, query dtype): the combinations each backend serves
+SERVED = [("cpu", bf16), ("cpu", f64), ("reference", bf16), ("reference", f16),
+          ("reference", f64), ("triton", bf16), ("triton", f16)]
+ADDITIVE_SERVED = SERVED + [("cuda", bf16), ("cuda", f16)]
+# (B, Hq, Hkv, Lq, Lk, E): rows of queries; one query (the cpu decoding kernel's rows); GQA
+SDPA_SHAPES = {"17x33": (2, 2, 2, 17, 33, 16), "decode": (2, 4, 2, 1, 40, 16),
+               "gqa_lq_gt_lk": (1, 4, 1, 20, 9, 8)}
+
+
+def _skip_unavailable(backend):
+    if backend == "triton" and not (INTERPRET or ON_GPU):
+        pytest.skip("the triton backend needs a GPU or TRITON_INTERPRET=1")
+    if backend == "cuda" and cuda_reason() is not None:
+        pytest.skip(cuda_reason())
+    status = _dispatch.backends()[backend]
+    if not status.usable:
+        pytest.skip(status.reason)
+
+
+def _inputs(shapes, dtype, dev, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=f64).to(dev, dtype) for s in shapes]
+
+
+def _big_mask(shape, dev, seed):
+    """A float32 mask of values ~ 40 (bf16 holds them to ~0.1); where there are several
+    query rows, the first fully masked."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(shape, generator=g, dtype=f64).mul(40).float()
+    if shape[-2] > 1:
+        m[..., 0, :] = float("-inf")
+    return m.to(dev)
+
+
+def _grads(fn, tensors, mask, seed):
+    """Output and the gradients of every tensor and of the mask, of out . sin(arange)."""
+    leaves = [t.detach().requires_grad_() for t in tensors]
+    m = mask.detach().requires_grad_()
+    out = fn(*leaves, m)
+    dout = torch.sin(torch.arange(out.numel(), dtype=f64)).view_as(out).to(out)
+    return [out, *torch.autograd.grad(out, leaves + [m], dout)]
+
+
+def _checked(names, actual, golden, baselines):
+    """Each result within 2x (outputs) or 3x (gradients) of the larger baseline error; each
+    baseline is (results, their golden)."""
+    for i, name in enumerate(names):
+        a, g = actual[i], golden[i]
+        floor = FLOOR[actual[0].dtype]
+        if name == "dmask":  # float32: rounding alone may take it an ulp from the golden value
+            floor = max(floor, torch.finfo(f32).eps * g.abs().max().item())
+        assert a.shape == g.shape and torch.isfinite(a).all(), name
+        base = max(max_err(r[i], rg[i]) for r, rg in baselines)
+        bound = max(floor, (2.0 if name == "out" else 3.0) * base)
+        err = max_err(a, g)
+        assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g} (baseline {base:.3g})"
+
+
+@pytest.mark.parametrize("case", list(SDPA_SHAPES))
+@pytest.mark.parametrize("backend,dtype", SERVED, ids=[f"{b}-{str(d)[6:]}" for b, d in SERVED])
+def test_sdpa_float32_mask(backend, dtype, case):
+    _skip_unavailable(backend)
+    b, hq, hkv, lq, lk, e = SDPA_SHAPES[case]
+    dev = device(backend)
+    q, k, v = _inputs([(b, hq, lq, e), (b, hkv, lk, e), (b, hkv, lk, e)], f64, dev, 0)
+    mask = _big_mask((1, hq, lq, lk), dev, 1)
+    gqa = hq != hkv
+
+    def torch_sdpa(q, k, v, m):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m,
+                                                                enable_gqa=gqa)
+
+    def ours(q, k, v, m):
+        return attnx.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=gqa,
+                                                  backend=backend)
+
+    low = [t.to(dtype) for t in (q, k, v)]
+    exact = [t.double() for t in low]  # the golden values: float64 math on the same inputs
+    rounded = mask.to(dtype)  # the same mask as one of q's dtype
+    actual = _grads(ours, low, mask, 2)
+    assert actual[0].dtype == dtype and actual[-1].dtype == f32  # out in q's, dmask in the mask's
+    assert lq == 1 or actual[0][..., 0, :].eq(0).all()  # the fully masked row: zeros, no NaN
+    golden = _grads(torch_sdpa, exact, mask.double(), 2)
+    _checked(("out", "dq", "dk", "dv", "dmask"), actual, golden,
+             [(_grads(ours, low, rounded, 2), _grads(torch_sdpa, exact, rounded.double(), 2)),
+              (_grads(torch_sdpa, low, mask, 2), golden)])
+
+
+@pytest.mark.parametrize("backend,dtype", ADDITIVE_SERVED,
+                         ids=[f"{b}-{str(d)[6:]}" for b, d in ADDITIVE_SERVED])
+def test_additive_float32_mask(backend, dtype):
+    _skip_unavailable(backend)
+    dev = device(backend)
+    q, k, value = _inputs([(2, 3, 9, 12), (2, 3, 13, 12), (2, 3, 13, 5)], f64, dev, 3)
+    w = _inputs([(12,)], f64, dev, 4)[0] / 12 ** 0.5
+    mask = _big_mask((2, 1, 9, 13), dev, 5)
+
+    def run(backend, inputs, mask):
+        def fn(q, k, value, w, m):
+            return attnx.additive_attention(q, k, value, w, attn_mask=m, backend=backend)
+        return _grads(fn, inputs, mask, 6)
+
+    low = [t.to(dtype) for t in (q, k, value, w)]
+    exact = [t.double() for t in low]  # the golden values: float64 math on the same inputs
+    rounded = mask.to(dtype)
+    actual = run(backend, low, mask)
+    assert actual[0].dtype == dtype and actual[-1].dtype == f32
+    assert actual[0][..., 0, :].eq(0).all()
+    _checked(("out", "dq", "dk", "dvalue", "dv", "dmask"), actual,
+             run("reference", exact, mask.double()),
+             [(run(backend, low, rounded), run("reference", exact, rounded.double()))])
+
+
+@pytest.mark.parametrize("backend", ["cuda"])
+def test_cuda_sdpa_refuses_a_float32_mask_with_half_queries(backend):
+    """Asked for, the cuda backend says why it cannot serve the call; backend=None takes the
+    next backend that serves it (triton on CUDA tensors; test_ops.py: the order)."""
+    reason = cuda_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    dev = device(backend)
+    q, k, v = _inputs([(1, 2, 5, 16)] * 3, bf16, dev, 7)
+    mask = _big_mask((5, 5), dev, 8)
+    with pytest.raises(ValueError, match=r"cuda.*attn_mask.*torch\.bfloat16.*torch\.float32"):
+        attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend="cuda")
+    out = attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(bf16), backend="cuda")
+    assert out.dtype == bf16  # the same call with the mask in q's dtype is served
+
+
+def test_a_float64_mask_with_float32_queries_is_refused():
+    """torch refuses it too: a float mask is float32 or the query's dtype."""
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(TypeError, match=r"attn_mask.*torch\.float32.*float64"):
+        attnx.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(5, 5, dtype=f64))
