@@ -42,8 +42,7 @@ def test_passes_here_and_writes_json(tmp_path):
     checked = {(r["backend"], r["device"], r["dtype"]) for r in doc["results"]}
     assert {("reference", "cpu", d) for d in ("float32", "float16", "bfloat16")} <= checked
     if doc["backends"]["cpu"]["usable"]:
-        assert {("cpu", "cpu", d) for d in ("float64", "float32", "bfloat16")} <= checked
-        assert ("cpu", "cpu", "float16") not in checked  # the cpu kernels do not serve it
+        assert {("cpu", "cpu", d) for d in ("float64", "float32", "bfloat16", "float16")} <= checked
     for r in doc["results"]:
         assert r["passed"] and r["error"] is None, r
         assert {"out", "dq", "dk"} <= set(r["quantities"])
@@ -114,11 +113,12 @@ def test_rejects_unknown_names(capsys):
 
 
 def test_dtypes_the_dispatcher_refuses_are_listed_not_checked():
-    status = {"cpu": attnx.backends()["cpu"], "cuda": attnx.backends()["cuda"]}
-    targets, skipped = check.plan(status, ["cpu"], ["float16", "float32"])
-    if status["cpu"].usable:
-        assert ("cpu", "cpu", "float32", "sdpa") in targets
-        assert any(s["backend"] == "cpu" and s["dtype"] == "float16" and "float16" in s["reason"]
+    """(The triton backend, through its interpreter on CPU tensors, refuses float64.)"""
+    status = {"triton": attnx.backends()["triton"], "cuda": attnx.backends()["cuda"]}
+    targets, skipped = check.plan(status, ["cpu"], ["float64", "float32"])
+    if status["triton"].usable:
+        assert ("triton", "cpu", "float32", "sdpa") in targets
+        assert any(s["backend"] == "triton" and s["dtype"] == "float64" and "float64" in s["reason"]
                    for s in skipped)
     if not status["cuda"].usable:
         assert {"backend": "cuda", "device": None, "dtype": None, "op": None,

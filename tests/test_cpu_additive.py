@@ -16,9 +16,9 @@ import attnx
 from _compare import assert_within
 from _rerun import rerun_under, skip_unless_avx512
 
-DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # float64's baseline is the golden itself (error 0), so its bound is this floor.
-FLOOR = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 1e-5}
+FLOOR = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 1e-5, torch.float16: 1e-5}
 NAMES = ("out", "weights", "weights_for_plots", "dq", "dk", "dvalue", "dv", "dmask")
 
 

@@ -299,6 +299,21 @@ def test_bfloat16(backend, paged, lq):
     run_case(backend, torch.bfloat16, paged=paged, lq=lq, lnew=lq, hq=8, hkv=2)
 
 
+def test_float16_on_cpu_goes_to_the_reference():
+    """The CPU decoding kernel has no float16 body: backend=None takes the reference for such
+    a cache (correct, not fast); asked for, the cpu backend says so."""
+    cache = Cache(2, 2, 8, 8, 20, False, torch.float16, block_size=4)
+    cache.fill([5, 9])
+    q = torch.randn(2, 4, 1, 8, dtype=torch.float16)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cpu.*KV-cache.*float16"):
+        attnx.attention_with_kvcache(q, cache.k, cache.v, lens, backend="cpu")
+    out = attnx.attention_with_kvcache(q, cache.k, cache.v, lens)
+    want = attnx.attention_with_kvcache(q.float(), cache.k.float(), cache.v.float(), lens)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), want, rtol=2e-3, atol=2e-3)
+
+
 def _errors_case(paged=False):
     cache = Cache(2, 2, 8, 8, 20, paged, torch.float32, block_size=4)
     cache.fill([5, 9])

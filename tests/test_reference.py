@@ -420,7 +420,8 @@ def test_guarded_backward_keeps_autograd_contracts():
 
 
 def test_half_inputs_under_a_huge_scale_stay_finite():
-    """The auto backend of CPU float16 tensors is the reference: scale 1e38 overflows float32."""
+    """CPU float16 tensors under a scale of 1e38, which overflows float32 (the auto backend,
+    cpu, computes them in float32 and reruns the call in float64)."""
     q, k, v = qkv(1, 2, lq=3, lk=5, e=4, dtype=torch.float16)
     out = attnx.scaled_dot_product_attention(q, k, v, scale=1e38)
     want = attnx.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=1e38,

@@ -122,8 +122,8 @@ GOLDEN_CASES = [(MIXED, False, None, (3, 3)), (MIXED, True, None, (4, 2)),
 # short causal GQA case in bfloat16.
 @pytest.mark.parametrize(
     "backend,dtype,lens,is_causal,window,heads",
-    cases(["reference", "cpu"], [(torch.float32,), (torch.bfloat16,), (torch.float64,)],
-          GOLDEN_CASES)
+    cases(["reference", "cpu"], [(torch.float32,), (torch.bfloat16,), (torch.float64,),
+                                 (torch.float16,)], GOLDEN_CASES)
     + cases(["reference", "cpu"], [(torch.float32,), (torch.float64,)],
             [(LONG, True, None, (4, 2))])
     + cases(["triton"], [(torch.float32,)], GOLDEN_CASES)
@@ -153,8 +153,8 @@ GRAD_CASES = [(False, None), (True, None), (True, (6, None))]
 
 
 @pytest.mark.parametrize("backend,dtype,is_causal,window",
-                         cases(["reference", "cpu"], [(torch.float32,), (torch.bfloat16,)],
-                               GRAD_CASES)
+                         cases(["reference", "cpu"], [(torch.float32,), (torch.bfloat16,),
+                                                      (torch.float16,)], GRAD_CASES)
                          # the interpreter takes ~10 s a case: causal in bfloat16 only
                          + cases(["triton"], [(torch.float32,)], GRAD_CASES[::2])
                          + cases(["triton"], [(torch.bfloat16,)], GRAD_CASES[1:2])

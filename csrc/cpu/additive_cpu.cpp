@@ -13,14 +13,14 @@
 // (additive_rows.h) for its pairs, as float64 does for all.
 //
 // The backward pass recomputes the row's scores, gets P from the saved lse and
-// D_i = dO_i . out_i (= sum_j P_ij dP_ij, also with dropout; for float64, bfloat16 and rows of
-// huge lse, huge_lse.h, both are recomputed exactly from the scores), dS, then the terms again
+// D_i = dO_i . out_i (= sum_j P_ij dP_ij, also with dropout; for float64, the 16-bit types and
+// rows of huge lse, huge_lse.h, both are recomputed exactly from the scores), dS, then the terms again
 // for dq, dk and dv, in units that leave out the factor 4 v[a] common to dq and dk (applied
 // once at the end). dq rows belong to one thread; dk, dvalue and dv are sums over query rows,
 // see `Slices` below for how threads share them deterministically.
 //
 // Inputs of any supported dtype are copied once into contiguous tensors of the accumulation
-// type (float for float and bfloat16, double for double): O(L * (A + Ev)), the size of the
+// type (float for float, bfloat16 and float16, double for double): O(L * (A + Ev)), the size of the
 // inputs themselves.
 // A float32 call that overflows (scores past the range: sum_a |v_a| huge; or sums of values
 // or gradients past it) reruns in float64 (float64_rerun.h).
@@ -88,7 +88,7 @@ struct MaskView {
       for (int64_t j = j0; j < j1; ++j) bias[j] = m[j * sj] ? acc_t(0) : ninf;
       return;
     }
-    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "attnx_additive_mask", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "attnx_additive_mask", [&] {
       const scalar_t* m = static_cast<const scalar_t*>(data) + base;
       for (int64_t j = j0; j < j1; ++j) bias[j] = static_cast<acc_t>(m[j * sj]);
     });
@@ -417,7 +417,7 @@ void backward_rows(const Problem<acc_t>& pb, const Upstream<acc_t>& up, int64_t 
       f = acc_t(1);
     } else {
       // float32 lse and an out rounded to a low dtype would cost these dtypes their accuracy
-      // (double: gradcheck; bfloat16: the float32 reference), and a huge lse may have lost its
+      // (double: gradcheck; bfloat16, float16: the float32 reference), and a huge lse may have lost its
       // log(l) (huge_lse.h): recompute the row's max, sum and D exactly.
       acc_t m = ninf;
       for (int64_t j = j0; j < j1; ++j) m = std::max(m, s[j]);
@@ -522,7 +522,8 @@ bool overflowed(const at::Tensor& v, bool non_finite_results) {
   const at::Tensor vc = v.contiguous();
   const int64_t A = vc.dim() > 0 ? vc.size(-1) : 0, H = A > 0 ? vc.numel() / A : 0;
   bool past = false;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, vc.scalar_type(), "attnx_additive_v_range", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, vc.scalar_type(),
+                                  "attnx_additive_v_range", [&] {
     const scalar_t* p = vc.data_ptr<scalar_t>();
     for (int64_t h = 0; h < H; ++h) {
       double sum = 0;
@@ -553,7 +554,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> additive_fwd(
   at::Tensor weights = return_weights ? at::zeros({B, H, Lq, Lk}, q.options())
                                       : at::empty({0}, q.options());
   bool non_finite = false;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attnx_additive_fwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnx_additive_fwd",
+                                  [&] {
     using acc_t = acc_type<scalar_t>;
     const Problem<acc_t> pb(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed);
     non_finite = forward<scalar_t, acc_t>(pb, out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
@@ -595,7 +597,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
               grad_weights.has_value() ? grad_weights->sizes() : at::IntArrayRef{});
   at::Tensor dq, dk, dvalue, dv, dmask;
   bool grads_non_finite = false;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attnx_additive_bwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnx_additive_bwd",
+                                  [&] {
     using acc_t = acc_type<scalar_t>;
     const Problem<acc_t> pb(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed);
     const auto acc_opts = q.options().dtype(c10::CppTypeToScalarType<acc_t>::value);

@@ -518,8 +518,8 @@ Dims check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op,
               ": expected 4-D q, k, v, got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   const auto dt = q.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16, op,
-              ": expected float32, float64 or bfloat16, got ", dt);
+  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf,
+              op, ": expected float32, float64, bfloat16 or float16, got ", dt);
   TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt, op,
               ": q, k, v must share a dtype");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), op,

@@ -120,6 +120,7 @@ void MaskRows::add_values(const Row& r, T* s, int64_t stride, int64_t j0, int64_
     case at::kBFloat16:
       add_row(s, reinterpret_cast<const at::BFloat16*>(row), sj_, n, stride);
       break;
+    case at::kHalf: add_row(s, reinterpret_cast<const at::Half*>(row), sj_, n, stride); break;
     default: TORCH_CHECK(false, "attnx::sdpa: unexpected mask dtype ", dtype_);
   }
 }
@@ -140,6 +141,7 @@ bool MaskRows::admits_any(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j
     case at::kDouble: return any_above_neg_inf(reinterpret_cast<const double*>(row), sj_, j1 - j0);
     case at::kBFloat16:
       return any_above_neg_inf(reinterpret_cast<const at::BFloat16*>(row), sj_, j1 - j0);
+    case at::kHalf: return any_above_neg_inf(reinterpret_cast<const at::Half*>(row), sj_, j1 - j0);
     default: TORCH_CHECK(false, "attnx::sdpa: unexpected mask dtype ", dtype_);
   }
 }
