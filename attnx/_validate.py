@@ -260,8 +260,9 @@ def _check_mask(attn_mask, q: torch.Tensor, target: tuple, lq: int, lk: int):
     _check_dense("attn_mask", attn_mask)
     # torch's rule: bool, float32 (added in float32 whatever the query's dtype), or q's dtype
     if attn_mask.dtype not in (torch.bool, torch.float32, q.dtype):
-        raise TypeError(f"attn_mask: expected dtype torch.bool, torch.float32 or {q.dtype} "
-                        f"(that of query), got {attn_mask.dtype}")
+        also = "" if q.dtype == torch.float32 else f" or {q.dtype} (that of query)"
+        raise TypeError(f"attn_mask: expected dtype torch.bool, torch.float32{also}, "
+                        f"got {attn_mask.dtype}")
     if attn_mask.device != q.device:
         raise TypeError(f"attn_mask: expected device {q.device} (that of query), got {attn_mask.device}")
     extra = attn_mask.dim() - len(target)

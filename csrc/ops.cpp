@@ -5,7 +5,8 @@
 // Conventions shared by every kernel:
 //   q (B, Hq, Lq, E), k (B, Hkv, Lk, E), v (B, Hkv, Lk, Ev), Hq % Hkv == 0 (GQA: head h reads
 //   key/value head h / (Hq / Hkv)). mask: None, or a (B, Hq, Lq, Lk) view of dtype bool (true =
-//   may attend) or q's dtype (added to the scaled scores), read through its strides (size-1
+//   may attend), q's dtype or float32 (added to the scaled scores; the CUDA SDPA kernels take
+//   q's dtype only; a float mask's gradient has its dtype), read through its strides (size-1
 //   dims broadcast with stride 0). Key j is admissible for query i iff
 //   i + window_lo <= j <= i + window_hi (and the mask allows it). lse is (B, Hq, Lq), float32
 //   (float64 for sdpa on float64 inputs, so that gradcheck-grade backward stays exact), -inf

@@ -103,13 +103,14 @@ def test_gloo_world(world):
 
 
 def test_gloo_world_cpu_kernels():
-    """The ring on the cpu kernels: float32 and bfloat16 (rerun on the BLAS engine by
+    """The ring on the cpu kernels: float32, bfloat16 and float16 (rerun on the BLAS engine by
     test_blas_engine_ring, whose backward renormalizes every row by its own sum); values or an
     output gradient whose float32 backward overflows (cpu and reference); soft-capped scores
     whose float32 products overflow (the whole ring in float64)."""
     _spawn(2, [("ring_matches", dict(layout="zigzag", is_causal=True, backend="cpu")),
                ("ring_matches", dict(layout="contiguous", backend="cpu", window=(3, 2))),
                ("ring_matches", dict(layout="zigzag", dtype=torch.bfloat16, backend="cpu")),
+               ("ring_matches", dict(layout="contiguous", dtype=torch.float16, backend="cpu")),
                ("ring_matches", dict(layout="zigzag", is_causal=True, backend="cpu",
                                      huge_lse=True, dtype=F64)),
                ("ring_matches", dict(layout="zigzag", is_causal=True, huge_values=True,

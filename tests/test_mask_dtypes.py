@@ -30,7 +30,7 @@ f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float6
 FLOOR = {bf16: 1e-5, f16: 1e-5, f64: 1e-10}
 
 # (backend, query dtype): the combinations each backend serves
-SERVED = [("cpu", bf16), ("cpu", f64), ("reference", bf16), ("reference", f16),
+SERVED = [("cpu", bf16), ("cpu", f16), ("cpu", f64), ("reference", bf16), ("reference", f16),
           ("reference", f64), ("triton", bf16), ("triton", f16)]
 ADDITIVE_SERVED = SERVED + [("cuda", bf16), ("cuda", f16)]
 # (B, Hq, Hkv, Lq, Lk, E): rows of queries; one query (the cpu decoding kernel's rows); GQA

@@ -154,10 +154,10 @@ def _triton(softcap: Optional[float]) -> Kernels:
 
 
 def _upcast(t):
-    """bfloat16 operands go in as float32, which the CPU kernels compute in anyway, so that
+    """16-bit operands go in as float32, which the CPU kernels compute in anyway, so that
     each block's output and gradients come back unrounded: a ring sums W of them, and rounding
-    each to bfloat16 would add W roundings where the single call makes one."""
-    return t.float() if t.dtype == torch.bfloat16 else t
+    each to bfloat16 or float16 would add W roundings where the single call makes one."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
 def _scores(q, k, scale, softcap):

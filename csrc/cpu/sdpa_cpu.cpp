@@ -7,7 +7,7 @@
 // engine, K and V packed for a round of kv heads, shared by the threads (at most KEPT_FLOATS,
 // the kept buffer of kept_buffer.h, or what gives every thread a task). Backward recomputes P
 // from the saved lse, tile by tile, with dK / dV of a block kept hot across the query tiles.
-// bfloat16 runs the float32 kernel on float32 copies (linear memory) and rounds once.
+// bfloat16 and float16 run the float32 kernel on float32 copies (linear memory) and round once.
 // Finite inputs never give NaN: where float32 may overflow (scores or sums past its range,
 // which takes |q| |k| E near 1.7e38) the kernels say so and the call reruns in float64
 // (float64_rerun.h).
