@@ -77,7 +77,7 @@ def _choice_line(built: dict) -> str:
     gemm = f"{built.get('cpu_gemm')} ({how.get('gemm', '?')}"
     if "gemm_seconds" in how:
         t = how["gemm_seconds"]
-        gemm += (f": a small forward {t['panels'] * 1e3:.2f} ms on the panels, "
+        gemm += (f": a small forward and backward {t['panels'] * 1e3:.2f} ms on the panels, "
                  f"{t['blas'] * 1e3:.2f} on BLAS")
     vector = f"{built.get('cpu_vector')} ({how.get('vector', '?')}"
     if "vector_seconds" in how:

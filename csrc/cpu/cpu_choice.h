@@ -16,14 +16,18 @@
 //   Lake); on Zen 4, one 512-bit FMA a cycle, 6 rows are 4-5% faster (the tile and the forward
 //   alike). The margin is small because both heights give bitwise the same results: a close
 //   call that flips between processes changes no number. ATTNX_CPU_STRIP_ROWS=6 / =12 fixes it.
-// - The float32 SDPA engine (attnx's panels or BLAS): a small forward (B 1, H 4, L 512, D 64)
-//   through both, on the process's threads; the panels unless BLAS is at least kMargin
-//   faster. ATTNX_CPU_PANELS=0 / =1 fixes it.
+// - The float32 SDPA engine (attnx's panels or BLAS): a small forward and its backward (B 1,
+//   H 4, L 512, D 64) through both, on the process's threads; the panels unless BLAS is at
+//   least kMargin faster. ATTNX_CPU_PANELS=0 / =1 fixes it. The backward runs on the forward's
+//   engine, so both are timed: on an Intel Xeon (family 6 model 207) a forward alone went to
+//   BLAS by 12% in one process of six, and that process's forward+backward ran at 1.05x
+//   torch's (geomean of the targets' cells) where the panels' ran at 1.21x; timed with the
+//   backward, the panels led by 12-20% in every process.
 // kMargin keeps the default where both are about as fast (Zen 4's widths), so a noisy
 // machine does not flip between them from one process to the next; the rounds alternate, so a
-// slow stretch of a shared machine hits both. The forward is L = 512, not smaller: the panels'
+// slow stretch of a shared machine hits both. The problem is L = 512, not smaller: the panels'
 // lead grows with L (packing K and V once per head pays off over more queries), and at L = 256
-// it was within the noise of a shared 2-core VM. Both choices together cost ~40 ms once, at
+// it was within the noise of a shared 2-core VM. The choices together cost ~60 ms once, at
 // the first float32 CPU call (2-core VM); `attnx info` and the results files show them and
 // their times.
 #pragma once
@@ -45,7 +49,7 @@ struct VectorChoice {
 struct EngineChoice {
   bool panels;
   const char* how;
-  double panels_s = 0, blas_s = 0;  // the small forward on each engine (measured only)
+  double panels_s = 0, blas_s = 0;  // the small step on each engine (measured only)
 };
 
 const VectorChoice& vector_choice();

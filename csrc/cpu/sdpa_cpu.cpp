@@ -717,7 +717,7 @@ GradResult backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, co
 
 }  // namespace
 
-double sdpa_forward_seconds(bool panels) {
+double sdpa_step_seconds(bool panels) {
   constexpr int64_t H = 4, L = 512, E = 64;
   // fixed values, not torch's generator: a first call must not move the user's random stream
   const Tensor x = at::arange(3 * H * L * E, at::kFloat).mul_(0.37f).sin_();
@@ -726,12 +726,18 @@ double sdpa_forward_seconds(bool panels) {
   const Tensor v = x.narrow(0, 2 * H * L * E, H * L * E).view({1, H, L, E});
   const Dims d = check_inputs("attnx cpu_choice", q, k, v, std::nullopt, 0.0);
   Tensor out = at::empty({1, H, L, E}, q.options()), lse = at::empty({1, H, L}, q.options());
-  const auto kernel = panels ? forward_with<float, PanelProducts>
-                             : forward_with<float, BlasProducts<float>>;
+  const MaskRows rows(std::nullopt);
+  const Band band = clamped_band(-L, L, d);
+  const Dropout drop(0.0, std::nullopt);
+  const auto forward = panels ? forward_with<float, PanelProducts>
+                              : forward_with<float, BlasProducts<float>>;
+  const auto backward = panels ? backward_in<float, PanelGrads>
+                               : backward_in<float, BlasGrads<float>>;
   const auto t0 = std::chrono::steady_clock::now();
-  kernel(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), MaskRows(std::nullopt),
-         0.125f, clamped_band(-L, L, d), Dropout(0.0, std::nullopt), ModArgs{},
-         out.data_ptr<float>(), lse.data_ptr<float>(), d);
+  forward(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), rows, 0.125f, band,
+          drop, ModArgs{}, out.data_ptr<float>(), lse.data_ptr<float>(), d);
+  backward(/*doc=*/v, q, k, v, out, lse, rows, 0.125, band, drop, ModArgs{}, Tensor(),
+           /*mask_grad=*/false, /*sinks_grad=*/false, d);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

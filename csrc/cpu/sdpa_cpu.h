@@ -54,8 +54,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_bwd_modified(
     int64_t window_hi, double dropout_p, const std::optional<at::Tensor>& seed,
     const std::optional<at::Tensor>& grad_lse, const ModArgs& mods, bool sinks_grad);
 
-// Seconds a small float32 forward (B 1, H 4, L 512, D 64) takes on the panels or on BLAS, on
-// the process's threads: what cpu_choice.h measures the engine by.
-double sdpa_forward_seconds(bool panels);
+// Seconds a small float32 forward and its backward (B 1, H 4, L 512, D 64) take on the panels
+// or on BLAS, on the process's threads: what cpu_choice.h measures the engine by.
+double sdpa_step_seconds(bool panels);
 
 }  // namespace attnx::cpu
