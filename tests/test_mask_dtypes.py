@@ -72,6 +72,14 @@ def _grads(fn, tensors, mask, seed):
     return [out, *torch.autograd.grad(out, leaves + [m], dout)]
 
 
+def _keeps_float32_precision(dmask, dtype):
+    """A float32 mask's gradient is computed in float32, not in a 16-bit q's dtype and widened:
+    some of its values are not that dtype's (a gradient rounded to it would pass the error
+    bounds, whose baselines include the mask rounded to q's dtype)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        assert not torch.equal(dmask, dmask.to(dtype).float()), "dmask rounded to q's dtype"
+
+
 def _checked(names, actual, golden, baselines):
     """Each result within 2x (outputs) or 3x (gradients) of the larger baseline error; each
     baseline is (results, their golden)."""
@@ -110,6 +118,7 @@ def test_sdpa_float32_mask(backend, dtype, case):
     rounded = mask.to(dtype)  # the same mask as one of q's dtype
     actual = _grads(ours, low, mask, 2)
     assert actual[0].dtype == dtype and actual[-1].dtype == f32  # out in q's, dmask in the mask's
+    _keeps_float32_precision(actual[-1], dtype)
     assert lq == 1 or actual[0][..., 0, :].eq(0).all()  # the fully masked row: zeros, no NaN
     golden = _grads(torch_sdpa, exact, mask.double(), 2)
     _checked(("out", "dq", "dk", "dv", "dmask"), actual, golden,
@@ -136,6 +145,7 @@ def test_additive_float32_mask(backend, dtype):
     rounded = mask.to(dtype)
     actual = run(backend, low, mask)
     assert actual[0].dtype == dtype and actual[-1].dtype == f32
+    _keeps_float32_precision(actual[-1], dtype)
     assert actual[0][..., 0, :].eq(0).all()
     _checked(("out", "dq", "dk", "dvalue", "dv", "dmask"), actual,
              run("reference", exact, mask.double()),

@@ -399,8 +399,8 @@ def test_bfloat16_and_sinks_in_float32(backend):
     assert (out.cpu().double() - golden).abs().max() < 3e-2
 
 
-@pytest.mark.parametrize("backend,dtype", cases(["triton"], [torch.float16, torch.bfloat16]),
-                         ids=str)
+@pytest.mark.parametrize("backend,dtype", cases(["reference", "cpu", "triton"],
+                                               [torch.float16, torch.bfloat16]), ids=str)
 def test_half_precision(backend, dtype):
     """fp16/bf16 (the backends that take them) against the formula's own error in the dtype:
     GQA, a float mask and its gradient, a causal window, Lq != Lk."""

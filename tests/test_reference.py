@@ -419,11 +419,12 @@ def test_guarded_backward_keeps_autograd_contracts():
     torch.testing.assert_close(tangent.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_half_inputs_under_a_huge_scale_stay_finite():
-    """CPU float16 tensors under a scale of 1e38, which overflows float32 (the auto backend,
-    cpu, computes them in float32 and reruns the call in float64)."""
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_half_inputs_under_a_huge_scale_stay_finite(backend):
+    """CPU float16 tensors under a scale of 1e38, which overflows float32 (cpu computes them in
+    float32 and reruns the call in float64)."""
     q, k, v = qkv(1, 2, lq=3, lk=5, e=4, dtype=torch.float16)
-    out = attnx.scaled_dot_product_attention(q, k, v, scale=1e38)
+    out = attnx.scaled_dot_product_attention(q, k, v, scale=1e38, backend=backend)
     want = attnx.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=1e38,
                                               **REF)
     assert torch.isfinite(out).all()

@@ -361,7 +361,7 @@ def test_bad_input(change, error, message):
 HAS_CPU_MODS = _ops.has_kernel("varlen_mod_fwd", "CPU")
 MOD_CPU_MARK = pytest.mark.skipif(not HAS_CPU_MODS, reason="attnx._C is not built with varlen_mod_fwd")
 MOD_BACKENDS = ["reference", pytest.param("cpu", marks=MOD_CPU_MARK)]
-MOD_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+MOD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # (Lq, Lk) per sequence: Lq != Lk both ways (ALiBi's bottom-right alignment shows), lengths 0
 # and 1, a sequence without keys (its rows: lse = the sink), causal rows with no key (Lq > Lk)
 MOD_LENS = [(17, 17), (1, 1), (5, 0), (3, 40), (40, 3), (0, 4), (9, 23)]
