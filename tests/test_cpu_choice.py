@@ -160,8 +160,8 @@ def test_info_names_the_cpu_and_the_choices():
     # measured: the choice and its times (another process could measure a close call the
     # other way, so only the form is checked here)
     kernels = next(ln for ln in out.splitlines() if ln.startswith("CPU kernels"))
-    assert re.search(r"GEMM (panels|blas) \(measured: a small forward and backward [0-9.]+ ms on the panels, "
-                     r"[0-9.]+ on BLAS\)", kernels), kernels
+    assert re.search(r"GEMM (panels|blas) \(measured: a small forward and backward [0-9.]+ ms "
+                     r"on the panels, [0-9.]+ on BLAS\)", kernels), kernels
     if HAS_AVX512:
         assert re.search(r"vector ISA (avx512|avx2) \(measured: a tile's products [0-9.]+ us on "
                          r"AVX-512, [0-9.]+ on AVX2\)", kernels), kernels

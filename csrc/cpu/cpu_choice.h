@@ -20,14 +20,14 @@
 //   H 4, L 512, D 64) through both, on the process's threads; the panels unless BLAS is at
 //   least kMargin faster. ATTNX_CPU_PANELS=0 / =1 fixes it. The backward runs on the forward's
 //   engine, so both are timed: on an Intel Xeon (family 6 model 207) a forward alone went to
-//   BLAS by 12% in one process of six, and that process's forward+backward ran at 1.05x
-//   torch's (geomean of the targets' cells) where the panels' ran at 1.21x; timed with the
-//   backward, the panels led by 12-20% in every process.
+//   BLAS by 12% in a targets run, whose forward+backward then ran at 1.05x torch's (geomean
+//   of the cells) where the panels' ran at 1.21x; timed with the backward, the panels led by
+//   12-20% in each of five processes.
 // kMargin keeps the default where both are about as fast (Zen 4's widths), so a noisy
 // machine does not flip between them from one process to the next; the rounds alternate, so a
 // slow stretch of a shared machine hits both. The problem is L = 512, not smaller: the panels'
 // lead grows with L (packing K and V once per head pays off over more queries), and at L = 256
-// it was within the noise of a shared 2-core VM. The choices together cost ~60 ms once, at
+// it was within the noise of a shared 2-core VM. The choices together cost 50-75 ms once, at
 // the first float32 CPU call (2-core VM); `attnx info` and the results files show them and
 // their times.
 #pragma once
