@@ -211,6 +211,15 @@ def test_row_groups(backend, paged, mode, hq, hkv, lq):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("e", [1, 2, 3, 17, 34])
+def test_row_groups_head_dims(backend, e):
+    """Lane groups (R = 16: one group of 16 lanes, or two of 8) at head dims that leave an odd
+    last column past the lanes' pairs of columns (1, 3, 17) or none (2, 34)."""
+    run_case(backend, torch.float32, paged=True, lq=4, lnew=1, hq=8, hkv=2, e=e, ev=5,
+             lengths=[0, 5, 40, 97])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_float64(backend):
     run_case(backend, torch.float64, paged=True, lq=3, lnew=2, window=(50, None))
 

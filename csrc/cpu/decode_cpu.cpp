@@ -146,8 +146,8 @@ LaneRows lane_rows(const Shape& d) {
   }
 }
 
-// One thread's lane groups for its current task: the query rows transposed (zero past the last
-// row), each lane's running max and sum, and the tile of a key block's scores.
+// One thread's lane groups for its current task: the query rows as lane_pairs lays them out,
+// each lane's running max and sum, and the tile of a key block's scores.
 template <bool MODS>
 class LaneTask {
  public:
@@ -170,17 +170,12 @@ class LaneTask {
 
   // q: the task's R query rows (scaled); b, h: its sequence and kv head.
   void start(const float* q, int64_t b, int64_t h, const Mods<float>& mods) {
-    // group by group, a column's W lanes written together: stores in order (row by row,
-    // each store to a line of its own took a fifth of a short cache's call at Lq = 4)
+    // group by group, stores in order (row by row, each store to a line of its own took a
+    // fifth of a short cache's call at Lq = 4)
     const int64_t W = lr_.W, E = d_.E;
     for (int64_t g = 0; g < lr_.groups; ++g) {
-      const int64_t r0 = g * W, n = std::min(W, lr_.rows - r0);
-      float* qt = qt_.data() + g * E * W;
-      for (int64_t c = 0; c < E; ++c) {
-        float* col = qt + c * W;
-        for (int64_t r = 0; r < n; ++r) col[r] = q[(r0 + r) * E + c];
-        for (int64_t r = n; r < W; ++r) col[r] = 0.0f;
-      }
+      const int64_t r0 = g * W;
+      lane_pairs(q + r0 * E, std::min(W, lr_.rows - r0), E, qt_.data() + g * E * W);
     }
     if constexpr (MODS) {
       if (mods.alibi != nullptr) {

@@ -203,42 +203,85 @@ ATTNX_BODY void add_rows_any(int rows, float* const* o, const float* const* p,
   if (rows == 4) add_rows_body<W, 2, REG>(o + 2, p + 2, v, n, ev, {});
 }
 
-// KB keys per pass, each an independent FMA chain (8 cover the FMA latency of two pipes), their
-// row pointers in general registers: per column c, one load of qt and KB broadcast FMAs.
+// Two columns of a key row, repeated over the vector: one 8-byte broadcast load. (x - 0 is x
+// for every x, so it folds away; `splat`'s 0 + x is not, for x = -0: an add per use, and a
+// lane-by-lane fill went to eight masked loads.)
+template <int W>
+struct PairVec {
+  typedef double d __attribute__((vector_size(4 * W)));
+};
+template <int W>
+ATTNX_BODY vf<W> load_pair(const float* p) {
+  double x;
+  std::memcpy(&x, p, sizeof(x));
+  return (vf<W>)(x - typename PairVec<W>::d{});
+}
+
+// A key's score for every lane row from its two vectors of partial sums: a[g] holds two
+// partials for each of W / 2 rows, its pair p (lanes 2 p, 2 p + 1) row 4 (p / 2) + 2 g + p % 2
+// (lane_pairs), so that the pairs' sums, interleaved a block at a time, leave row r in lane r.
+template <int W>
+ATTNX_BODY vf<W> pair_sums(vf<W> a0, vf<W> a1) {
+  if constexpr (W == 16) {
+    return __builtin_shufflevector(a0, a1, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
+           __builtin_shufflevector(a0, a1, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
+  } else {
+    static_assert(W == 8, "lanes: 8 or 16");
+    return __builtin_shufflevector(a0, a1, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(a0, a1, 1, 3, 9, 11, 5, 7, 13, 15);
+  }
+}
+
+// U keys' scores for every lane row, stored to st[0, U W). The columns go two at a time (E's
+// first e2 = 2 floor(E / 2)): one broadcast of a key's two values serves two FMAs, one per
+// vector of q pairs. Where each FMA broadcast a single value (a load per FMA), the same scores
+// ran at 0.65-0.7x this rate on data in L1 and L2 on an Intel Xeon (Emerald Rapids), whose
+// loads, not its FMAs, were the limit; whole decoding calls from L3 (Lq = 4, GQA 4, D = 128,
+// 2 threads) gained 1-7%, the rest of their time waiting on memory. An odd last column goes
+// alone, transposed as lane_pairs lays it out. Returns the lanes whose score is -inf.
+template <int W, int U>
+ATTNX_BODY vi<W> lane_scores_pass(const float* qt, const float* const* kr, int64_t e,
+                                  float* st, Spread& spread) {
+  const int64_t e2 = e / 2 * 2;
+  vf<W> acc[U][2];
+#pragma GCC unroll 8
+  for (int u = 0; u < U; ++u) acc[u][0] = acc[u][1] = vf<W>{};
+  for (int64_t c8 = 0; c8 < e2; c8 += 8) {
+    spread.step();
+    const int64_t c_end = std::min(e2, c8 + 8);
+    for (int64_t c = c8; c < c_end; c += 2) {
+      const vf<W> a0 = load<W>(qt + c * W), a1 = load<W>(qt + (c + 1) * W);
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) {
+        const vf<W> b = load_pair<W>(kr[u] + c);
+        acc[u][0] += a0 * b, acc[u][1] += a1 * b;
+      }
+    }
+  }
+  const vf<W> ninf = splat<W>(-std::numeric_limits<float>::infinity());
+  vi<W> neg_inf{};
+#pragma GCC unroll 8
+  for (int u = 0; u < U; ++u) {
+    vf<W> s = pair_sums<W>(acc[u][0], acc[u][1]);
+    if (e2 < e) s += load<W>(qt + e2 * W) * kr[u][e2];
+    store<W>(st + u * W, s), neg_inf |= s == ninf;
+  }
+  if (e2 < e && e2 % 8 == 0) spread.step();
+  return neg_inf;
+}
+
+// KB keys per pass: 2 KB accumulators, the 2 q vectors and the broadcast fill 19 of AVX-512's
+// 32 registers (KB = 8), 11 of AVX2's 16 (KB = 4). Returns whether some score came out -inf.
 template <int W, int KB>
 ATTNX_BODY bool lane_scores_body(const float* qt, const float* const* k, int64_t n, int64_t e,
                                  float* st, const Ahead& ahead) {
-  const vf<W> ninf = splat<W>(-std::numeric_limits<float>::infinity());
-  vi<W> neg_inf{};  // lanes where some score came out -inf, looked for as the scores are stored
   // fetches once per 8 columns, out of the loop that needs every general register: a step per
   // 8 columns of each pass of KB keys and of each key left over
   Spread spread(ahead, (n / KB + n % KB) * ((e + 7) / 8));
+  vi<W> neg_inf{};
   int64_t t = 0;
-  for (; t + KB <= n; t += KB) {
-    const float* kr[KB];
-    vf<W> acc[KB];
-#pragma GCC unroll 8
-    for (int u = 0; u < KB; ++u) kr[u] = k[t + u], acc[u] = vf<W>{};
-    for (int64_t c8 = 0; c8 < e; c8 += 8) {
-      spread.step();
-      const int64_t c_end = std::min(e, c8 + 8);
-      for (int64_t c = c8; c < c_end; ++c) {
-        const vf<W> qv = load<W>(qt + c * W);
-#pragma GCC unroll 8
-        for (int u = 0; u < KB; ++u) acc[u] += qv * kr[u][c];
-      }
-    }
-#pragma GCC unroll 8
-    for (int u = 0; u < KB; ++u) store<W>(st + (t + u) * W, acc[u]), neg_inf |= acc[u] == ninf;
-  }
-  for (; t < n; ++t) {
-    vf<W> acc{};
-    for (int64_t c = 0; c < e; ++c) {
-      if (c % 8 == 0) spread.step();
-      acc += load<W>(qt + c * W) * k[t][c];
-    }
-    store<W>(st + t * W, acc), neg_inf |= acc == ninf;
-  }
+  for (; t + KB <= n; t += KB) neg_inf |= lane_scores_pass<W, KB>(qt, k + t, e, st + t * W, spread);
+  for (; t < n; ++t) neg_inf |= lane_scores_pass<W, 1>(qt, k + t, e, st + t * W, spread);
   int found = 0;
   for (int r = 0; r < W; ++r) found |= neg_inf[r];
   return found != 0;
@@ -363,7 +406,7 @@ ATTNX_AVX512 void add_rows_avx512(int rows, float* const* o, const float* const*
 
 ATTNX_AVX2 bool lane_scores_avx2(const float* qt, const float* const* k, int64_t n, int64_t e,
                                  float* st, const Ahead& ahead) {
-  return lane_scores_body<8, 8>(qt, k, n, e, st, ahead);
+  return lane_scores_body<8, 4>(qt, k, n, e, st, ahead);
 }
 ATTNX_AVX512 bool lane_scores_avx512(const float* qt, const float* const* k, int64_t n,
                                      int64_t e, float* st, const Ahead& ahead) {
@@ -453,6 +496,17 @@ int lane_width() {
   return 8;
 }
 
+void lane_pairs(const float* q, int64_t rows, int64_t e, float* qt) {
+  const int64_t W = lane_width(), e2 = e / 2 * 2;
+  const auto at = [&](int64_t r, int64_t c) { return r < rows ? q[r * e + c] : 0.0f; };
+  float* out = qt;  // written in order: a store per line of its own was slow (decode_cpu.cpp)
+  for (int64_t c = 0; c < e2; c += 2)
+    for (int64_t g = 0; g < 2; ++g)
+      for (int64_t p = 0; p < W / 2; ++p)
+        for (int64_t i = 0; i < 2; ++i) *out++ = at(4 * (p / 2) + 2 * g + p % 2, c + i);
+  for (int64_t r = 0; r < W && e2 < e; ++r) *out++ = at(r, e2);
+}
+
 bool lane_scores(const float* qt, const float* const* k, int64_t n, int64_t e, float* st,
                  Ahead ahead) {
 #ifdef ATTNX_X86_DISPATCH
@@ -462,7 +516,7 @@ bool lane_scores(const float* qt, const float* const* k, int64_t n, int64_t e, f
     case Isa::baseline: break;
   }
 #endif
-  return lane_scores_body<8, 8>(qt, k, n, e, st, ahead);
+  return lane_scores_body<8, 4>(qt, k, n, e, st, ahead);
 }
 
 void lane_softmax(float* st, int64_t n, float* m, float* l, float* alpha) {

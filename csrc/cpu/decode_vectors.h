@@ -40,8 +40,14 @@ void add_rows(int rows, double* const* o, const double* const* p, const double* 
 // Query rows as the lanes of a vector (float32 only), for groups of many rows (Hq / Hkv x Lq >
 // W / 2): each key's score comes out for every row at once with no horizontal sums, and
 // the online softmax runs down the lanes. A lane tile st holds n keys x lane_width() rows
-// (st[t * W + r]); qt, a group's query rows transposed (qt[c * W + r], zero past its rows).
+// (st[t * W + r]); qt, a group's query rows as lane_pairs lays them out.
 int lane_width();  // W: 16 on AVX-512, else 8
+
+// qt[0, e W) = rows q[0, rows) (row r at q + r e; rows <= W, zero past them) for lane_scores:
+// per pair of columns c, c + 1 (c even, c + 1 < e), 2 vectors, vector g's lanes 2 p, 2 p + 1
+// holding row 4 (p / 2) + 2 g + p % 2's two values (the order that lane_scores' sums of the
+// pairs leave in lane order); an odd last column transposed (qt[c W + r] = q[r][c]).
+void lane_pairs(const float* q, int64_t rows, int64_t e, float* qt);
 
 // st[t * W + r] = dot(q_r, k[t][0, e)) for t in [0, n); returns whether one of them is -inf
 // (from finite inputs only where a sum passed float32's range: the caller reruns in float64).
