@@ -46,6 +46,7 @@ SPEEDUP_TARGET, BANDWIDTH_TARGET, PAGED_TARGET = 1.5, 0.70, 1.10
 CASES = [(1, 2048), (1, 8192), (1, 32768), (4, 8192), (8, 2048), (8, 8192)]
 QUICK = [(1, 8192), (8, 2048)]
 HERE = os.path.dirname(os.path.abspath(__file__))
+SUFFIX = {"bfloat16": "-bf16", "float16": "-fp16"}  # results file names
 
 
 def paged(cache: torch.Tensor, g: torch.Generator):
@@ -77,7 +78,7 @@ def case(b: int, n: int, lq: int, repeats: int, sink: torch.Tensor, peak_gflops,
                                                                   enable_gqa=True, backend="cpu"),
     }
     with torch.no_grad():
-        # (bfloat16: against float32 on the same values; attnx rounds its output once)
+        # (16-bit: against float32 on the same values; attnx rounds its output once)
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                              enable_gqa=True)
         for name in ("attnx", "attnx_paged", "attnx_sdpa"):  # a benchmark of wrong answers is worth nothing
@@ -123,8 +124,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK}")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="q and the caches (bfloat16: the kernel widens each block to fp32)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="q and the caches (16-bit: the kernel widens each block to fp32)")
     parser.add_argument("--out", default=None, help="JSON path (default: results/cpu-decode-<date>.json)")
     args = parser.parse_args()
     repeats = args.repeats or (5 if args.quick else 9)
@@ -167,7 +168,7 @@ def main() -> None:
                     "paged_over_contiguous": PAGED_TARGET},
         "cases": rows,
     }
-    path = args.out or os.path.join(HERE, "results", f"cpu-decode-{now:%Y-%m-%d}-t{torch.get_num_threads()}{'-bf16' if args.dtype == 'bfloat16' else ''}{'-quick' if args.quick else ''}.json")
+    path = args.out or os.path.join(HERE, "results", f"cpu-decode-{now:%Y-%m-%d}-t{torch.get_num_threads()}{SUFFIX.get(args.dtype, '')}{'-quick' if args.quick else ''}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

@@ -1,6 +1,6 @@
 """The CPU SDPA forward on the decoding kernel: one query row, or up to 32 against 1024 keys or
-more (csrc/cpu/sdpa_cpu.cpp, `decoding_rows`), float32 and bfloat16 without dropout run on
-csrc/cpu/decode_cpu.cpp, with the SDPA contract's masks (bool and float, any broadcast),
+more (csrc/cpu/sdpa_cpu.cpp, `decoding_rows`), float32, bfloat16 and float16 without dropout
+run on csrc/cpu/decode_cpu.cpp, with the SDPA contract's masks (bool and float, any broadcast),
 top-left band, modifiers, fully-masked rows and float32 overflow reruns. Every shape here takes
 that route; the backward (the tile kernels, from the forward's lse) is checked too.
 
@@ -41,15 +41,18 @@ def test_matches_reference(shape, mode):
     sdpa._check(torch.float32, *sdpa._inputs(*shape), **sdpa.MODES[mode])
 
 
-@pytest.mark.parametrize("shape", [(2, 4, 1, 1, 37, 16, 16), (1, 8, 2, 4, 1025, 32, 24)], ids=str)
-def test_bfloat16(shape):
-    """bfloat16 keys and values read as they lie, widened block by block, computed in float32
-    (four-row products at Lq = 1, lanes at 16 rows), with a key-padding mask."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("shape", [(2, 4, 1, 1, 37, 16, 16), (1, 8, 2, 4, 1025, 32, 24),
+                                   (1, 8, 2, 4, 1025, 19, 21)], ids=str)
+def test_half_precision(shape, dtype):
+    """16-bit keys and values read as they lie, widened block by block, computed in float32
+    (four-row products at Lq = 1, lanes at 16 rows; head dims off the vector width), with a
+    key-padding mask."""
     q, k, v, dout = sdpa._inputs(*shape)
     pad = torch.ones(shape[0], 1, 1, shape[4], dtype=torch.bool)
     pad[0, ..., :5] = False
-    sdpa._check(torch.bfloat16, q, k, v, dout)
-    sdpa._check(torch.bfloat16, q, k, v, dout, mask=pad)
+    sdpa._check(dtype, q, k, v, dout)
+    sdpa._check(dtype, q, k, v, dout, mask=pad)
 
 
 def test_lower_right_causal_as_in_decoding():

@@ -709,6 +709,14 @@ def test_kvcache(backend, paged, which, lq_mode, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("backend,paged,which,lq_mode,dtype",
+                         cases(["reference", "cpu"], [True], ["all"], KV_MODES,
+                               [torch.float16, torch.bfloat16]), ids=_kv_id)
+def test_kvcache_half_precision(backend, paged, which, lq_mode, dtype):
+    """16-bit caches with every modifier: the cpu kernel widens each block to float32."""
+    test_kvcache(backend, paged, which, lq_mode, dtype=dtype)
+
+
+@pytest.mark.parametrize("backend,paged,which,lq_mode,dtype",
                          cases(["cuda"], [False, True], ["all"], KV_MODES, [torch.float16])
                          + cases(["cuda"], [False], ["softcap", "alibi_batch", "sinks"],
                                  KV_MODES[1:2], [torch.bfloat16]), ids=_kv_id)

@@ -9,11 +9,9 @@ import torch
 from . import native
 from .native import additive, kvcache, sdpa, varlen  # noqa: F401
 
-# bfloat16 and float16 compute in float32; the decoding kernel (kvcache) reads a bfloat16 cache
-# where it lies and widens each block of it as it goes (it has no float16 body: such caches go
-# to the reference backend).
+# bfloat16 and float16 compute in float32; the decoding kernel (kvcache) reads a 16-bit cache
+# where it lies and widens each block of it as it goes.
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-KVCACHE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def availability() -> Optional[str]:
@@ -25,8 +23,6 @@ def unsupported(op: str, call) -> Optional[str]:
         return f"the cpu backend takes CPU tensors, got device {call.q.device}"
     if call.q.dtype not in DTYPES:
         return f"the cpu backend takes float32, float64, bfloat16 and float16, got {call.q.dtype}"
-    if op == "kvcache" and call.q.dtype not in KVCACHE_DTYPES:
-        return f"the cpu backend's KV-cache decoding takes float32, float64 and bfloat16, got {call.q.dtype}"
     if op in ("sdpa", "kvcache", "varlen") and call.mods.any():
         return native.missing_kernel(op + "_mod", "CPU")
     return native.missing_kernel(op, "CPU")

@@ -132,4 +132,4 @@ def _decode_kernel_serves(q, k, v, dropout, modifiers) -> bool:
     row. It is an inference op: no dropout, no gradient, no score modifiers yet."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return (not needs_grad and dropout == 0 and not modifiers and q.device.type == "cpu"
-            and q.dtype in cpu.KVCACHE_DTYPES and cpu.availability() is None)
+            and q.dtype in cpu.DTYPES and cpu.availability() is None)

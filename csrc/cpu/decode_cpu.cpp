@@ -11,8 +11,8 @@
 // leaves its unnormalized output with its rows' max and sum; a second pass merges a head's
 // slices by log-sum-exp. Slots past a sequence's length are never read. float32 runs on the vector
 // products of decode_vectors.h (many rows as the lanes of a vector, LaneTask; the others four
-// at a time); bfloat16 on the same, each block widened to float32 as it is read; float64 on
-// plain loops. Where float32 overflows on finite inputs (scores near its range), the call
+// at a time); bfloat16 and float16 on the same, each block widened to float32 as it is read;
+// float64 on plain loops. Where float32 overflows on finite inputs (scores near its range), the call
 // reruns in float64, as the SDPA kernels do.
 #include "decode_cpu.h"
 
@@ -91,17 +91,20 @@ CacheRows<T> cache_rows(const Tensor& cache, const Tensor& table) {
                       cache.size(2)};
 }
 
+inline void widen(const at::BFloat16* src, int64_t n, float* dst) { widen_bf16(src, n, dst); }
+inline void widen(const at::Half* src, int64_t n, float* dst) { widen_f16(src, n, dst); }
+
 // A block's n rows of len values as T (float32 or float64) for the products: the cache's own
-// rows, or bfloat16 ones widened into buf for the lanes (one pass, in order, over what every
-// lane group then reads from L1; the cache is read at half float32's bytes).
+// rows, or 16-bit ones widened into buf (one pass, in order, over what every row of the group
+// then reads from L1; the cache is read at half float32's bytes).
 template <typename T, typename KV>
 void stage(const KV* const* raw, int64_t n, int64_t len, T* buf, const T** out) {
   if constexpr (std::is_same_v<T, KV>) {
     std::copy(raw, raw + n, out);
   } else {
-    static_assert(std::is_same_v<T, float> && std::is_same_v<KV, at::BFloat16>);
+    static_assert(std::is_same_v<T, float>, "16-bit caches compute in float32");
     for (int64_t t = 0; t < n; ++t) {
-      widen_bf16(raw[t], len, buf + t * len);
+      widen(raw[t], len, buf + t * len);
       out[t] = buf + t * len;
     }
   }
@@ -255,10 +258,10 @@ class LaneTask {
   bool overflow_ = false;  // some raw score came out -inf (lane_scores)
 };
 
-// T: the compute type (float or double); KV: the inputs' (T, or bfloat16 with T float). qs: the
-// query rows, which the tasks multiply by q_scale as they copy them. mask: SDPA's attention
-// mask (the caller's view, (B, Hq, Lq, keys)), or none; a task locates its rows once. out, lse
-// in T. BK: keys per block (BLOCK_KEYS, or LANE_BLOCK_KEYS where the lanes take every row in
+// T: the compute type (float or double); KV: the inputs' (T, or bfloat16 or float16 with T
+// float). qs: the query rows, which the tasks multiply by q_scale as they copy them. mask:
+// SDPA's attention mask (the caller's view, (B, Hq, Lq, keys)), or none; a task locates its
+// rows once. out, lse in T. BK: keys per block (BLOCK_KEYS, or LANE_BLOCK_KEYS where the lanes take every row in
 // one group). Returns whether some score overflowed to -inf (any_neg_inf).
 template <typename T, typename KV, bool MODS, int64_t BK>
 bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
@@ -350,8 +353,11 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
         krows.rows(sl.b, h, far0, n_far, kp_far);
         vrows.rows(sl.b, h, far0, n_far, vp_far);
         // bfloat16: the lanes read the block widened to float32 once; the four-row products
-        // alone widen it as they load it (a copy through L1 cost them 15% at Lq = 1)
-        const bool staged = std::is_same_v<T, KV> || lanes.has_value();
+        // alone widen it as they load it (a copy through L1 cost them 15% at Lq = 1). float16
+        // is widened once for both (its conversion takes an instruction the vector bodies,
+        // written without intrinsics, cannot name: widen_f16).
+        const bool staged =
+            std::is_same_v<T, KV> || std::is_same_v<KV, at::Half> || lanes.has_value();
         if (staged) {
           stage(kr, n, d.E, kbuf.data(), kp);
           stage(vr, n, d.Ev, vbuf.data(), vp);
@@ -395,7 +401,7 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
               v_ahead{vp_far + a0, a1 - a0, d.Ev * d.kv_size};
           if (staged) {
             dot_rows(rows, qr, kp + first, cnt, d.E, sr, k_ahead);
-          } else if constexpr (!std::is_same_v<T, KV>) {
+          } else if constexpr (std::is_same_v<KV, at::BFloat16>) {
             dot_rows(rows, qr, kr + first, cnt, d.E, sr, k_ahead);
           }
           T top[ROWS], sum[ROWS];
@@ -435,7 +441,7 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
           }
           if (staged) {
             add_rows(rows, orow, sr, vp + first, cnt, d.Ev, v_ahead);
-          } else if constexpr (!std::is_same_v<T, KV>) {
+          } else if constexpr (std::is_same_v<KV, at::BFloat16>) {
             add_rows(rows, orow, sr, vr + first, cnt, d.Ev, v_ahead);
           }
           r0 += rows;
@@ -644,6 +650,9 @@ std::tuple<Tensor, Tensor, bool> attend(const Shape& d, const Tensor& q, const T
   } else if (q.scalar_type() == at::kBFloat16) {
     overflow = run_with<float, at::BFloat16>(d, qs, q_scale, keys, v_cache, lens, table, lo, hi,
                                              mods, mask, out, lse);
+  } else if (q.scalar_type() == at::kHalf) {
+    overflow = run_with<float, at::Half>(d, qs, q_scale, keys, v_cache, lens, table, lo, hi,
+                                         mods, mask, out, lse);
   } else {
     overflow = run_with<float, float>(d, qs, q_scale, keys, v_cache, lens, table, lo, hi, mods,
                                       mask, out, lse);
@@ -682,8 +691,8 @@ std::tuple<Tensor, Tensor> decode(const Tensor& q, const Tensor& k_cache_in,
   const Tensor table = block_table.has_value() ? block_table->contiguous() : Tensor();
   check_inputs(q, k_cache_in, v_cache_in, seqlens, table);
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble ||
-                  q.scalar_type() == at::kBFloat16,
-              "attnx::kvcache_fwd (CPU): expected float32, float64 or bfloat16, got ",
+                  q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "attnx::kvcache_fwd (CPU): expected float32, float64, bfloat16 or float16, got ",
               q.scalar_type());
   // Rows are read as runs of E values: a cache whose last dim is strided (never one a model
   // keeps) is copied.
@@ -700,7 +709,7 @@ std::tuple<Tensor, Tensor> decode(const Tensor& q, const Tensor& k_cache_in,
   d.R = d.G * d.Lq;
   auto [out, lse] = attend_checked(d, q, k_cache, v_cache, lens, table, scale, lo, hi, mods,
                                    MaskRows(std::nullopt));
-  // out in q's dtype (bfloat16 rounded once, from float32); the op's lse is float32 whatever q's
+  // out in q's dtype (16-bit rounded once, from float32); the op's lse is float32 whatever q's
   return {out.to(q.scalar_type()), lse.to(at::kFloat)};
 }
 

@@ -13,6 +13,10 @@
 // AVX-512 (16), as sdpa_tile.cpp's row operations are; the same cached choice picks the body.
 #include "vector_body.h"
 
+#ifdef ATTNX_X86_DISPATCH
+#include <immintrin.h>  // widen_f16
+#endif
+
 namespace attnx::cpu {
 namespace {
 
@@ -380,6 +384,27 @@ ATTNX_AVX2 void widen_bf16_avx2(const c10::BFloat16* src, int64_t n, float* dst)
 ATTNX_AVX512 void widen_bf16_avx512(const c10::BFloat16* src, int64_t n, float* dst) {
   widen_bf16_body<16>(src, n, dst);
 }
+// float16 needs the conversion instruction (F16C's vcvtph2ps, or AVX-512's): GCC 12 converts a
+// vector of _Float16 element by element, so these are written with intrinsics. The tail goes
+// through c10::Half's own conversion.
+__attribute__((target("avx2,fma,f16c"))) void widen_f16_f16c(const c10::Half* src, int64_t n,
+                                                             float* dst) {
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + t));
+    _mm256_storeu_ps(dst + t, _mm256_cvtph_ps(h));
+  }
+  for (; t < n; ++t) dst[t] = static_cast<float>(src[t]);
+}
+ATTNX_AVX512 void widen_f16_avx512(const c10::Half* src, int64_t n, float* dst) {
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + t));
+    // (the maskz form: the plain one trips GCC 12's -Wmaybe-uninitialized on its undefined source)
+    _mm512_storeu_ps(dst + t, _mm512_maskz_cvtph_ps(static_cast<__mmask16>(0xFFFF), h));
+  }
+  for (; t < n; ++t) dst[t] = static_cast<float>(src[t]);
+}
 template <typename KV>
 ATTNX_AVX2 void dot_rows_avx2(int rows, const float* const* q, const KV* const* k, int64_t n,
                               int64_t e, float* const* s, const Ahead& ahead) {
@@ -551,6 +576,20 @@ void widen_bf16(const c10::BFloat16* src, int64_t n, float* dst) {
   }
 #endif
   widen_bf16_body<8>(src, n, dst);
+}
+
+void widen_f16(const c10::Half* src, int64_t n, float* dst) {
+#ifdef ATTNX_X86_DISPATCH
+  static const bool f16c = __builtin_cpu_supports("f16c");
+  switch (isa()) {
+    case Isa::avx512: return widen_f16_avx512(src, n, dst);
+    case Isa::avx2:
+      if (f16c) return widen_f16_f16c(src, n, dst);
+      break;
+    case Isa::baseline: break;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) dst[t] = static_cast<float>(src[t]);
 }
 
 void dot_rows(int rows, const double* const* q, const double* const* k, int64_t n, int64_t e,

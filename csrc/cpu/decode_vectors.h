@@ -3,6 +3,7 @@
 // vector_isa() in sdpa_tile.h); the double ones are plain loops (float64 is for checking).
 #pragma once
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 
@@ -67,5 +68,7 @@ void lane_add(float* ot, const float* alpha, const float* st, const float* const
 
 // dst[0, n) = the bfloat16 values src[0, n) as float32, exactly.
 void widen_bf16(const c10::BFloat16* src, int64_t n, float* dst);
+// dst[0, n) = the float16 values src[0, n) as float32, exactly.
+void widen_f16(const c10::Half* src, int64_t n, float* dst);
 
 }  // namespace attnx::cpu

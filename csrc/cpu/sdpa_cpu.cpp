@@ -623,10 +623,10 @@ GradResult backward_in(const Tensor& doc, const Tensor& qc, const Tensor& kc, co
 // and V for a few rows costs more than their products. Measured on a 2-core Zen 4 (2 threads,
 // float32, D 64 and 128, GQA 1 and 4, with and without a key-padding mask): one row 1.2-4.8x
 // faster there; 2-32 rows 1.1-3.0x at 1024-4096 keys (64: 0.95-1.4x), but 0.5-1.4x at 128-512.
-// float32 and bfloat16 only: float64 runs the kernel's plain loops, 3-4x slower than the tiles'
-// BLAS at 16-32 rows.
+// float32, bfloat16 and float16 only: float64 runs the kernel's plain loops, 3-4x slower than
+// the tiles' BLAS at 16-32 rows.
 bool decoding_rows(const Dims& d, at::ScalarType dtype) {
-  return (dtype == at::kFloat || dtype == at::kBFloat16) &&
+  return (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
          (d.Lq == 1 || (d.Lq <= 32 && d.Lk >= 1024));
 }
 
