@@ -12,8 +12,8 @@
 // slices by log-sum-exp. Slots past a sequence's length are never read. float32 runs on the vector
 // products of decode_vectors.h (many rows as the lanes of a vector, LaneTask; the others four
 // at a time); bfloat16 and float16 on the same, each block widened to float32 as it is read;
-// float64 on plain loops. Where float32 overflows on finite inputs (scores near its range), the call
-// reruns in float64, as the SDPA kernels do.
+// float64 on plain loops. Where float32 overflows on finite inputs (scores near its range), the
+// call reruns in float64, as the SDPA kernels do.
 #include "decode_cpu.h"
 
 #include <ATen/ATen.h>
@@ -261,8 +261,8 @@ class LaneTask {
 // T: the compute type (float or double); KV: the inputs' (T, or bfloat16 or float16 with T
 // float). qs: the query rows, which the tasks multiply by q_scale as they copy them. mask:
 // SDPA's attention mask (the caller's view, (B, Hq, Lq, keys)), or none; a task locates its
-// rows once. out, lse in T. BK: keys per block (BLOCK_KEYS, or LANE_BLOCK_KEYS where the lanes take every row in
-// one group). Returns whether some score overflowed to -inf (any_neg_inf).
+// rows once. out, lse in T. BK: keys per block (BLOCK_KEYS, or LANE_BLOCK_KEYS where the lanes
+// take every row in one group). Returns whether some score overflowed to -inf (any_neg_inf).
 template <typename T, typename KV, bool MODS, int64_t BK>
 bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
          const Tensor& v_cache, const std::vector<int64_t>& lens, const Tensor& table, int64_t lo,
@@ -313,7 +313,7 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
     const T *kp[BK], *vp[BK];
     const KV *kr[BK], *vr[BK], *kr_next[BK], *vr_next[BK];
     const void *kp_far[BK], *vp_far[BK];
-    line_vector<T> kbuf, vbuf;  // bfloat16 caches: the block widened for the lanes
+    line_vector<T> kbuf, vbuf;  // 16-bit caches: the block widened (stage)
     if constexpr (!std::is_same_v<T, KV>) {
       kbuf.resize(static_cast<size_t>(BK * d.E));
       vbuf.resize(static_cast<size_t>(BK * d.Ev));
