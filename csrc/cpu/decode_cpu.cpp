@@ -91,9 +91,6 @@ CacheRows<T> cache_rows(const Tensor& cache, const Tensor& table) {
                       cache.size(2)};
 }
 
-inline void widen(const at::BFloat16* src, int64_t n, float* dst) { widen_bf16(src, n, dst); }
-inline void widen(const at::Half* src, int64_t n, float* dst) { widen_f16(src, n, dst); }
-
 // A block's n rows of len values as T (float32 or float64) for the products: the cache's own
 // rows, or 16-bit ones widened into buf (one pass, in order, over what every row of the group
 // then reads from L1; the cache is read at half float32's bytes).
@@ -355,7 +352,7 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
         // bfloat16: the lanes read the block widened to float32 once; the four-row products
         // alone widen it as they load it (a copy through L1 cost them 15% at Lq = 1). float16
         // is widened once for both (its conversion takes an instruction the vector bodies,
-        // written without intrinsics, cannot name: widen_f16).
+        // written without intrinsics, cannot name: decode_vectors.cpp's widen_f16_*).
         const bool staged =
             std::is_same_v<T, KV> || std::is_same_v<KV, at::Half> || lanes.has_value();
         if (staged) {

@@ -27,10 +27,9 @@ std::tuple<at::Tensor, at::Tensor> kvcache_mod_fwd(
 
 // SDPA's forward (sdpa_cpu.cpp's `forward` routes a few query rows here) on this kernel: q
 // (B, Hq, Lq, E), k and v (B, Hkv, Lk, .) float32, float64, bfloat16 or float16, checked by the
-// caller;
-// the band top-left (query i may attend keys i + band_lo .. i + band_hi), ALiBi's diagonal key
-// i + mods.alibi_offset. Returns out in q's dtype and lse in float64 for float64, else
-// float32, as the SDPA forward does.
+// caller; the band top-left (query i may attend keys i + band_lo .. i + band_hi), ALiBi's
+// diagonal key i + mods.alibi_offset. Returns out in q's dtype and lse in float64 for float64,
+// else float32, as the SDPA forward does.
 std::tuple<at::Tensor, at::Tensor> sdpa_decode_fwd(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v, const MaskRows& mask,
                                                    double scale, int64_t band_lo,

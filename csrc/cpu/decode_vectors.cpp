@@ -14,7 +14,7 @@
 #include "vector_body.h"
 
 #ifdef ATTNX_X86_DISPATCH
-#include <immintrin.h>  // widen_f16
+#include <immintrin.h>  // widen_f16_*
 #endif
 
 namespace attnx::cpu {
@@ -569,7 +569,7 @@ void lane_add(float* ot, const float* alpha, const float* st, const float* const
   lane_add_body<8>(ot, alpha, st, v, n, ev, ahead);
 }
 
-void widen_bf16(const c10::BFloat16* src, int64_t n, float* dst) {
+void widen(const c10::BFloat16* src, int64_t n, float* dst) {
 #ifdef ATTNX_X86_DISPATCH
   switch (isa()) {
     case Isa::avx512: return widen_bf16_avx512(src, n, dst);
@@ -580,7 +580,7 @@ void widen_bf16(const c10::BFloat16* src, int64_t n, float* dst) {
   widen_bf16_body<8>(src, n, dst);
 }
 
-void widen_f16(const c10::Half* src, int64_t n, float* dst) {
+void widen(const c10::Half* src, int64_t n, float* dst) {
 #ifdef ATTNX_X86_DISPATCH
   static const bool f16c = __builtin_cpu_supports("f16c");
   switch (isa()) {

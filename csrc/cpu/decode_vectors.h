@@ -67,8 +67,8 @@ void lane_add(float* ot, const float* alpha, const float* st, const float* const
               int64_t ev, Ahead ahead = {});
 
 // dst[0, n) = the bfloat16 values src[0, n) as float32, exactly.
-void widen_bf16(const c10::BFloat16* src, int64_t n, float* dst);
+void widen(const c10::BFloat16* src, int64_t n, float* dst);
 // dst[0, n) = the float16 values src[0, n) as float32, exactly.
-void widen_f16(const c10::Half* src, int64_t n, float* dst);
+void widen(const c10::Half* src, int64_t n, float* dst);
 
 }  // namespace attnx::cpu
