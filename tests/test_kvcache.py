@@ -237,6 +237,27 @@ def test_scores_past_float32_range_rerun_in_float64():
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not HAS_CPU_KERNEL, reason="attnx._C is not built")
+@pytest.mark.parametrize("lq, hq", [(1, 2), (4, 8)], ids=["four-row", "lanes"])
+def test_score_summed_past_minus_float32_max_is_kept(lq, hq):
+    """One score of 0 whose float32 partial sums can pass -float32 max on the way (products
+    -3e38, -3e38, then +3e38, +3e38): a kernel summing in that order gets -inf, which must not
+    drop the key as if masked (the call reruns in float64). The lanes (16 rows a kv head) and
+    the four-row products each check their own scores."""
+    g = torch.Generator().manual_seed(3)
+    b, hkv, n, e = 1, 2, 40, 8
+    q = torch.randn(b, hq, lq, e, generator=g)
+    k = torch.randn(b, hkv, n, e, generator=g)
+    v = torch.randn(b, hkv, n, e, generator=g)
+    q[0, 0, 0] = 1e19
+    k[0, 0] *= 1e-30  # the row's other scores ~0 as well: the key weighs 1/40 of its output
+    k[0, 0, 1] = torch.tensor([-3e19, 0, -3e19, 0, 3e19, 0, 3e19, 0])
+    out = attnx.attention_with_kvcache(q, k, v, n, is_causal=False, scale=1.0, backend="cpu")
+    ref = attnx.attention_with_kvcache(q.double(), k.double(), v.double(), n, is_causal=False,
+                                       scale=1.0, backend="reference")
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, q_value, k_value, scale", [
     (torch.float32, 1e20, 0.0, 1e30),       # q scale past float32's range, every score 0
