@@ -293,6 +293,19 @@ ATTNX_BODY bool lane_scores_body(const float* qt, const float* const* k, int64_t
   return found;
 }
 
+// ALiBi down the lanes: lane r's distance to key t is |dist0[r] - t|, in int32 lanes converted
+// once each (as the scalar int64 loop converts them).
+template <int W>
+ATTNX_BODY void lane_alibi_body(float* st, int64_t n, const float* slope, const int32_t* dist0) {
+  const vf<W> sl = load<W>(slope);
+  vi<W> d;
+  std::memcpy(&d, dist0, sizeof(d));
+  for (int64_t t = 0; t < n; ++t, d -= 1) {
+    const vf<W> dist = __builtin_convertvector(d < 0 ? -d : d, vf<W>);
+    store<W>(st + t * W, load<W>(st + t * W) - sl * dist);
+  }
+}
+
 template <int W>
 ATTNX_BODY void lane_softmax_body(float* st, int64_t n, float* m, float* l, float* alpha) {
   const vf<W> ninf = splat<W>(-std::numeric_limits<float>::infinity());
@@ -441,6 +454,13 @@ ATTNX_AVX512 bool lane_scores_avx512(const float* qt, const float* const* k, int
                                      int64_t e, float* st, const Ahead& ahead) {
   return lane_scores_body<16, 8>(qt, k, n, e, st, ahead);
 }
+ATTNX_AVX2 void lane_alibi_avx2(float* st, int64_t n, const float* slope, const int32_t* dist0) {
+  lane_alibi_body<8>(st, n, slope, dist0);
+}
+ATTNX_AVX512 void lane_alibi_avx512(float* st, int64_t n, const float* slope,
+                                    const int32_t* dist0) {
+  lane_alibi_body<16>(st, n, slope, dist0);
+}
 ATTNX_AVX2 void lane_softmax_avx2(float* st, int64_t n, float* m, float* l, float* alpha) {
   lane_softmax_body<8>(st, n, m, l, alpha);
 }
@@ -546,6 +566,17 @@ bool lane_scores(const float* qt, const float* const* k, int64_t n, int64_t e, f
   }
 #endif
   return lane_scores_body<8, 4>(qt, k, n, e, st, ahead);
+}
+
+void lane_alibi(float* st, int64_t n, const float* slope, const int32_t* dist0) {
+#ifdef ATTNX_X86_DISPATCH
+  switch (isa()) {
+    case Isa::avx512: return lane_alibi_avx512(st, n, slope, dist0);
+    case Isa::avx2: return lane_alibi_avx2(st, n, slope, dist0);
+    case Isa::baseline: break;
+  }
+#endif
+  lane_alibi_body<8>(st, n, slope, dist0);
 }
 
 void lane_softmax(float* st, int64_t n, float* m, float* l, float* alpha) {

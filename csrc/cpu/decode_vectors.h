@@ -55,6 +55,10 @@ void lane_pairs(const float* q, int64_t rows, int64_t e, float* qt);
 bool lane_scores(const float* qt, const float* const* k, int64_t n, int64_t e, float* st,
                  Ahead ahead = {});
 
+// ALiBi on a lane tile: st[t * W + r] -= slope[r] |dist0[r] - t| for t < n, r < W (dist0[r]:
+// lane r's diagonal key less the tile's first key, |dist0[r]| and n below 2^30).
+void lane_alibi(float* st, int64_t n, const float* slope, const int32_t* dist0);
+
 // The online softmax of a lane tile, per lane r: m[r] <- max(m[r], st[., r]); st <- exp(st -
 // m[r]) (0 for -inf: masked keys); l[r] <- l[r] alpha[r] + the sum of the new st[., r], where
 // alpha[r] = exp(old m[r] - new m[r]) is returned for the output rows (0 while a row has

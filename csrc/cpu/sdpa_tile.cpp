@@ -194,6 +194,23 @@ ATTNX_BODY void softmax_grad_body(float* ds, const float* p, int64_t n, float d)
 // z = exp(-2 |y|) from exp2v, for |y| >= 1/4 (where 1 - z >= 0.39 keeps z's relative error,
 // 1.6e-7, within 2.5e-7 of the result); below, its odd Taylor series to y^9 (next term under
 // 2.2e-9 relative). std::tanh in a scalar loop made the soft-capped forward 2.5x slower.
+// s[j] -= slope |diag - j| over s[0, n), |diag| and n below 2^30 (alibi_row): the distances
+// in int32 lanes, each converted once (as the int64 loop converts them).
+template <int W>
+ATTNX_BODY void alibi_body(float* s, int64_t n, float slope, int64_t diag) {
+  const vf<W> sl = splat<W>(slope);
+  const vi<W> lane = (vi<W>)lanes<W>();
+  for (int64_t j = 0; j < n; j += W) {
+    const vi<W> d = (vi<W>{} + static_cast<int32_t>(diag - j)) - lane;
+    const vf<W> dist = __builtin_convertvector(d < 0 ? -d : d, vf<W>);
+    if (j + W <= n) {
+      store<W>(s + j, load<W>(s + j) - sl * dist);
+    } else {
+      store_tail<W>(s + j, n - j, load_tail<W>(s + j, n - j, 0.0f) - sl * dist);
+    }
+  }
+}
+
 template <int W>
 ATTNX_BODY void softcap_body(float* s, int64_t n, float cap, float* dcap) {
   const vf<W> inv = splat<W>(1.0f / cap), c = splat<W>(cap), one = splat<W>(1.0f);
@@ -284,6 +301,7 @@ ATTNX_TARGETS(void, softmax_grad, (float* ds, const float* p, int64_t n, float d
 ATTNX_TARGETS(float, mask, (float* s, const uint8_t* bits, int64_t pos, int64_t n), s, bits,
               pos, n)
 ATTNX_TARGETS(void, softcap, (float* s, int64_t n, float cap, float* dcap), s, n, cap, dcap)
+ATTNX_TARGETS(void, alibi, (float* s, int64_t n, float slope, int64_t diag), s, n, slope, diag)
 #undef ATTNX_TARGETS
 // Returns from the calling function with the widest body this CPU runs, if it runs one.
 #define ATTNX_PICK(name, ...)                                                 \
@@ -361,6 +379,19 @@ void dropout_row(float* x, int64_t n, uint32_t key_row, uint32_t j0, uint32_t th
 void softcap_row(float* s, int64_t n, float cap, float* dcap) {
   ATTNX_PICK(softcap, s, n, cap, dcap);
   softcap_body<8>(s, n, cap, dcap);
+}
+
+void alibi_row(float* s, int64_t n, float slope, int64_t diag) {
+  constexpr int64_t kInt32Safe = int64_t{1} << 30;  // diag - j fits int32 for every j < n
+  if (std::abs(diag) < kInt32Safe && n < kInt32Safe) {
+    ATTNX_PICK(alibi, s, n, slope, diag);
+    return alibi_body<8>(s, n, slope, diag);
+  }
+  for (int64_t j = 0; j < n; ++j) s[j] -= slope * static_cast<float>(std::abs(diag - j));
+}
+
+void alibi_row(double* s, int64_t n, double slope, int64_t diag) {
+  for (int64_t j = 0; j < n; ++j) s[j] -= slope * static_cast<double>(std::abs(diag - j));
 }
 
 void softcap_row(double* s, int64_t n, double cap, double* dcap) {
