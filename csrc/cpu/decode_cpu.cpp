@@ -214,7 +214,7 @@ class LaneTask {
           // where every distance fits (a scalar loop per lane and key took 1.2x the call's time)
           const int64_t base = diag + mods.alibi_offset - j0;
           const int64_t reach = std::max(std::abs(i_lo + base), std::abs(i_hi + base)) + n;
-          if (reach < (int64_t{1} << 30)) {
+          if (reach < kAlibiInt32) {
             for (int64_t r = 0; r < W; ++r)
               dist0_[r] = static_cast<int32_t>(r < rows ? query_[r0 + r] + base : 0);
             lane_alibi(st, n, slope_.data() + r0, dist0_.data());

@@ -56,7 +56,8 @@ bool lane_scores(const float* qt, const float* const* k, int64_t n, int64_t e, f
                  Ahead ahead = {});
 
 // ALiBi on a lane tile: st[t * W + r] -= slope[r] |dist0[r] - t| for t < n, r < W (dist0[r]:
-// lane r's diagonal key less the tile's first key, |dist0[r]| and n below 2^30).
+// lane r's diagonal key less the tile's first key, |dist0[r]| + n below score_mods.h's
+// kAlibiInt32).
 void lane_alibi(float* st, int64_t n, const float* slope, const int32_t* dist0);
 
 // The online softmax of a lane tile, per lane r: m[r] <- max(m[r], st[., r]); st <- exp(st -

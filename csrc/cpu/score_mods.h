@@ -20,6 +20,9 @@ void softcap_row(double* s, int64_t n, double cap, double* dcap);
 // one's time, B 1 H 8 L 2048 D 64, 2 threads; the rest of that gap was subnormal products:
 // vector_body.h's exp2v).
 void alibi_row(float* s, int64_t n, float slope, int64_t diag);
+// The vector ALiBi bodies (alibi_row, decode_vectors.h's lane_alibi) hold distances in int32
+// lanes: they take rows whose distances stay below this; longer ones take a scalar loop.
+constexpr int64_t kAlibiInt32 = int64_t{1} << 30;
 void alibi_row(double* s, int64_t n, double slope, int64_t diag);
 
 // The score modifiers (csrc/ops.cpp) in a kernel's type. The kernels take them as a template

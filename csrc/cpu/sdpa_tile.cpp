@@ -190,12 +190,8 @@ ATTNX_BODY void softmax_grad_body(float* ds, const float* p, int64_t n, float d)
   for (; j < n; ++j) ds[j] = p[j] * (ds[j] - d);
 }
 
-// s = cap tanh(s / cap), and dcap = 1 - tanh^2 (if not null). tanh(|y|) = (1 - z) / (1 + z),
-// z = exp(-2 |y|) from exp2v, for |y| >= 1/4 (where 1 - z >= 0.39 keeps z's relative error,
-// 1.6e-7, within 2.5e-7 of the result); below, its odd Taylor series to y^9 (next term under
-// 2.2e-9 relative). std::tanh in a scalar loop made the soft-capped forward 2.5x slower.
-// s[j] -= slope |diag - j| over s[0, n), |diag| and n below 2^30 (alibi_row): the distances
-// in int32 lanes, each converted once (as the int64 loop converts them).
+// s[j] -= slope |diag - j| over s[0, n), |diag| and n below kAlibiInt32 (alibi_row): the
+// distances in int32 lanes, each converted once (as the int64 loop converts them).
 template <int W>
 ATTNX_BODY void alibi_body(float* s, int64_t n, float slope, int64_t diag) {
   const vf<W> sl = splat<W>(slope);
@@ -211,6 +207,10 @@ ATTNX_BODY void alibi_body(float* s, int64_t n, float slope, int64_t diag) {
   }
 }
 
+// s = cap tanh(s / cap), and dcap = 1 - tanh^2 (if not null). tanh(|y|) = (1 - z) / (1 + z),
+// z = exp(-2 |y|) from exp2v, for |y| >= 1/4 (where 1 - z >= 0.39 keeps z's relative error,
+// 1.6e-7, within 2.5e-7 of the result); below, its odd Taylor series to y^9 (next term under
+// 2.2e-9 relative). std::tanh in a scalar loop made the soft-capped forward 2.5x slower.
 template <int W>
 ATTNX_BODY void softcap_body(float* s, int64_t n, float cap, float* dcap) {
   const vf<W> inv = splat<W>(1.0f / cap), c = splat<W>(cap), one = splat<W>(1.0f);
@@ -382,8 +382,7 @@ void softcap_row(float* s, int64_t n, float cap, float* dcap) {
 }
 
 void alibi_row(float* s, int64_t n, float slope, int64_t diag) {
-  constexpr int64_t kInt32Safe = int64_t{1} << 30;  // diag - j fits int32 for every j < n
-  if (std::abs(diag) < kInt32Safe && n < kInt32Safe) {
+  if (std::abs(diag) < kAlibiInt32 && n < kAlibiInt32) {
     ATTNX_PICK(alibi, s, n, slope, diag);
     return alibi_body<8>(s, n, slope, diag);
   }
