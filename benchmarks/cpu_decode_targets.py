@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 
@@ -38,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import attnx
-from cpu_sdpa_targets import machine, summary, timed
+from cpu_sdpa_targets import machine, summary, timed, write_results
 from fma_peak import fma_peak
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
@@ -169,10 +168,7 @@ def main() -> None:
         "cases": rows,
     }
     path = args.out or os.path.join(HERE, "results", f"cpu-decode-{now:%Y-%m-%d}-t{torch.get_num_threads()}{SUFFIX.get(args.dtype, '')}{'-quick' if args.quick else ''}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}")
+    write_results(path, result)
 
 
 if __name__ == "__main__":

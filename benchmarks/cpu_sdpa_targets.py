@@ -103,6 +103,14 @@ def case(seq: int, dim: int, kind: str, backward: bool, repeats: int, h: int = 8
     return row
 
 
+def write_results(path: str, result: dict) -> None:
+    """The results file (folders made as needed), and where it went."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
 def _unused(path: str) -> str:
     """path, or path-2, -3, ... before the extension: a second run the same day keeps the first's
     results (the default name is by date)."""
@@ -171,10 +179,7 @@ def main() -> None:
         "sgemm_2048": gemm, "fma_peak": peak, "cases": rows, "summary": by_pass,
     }
     path = args.out or _unused(os.path.join(HERE, "results", f"cpu-sdpa-{now:%Y-%m-%d}{'-quick' if args.quick else ''}{'' if args.heads == 8 else f'-h{args.heads}'}.json"))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}")
+    write_results(path, result)
 
 
 if __name__ == "__main__":

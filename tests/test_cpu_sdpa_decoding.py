@@ -1,5 +1,6 @@
-"""The CPU SDPA forward on the decoding kernel: one query row, or up to 32 against 1024 keys or
-more (csrc/cpu/sdpa_cpu.cpp, `decoding_rows`), float32, bfloat16 and float16 without dropout
+"""The CPU SDPA forward on the decoding kernel: one query row, or up to 8 against 64 keys or
+more, 16 against 256, 32 against 512 (csrc/cpu/sdpa_cpu.cpp, `decoding_rows`), float32,
+bfloat16 and float16 without dropout
 run on csrc/cpu/decode_cpu.cpp, with the SDPA contract's masks (bool and float, any broadcast),
 top-left band, modifiers, fully-masked rows and float32 overflow reruns. Every shape here takes
 that route; the backward (the tile kernels, from the forward's lse) is checked too.
@@ -32,6 +33,10 @@ SHAPES = [  # b, hq, hkv, lq, lk, e, ev
     (1, 6, 2, 3, 1024, 8, 8),  # 9 rows: one partial lane group (AVX2: 8 lanes and one row)
     (1, 4, 2, 32, 1024, 16, 16),  # 64 rows a kv head: four lane groups (AVX2: eight)
     (2, 3, 1, 25, 1050, 24, 8),  # 75 rows: lane groups whose queries wrap, rows left over
+    (1, 8, 2, 4, 64, 32, 32),  # lanes against the fewest keys that take this route at Lq <= 8
+    (2, 2, 1, 7, 97, 64, 64),  # 14 rows at D = 64: 32-key blocks, a partial lane group
+    (1, 2, 2, 16, 256, 128, 128),  # 16 queries of one head at 256 keys, D = 128
+    (1, 2, 1, 32, 517, 8, 8),  # 64 rows at 517 keys, D = 8: 64-key blocks, the last partial
 ]
 
 

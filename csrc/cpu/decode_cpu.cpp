@@ -44,7 +44,8 @@ using at::Tensor;
 
 // Keys per block: a block's K and V rows (2 x 16 x 512 bytes at E = 128, float32) stay in L1
 // while the group's rows use them: the four-row products read each block's value rows once per
-// two rows (32 keys: 9% slower at B = 8, Lq = 1 from memory, Zen 4).
+// two rows (32 keys: 9% slower at B = 8, Lq = 1 from memory, Zen 4). Rows of 64 values or
+// fewer take 2x or 4x as many keys (run_with).
 constexpr int64_t BLOCK_KEYS = 16;
 // Where the lanes take every row in one group (LaneRows; Lq = 4 with Hq / Hkv = 4), no row of a
 // block is read twice, and longer blocks only spread the per-block work (reloading the output
@@ -126,6 +127,12 @@ bool any_neg_inf(const T* s, int64_t n) {
   return found != 0;
 }
 
+// Whether x is NaN or +-inf, as an int so that loops OR it up vectorized.
+template <typename T>
+int non_finite(T x) {
+  return !(std::abs(x) <= std::numeric_limits<T>::max());
+}
+
 // Rows computed as the lanes of a vector (float32, decode_vectors.h): rows [0, rows) in groups
 // of W, whole groups and a last partial one where it fills more than half its lanes. The other
 // rows (all of them at Lq = 1 with GQA groups of 4 on AVX-512) go through the four-row
@@ -151,10 +158,11 @@ LaneRows lane_rows(const Shape& d) {
 template <bool MODS>
 class LaneTask {
  public:
-  LaneTask(const Shape& d, const LaneRows& lr)
+  // keys: the most a block holds (BK)
+  LaneTask(const Shape& d, const LaneRows& lr, int64_t keys)
       : d_(d), lr_(lr), qt_(static_cast<size_t>(lr.groups * d.E * lr.W)),
         ot_(static_cast<size_t>(lr.groups * d.Ev * lr.W)),
-        st_(static_cast<size_t>(LANE_BLOCK_KEYS * lr.W)),
+        st_(static_cast<size_t>(keys * lr.W)),
         m_(static_cast<size_t>(lr.groups * lr.W)),
         l_(m_.size()), alpha_(static_cast<size_t>(lr.W)), slope_(m_.size()),
         dist0_(static_cast<size_t>(lr.W)),
@@ -245,10 +253,8 @@ class LaneTask {
   // The task's lane rows into its output rows o (R x Ev), max m and sum l.
   void finish(float* o, float* m, float* l) const {
     const int64_t W = lr_.W, Ev = d_.Ev;
-    for (int64_t r = 0; r < lr_.rows; ++r) {  // row by row: stores in order
-      const float* col = ot_.data() + r / W * Ev * W + r % W;
-      for (int64_t c = 0; c < Ev; ++c) o[r * Ev + c] = col[c * W];
-    }
+    for (int64_t g = 0; g < lr_.groups; ++g)
+      lanes_to_rows(ot_.data() + g * Ev * W, std::min(W, lr_.rows - g * W), Ev, o + g * W * Ev);
     std::copy(m_.begin(), m_.begin() + lr_.rows, m);
     std::copy(l_.begin(), l_.begin() + lr_.rows, l);
   }
@@ -269,8 +275,10 @@ class LaneTask {
 // T: the compute type (float or double); KV: the inputs' (T, or bfloat16 or float16 with T
 // float). qs: the query rows, which the tasks multiply by q_scale as they copy them. mask:
 // SDPA's attention mask (the caller's view, (B, Hq, Lq, keys)), or none; a task locates its
-// rows once. out, lse in T. BK: keys per block (BLOCK_KEYS, or LANE_BLOCK_KEYS where the lanes
-// take every row in one group). Returns whether some score overflowed to -inf (any_neg_inf).
+// rows once. out, lse in T. BK: keys per block (BLOCK_KEYS, more for short rows, or
+// LANE_BLOCK_KEYS where the lanes take every row in one group). Returns whether some score
+// overflowed to -inf (any_neg_inf) or an output came out NaN or +-inf (found as the merge
+// writes it).
 template <typename T, typename KV, bool MODS, int64_t BK>
 bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
          const Tensor& v_cache, const std::vector<int64_t>& lens, const Tensor& table, int64_t lo,
@@ -301,7 +309,10 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
 
   // Per task (slice s, kv head h) = s * Hkv + h: unnormalized output rows, their max and sum.
   const int64_t tasks = static_cast<int64_t>(slices.size()) * d.Hkv;
-  line_vector<T> part_o(static_cast<size_t>(tasks * d.R * d.Ev), T(0));
+  // (uninitialized: the lanes write their rows whole, and each task zeroes the rest)
+  const Tensor part_o_t = at::empty({tasks * d.R * d.Ev}, k_cache.options().dtype(
+                                                              c10::CppTypeToScalarType<T>::value));
+  T* part_o = part_o_t.data_ptr<T>();
   std::vector<T> part_m(static_cast<size_t>(tasks * d.R), neg_inf<T>());
   std::vector<T> part_l(static_cast<size_t>(tasks * d.R), T(0));
   const KV* q_all = qs.data_ptr<KV>();
@@ -314,7 +325,7 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
     line_vector<T> q_rows(static_cast<size_t>(d.R * d.E));  // the task's rows, scaled
     std::optional<LaneTask<MODS>> lanes;
     if constexpr (std::is_same_v<T, float>) {
-      if (lr.groups > 0) lanes.emplace(d, lr);
+      if (lr.groups > 0) lanes.emplace(d, lr, BK);
     }
     // the block's rows as the products read them (kp, vp), and as the caches hold them: this
     // block's, the next one's, and the one after (only fetched)
@@ -336,9 +347,10 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
       const KV* q_in = q_all + (sl.b * d.Hkv + h) * d.R * d.E;
       for (int64_t x = 0; x < d.R * d.E; ++x) q_rows[x] = static_cast<T>(q_in[x]) * q_scale;
       const T* q = q_rows.data();
-      T* o = part_o.data() + task * d.R * d.Ev;
+      T* o = part_o + task * d.R * d.Ev;
       T* m = part_m.data() + task * d.R;
       T* l = part_l.data() + task * d.R;
+      std::fill(o + lr.rows * d.Ev, o + d.R * d.Ev, T(0));  // the four-row products' rows
       if constexpr (std::is_same_v<T, float>) {
         if (lanes) lanes->start(q, sl.b, h, mods);
       }
@@ -472,45 +484,65 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
   // milliseconds for a descheduled thread.
   const int64_t merge_values = std::max<int64_t>(1, tasks * d.R * d.Ev);
   const int64_t grain = std::max<int64_t>(1, d.B * d.Hkv * (1 << 18) / merge_values);
+  std::atomic<bool> out_bad{false};
   at::parallel_for(0, d.B * d.Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<T> acc(static_cast<size_t>(d.Ev));
+    int bad = 0;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / d.Hkv, h = bh % d.Hkv;
+      const int64_t s0 = first_slice[b], s1 = first_slice[b + 1];
       for (int64_t r = 0; r < d.R; ++r) {
-        T top = neg_inf<T>();
-        for (int64_t s = first_slice[b]; s < first_slice[b + 1]; ++s)
-          top = std::max(top, part_m[(s * d.Hkv + h) * d.R + r]);
-        std::fill(acc.begin(), acc.end(), T(0));
-        T total = 0;
-        if (top != neg_inf<T>()) {
-          for (int64_t s = first_slice[b]; s < first_slice[b + 1]; ++s) {
-            const int64_t row = (s * d.Hkv + h) * d.R + r;
-            const T w = std::exp(part_m[row] - top);  // 0 for a slice the row admits no key of
-            if (w == 0) continue;
-            total += w * part_l[row];
-            const T* o = part_o.data() + row * d.Ev;
-            for (int64_t c = 0; c < d.Ev; ++c) acc[c] += w * o[c];
+        T top = neg_inf<T>(), total = 0;
+        const T* sum = acc.data();  // the row's unnormalized output
+        if (s1 - s0 == 1) {
+          // one slice (a short cache): its row as it is, without the weight e^0 and the
+          // copy into acc (the merge took 8% of a call at 16 keys, Lq = 4)
+          const int64_t row = (s0 * d.Hkv + h) * d.R + r;
+          top = part_m[row];
+          total = top == neg_inf<T>() ? T(0) : part_l[row];
+          sum = part_o + row * d.Ev;
+        } else {
+          for (int64_t s = s0; s < s1; ++s) top = std::max(top, part_m[(s * d.Hkv + h) * d.R + r]);
+          std::fill(acc.begin(), acc.end(), T(0));
+          if (top != neg_inf<T>()) {
+            for (int64_t s = s0; s < s1; ++s) {
+              const int64_t row = (s * d.Hkv + h) * d.R + r;
+              const T w = std::exp(part_m[row] - top);  // 0 for a slice the row admits no key of
+              if (w == 0) continue;
+              total += w * part_l[row];
+              const T* o = part_o + row * d.Ev;
+              for (int64_t c = 0; c < d.Ev; ++c) acc[c] += w * o[c];
+            }
           }
         }
         if constexpr (MODS) {
           if (mods.sinks != nullptr) {  // exp(sink) joins the denominator total exp(top)
             const T sink = mods.sinks[h * d.G + r / d.Lq], joined = std::max(top, sink);
             const T w = top == neg_inf<T>() ? T(0) : std::exp(top - joined);
-            for (int64_t c = 0; c < d.Ev; ++c) acc[c] *= w;
+            for (int64_t c = 0; c < d.Ev; ++c) acc[c] = sum[c] * w;
+            sum = acc.data();
             total = total * w + std::exp(sink - joined);
             top = joined;
           }
         }
         // row r of kv head h's group is row (b, h * G + g, i) of out: (b * Hkv + h) * R + r
         const int64_t row = (b * d.Hkv + h) * d.R + r;
-        const T inv = total > 0 ? T(1) / total : T(0);
         T* dst = out_all + row * d.Ev;
-        for (int64_t c = 0; c < d.Ev; ++c) dst[c] = acc[c] * inv;
+        if (total > 0) {
+          const T inv = T(1) / total;
+          for (int64_t c = 0; c < d.Ev; ++c) {
+            dst[c] = sum[c] * inv;
+            bad |= non_finite(dst[c]);
+          }
+        } else {  // no admitted key: zeros (whatever a refused key's value times p = 0 left)
+          std::fill(dst, dst + d.Ev, T(0));
+        }
         lse_all[row] = total > 0 ? top + std::log(total) : neg_inf<T>();
       }
     }
+    if (bad) out_bad.store(true, std::memory_order_relaxed);
   });
-  return overflow.load();
+  return overflow.load() || out_bad.load();
 }
 
 void check_inputs(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
@@ -610,12 +642,24 @@ bool run_with(const Shape& d, const Tensor& qs, double q_scale, const Tensor& k_
                                                 mods, mask, out, lse);
     }
   }
+  // Shorter rows, longer blocks, so that a block's K and V bytes stay the same (the per-block
+  // work, a max and a rescale per row and the rows' lookups, spread over more keys): 1.1-1.3x
+  // at D = 64 and 1.2-1.45x at D = 32 (Lq = 1-4, 2 threads, the Emerald Rapids).
+  const int64_t widest = std::max(d.E, d.Ev);
+  if (widest <= 32) {
+    return run_blocks<T, KV, 4 * BLOCK_KEYS>(d, qs, s, k_cache, v_cache, lens, table, lo, hi,
+                                             mods, mask, out, lse);
+  }
+  if (widest <= 64) {
+    return run_blocks<T, KV, 2 * BLOCK_KEYS>(d, qs, s, k_cache, v_cache, lens, table, lo, hi,
+                                             mods, mask, out, lse);
+  }
   return run_blocks<T, KV, BLOCK_KEYS>(d, qs, s, k_cache, v_cache, lens, table, lo, hi, mods,
                                        mask, out, lse);
 }
 
 // out and lse in the compute type (float64 for float64 q, else float32), and whether a score
-// overflowed (run).
+// overflowed or an output came out non-finite (run).
 std::tuple<Tensor, Tensor, bool> attend(const Shape& d, const Tensor& q, const Tensor& k_cache,
                                   const Tensor& v_cache, const std::vector<int64_t>& lens,
                                   const Tensor& table, double scale, int64_t lo, int64_t hi,
@@ -677,7 +721,6 @@ std::tuple<Tensor, Tensor> attend_checked(const Shape& d, const Tensor& q, const
   auto [out, lse, overflow] =
       attend(d, q, k_cache, v_cache, lens, table, scale, lo, hi, mods, mask);
   if (q.scalar_type() != at::kDouble && (overflow ||
-                                        any_non_finite(out.data_ptr<float>(), out.numel()) ||
                                         nan_or_posinf(lse.data_ptr<float>(), lse.numel()) ||
                                         lost_rows(d, lse.data_ptr<float>(), lens, lo, hi, mask))) {
     // float32 overflowed (q scale or scores past its range: NaN scores, which the softmax

@@ -50,6 +50,10 @@ int lane_width();  // W: 16 on AVX-512, else 8
 // pairs leave in lane order); an odd last column transposed (qt[c W + r] = q[r][c]).
 void lane_pairs(const float* q, int64_t rows, int64_t e, float* qt);
 
+// o[r * ev + c] = ot[c * W + r] for r < rows (<= W), c < ev: a group's output rows from the
+// lanes' transposed layout (ot: ev columns of W lanes).
+void lanes_to_rows(const float* ot, int64_t rows, int64_t ev, float* o);
+
 // st[t * W + r] = dot(q_r, k[t][0, e)) for t in [0, n); returns whether one of them is -inf
 // (from finite inputs only where a sum passed float32's range: the caller reruns in float64).
 bool lane_scores(const float* qt, const float* const* k, int64_t n, int64_t e, float* st,

@@ -619,28 +619,25 @@ GradResult backward_in(const Tensor& doc, const Tensor& qc, const Tensor& kc, co
 
 // Whether the forward of these shapes runs on the decoding kernel (decode_cpu.h), which splits
 // the keys across threads and reads each kv head's K and V once for all the rows of its group:
-// one query row, or up to 32 against 1024 keys or more, where the tile engine's packing of K
-// and V for a few rows costs more than their products. Measured on a 2-core Zen 4 (2 threads,
-// float32, D 64 and 128, GQA 1 and 4, with and without a key-padding mask): one row 1.2-4.8x
-// faster there; 2-32 rows 1.1-3.0x at 1024-4096 keys (64: 0.95-1.4x), but 0.5-1.4x at 128-512.
-// float32, bfloat16 and float16 only: float64 runs the kernel's plain loops, 3-4x slower than
-// the tiles' BLAS at 16-32 rows.
+// one query row, or up to 8 against 64 keys or more, 16 against 256, 32 against 512, where the
+// tile engine's packing of K and V for a few rows costs more than their products. Measured
+// against the tiles on the Emerald Rapids (2 threads, float32, D 64 and 128, GQA 1 and 4, B 1-8,
+// a lower-right causal bool mask), in one process: 0.94-1.6x at 2-4 rows and 64-128 keys
+// (most above 1.1), 0.96-2.5x at 8-16 rows and 256-512 keys, 0.92-1.6x at 32 rows and 512
+// keys; 32 rows against 64-256 keys 0.78-1.0x, so they stay on the tiles. float32, bfloat16
+// and float16 only: float64 runs the kernel's plain loops, 3-4x slower than the tiles' BLAS at
+// 16-32 rows.
 bool decoding_rows(const Dims& d, at::ScalarType dtype) {
-  return (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
-         (d.Lq == 1 || (d.Lq <= 32 && d.Lk >= 1024));
+  const bool few_rows = d.Lq == 1 || (d.Lq <= 8 && d.Lk >= 64) || (d.Lq <= 16 && d.Lk >= 256) ||
+                        (d.Lq <= 32 && d.Lk >= 512);
+  return (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) && few_rows;
 }
 
-std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                   const std::optional<Tensor>& mask, double scale,
-                                   int64_t window_lo, int64_t window_hi, double dropout_p,
-                                   const std::optional<Tensor>& seed, const Dims& d,
-                                   const ModArgs& mods) {
-  const Dropout drop(dropout_p, seed);
-  const MaskRows rows(mask);
-  const Band band = clamped_band(window_lo, window_hi, d);
-  if (!drop.on && decoding_rows(d, q.scalar_type())) {
-    return sdpa_decode_fwd(q, k, v, rows, scale, band.lo, band.hi, mods);
-  }
+// The tile kernels' forward (float32, bfloat16, float16 and float64).
+std::tuple<Tensor, Tensor> tile_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const std::optional<Tensor>& mask, const MaskRows& rows,
+                                        double scale, Band band, const Dropout& drop,
+                                        const Dims& d, const ModArgs& mods) {
   // lse in the accumulation dtype: float64 inputs keep a float64 lse so that their backward
   // recomputes probabilities to float64 accuracy.
   if (compute_type(q.scalar_type()) == at::kDouble) {
@@ -661,6 +658,20 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
     lse = lse.to(at::kFloat);  // past float32's range: +-inf, as rounding gives
   }
   return {out.to(q.scalar_type()), lse};
+}
+
+std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const std::optional<Tensor>& mask, double scale,
+                                   int64_t window_lo, int64_t window_hi, double dropout_p,
+                                   const std::optional<Tensor>& seed, const Dims& d,
+                                   const ModArgs& mods) {
+  const Dropout drop(dropout_p, seed);
+  const MaskRows rows(mask);
+  const Band band = clamped_band(window_lo, window_hi, d);
+  if (!drop.on && decoding_rows(d, q.scalar_type())) {
+    return sdpa_decode_fwd(q, k, v, rows, scale, band.lo, band.hi, mods);
+  }
+  return tile_forward(q, k, v, mask, rows, scale, band, drop, d, mods);
 }
 
 GradResult backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -700,11 +711,20 @@ GradResult backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, co
   if (compute_type(q.scalar_type()) == at::kDouble) {
     return double_grads(in(out, at::kDouble), lse.contiguous());
   }
+  // The probabilities exp(s - lse) need the lse of the backward's own scores: the normalization
+  // then cancels most of a score's rounding error where one key dominates a row. The decoding
+  // kernel sums its scores in another order than the tiles' (their last bits differ), so for
+  // the shapes it took the tiles' forward runs again (dV at 8x PyTorch's error before, 16
+  // queries against 256 keys, E = 128, scores near 15). grad_lse still reaches the lse the
+  // caller got, whose value differs from this one in its last bits only.
+  Tensor o = out, l = lse;
+  if (!drop.on && decoding_rows(d, q.scalar_type()))
+    std::tie(o, l) = tile_forward(q, k, v, mask, rows, scale, band, drop, d, mods);
   // The engine the forward used (panels_available() does not change), so the scores match.
   const auto run = panels_available() ? backward_in<float, PanelGrads>
                                       : backward_in<float, BlasGrads<float>>;
   GradResult g = run(in(grad_out, at::kFloat), in(q, at::kFloat), in(k, at::kFloat),
-                     in(v, at::kFloat), in(out, at::kFloat), lse.contiguous(), rows, scale, band,
+                     in(v, at::kFloat), in(o, at::kFloat), l.contiguous(), rows, scale, band,
                      drop, mods, in(gl, at::kFloat), mask_grad, sinks_grad, d);
   // The float32 forward's overflow rows come back with an lse rounded out of range, or the
   // gradients overflow: float64 from the forward on, as the forward itself fell back.
