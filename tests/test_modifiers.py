@@ -708,6 +708,31 @@ def test_kvcache(backend, paged, which, lq_mode, dtype=torch.float32):
     _check_kvcache(out.cpu(), lse.cpu(), q, keys, values, lengths, dtype, mods, kw)
 
 
+@pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("lq, hq, e", [(1, 8, 16), (1, 8, 64), (4, 8, 48), (5, 8, 24)],
+                         ids=["four-row-64-key-blocks", "four-row-16-key-blocks", "lanes",
+                              "lanes-and-four-row"])
+@pytest.mark.parametrize("which", ["alibi", "all"])
+def test_kvcache_alibi_over_many_blocks(paged, lq, hq, e, which):
+    """The cpu kernel's modifiers over many key blocks (16-64 keys a block by head dim; those of
+    test_kvcache fit one at E = 16), the longest sequence split over threads and merged, a
+    window that starts mid-block, GQA rows in fours and as the lanes of a vector."""
+    b, hkv, ev = 3, 2, 20
+    lengths = [70, 600, 1300]
+    kc, vc, table, keys, values = _cache(b, hkv, max(lengths), e, ev, lengths, paged,
+                                         torch.float32, block_size=16)
+    q = torch.randn(b, hq, lq, e, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    mods = _modifiers(hq, b, WHICH[which])
+    if "sinks" in mods:
+        mods["sinks"] = mods["sinks"].float()
+    for kw in (dict(is_causal=True, window=None), dict(is_causal=True, window=(500, None))):
+        out, lse = attnx.attention_with_kvcache(
+            q.float(), kc, vc, torch.tensor(lengths, dtype=torch.int32), block_table=table,
+            backend="cpu", return_lse=True, **kw, **mods)
+        _check_kvcache(out, lse, q, keys, values, lengths, torch.float32, mods, kw)
+
+
 @pytest.mark.parametrize("backend,paged,which,lq_mode,dtype",
                          cases(["reference", "cpu"], [True], ["all"], KV_MODES,
                                [torch.float16, torch.bfloat16]), ids=_kv_id)
