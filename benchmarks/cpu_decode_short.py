@@ -2,8 +2,9 @@
 
 The start of a generation (short KV caches) and prompt chunks of a few tokens: fp32, Hq=32,
 Hkv=8, D=128 (--dim), B=1 and 8, Lq=1 and 4 against L=16-1024 cached keys, and Lq=8-32 against
-256-512. Three providers a case, timed in turn in one process on the same warm tensors (nothing
-flushes the caches: at these sizes a step's K and V stay in L2/L3 between calls): torch's
+256-512. Three providers a case, timed in turn in one process on the same tensors, which
+nothing flushes (K and V of 16 KiB-8 MiB a kv head's group, in L2/L3 between calls on most
+CPUs; B = 8 at 1024 keys, 64 MiB, only on large-L3 parts): torch's
 F.scaled_dot_product_attention (enable_gqa; a lower-right causal bool mask for Lq > 1),
 attnx.attention_with_kvcache on the same cache (`kvcache`), and attnx's
 scaled_dot_product_attention with torch's own arguments (`sdpa`: the route a drop-in user
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 
 import torch
 import torch.nn.functional as F

@@ -3,7 +3,8 @@ more, 16 against 256, 32 against 512 (csrc/cpu/sdpa_cpu.cpp, `decoding_rows`), f
 bfloat16 and float16 without dropout
 run on csrc/cpu/decode_cpu.cpp, with the SDPA contract's masks (bool and float, any broadcast),
 top-left band, modifiers, fully-masked rows and float32 overflow reruns. Every shape here takes
-that route; the backward (the tile kernels, from the forward's lse) is checked too.
+that route; the backward (the tile kernels, which rerun the tile forward for the lse of their
+own scores) is checked too, through lse as well.
 
 The kernel computes rows in three ways, all exercised: four rows a call of one query head
 group (Lq = 1, GQA), consecutive rows of one head (G = 1, Lq > 1), and rows as the lanes of a
@@ -16,7 +17,9 @@ import pytest
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
+import attnx
 from attnx import _ops
+from tests._compare import assert_within
 from tests import test_cpu_sdpa as sdpa
 from tests import test_modifiers as modifiers
 from tests._rerun import rerun_under, skip_unless_avx512
@@ -44,6 +47,30 @@ SHAPES = [  # b, hq, hkv, lq, lk, e, ev
 @pytest.mark.parametrize("mode", list(sdpa.MODES))  # none, causal, window, causal_window, scale
 def test_matches_reference(shape, mode):
     sdpa._check(torch.float32, *sdpa._inputs(*shape), **sdpa.MODES[mode])
+
+
+def test_lse_gradient_with_a_float_mask():
+    """A loss on lse as well as out where the forward runs on the decoding kernel and the
+    backward reruns the tile forward: GQA, a float mask (its gradient too) with a row under a
+    huge bias, peaked scores (scale 0.3 at E = 128)."""
+    q, k, v, dout = sdpa._inputs(2, 8, 2, 4, 300, 128, 64)
+    g = torch.Generator().manual_seed(9)
+    mask = torch.randn(1, 1, 4, 300, generator=g, dtype=torch.float64)
+    mask[..., 1, :] = torch.finfo(torch.float32).min
+    dlse = torch.randn(2, 8, 4, generator=g, dtype=torch.float64)
+
+    def grads(backend, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, mask)]
+        out, lse = attnx.scaled_dot_product_attention(*leaves[:3], attn_mask=leaves[3], scale=0.3,
+                                                      enable_gqa=True, return_lse=True,
+                                                      backend=backend)
+        loss = (out * dout.to(dtype)).sum() + (lse * dlse.float()).sum()
+        return torch.autograd.grad(loss, leaves)
+
+    golden = grads("reference", torch.float64)
+    actual, baseline = grads("cpu", torch.float32), grads("reference", torch.float32)
+    for name, a, gd, b in zip(("dq", "dk", "dv", "dmask"), actual, golden, baseline):
+        assert_within(a, gd, b, factor=3.0, floor=1e-5, what=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])

@@ -258,6 +258,41 @@ def test_score_summed_past_minus_float32_max_is_kept(lq, hq):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lq, hq", [(1, 4), (4, 8)], ids=["four-row", "lanes"])
+@pytest.mark.parametrize("n", [40, 3000], ids=["one-slice", "split"])
+def test_nan_in_an_admitted_key_gives_nan_rows(lq, hq, n):
+    """A NaN key that a query attends makes that query's rows NaN, as torch's do (not an empty
+    row's zeros): the merge of one slice and of several."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, hq, lq, 16, generator=g)
+    k, v = torch.randn(1, 2, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g)
+    k[0, 0, 5, 3] = float("nan")  # every query admits key 5 (causal, bottom-right)
+    out = attnx.attention_with_kvcache(q, k, v, torch.tensor([n], dtype=torch.int32),
+                                       backend="cpu")
+    group = hq // 2
+    assert out[0, :group].isnan().all()
+    assert out[0, group:].isfinite().all()
+
+
+def test_sinks_on_rows_that_admit_no_key_give_zeros():
+    """SDPA on the decoding kernel (Lq = 1, four-row products) with sinks, a row whose mask
+    refuses every key and a value of inf: zeros and the sink's lse, not the inf times p = 0 the
+    products add for refused keys. (Where a row admits keys, such an inf makes NaN, as in torch:
+    a refused key's value times 0.)"""
+    lq, hq = 1, 4
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, hq, lq, 16, generator=g)
+    k, v = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
+    v[0, :, 3, 2] = float("inf")
+    mask = torch.ones(1, hq, lq, 40, dtype=torch.bool)
+    mask[0, :2, 0] = False  # query 0 of the first kv head's heads admits no key
+    out, lse = attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
+                                                  sinks=torch.zeros(hq), backend="cpu",
+                                                  return_lse=True)
+    assert torch.equal(out[0, :2], torch.zeros_like(out[0, :2]))
+    assert torch.equal(lse[0, :2], torch.zeros_like(lse[0, :2]))  # the sink's exp(0) alone
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, q_value, k_value, scale", [
     (torch.float32, 1e20, 0.0, 1e30),       # q scale past float32's range, every score 0

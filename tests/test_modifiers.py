@@ -710,9 +710,10 @@ def test_kvcache(backend, paged, which, lq_mode, dtype=torch.float32):
 
 @pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("lq, hq, e", [(1, 8, 16), (1, 8, 64), (4, 8, 48), (5, 8, 24)],
-                         ids=["four-row-64-key-blocks", "four-row-16-key-blocks", "lanes",
-                              "lanes-and-four-row"])
+@pytest.mark.parametrize("lq, hq, e", [(1, 8, 16), (1, 8, 64), (1, 8, 80), (4, 8, 48),
+                                       (5, 8, 24)],
+                         ids=["four-row-64-key-blocks", "four-row-32-key-blocks",
+                              "four-row-16-key-blocks", "lanes", "lanes-and-four-row"])
 @pytest.mark.parametrize("which", ["alibi", "all"])
 def test_kvcache_alibi_over_many_blocks(paged, lq, hq, e, which):
     """The cpu kernel's modifiers over many key blocks (16-64 keys a block by head dim; those of

@@ -496,11 +496,17 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
         const T* sum = acc.data();  // the row's unnormalized output
         if (s1 - s0 == 1) {
           // one slice (a short cache): its row as it is, without the weight e^0 and the
-          // copy into acc (the merge took 8% of a call at 16 keys, Lq = 4)
+          // copy into acc (the merge took 8% of a call at 16 keys, Lq = 4); a row that admits
+          // no key takes zeros, not what its refused keys' values times p = 0 left (NaN where
+          // one is inf)
           const int64_t row = (s0 * d.Hkv + h) * d.R + r;
           top = part_m[row];
-          total = top == neg_inf<T>() ? T(0) : part_l[row];
-          sum = part_o + row * d.Ev;
+          if (top != neg_inf<T>()) {
+            total = part_l[row];
+            sum = part_o + row * d.Ev;
+          } else {
+            std::fill(acc.begin(), acc.end(), T(0));
+          }
         } else {
           for (int64_t s = s0; s < s1; ++s) top = std::max(top, part_m[(s * d.Hkv + h) * d.R + r]);
           std::fill(acc.begin(), acc.end(), T(0));
@@ -527,15 +533,12 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
         }
         // row r of kv head h's group is row (b, h * G + g, i) of out: (b * Hkv + h) * R + r
         const int64_t row = (b * d.Hkv + h) * d.R + r;
+        // (a NaN total, from a NaN score, leaves NaN: the float64 rerun keeps it)
+        const T inv = total > 0 ? T(1) / total : T(0);
         T* dst = out_all + row * d.Ev;
-        if (total > 0) {
-          const T inv = T(1) / total;
-          for (int64_t c = 0; c < d.Ev; ++c) {
-            dst[c] = sum[c] * inv;
-            bad |= non_finite(dst[c]);
-          }
-        } else {  // no admitted key: zeros (whatever a refused key's value times p = 0 left)
-          std::fill(dst, dst + d.Ev, T(0));
+        for (int64_t c = 0; c < d.Ev; ++c) {
+          dst[c] = sum[c] * inv;
+          bad |= non_finite(dst[c]);
         }
         lse_all[row] = total > 0 ? top + std::log(total) : neg_inf<T>();
       }
