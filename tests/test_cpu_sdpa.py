@@ -517,6 +517,24 @@ def test_long_sequence_tiles():
     _check(torch.float32, q, k, v, dout)
 
 
+@pytest.mark.parametrize("boost", [8.0, 60.0])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_scores_past_the_first_blocks_running_max(boost, causal):
+    """Past a row's first key block the forward takes exponentials against the row's running
+    max and keeps it while the block's scores stay within 8 of it (terms up to e^8); rows past
+    that take their scores again the exact way. One key per later block scaled up: x8 puts some
+    rows' scores a few units above their max (kept, terms over 1), others more than 8 above
+    (retaken), mixed within four-row groups; x60 puts scores 90+ above, where terms taken
+    against the old max would leave float32's exponent range. (Causal: 600 queries, so that
+    the boosted keys' dV, which sums dO over every row the key dominates, stays a sum of a few
+    hundred terms, as the float32 reference's error bound assumes.)"""
+    q, k, v, dout = _inputs(1, 2, 1, 600 if causal else 150, 600 if causal else 900, 64, 32,
+                            seed=4)
+    for key in (300, 555, 599) if causal else (300, 555, 899):
+        k[:, :, key] *= boost
+    _check(torch.float32, q, k, v, dout, is_causal=causal)
+
+
 def test_forward_packs_kv_heads_in_rounds():
     """The forward packs K and V for rounds of kv heads of at most 16M floats (64 MiB): at
     Lk = 24000, E = Ev = 128 that is 2 heads, so 3 kv heads (of 6 query heads, GQA) go in a

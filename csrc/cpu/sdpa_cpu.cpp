@@ -109,6 +109,13 @@ int64_t fwd_query_block(int64_t lq) {
   return lq >= 768 ? 132 : 66;
 }
 constexpr int64_t FWD_KEY_BLOCK = 256;
+// How far a row's scores may pass its running max m before the forward takes a new one: past
+// a row's first key block, four rows take their exponentials against m in the same pass that
+// finds the block's max, and keep m where that max stays within m + LAZY_MAX (terms up to
+// e^8 ~ 3000: the sums and P V stay inside float32's range where values do; outputs past it
+// are non-finite, and such calls rerun in float64). Without it the max took its own pass
+// over each score row, a quarter of the row operations' time.
+constexpr float LAZY_MAX = 8.0f;
 // Rows per GEMM on a block the band cuts (a causal diagonal): the keys past the band of such
 // a group are never multiplied, so a 132-row tile does ~1/8 of a square's waste, not 1/2.
 constexpr int64_t FWD_EDGE_ROWS = 30;
@@ -196,7 +203,18 @@ bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
           for_row_groups(band, i0, mq, j0, nk, FWD_EDGE_ROWS, [&](const RowGroup& g) {
             kv.scores(g.r1 - g.r0, qp + g.r0 * d.E, j0, g.c0, g.c1, scale, s + g.r0 * BK, BK);
           });
-          for (int64_t r = 0; r < mq; ++r) {
+          // Row r's running max and sum take the block's max mnew and exp sum (terms relative
+          // to mnew); its partial output follows.
+          const auto advance = [&](int64_t r, T mnew, T sum) {
+            // Past the first blocks a row's max rarely moves: skip the libm call for exp(0).
+            const T alpha = m[r] == neg_inf<T>() ? T(0)
+                            : m[r] == mnew       ? T(1)
+                                                 : std::exp(m[r] - mnew);
+            l[r] = l[r] * alpha + sum;
+            m[r] = mnew;
+            if (alpha != T(1)) scale_row(o + r * ldo, d.Ev, alpha);
+          };
+          const auto one_row = [&](int64_t r) {
             const int64_t i = i0 + r;
             T* sr = s + r * BK;
             const int64_t a = band.first(i, j0, nk), e = std::max(a, band.last(i, j0, nk));
@@ -208,20 +226,57 @@ bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
             std::fill(sr + e, sr + nk, T(0));
             if (mnew == neg_inf<T>()) {  // nothing admitted yet: this block adds nothing
               std::fill(sr + a, sr + e, T(0));
-              continue;
+              return;
             }
-            // Past the first blocks a row's max rarely moves: skip the libm call for exp(0).
-            const T alpha = m[r] == neg_inf<T>() ? T(0)
-                            : m[r] == mnew       ? T(1)
-                                                 : std::exp(m[r] - mnew);
-            l[r] = l[r] * alpha + exp_sum(sr + a, e - a, mnew);
-            m[r] = mnew;
-            if (alpha != T(1)) scale_row(o + r * ldo, d.Ev, alpha);
+            advance(r, mnew, exp_sum(sr + a, e - a, mnew));
             if (drop.on) {
               dropout_row(sr + a, e - a, Dropout::key_row(key_bh, i),
                           static_cast<uint32_t>(j0 + a), drop.threshold, inv_keep);
             }
+          };
+          int64_t r = 0;
+          if constexpr (!MODS && std::is_same_v<T, float>) {
+            // Four rows that admit the whole block, with no mask or dropout (every block of a
+            // plain forward, all but the diagonal ones of a causal forward), take their maxima
+            // and exponentials together: row by row, each waited on its max's reduction, then
+            // on its sum's, before the next row could start. Past a row's first block its
+            // running max m need not be the true one (LAZY_MAX): the exponentials are taken
+            // against m at once, the block's max found in the same pass.
+            for (; !mask.present() && !drop.on && r + 4 <= mq; r += 4) {
+              float* rows[4] = {s + r * BK, s + (r + 1) * BK, s + (r + 2) * BK, s + (r + 3) * BK};
+              float top[4], sums[4];
+              bool whole = band.first(i0 + r + 3, j0, nk) == 0 && band.last(i0 + r, j0, nk) == nk;
+              bool lazy = whole;
+              for (int64_t t = 0; t < 4; ++t) lazy = lazy && m[r + t] != neg_inf<T>();
+              if (lazy) {
+                exp_sum4(rows, nk, m.data() + r, sums, top);
+                for (int64_t t = 0; t < 4; ++t) {
+                  if (top[t] <= m[r + t] + LAZY_MAX) {
+                    l[r + t] += sums[t];
+                    continue;
+                  }
+                  // The row's scores passed m by more: its scores again, taken the exact way.
+                  kv.scores(1, qp + (r + t) * d.E, j0, 0, nk, scale, rows[t], BK);
+                  one_row(r + t);
+                }
+                continue;
+              }
+              if (whole) {
+                row_max4(rows, nk, top);
+                for (int64_t t = 0; t < 4; ++t) {
+                  top[t] = std::max(m[r + t], top[t]);
+                  whole = whole && top[t] != neg_inf<T>();
+                }
+              }
+              if (!whole) {  // cut by the band, or nothing admitted yet
+                for (int64_t t = 0; t < 4; ++t) one_row(r + t);
+                continue;
+              }
+              exp_sum4(rows, nk, top, sums);
+              for (int64_t t = 0; t < 4; ++t) advance(r + t, top[t], sums[t]);
+            }
           }
+          for (; r < mq; ++r) one_row(r);
           // P is 0 outside each row's band, so a group's product needs only its keys.
           for_row_groups(band, i0, mq, j0, nk, FWD_EDGE_ROWS, [&](const RowGroup& g) {
             kv.values(g.r1 - g.r0, s + g.r0 * BK, BK, j0, g.c0, g.c1, o + g.r0 * ldo);

@@ -18,6 +18,9 @@ bool vector_isa_is_avx512();
 float row_max(const float* x, int64_t n);
 double row_max(const double* x, int64_t n);
 
+// row_max of four rows at once: out[r] = row_max(x[r], n), r < 4 (their chains interleave).
+void row_max4(const float* const* x, int64_t n, float* out);
+
 // Max of |x[t]| over x[0, n) (0 for n == 0; NaN skipped).
 float abs_max(const float* x, int64_t n);
 double abs_max(const double* x, int64_t n);
@@ -32,8 +35,11 @@ double exp_sum(double* x, int64_t n, double sub);
 // exp_sum of four rows at once: sums[r] = exp_sum(x[r], n, sub[r]), r < 4 (the same terms; the
 // sums reduced in another order). The four rows' exponentials interleave and one tree reduces
 // their sums: a decoding block's four query rows of 16 keys (decode_cpu.cpp), where four calls
-// each waited on its own exponential and reduction.
-void exp_sum4(float* const* x, int64_t n, const float* sub, float* sums);
+// each waited on its own exponential and reduction. With maxes, maxes[r] = row_max of x[r]'s
+// values before the call, and sub[r] may lie below them (the terms are then over 1, and come
+// out right while x - sub stays under 88: the forward checks maxes after the call).
+void exp_sum4(float* const* x, int64_t n, const float* sub, float* sums,
+              float* maxes = nullptr);
 
 void scale_row(float* x, int64_t n, float a);
 void scale_row(double* x, int64_t n, double a);

@@ -147,10 +147,11 @@ ATTNX_BODY void hsum4x4(const vf<16> (&a)[4][4], float* const* s, int64_t t) {
   for (int r = 0; r < 4; ++r) std::memcpy(s[r] + t, reinterpret_cast<const float*>(&rows) + 4 * r, 16);
 }
 
-// 2^y for y <= 0 (y = x log2(e) in the softmax kernels: exp_sum, decode_vectors): y's rounded
+// 2^y for y < 127 (y = x log2(e) in the softmax kernels: exp_sum, decode_vectors): y's rounded
 // to an integer n and a fraction |f| <= 1/2, 2^f by a degree-5 polynomial (fitted for relative
 // error: 9e-8, 1.6e-7 with float rounding), n added to the exponent bits. Exactly 0 below -64
-// (so 2^-inf = 0). Softmax arguments are never positive, so there is no overflow clamp. The
+// (so 2^-inf = 0). Softmax arguments stay at most 8 log2(e) (the forward's lazy running max,
+// sdpa_cpu.cpp LAZY_MAX; others never positive), so there is no overflow clamp. The
 // AVX2 and AVX-512 bodies give the same values bitwise (both contract the polynomial to FMAs).
 template <int W>
 ATTNX_BODY vf<W> exp2v(vf<W> y) {
