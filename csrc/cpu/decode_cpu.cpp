@@ -127,12 +127,6 @@ bool any_neg_inf(const T* s, int64_t n) {
   return found != 0;
 }
 
-// Whether x is NaN or +-inf, as an int so that loops OR it up vectorized.
-template <typename T>
-int non_finite(T x) {
-  return !(std::abs(x) <= std::numeric_limits<T>::max());
-}
-
 // Rows computed as the lanes of a vector (float32, decode_vectors.h): rows [0, rows) in groups
 // of W, whole groups and a last partial one where it fills more than half its lanes. The other
 // rows (all of them at Lq = 1 with GQA groups of 4 on AVX-512) go through the four-row

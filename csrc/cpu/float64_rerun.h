@@ -5,6 +5,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <cmath>
+#include <limits>
 #include <optional>
 
 namespace attnx::cpu {
@@ -21,5 +23,12 @@ bool any_non_finite(at::TensorList ts);
 // compilers vectorize), for a kernel's own output: no tensors, no parallel region (ATen's
 // isfinite-all took half of a short decoding call).
 bool any_non_finite(const float* x, int64_t n);
+
+// Whether x is NaN or +-inf, as an int so that loops that write values OR it up vectorized
+// (the kernels flag their outputs as they write them, not in a pass after).
+template <typename T>
+inline int non_finite(T x) {
+  return !(std::abs(x) <= std::numeric_limits<T>::max());
+}
 
 }  // namespace attnx::cpu

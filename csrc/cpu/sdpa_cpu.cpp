@@ -141,12 +141,6 @@ bool scores_may_overflow(T query_max, T key_max, T scale, int64_t e) {
   return !(bound <= static_cast<double>(std::numeric_limits<T>::max()) / 2);
 }
 
-// Whether x is NaN or +-inf, as an int so that loops OR it up vectorized.
-template <typename T>
-int non_finite(T x) {
-  return !(std::abs(x) <= std::numeric_limits<T>::max());
-}
-
 // Returns whether T overflowed on some row, which finite inputs cannot make it do in exact
 // arithmetic: scores that may pass T's range (scores_may_overflow), a score with a float mask
 // past it (the row's max +inf, or its sum NaN), every admitted score fallen to -inf (l = 0
