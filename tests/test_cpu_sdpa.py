@@ -521,18 +521,52 @@ def test_long_sequence_tiles():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_scores_past_the_first_blocks_running_max(boost, causal):
     """Past a row's first key block the forward takes exponentials against the row's running
-    max and keeps it while the block's scores stay within 8 of it (terms up to e^8); rows past
-    that take their scores again the exact way. One key per later block scaled up: x8 puts some
-    rows' scores a few units above their max (kept, terms over 1), others more than 8 above
-    (retaken), mixed within four-row groups; x60 puts scores 90+ above, where terms taken
-    against the old max would leave float32's exponent range. (Causal: 600 queries, so that
-    the boosted keys' dV, which sums dO over every row the key dominates, stays a sum of a few
-    hundred terms, as the float32 reference's error bound assumes.)"""
+    max and keeps it while the block's scores stay within 2 of it; rows past that get their
+    scores back and go the exact way. One key per later block scaled up: x8 puts rows' scores
+    from below to well above their max, kept and retaken rows mixed within four-row groups;
+    x60 puts scores 90+ above, where terms taken against the old max leave float32's exponent
+    range. (Causal: 600 queries, so that the boosted keys' dV, which sums dO over every row the
+    key dominates, stays a sum of a few hundred terms, as the float32 reference's error bound
+    assumes.)"""
     q, k, v, dout = _inputs(1, 2, 1, 600 if causal else 150, 600 if causal else 900, 64, 32,
                             seed=4)
     for key in (300, 555, 599) if causal else (300, 555, 899):
         k[:, :, key] *= boost
     _check(torch.float32, q, k, v, dout, is_causal=causal)
+
+
+@pytest.mark.parametrize("gap", [1.5, 2.5, 12.0])
+@pytest.mark.parametrize("band", ["full", "window", "lower_right"])
+def test_running_max_kept_or_passed_by_a_set_gap(gap, band):
+    """Every row's scores in the first block reach 0 at most; keys 300, 555 and 899 (later
+    blocks) score `gap` + a little above that for every row: kept (1.5), just past the bound
+    (2.5), well past (12; test_scores_past_the_first_blocks_running_max takes 90+, where these
+    keys' dQ misses the bound on the exact path too, the key's magnitude being 25x the others').
+    Scale 1, so the gaps are exact; with BLAS (test_blas_engine_matches_reference) the retaken
+    rows must be the tile's very scores, or dQ drifts from dO's row sums. Windows over several
+    whole blocks."""
+    q, k, v, dout = _inputs(1, 1, 1, 700, 900, 16, 16, seed=0)
+    q[..., 0] = 1.0 + 0.01 * torch.arange(700, dtype=torch.float64) / 700
+    k[..., 0] = 0.0
+    for key in (300, 555, 899):
+        k[0, 0, key, 0] = gap + 4.0
+    kw = {"full": {}, "window": dict(window=(600, None)),
+          "lower_right": dict(mask=causal_lower_right(700, 900))}[band]
+    _check(torch.float32, q * 0.5, k, v, dout, scale=1.0, **kw)
+
+
+def test_running_max_with_huge_values():
+    """Kept terms over 1 (up to e^2) times values near float32's max: P V overflows and the
+    call reruns in float64, finite and right."""
+    q, k, v, dout = _inputs(1, 1, 1, 64, 900, 16, 16, seed=1)
+    q[..., 0] = 1.0
+    k[..., 0] = 0.0
+    k[0, 0, 555, 0] = 1.9
+    v = v * 1e37
+    out = attnx.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=1.0)
+    golden = attnx.scaled_dot_product_attention(q, k, v, scale=1.0, backend="reference")
+    assert torch.isfinite(out).all()
+    assert ((out.double() - golden).abs() / golden.abs().amax()).max() < 1e-6
 
 
 def test_forward_packs_kv_heads_in_rounds():
@@ -630,7 +664,7 @@ def test_blas_engine_matches_reference():
     reference checks pass there."""
     rerun_under("ATTNX_CPU_PANELS", __file__,
                 "(matches_reference or masks or long_sequence or causal_edge or dropout"
-                " or huge_finite_bias or overflow or empty_rows_stay)"
+                " or huge_finite_bias or overflow or empty_rows_stay or running_max)"
                 " and not blas_engine and not row_operations",
                 probe="cpu_gemm", expect=("blas",))
 
@@ -642,7 +676,8 @@ def test_avx2_row_operations_match_reference():
     skip_unless_avx512()
     rerun_under("ATTNX_CPU_AVX512", __file__,
                 "(matches_reference or masks or bool_mask or long_sequence or dropout"
-                " or huge_finite_bias or empty_rows_stay or causal_edge or tasks_taken)"
+                " or huge_finite_bias or empty_rows_stay or causal_edge or tasks_taken"
+                " or running_max)"
                 " and not engine and not row_operations",
                 probe="cpu_vector", expect=("avx2", "baseline"))
 

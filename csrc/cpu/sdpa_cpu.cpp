@@ -111,11 +111,13 @@ int64_t fwd_query_block(int64_t lq) {
 constexpr int64_t FWD_KEY_BLOCK = 256;
 // How far a row's scores may pass its running max m before the forward takes a new one: past
 // a row's first key block, four rows take their exponentials against m in the same pass that
-// finds the block's max, and keep m where that max stays within m + LAZY_MAX (terms up to
-// e^8 ~ 3000: the sums and P V stay inside float32's range where values do; outputs past it
-// are non-finite, and such calls rerun in float64). Without it the max took its own pass
-// over each score row, a quarter of the row operations' time.
-constexpr float LAZY_MAX = 8.0f;
+// finds the block's max (and saves the scores), and keep m where that max stays within m +
+// LAZY_MAX; a row past it gets its saved scores back and goes the exact way. Without it the
+// max took its own pass over each score row, a quarter of the row operations' time. The bound
+// is accuracy's: exp2's argument rounds to half an ulp of itself, so a term at y = 2 LAZY_MAX
+// log2(e) carries ~8e-8 more relative error than at y = 0 (the max's own, exact path), as the
+// exact path's terms e^-2 below the max do; at 8 the row's largest terms had 3.3e-7.
+constexpr float LAZY_MAX = 2.0f;
 // Rows per GEMM on a block the band cuts (a causal diagonal): the keys past the band of such
 // a group are never multiplied, so a 132-row tile does ~1/8 of a square's waste, not 1/2.
 constexpr int64_t FWD_EDGE_ROWS = 30;
@@ -170,7 +172,7 @@ bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
       Products kv(d, heads);
       const int64_t ldo = kv.out_stride();
       // o accumulates P V unnormalized; it goes to `out` once divided by the row sums.
-      line_vector<T> sbuf(BQ * BK), obuf(BQ * ldo);
+      line_vector<T> sbuf(BQ * BK), obuf(BQ * ldo), keep(4 * BK);  // keep: four rows' scores
       std::vector<T> m(BQ), l(BQ);
       T* s = sbuf.data();
       T* o = obuf.data();
@@ -243,14 +245,16 @@ bool forward_kernel(const T* q, const T* k, const T* v, const MaskRows& mask, T 
               bool lazy = whole;
               for (int64_t t = 0; t < 4; ++t) lazy = lazy && m[r + t] != neg_inf<T>();
               if (lazy) {
-                exp_sum4(rows, nk, m.data() + r, sums, top);
+                float* saved[4] = {keep.data(), keep.data() + BK, keep.data() + 2 * BK,
+                                   keep.data() + 3 * BK};
+                exp_sum4(rows, nk, m.data() + r, sums, top, saved);
                 for (int64_t t = 0; t < 4; ++t) {
-                  if (top[t] <= m[r + t] + LAZY_MAX) {
+                  if (top[t] - m[r + t] <= LAZY_MAX) {  // also NaN scores: l turns NaN
                     l[r + t] += sums[t];
                     continue;
                   }
-                  // The row's scores passed m by more: its scores again, taken the exact way.
-                  kv.scores(1, qp + (r + t) * d.E, j0, 0, nk, scale, rows[t], BK);
+                  // The row's scores passed m by more: they go back, and the exact way.
+                  std::copy(saved[t], saved[t] + nk, rows[t]);
                   one_row(r + t);
                 }
                 continue;

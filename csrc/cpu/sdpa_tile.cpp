@@ -137,16 +137,20 @@ ATTNX_BODY vf<W> exp_arg(vf<W> x, float sub) {
 }
 
 // x[0, n) = exp(x - sub) in place, n <= W (n == W: a whole vector); returns the new values
-// (0 past n: the tail loads -inf there). With TRACK, *top takes the max of the old values.
+// (0 past n: the tail loads -inf there). With TRACK, *top takes the max of the old values and
+// keep[0, n) a copy of them.
 template <int W, bool FUSED, bool TRACK = false>
-ATTNX_BODY vf<W> exp_in_place(float* x, int64_t n, float sub, vf<W>* top = nullptr) {
+ATTNX_BODY vf<W> exp_in_place(float* x, int64_t n, float sub, vf<W>* top = nullptr,
+                              float* keep = nullptr) {
   const vf<W> raw = n == W ? load<W>(x) : load_tail<W>(x, n, NEG_INF);
   if constexpr (TRACK) *top = vmax<W>(raw, *top);
   const vf<W> a = exp2v<W>(exp_arg<W, FUSED>(raw, sub));
   if (n == W) {
     store<W>(x, a);
+    if constexpr (TRACK) store<W>(keep, raw);
   } else {
     store_tail<W>(x, n, a);
+    if constexpr (TRACK) store_tail<W>(keep, n, raw);
   }
   return a;
 }
@@ -167,14 +171,17 @@ ATTNX_BODY float exp_sum_loop(float* x, int64_t n, float sub) {
 
 template <int W, bool FUSED, bool TRACK>
 ATTNX_BODY void exp_sum4_loop(float* const* x, int64_t n, const float* sub, float* sums,
-                              float* maxes) {
+                              float* maxes, float* const* keep) {
   vf<W> acc[4] = {}, top[4];
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r) top[r] = splat<W>(NEG_INF);
   for (int64_t j = 0; j < n; j += W) {
     const int64_t m = std::min<int64_t>(W, n - j);
 #pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) acc[r] += exp_in_place<W, FUSED, TRACK>(x[r] + j, m, sub[r], &top[r]);
+    for (int r = 0; r < 4; ++r) {
+      acc[r] += exp_in_place<W, FUSED, TRACK>(x[r] + j, m, sub[r], &top[r],
+                                              TRACK ? keep[r] + j : nullptr);
+    }
   }
   hsum4(acc[0], acc[1], acc[2], acc[3], sums);
   if constexpr (TRACK) {
@@ -185,15 +192,15 @@ ATTNX_BODY void exp_sum4_loop(float* const* x, int64_t n, const float* sub, floa
 
 template <int W, bool FMA = true>
 ATTNX_BODY void exp_sum4_body(float* const* x, int64_t n, const float* sub, float* sums,
-                              float* maxes) {
+                              float* maxes, float* const* keep) {
   bool fused = FMA;  // the four rows take one form: fused where every sub allows it
   for (int r = 0; r < 4; ++r) fused = fused && std::abs(sub[r]) <= FUSED_SUB_MAX;
   if (maxes != nullptr) {
-    if (fused) return exp_sum4_loop<W, true, true>(x, n, sub, sums, maxes);
-    return exp_sum4_loop<W, false, true>(x, n, sub, sums, maxes);
+    if (fused) return exp_sum4_loop<W, true, true>(x, n, sub, sums, maxes, keep);
+    return exp_sum4_loop<W, false, true>(x, n, sub, sums, maxes, keep);
   }
-  if (fused) return exp_sum4_loop<W, true, false>(x, n, sub, sums, maxes);
-  exp_sum4_loop<W, false, false>(x, n, sub, sums, maxes);
+  if (fused) return exp_sum4_loop<W, true, false>(x, n, sub, sums, maxes, keep);
+  exp_sum4_loop<W, false, false>(x, n, sub, sums, maxes, keep);
 }
 
 template <int W, bool FMA = true>
@@ -339,8 +346,9 @@ ATTNX_TARGETS(void, row_max4, (const float* const* x, int64_t n, float* out), x,
 ATTNX_TARGETS(float, abs_max, (const float* x, int64_t n), x, n)
 ATTNX_TARGETS(float, exp_sum, (float* x, int64_t n, float sub), x, n, sub)
 ATTNX_TARGETS(void, exp_sum4,
-              (float* const* x, int64_t n, const float* sub, float* sums, float* maxes), x, n,
-              sub, sums, maxes)
+              (float* const* x, int64_t n, const float* sub, float* sums, float* maxes,
+               float* const* keep),
+              x, n, sub, sums, maxes, keep)
 ATTNX_TARGETS(void, dropout,
               (float* x, int64_t n, uint32_t key_row, uint32_t j0, uint32_t threshold,
                float inv_keep),
@@ -402,9 +410,10 @@ float exp_sum(float* x, int64_t n, float sub) {
   return exp_sum_body<8, false>(x, n, sub);
 }
 
-void exp_sum4(float* const* x, int64_t n, const float* sub, float* sums, float* maxes) {
-  ATTNX_PICK(exp_sum4, x, n, sub, sums, maxes);
-  exp_sum4_body<8, false>(x, n, sub, sums, maxes);
+void exp_sum4(float* const* x, int64_t n, const float* sub, float* sums, float* maxes,
+              float* const* keep) {
+  ATTNX_PICK(exp_sum4, x, n, sub, sums, maxes, keep);
+  exp_sum4_body<8, false>(x, n, sub, sums, maxes, keep);
 }
 
 float mask_bits(float* s, const uint8_t* bits, int64_t pos, int64_t n) {

@@ -26,20 +26,22 @@ float abs_max(const float* x, int64_t n);
 double abs_max(const double* x, int64_t n);
 
 // x = exp(x - sub) in place (exp(-inf) = 0); returns the sum of the new values. Callers keep
-// x <= sub (a row's max, or its lse with the scores clamped to it where they may not be the
-// forward's own): the float version has no overflow clamp, which would cost 15% of its time,
-// and gives garbage for x - sub above 88. Its terms carry a relative error of up to
+// x <= sub, or within a few units above (a row's max, its lse with the scores clamped to it
+// where they may not be the forward's own, or the forward's lagging lse, ulps under the max):
+// the float version has no overflow clamp, which would cost 15% of its time, and gives garbage
+// for x - sub above 88. Its terms carry a relative error of up to
 // |sub| 2^-24 common to the call where |sub| <= 64 (sdpa_tile.cpp), as a float lse does.
 float exp_sum(float* x, int64_t n, float sub);
 double exp_sum(double* x, int64_t n, double sub);
 // exp_sum of four rows at once: sums[r] = exp_sum(x[r], n, sub[r]), r < 4 (the same terms; the
 // sums reduced in another order). The four rows' exponentials interleave and one tree reduces
 // their sums: a decoding block's four query rows of 16 keys (decode_cpu.cpp), where four calls
-// each waited on its own exponential and reduction. With maxes, maxes[r] = row_max of x[r]'s
-// values before the call, and sub[r] may lie below them (the terms are then over 1, and come
-// out right while x - sub stays under 88: the forward checks maxes after the call).
+// each waited on its own exponential and reduction. With maxes and keep, maxes[r] = row_max
+// of x[r]'s values before the call and keep[r][0, n) a copy of them, and sub[r] may lie below
+// them (terms over 1, right while x - sub stays under 88: the forward checks maxes after the
+// call and takes rows too far above back from keep).
 void exp_sum4(float* const* x, int64_t n, const float* sub, float* sums,
-              float* maxes = nullptr);
+              float* maxes = nullptr, float* const* keep = nullptr);
 
 void scale_row(float* x, int64_t n, float a);
 void scale_row(double* x, int64_t n, double a);
