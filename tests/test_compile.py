@@ -171,6 +171,27 @@ def test_fake_tensors_through_multihead_weights():
     assert [t.shape for t in got] == [t.shape for t in want]
 
 
+def test_values_readable_of_plain_fake_and_wrapped_tensors():
+    """attnx._values answers a plain tensor without torch's is_fake, and asks is_fake of every
+    other kind: fake tensors and the functionalization wrappers of fake ones have no values;
+    functorch's wrappers (vmap) of real ones do; meta tensors do not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from attnx._values import values_readable
+
+    t = torch.randn(3, 4)
+    assert values_readable(t) and values_readable(t[:, 1:])
+    assert not values_readable(torch.empty(3, device="meta"))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(t)
+        assert not values_readable(fake)
+        assert not values_readable(torch._to_functional_tensor(fake))
+    assert values_readable(torch._to_functional_tensor(t))
+    seen = []
+    torch.vmap(lambda row: seen.append(values_readable(row)) or row)(t)
+    assert seen == [True]
+
+
 def _recompiles(fn, calls, **compile_kwargs) -> int:
     """How many frames torch.compile compiles for fn past those of the first call, over the
     calls (argument tuples), each result checked against eager."""
