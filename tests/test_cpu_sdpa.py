@@ -604,17 +604,26 @@ def test_backward_key_splits_across_thread_counts(threads):
 def test_tasks_taken_by_any_thread_give_the_same_results(threads):
     """Threads take tasks from a shared queue as they free up (csrc/cpu/task_queue.h), so which
     thread runs a task changes from run to run: the forward's tasks (query tiles) are
-    independent, so the output and lse equal one thread's bitwise; fwd+bwd reruns are exact."""
+    independent, so on attnx's own products the output and lse equal one thread's bitwise, and
+    fwd+bwd reruns are exact. The BLAS engine (which calibration may pick, and CPUs without
+    AVX2 get) is held to the reference bound on every run instead: MKL's sgemm rounds by where
+    its operands and buffers lie unless MKL_CBWR=AUTO,STRICT, so there reruns at 3 threads
+    differed in the last bits (with that setting they were bitwise equal; Emerald Rapids)."""
     q, k, v, dout = _inputs(2, 5, 5, 300, 290, 32, 32)
     kw = dict(is_causal=True)
+    exact = _ops.build_info()["cpu_gemm"] != "blas"
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         single = _run("cpu", torch.float32, q, k, v, dout, **kw)
         torch.set_num_threads(threads)
         first = _check(torch.float32, q, k, v, dout, **kw)
-        assert torch.equal(first[0], single[0]) and torch.equal(first[1], single[1])
+        if exact:
+            assert torch.equal(first[0], single[0]) and torch.equal(first[1], single[1])
         for _ in range(10):
+            if not exact:
+                _check(torch.float32, q, k, v, dout, **kw)
+                continue
             again = _run("cpu", torch.float32, q, k, v, dout, **kw)
             for name, a, b in zip(NAMES, first, again):
                 assert (a is None and b is None) or torch.equal(a, b), name
