@@ -1,7 +1,7 @@
 """Scaled dot-product attention in Triton, FlashAttention-2 style.
 
 Forward: one program per (query block, b * Hq + h) streams the key blocks of its band with an
-online softmax (exp2, the scale folded into one FMA per score) and saves the row log-sum-exp;
+online softmax (exp2, the scale folded into its multiply) and saves the row log-sum-exp;
 key blocks wholly inside the band run a loop without mask arithmetic, the edge blocks another.
 Backward: one pre-pass per query block gives delta = rowsum(dO * O) and dO / r (common.HUGE_LSE);
 one kernel per (key block, b * Hkv + kv head, slice of its GQA group) accumulates dK and dV in
@@ -196,7 +196,8 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
     """The online softmax over key blocks [lo, hi). EDGE blocks reach past the band or the keys:
     they mask scores and loads; the others carry no band or bounds arithmetic (and no masked
     load unless the head dim is padded). Without a float mask the running max m_i is in log2
-    units: one FMA per score (qk * scale * LOG2E - m) feeds exp2. A float mask's rows may hold
+    units: scale * LOG2E multiplies the scores once (in-band: their distance to the tile's
+    max, so that no FMA rounds the max's own exponent). A float mask's rows may hold
     finfo.min biases, which times LOG2E would overflow to -inf: there scores and m_i stay in
     natural units, and exp2 takes (s - m) * LOG2E; so do softcap and ALiBi, which change the
     scaled score before the max (no scale to fold into exp2). Head dims in two chunks
@@ -246,9 +247,17 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 p = tl.math.exp2(t - m_safe[:, None])
             else:
-                m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+                # Subtract first, in raw units, from the tile's own max mt: exp2(qk * qk_scale
+                # - m_new) compiles to one FMA whose result for the max is the rounding of
+                # fl(mt * qk_scale), half an ulp of the scaled max (2^16 and more at scaled
+                # scores of 3e8: inf in fp16). (qk - mt) is exact near the max; d <= 0 brings
+                # the tile's scale to m_new's (0 where the tile holds the row max, also when
+                # a GPU fuses it into an FMA, and for m_i = -inf).
+                mt = tl.max(qk, 1)
+                m_new = tl.maximum(m_i, mt * qk_scale)
                 m_safe = m_new
-                p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+                d = tl.minimum(mt * qk_scale - m_i, 0.0)
+                p = tl.math.exp2((qk - mt[:, None]) * qk_scale + d[:, None])
             alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:

@@ -43,8 +43,9 @@ WGMMA_ROWS = {"sdpa._fwd_kernel": ("BLOCK_M",), "sdpa._prep_kernel": ("BLOCK_M",
 
 # The in-band key loop of the fp16/bf16 SDPA forward without mask or dropout (issue 18 item 10):
 # no band, bounds or mask arithmetic (the loop's own control and the pipeline's predicates take
-# about 7 compares and selects; a masked loop takes 130-200), and every exp2 fed by one FMA of
-# the scaled score and the row max (a separate scale and subtract per score makes no FMA).
+# about 7 compares and selects; a masked loop takes 130-200), and every exp2 fed by one FMA
+# (the score's distance to its tile's max, scaled, plus the row's offset: a separate multiply
+# and add per score makes no FMA).
 IN_BAND_SELECTS = 16
 
 
