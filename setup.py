@@ -56,7 +56,12 @@ def extension():
     cxx = ["-O3", "-fopenmp"]  # the -std level is the one torch asks for
     if os.environ.get("ATTNX_NATIVE") == "1":  # opt-in: binaries built this way won't travel
         cxx.append("-march=native")
-    kwargs = dict(extra_link_args=["-fopenmp"])
+    # libstdc++ named explicitly: a compiler wrapper that links it statically (the GPU machines'
+    # /opt/gcc/bin/g++) then still links the shared one, as every other build does. Such a
+    # static build crashed (SIGSEGV) at a cuda op's first C++ error on the H100 and the H200,
+    # where the same source built by /usr/bin/g++ raised (scripts/gpu_error_paths.py); whether
+    # this line is the cure is for the next GPU run's errors step to show.
+    kwargs = dict(extra_link_args=["-fopenmp", "-lstdc++"])
     if not with_cuda:
         return CppExtension("attnx._C", sources, define_macros=define,
                             extra_compile_args={"cxx": cxx}, **kwargs)

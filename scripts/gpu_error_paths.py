@@ -7,8 +7,9 @@ On the first GPU machine (H100, 2026-11-26) the first CUDA-op call that had to r
 process with SIGSEGV instead, while the extension had been built there with /opt/gcc's
 compilers. Each probe below runs in its own process, so a crash is reported rather than
 suffered: torch's own C++ error, an attnx CPU op's and an attnx CUDA op's (a shape check in
-csrc/cuda/kernel_ops.cpp), with the compilers that built the extension. Exit status 1 when a
-probe crashed or did not raise.
+csrc/cuda/kernel_ops.cpp), with the compilers that built the extension (and the commands of a
+compiler that is a wrapper script). A probe that crashes runs again under cuda-gdb or gdb, which
+print its native stack. Exit status 1 when a probe crashed or did not raise.
 """
 
 from __future__ import annotations
@@ -56,12 +57,42 @@ def compilers() -> list[str]:
         except OSError as exc:
             version = [f"not runnable: {exc}"]
         lines.append(f"{var}={os.environ.get(var, '(unset)')} -> {path}: {' '.join(version)}")
+        lines += [f"  {var} wrapper: {x}" for x in wrapper_commands(path)]
     # which C++ runtime and unwinder the extension resolves (a mismatch is a crash suspect)
     for lib in glob.glob(os.path.join(ROOT, "attnx", "_C*.so")):
         ldd = subprocess.run(["ldd", lib], capture_output=True, text=True).stdout.splitlines()
         lines += [f"{os.path.basename(lib)}: {x.strip()}" for x in ldd
                   if "libstdc++" in x or "libgcc_s" in x or "libgomp" in x]
     return lines
+
+
+def wrapper_commands(path: str, most: int = 12) -> list[str]:
+    """The command lines of a compiler that is a script (the GPU machines' /opt/gcc/bin/g++ is a
+    wrapper of g++-real whose builds link libstdc++ statically: the flags it adds), else []."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8192)
+    except OSError:
+        return []
+    if not head.startswith(b"#!"):
+        return []
+    text = head.decode(errors="replace").splitlines()[1:]
+    return [x.strip() for x in text if x.strip() and not x.lstrip().startswith("#")][:most]
+
+
+def backtrace(call: str, frames: int = 30) -> list[str]:
+    """The native stack where `call` crashes, from cuda-gdb (the GPU machines have no gdb) or
+    gdb: the frames and the signal's line; [] without a debugger."""
+    gdb = shutil.which("cuda-gdb") or shutil.which("gdb")
+    if gdb is None:
+        return []
+    cmd = [gdb, "-batch", "-nx", "-ex", "run", "-ex", f"bt {frames}", "--args",
+           sys.executable, "-c", PRELUDE.format(root=ROOT, call=call)]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        return [f"{os.path.basename(gdb)}: no backtrace within 90 s"]
+    return [x[:300] for x in res.stdout.splitlines() if x.startswith("#") or "received signal" in x]
 
 
 def probe(call: str) -> tuple[bool, str]:
@@ -88,6 +119,9 @@ def main() -> int:
         passed, what = probe(call)
         ok &= passed
         print(f"{name}: {'ok' if passed else 'FAILED'}: {what}")
+        if what.startswith("crashed"):
+            for line in backtrace(call):
+                print(f"  {line}")
     return 0 if ok else 1
 
 

@@ -56,6 +56,19 @@ def test_error_paths_raise_here_and_a_crash_is_reported():
     assert not passed and what.startswith("DID NOT RAISE")
 
 
+def test_a_crash_gets_a_native_backtrace_and_a_wrapper_its_commands(tmp_path):
+    errors = _load("gpu_error_paths", "scripts/gpu_error_paths.py")
+    wrapper = tmp_path / "g++"
+    wrapper.write_text("#!/bin/sh\n# a comment\nexec g++-real -static-libstdc++ \"$@\"\n")
+    assert errors.wrapper_commands(str(wrapper)) == ['exec g++-real -static-libstdc++ "$@"']
+    assert errors.wrapper_commands(sys.executable) == []  # a binary: nothing to show
+    if shutil.which("cuda-gdb") is None and shutil.which("gdb") is None:
+        assert errors.backtrace("x = 1") == []
+        return
+    lines = errors.backtrace("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    assert any("SIGSEGV" in x for x in lines) and any(x.startswith("#0") for x in lines), lines
+
+
 def test_failures_are_reported_as_they_happen(tmp_path):
     """ATTNX_REPORT_FAILURES_AT_ONCE (tests/conftest.py): a failure's traceback comes out before
     the session ends, so a run killed by its time limit still shows it."""
@@ -78,7 +91,7 @@ def test_dry_run_lists_every_step_and_writes_nothing(tmp_path):
     out = tmp_path / "out"
     res = _script(str(out), "--dry-run")
     assert res.returncode == 0, res.stderr
-    for step, cap in (("build", 300), ("errors", 200), ("test_cuda", 120), ("test_triton", 240),
+    for step, cap in (("build", 300), ("errors", 260), ("test_cuda", 120), ("test_triton", 240),
                       ("check", 90), ("memcheck", 120), ("racecheck", 120), ("bench", 600)):
         assert any(line.split()[:3] == [step, "cap", str(cap)] for line in res.stdout.splitlines()), step
     assert "tests/test_cuda.py" in res.stdout and "compute-sanitizer --tool racecheck" in res.stdout
