@@ -77,9 +77,11 @@ def test_the_variants_cover_each_dtype_head_dim_and_flag(results):
 
 def test_the_forward_in_band_loop_has_no_mask_arithmetic(results):
     """Issue 18 item 10, on the compiled PTX: key blocks inside the band run a loop without
-    band, bounds or mask arithmetic, exp2 fed by one FMA per score. The loop the forward had
-    before (a runtime branch per tile, exp after a separate scale and subtract; sm_90 fp16 d64)
-    is refused."""
+    band, bounds or mask arithmetic, exp2 fed by one FMA per score, and that FMA takes the
+    score's distance to the max, not the raw score (aot.folded_exp2: the fold gave NaN at
+    scaled scores of 1e9 on the H200, which the interpreter, not fusing, cannot show). The
+    loops the forward had before are refused: a runtime branch per tile with exp after a separate
+    scale and subtract, and (3a56550, sm_80 and sm_90 alike) exp2(qk * c - m) as one FMA."""
     from triton_compile import checks
 
     concerned = [r for r in results["units"] if checks.in_band_applies(r) and not r["error"]]
@@ -88,6 +90,22 @@ def test_the_forward_in_band_loop_has_no_mask_arithmetic(results):
     before = dict(concerned[0], in_band_loop={"instructions": 398, "setp/selp": 28, "fma": 2,
                                               "ex2": 34, "mma": 13})
     assert checks.in_band_broken(before)
+    folded = dict(concerned[0], in_band_loop={"instructions": 314, "setp/selp": 7, "fma": 34,
+                                              "ex2": 34, "mma": 13, "folded_exp2": 32})
+    assert "folds the row max" in checks.in_band_broken(folded)
+
+
+def test_folded_exponents_are_told_from_distances():
+    """aot.folded_exp2 on PTX of both shapes: an ex2 of fma(tensor-core result, c, -m) counts,
+    one of fma(c, result - m, d) does not."""
+    from triton_compile import aot
+
+    body = ["wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%r1,%r2}, %rd1, %rd2, p, 1, 1, 0, 1;",
+            "fma.rn.f32 %r10, %r2, %r34, %r9;", "ex2.approx.ftz.f32 %r11, %r10;",
+            "sub.f32 %r12, %r1, %r9;", "fma.rn.f32 %r13, %r34, %r12, %r8;",
+            "ex2.approx.ftz.f32 %r14, %r13;", "@%p1 ex2.approx.ftz.f32 %r15, %r12;"]
+    assert aot.folded_exp2(body) == 1
+    assert aot.folded_exp2(body[:1] + body[3:]) == 0
 
 
 def test_no_index_product_is_32_bit(results):

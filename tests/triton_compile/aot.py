@@ -56,8 +56,36 @@ def loops(ptx: str) -> list[dict]:
                 for name, pat in _KINDS.items():
                     if re.match(pat, op):
                         kinds[name] += 1
-            out.append(dict(instructions=len(ops), **kinds))
+            body = lines[where[b.group(1)] + 1:i + 1]
+            out.append(dict(instructions=len(ops), **kinds, folded_exp2=folded_exp2(body)))
     return out
+
+
+# An instruction's opcode and destination (one register, or a tensor-core result's braced list).
+_DEST = re.compile(r"^(?:@!?%\w+\s+)?([a-z][\w.]*)\s+(\{[^}]*\}|%\w+)")
+
+
+def folded_exp2(body: list[str]) -> int:
+    """The ex2s of a loop body whose argument is an FMA with a tensor-core result (a raw score)
+    as a factor: exp2(s c - m) in one rounding, whose value for the row max is the rounding of
+    fl(m c) itself (2^16 and more at scaled scores of 3e8: the H200 run's NaN, 2026-12-04). The
+    forward's in-band loop subtracts the max first: its FMAs take the distance."""
+    defs = {}
+    for ln in body:
+        m = _DEST.match(ln)
+        if m:
+            for reg in re.findall(r"%\w+", m.group(2)):
+                defs[reg] = (m.group(1), ln)
+    count = 0
+    for ln in body:
+        m = _DEST.match(ln)
+        if not (m and m.group(1).startswith("ex2")):
+            continue
+        op, arg_line = defs.get(re.findall(r"%\w+", ln)[-1], ("", ""))
+        if op.startswith(("fma", "mad")):
+            factors = re.findall(r"%\w+", arg_line.split(None, 1)[1])[1:3]
+            count += any(defs.get(f, ("",))[0].startswith(("mma", "wgmma")) for f in factors)
+    return count
 
 
 _DEF = re.compile(r"^\s*(%[\w#$.-]+) = ([\w.]+)\s*(.*)$")

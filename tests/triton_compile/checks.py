@@ -69,6 +69,8 @@ def in_band_broken(row) -> str | None:
         return "no loop with tensor-core instructions"
     if loop.get("setp/selp", 0) > IN_BAND_SELECTS or loop.get("fma", 0) < loop.get("ex2", 0):
         return f"in-band loop not lean: {loop}"
+    if loop.get("folded_exp2", 0):
+        return f"in-band loop folds the row max into a raw score's FMA (aot.folded_exp2): {loop}"
     return None
 
 
