@@ -230,6 +230,23 @@ def test_sdpa_huge_scaled_scores_forward(dtype, scale):
     assert_within(out, gold, base)
 
 
+@pytest.mark.parametrize("dtype", [f16, bf16])
+@pytest.mark.parametrize("scale", [3e8, 1e9])
+def test_sdpa_huge_scaled_scores_backward_stays_finite(dtype, scale):
+    """At scaled scores of 3e8-1e9 a recomputed score's rounding (an ulp of the raw q . k times
+    the scale: hundreds in the exponent) leaves the GPU backward's P unrelated to the forward's
+    and to its own row sums: gradients there are not accurate on the triton (or cuda) backend
+    (README), but they must stay finite. Before the probabilities were clamped to <= 1, exp2
+    overflowed and dq, dk, dv came out NaN (here, in the interpreter, as on a GPU)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (_randn(s, dtype, gen) for s in ((1, 2, 70, 64), (1, 2, 150, 64),
+                                                   (1, 2, 150, 64), (1, 2, 70, 64)))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = attnx.scaled_dot_product_attention(*leaves, scale=scale, backend="triton")
+    for name, g in zip("qkv", torch.autograd.grad(out, leaves, do)):
+        assert torch.isfinite(g).all(), f"d{name}: non-finite values"
+
+
 def test_sdpa_lse_is_differentiable():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (_randn(s, f32, gen) for s in ((2, 2, 20, 16), (2, 1, 33, 16), (2, 1, 33, 8)))

@@ -377,7 +377,9 @@ def _probs(qk, ok, m_ptrs, lse, sc, cap, slope, offs_i, offs_j, EDGE: tl.constex
     query positions (plus ALiBi's shift, _alibi) and key positions broadcast to the tile (read
     by ALiBi). Without a float mask or a
     modifier one FMA per score feeds exp2; otherwise scores stay in natural units (see
-    _fwd_blocks)."""
+    _fwd_blocks). Exponents are clamped at 0 (P <= 1, as exactly): at scaled scores of 3e8 and
+    more a recomputed score's rounding moves them by hundreds, and exp2 overflowed to inf, NaN
+    in every gradient; the pre-pass's row sums take the same clamp."""
     t = qk
     if (MASK_KIND == 2 or SOFTCAP) or ALIBI:
         s, t = modified(qk * sc, cap, slope, offs_i, offs_j, SOFTCAP, ALIBI)
@@ -387,14 +389,14 @@ def _probs(qk, ok, m_ptrs, lse, sc, cap, slope, offs_i, offs_j, EDGE: tl.constex
             ok = ok & (tl.load(m_ptrs, mask=ok, other=0) != 0)
         if EDGE or MASK_KIND == 1:
             s = tl.where(ok, s, float("-inf"))
-        p = tl.math.exp2((s - lse) * LOG2E)
+        p = tl.math.exp2(tl.minimum((s - lse) * LOG2E, 0.0))
     else:
         t = qk * (sc * LOG2E)
         if MASK_KIND == 1:
             ok = ok & (tl.load(m_ptrs, mask=ok, other=0) != 0)
         if EDGE or MASK_KIND == 1:
             t = tl.where(ok, t, float("-inf"))
-        p = tl.math.exp2(t - lse * LOG2E)
+        p = tl.math.exp2(tl.minimum(t - lse * LOG2E, 0.0))
     return p, t
 
 
@@ -466,8 +468,8 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS,
         s = modified(dot(q, kt, DOT_PREC) * scale, cap, slope, offs_m[:, None] + shift,
                      offs_n[None, :], SOFTCAP, ALIBI)[0]
         s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
-        total += tl.sum(tl.math.exp2((s - lse[:, None]) * LOG2E), 1)
-    r = tl.where(huge, total, 1.0)
+        total += tl.sum(tl.math.exp2(tl.minimum((s - lse[:, None]) * LOG2E, 0.0)), 1)
+    r = tl.where(huge & (total > 0.0), total, 1.0)
     o = load_tile(Ob + b * sob + h * soh + offsets(offs_m, offs_dv, som, sod), offs_m, offs_dv,
                   Lq, Ev, True, PAD_D).to(tl.float32)
     do = load_tile(DOb + b * sdb + h * sdh + offsets(offs_m, offs_dv, sdm, sdd), offs_m, offs_dv,
