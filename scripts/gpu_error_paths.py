@@ -66,6 +66,11 @@ def compilers() -> list[str]:
     return lines
 
 
+def _command(call: str) -> list[str]:
+    """The process that runs `call` after PRELUDE's setup."""
+    return [sys.executable, "-c", PRELUDE.format(root=ROOT, call=call)]
+
+
 def wrapper_commands(path: str, most: int = 12) -> list[str]:
     """The command lines of a compiler that is a script (the GPU machines' /opt/gcc/bin/g++ is a
     wrapper of g++-real whose builds link libstdc++ statically: the flags it adds), else []."""
@@ -86,8 +91,7 @@ def backtrace(call: str, frames: int = 30) -> list[str]:
     gdb = shutil.which("cuda-gdb") or shutil.which("gdb")
     if gdb is None:
         return []
-    cmd = [gdb, "-batch", "-nx", "-ex", "run", "-ex", f"bt {frames}", "--args",
-           sys.executable, "-c", PRELUDE.format(root=ROOT, call=call)]
+    cmd = [gdb, "-batch", "-nx", "-ex", "run", "-ex", f"bt {frames}", "--args", *_command(call)]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
     except subprocess.TimeoutExpired:
@@ -97,8 +101,7 @@ def backtrace(call: str, frames: int = 30) -> list[str]:
 
 def probe(call: str) -> tuple[bool, str]:
     """(raised, what happened) of running `call` after PRELUDE's setup in its own process."""
-    res = subprocess.run([sys.executable, "-c", PRELUDE.format(root=ROOT, call=call)],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(_command(call), capture_output=True, text=True, timeout=120)
     out = res.stdout.strip().splitlines()
     if res.returncode < 0:
         return False, f"crashed with signal {-res.returncode}"

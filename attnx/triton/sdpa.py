@@ -254,9 +254,10 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
                 # the tile's scale to m_new's (0 where the tile holds the row max, also when
                 # a GPU fuses it into an FMA, and for m_i = -inf).
                 mt = tl.max(qk, 1)
-                m_new = tl.maximum(m_i, mt * qk_scale)
+                mt_scaled = mt * qk_scale
+                m_new = tl.maximum(m_i, mt_scaled)
                 m_safe = m_new
-                d = tl.minimum(mt * qk_scale - m_i, 0.0)
+                d = tl.minimum(mt_scaled - m_i, 0.0)
                 p = tl.math.exp2((qk - mt[:, None]) * qk_scale + d[:, None])
             alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)

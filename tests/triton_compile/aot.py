@@ -48,15 +48,14 @@ def loops(ptx: str) -> list[dict]:
             where[m.group(1)] = i
         b = _BRANCH.search(ln)
         if b and b.group(1) in where:  # a label seen before: a loop back edge
+            body = lines[where[b.group(1)] + 1:i + 1]
             ops = [x.split()[1] if x.startswith("@") else x.split()[0]  # @%p predicated
-                   for x in lines[where[b.group(1)] + 1:i + 1]
-                   if x and not x.startswith(("$", "//", "{", "}", "."))]
+                   for x in body if x and not x.startswith(("$", "//", "{", "}", "."))]
             kinds = collections.Counter()
             for op in ops:
                 for name, pat in _KINDS.items():
                     if re.match(pat, op):
                         kinds[name] += 1
-            body = lines[where[b.group(1)] + 1:i + 1]
             out.append(dict(instructions=len(ops), **kinds, folded_exp2=folded_exp2(body)))
     return out
 
