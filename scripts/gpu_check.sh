@@ -19,12 +19,18 @@
 # says why), 1 otherwise, 2 for bad arguments.
 #
 # Steps: build errors test_cuda test_triton check memcheck racecheck bench (default: these, in
-# this order), and cpu (only when named: the CPU targets on the machine's host CPU, two cores
-# pinned as on the development machines; the device machines' host has been the Intel Xeon of
-# issue 20, family 6 model 207, which the development machines rarely are). Caps in seconds,
-# overridable as GPU_CHECK_CAP_<step>=N: build 300, errors 260 (room for a crashed probe's
-# backtrace and a rebuild), test_cuda 120, test_triton 240, check 90, memcheck 120, racecheck
-# 120, bench 600 (what is left), cpu 120 (the --quick targets: about 30 s on two cores). Taken
+# this order), and, only when named: profile (Nsight Compute on one call of each kernel whose
+# target issue 21 misses, scripts/gpu_profile_cases.py, with --clock-control none as the device
+# notes ask: OUTDIR/profile.ncu-rep, profile_raw.csv (every counter), profile_sass.csv.gz (the
+# per-instruction samples) and, in the JSON, each kernel's time, throughputs, occupancy and
+# largest stall reasons, scripts/gpu_profile_report.py) and cpu (the CPU targets on the
+# machine's host CPU, two cores pinned as on the development machines; the device machines'
+# host has been the Intel Xeon of issue 20, family 6 model 207, which the development machines
+# rarely are). Caps in seconds, overridable as GPU_CHECK_CAP_<step>=N: build 300, errors 260
+# (room for a crashed probe's backtrace and a rebuild), test_cuda 120, test_triton 240, check
+# 90, memcheck 120, racecheck 120, bench 600 (what is left), profile 240 (not yet timed: the
+# triton case autotunes first where bench did not), cpu 120 (the --quick targets: about 30 s on
+# two cores). Taken
 # on the H200, 2026-12-04: build 121 s, errors 170 (the /opt/gcc build crashed, rebuilt),
 # test_cuda 61, test_triton 113, the cuda sanitizer cases 13-18 s a tool, gpu.py's 16 bf16
 # cases of 4 providers 137. test_triton runs each kernel on the first
@@ -44,8 +50,8 @@
 # Through the device tool (python3 there is the one with torch 2.11, Triton, pytest):
 #   run(command="bash scripts/gpu_check.sh $OUT", timeout_s=600)
 # If the benchmark got too little time, a second call on the still-warm machine (the build is
-# kept; a fresh machine rebuilds):
-#   run(command="bash scripts/gpu_check.sh $OUT --steps build,bench", timeout_s=600)
+# kept; a fresh machine rebuilds), with the profile after it:
+#   run(command="bash scripts/gpu_check.sh $OUT --steps build,bench,profile", timeout_s=600)
 # and join the two JSON files here with
 #   python scripts/gpu_check_report.py merge -o all.json run1/gpu_check.json run2/gpu_check.json
 # The decoding benchmark (attention_with_kvcache, triton, against torch's SDPA and the copy
@@ -61,9 +67,9 @@ set -uo pipefail
 
 usage() { sed -n '2p' "$0" | sed 's/^# //' >&2; exit 2; }
 DEFAULT_STEPS="build,errors,test_cuda,test_triton,check,memcheck,racecheck,bench"
-ALL_STEPS="$DEFAULT_STEPS,cpu"
+ALL_STEPS="$DEFAULT_STEPS,profile,cpu"
 declare -A CAP=([build]=300 [errors]=260 [test_cuda]=120 [test_triton]=240 [check]=90 [memcheck]=120
-                [racecheck]=120 [bench]=600 [cpu]=120)
+                [racecheck]=120 [bench]=600 [profile]=240 [cpu]=120)
 
 outdir="" steps="$DEFAULT_STEPS" budget=570 dry_run=0 force=0
 while [ $# -gt 0 ]; do
@@ -108,10 +114,18 @@ command_of() {
     check) echo "$PY -m attnx check --jobs $jobs --json $scratch/check.json" ;;
     memcheck) echo "$(sanitized memcheck PYTORCH_NO_CUDA_MEMORY_CACHING=1)" ;;
     racecheck) echo "$(sanitized racecheck)" ;;
+    profile) echo "$ncu --profile-from-start off --clock-control none$(printf ' --section %s' $NCU_SECTIONS) -f -o $outdir/profile $PY scripts/gpu_profile_cases.py && $ncu --import $outdir/profile.ncu-rep --page raw --csv > $outdir/profile_raw.csv && $PY scripts/gpu_profile_report.py $outdir/profile_raw.csv $scratch/profile.json && { $ncu --import $outdir/profile.ncu-rep --page source --csv --print-source sass | gzip > $outdir/profile_sass.csv.gz || echo 'no per-instruction page (the counters above stand)'; }" ;;
     cpu) echo "lscpu | grep -m1 'Model name'; taskset -c 0,1 env OMP_NUM_THREADS=2 $PY benchmarks/cpu_sdpa_targets.py --quick --out $outdir/cpu_sdpa_targets.json && taskset -c 0,1 env OMP_NUM_THREADS=2 $PY benchmarks/cpu_decode_targets.py --quick --threads 2 --out $outdir/cpu_decode_targets.json" ;;
     bench) echo "timeout 90 $PY benchmarks/gpu_additive_targets.py --repeats 5 --out $outdir/gpu_additive_targets.json; $PY benchmarks/gpu.py --out $scratch/bench.jsonl --deadline-s \$(( \$DEADLINE - 90 ))" ;;
   esac
 }
+
+# Nsight Compute: on the PATH, or the newest under /opt/nvidia (the device image's place for it).
+ncu="$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)"
+ncu="${NCU:-${ncu:-ncu}}"
+# what the profile step collects: speed of light, launch and occupancy, the schedulers' issue and
+# the warps' stall reasons, pipes, instruction mix, memory, and per-instruction samples
+NCU_SECTIONS="SpeedOfLight LaunchStats Occupancy SchedulerStats WarpStateStats ComputeWorkloadAnalysis InstructionStats MemoryWorkloadAnalysis SourceCounters"
 
 # Whether the system's gcc/g++ exist and differ from the compilers the build used (CC/CXX, or
 # cc/c++ on the PATH): the errors step then rebuilds with them when a C++ error crashes.

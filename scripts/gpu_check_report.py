@@ -10,9 +10,9 @@ writes OUTDIR/gpu_check.json (schema "attnx-gpu-check/1"): {"schema", "date", "s
 ("passed", "failed" or "skipped": no GPU), "reason", "budget_s", "steps_requested", "machine",
 "steps": [{"name", "status" (passed, failed, timed_out, skipped), "rc", "seconds", "timeout_s",
 "command", "summary"}], "check": attnx check's JSON or null, "bench": {"meta", "results",
-"end"} or null} and prints a summary. `merge` joins runs made in separate device calls (say
+"end"} or null, "profile": scripts/gpu_profile_report.py's summary or null} and prints a summary. `merge` joins runs made in separate device calls (say
 one for the tests and one for the benchmark) into one document: steps in run order, the last
-run's check, every run's benchmark results.
+run's check and profile, every run's benchmark results.
 """
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ def finish(outdir, scratch, budget_s, steps_requested, no_gpu=None) -> dict:
            "status": status, "reason": no_gpu, "budget_s": budget_s,
            "steps_requested": steps_requested, "machine": machine(), "steps": steps,
            "check": _load_json(os.path.join(scratch, "check.json")),
-           "bench": bench_doc(read_jsonl(os.path.join(scratch, "bench.jsonl")))}
+           "bench": bench_doc(read_jsonl(os.path.join(scratch, "bench.jsonl"))),
+           "profile": _load_json(os.path.join(scratch, "profile.json"))}
     write(os.path.join(outdir, "gpu_check.json"), doc)
     return doc
 
@@ -188,6 +189,7 @@ def merge(docs: list) -> dict:
     statuses = [d["status"] for d in docs]
     benches = [d["bench"] for d in docs if d.get("bench")]
     checks = [d["check"] for d in docs if d.get("check")]
+    profiles = [d["profile"] for d in docs if d.get("profile")]
     return {"schema": SCHEMA, "date": max(d["date"] for d in docs),
             "status": ("failed" if "failed" in statuses else
                        "passed" if "passed" in statuses else "skipped"),
@@ -196,6 +198,7 @@ def merge(docs: list) -> dict:
             "steps_requested": [s for d in docs for s in d["steps_requested"]],
             "machine": docs[-1]["machine"], "runs": [d["date"] for d in docs], "steps": steps,
             "check": checks[-1] if checks else None,
+            "profile": profiles[-1] if profiles else None,
             "bench": {"meta": benches[-1]["meta"],
                       "results": [r for b in benches for r in b["results"]],
                       "autotune": [r for b in benches for r in b.get("autotune", [])],
@@ -222,6 +225,8 @@ def report(doc: dict) -> str:
         lines.append(f"  attnx check: {len(res)} checks, {sum(not r['passed'] for r in res)} failed")
     if doc.get("bench"):
         lines.append(f"  benchmark: {len(doc['bench']['results'])} measurements")
+    if doc.get("profile"):
+        lines.append(f"  profile: {len(doc['profile']['kernels'])} kernels")
     return "\n".join(lines)
 
 

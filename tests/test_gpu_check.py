@@ -102,6 +102,13 @@ def test_dry_run_lists_every_step_and_writes_nothing(tmp_path):
     named = _script(str(out), "--dry-run", "--steps", "build,cpu").stdout
     (cpu,) = [line for line in named.splitlines() if line.split()[:3] == ["cpu", "cap", "120"]]
     assert "taskset -c 0,1" in cpu and "cpu_sdpa_targets.py" in cpu and "cpu_decode_targets.py" in cpu
+    # the profile too: ncu with the clocks left alone, only the cases' profiled range
+    assert not any(line.split()[:1] == ["profile"] for line in res.stdout.splitlines())
+    named = _script(str(out), "--dry-run", "--steps", "profile", env={"NCU": "/x/ncu"}).stdout
+    (prof,) = [line for line in named.splitlines() if line.split()[:3] == ["profile", "cap", "240"]]
+    assert "/x/ncu --profile-from-start off --clock-control none" in prof
+    assert "--section WarpStateStats" in prof and "gpu_profile_cases.py" in prof
+    assert "--page raw --csv" in prof and "gpu_profile_report.py" in prof
 
 
 @pytest.mark.parametrize("args,message", [
@@ -197,7 +204,7 @@ def no_machine(monkeypatch):
     monkeypatch.setattr(report, "machine", lambda: {"stub": True})
 
 
-def _fake_run(tmp_path, name, check_passed=True, bench_rows=()):
+def _fake_run(tmp_path, name, check_passed=True, bench_rows=(), profile=None):
     scratch, out = tmp_path / f"{name}-scratch", tmp_path / name
     scratch.mkdir()
     out.mkdir()
@@ -209,6 +216,8 @@ def _fake_run(tmp_path, name, check_passed=True, bench_rows=()):
         for row in bench_rows:
             f.write(json.dumps(row) + "\n")
         f.write('{"kind": "result", "cut off by a ki')  # a line a kill left unfinished
+    if profile is not None:
+        (scratch / "profile.json").write_text(json.dumps(profile))
     return report.finish(str(out), str(scratch), 570, ["test_cuda", "check", "bench"]), out
 
 
@@ -223,14 +232,16 @@ def test_finish_writes_one_document(tmp_path, no_machine):
     assert doc["bench"]["meta"] == rows[0] and doc["bench"]["results"] == rows[1:2]
     assert doc["bench"]["autotune"] == rows[2:]
     assert doc["bench"]["end"] is None  # the benchmark was stopped before its last line
+    assert doc["profile"] is None  # no profile step ran
     text = report.report(doc)
     assert "test_cuda" in text and "1 checks, 0 failed" in text
 
 
 def test_merge_of_two_runs(tmp_path, no_machine, capsys):
     a, _ = _fake_run(tmp_path, "a", bench_rows=[{"kind": "result", "tflops": 1.0}])
+    profile = {"schema": "attnx-gpu-profile/1", "kernels": [{"kernel": "k"}]}
     b, _ = _fake_run(tmp_path, "b", bench_rows=[{"kind": "meta"}, {"kind": "result", "tflops": 2.0},
-                                               {"kind": "end", "measured": 1}])
+                                               {"kind": "end", "measured": 1}], profile=profile)
     for i, d in enumerate((a, b)):
         path = tmp_path / f"{i}.json"
         path.write_text(json.dumps(d))
@@ -242,9 +253,62 @@ def test_merge_of_two_runs(tmp_path, no_machine, capsys):
     assert [r["tflops"] for r in doc["bench"]["results"]] == [1.0, 2.0]
     assert doc["bench"]["end"] == [None, {"kind": "end", "measured": 1}]
     assert doc["status"] == "failed" and doc["budget_s"] == 1140
+    assert doc["profile"] == profile and "profile: 1 kernels" in report.report(doc)
     (tmp_path / "junk.json").write_text("{}")
     assert report.main(["merge", "-o", str(tmp_path / "x.json"), str(tmp_path / "junk.json")]) == 2
     assert "not gpu_check results" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the profile step
+
+profile_report = _load("gpu_profile_report", "scripts/gpu_profile_report.py")
+
+# ncu --page raw --csv as ncu writes it: a header, a row of units, a row per kernel, numbers
+# with thousands separators (a metric a section did not collect is simply absent)
+NCU_RAW = """"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","gpu__time_duration.sum","sm__throughput.avg.pct_of_peak_sustained_elapsed","sm__warps_active.avg.pct_of_peak_sustained_active","launch__registers_per_thread","smsp__inst_executed.sum","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio","sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active","sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active"
+"","","","","","","","","","","","usecond","%","%","register/thread","inst","ratio","ratio","ratio","%","%"
+"0","7","python3","h","void attnx::cuda::(anonymous namespace)::additive_fwd_kernel<__nv_bfloat16>(attnx::cuda::AdditiveParams)","1","7","(128, 1, 1)","(16, 1, 64)","0","9.0","684.50","41.2","38.9","96","12,345,678","2.10","0.40","1.30","35.5","48.0"
+"1","7","python3","h","_attn_bwd_dkdv","1","7","(256, 1, 1)","(32, 16, 4)","0","9.0","1,210.00","80.0","20.1","255","99","n/a","0.9","0.2","1.0","70.0"
+"""
+
+
+def test_profile_report_reads_ncus_raw_page(tmp_path, capsys):
+    raw = tmp_path / "raw.csv"
+    raw.write_text(NCU_RAW)
+    assert profile_report.main([str(raw), str(tmp_path / "p.json")]) == 0
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert doc["schema"] == "attnx-gpu-profile/1"
+    fwd, bwd = doc["kernels"]
+    assert fwd["kernel"] == "additive_fwd_kernel<__nv_bfloat16>" and bwd["kernel"] == "_attn_bwd_dkdv"
+    assert fwd["grid"] == "(16, 1, 64)" and fwd["duration_us"] == 684.5 and bwd["duration_us"] == 1210.0
+    assert fwd["metrics"] == {"sm_throughput_pct": 41.2, "achieved_occupancy_pct": 38.9,
+                              "registers_per_thread": 96.0, "instructions": 12345678.0}
+    assert list(fwd["stalls"]) == ["barrier", "short_scoreboard", "long_scoreboard"]
+    assert bwd["stalls"] == {"long_scoreboard": 0.9, "short_scoreboard": 0.2}  # n/a left out
+    assert fwd["pipes"] == {"fma": 48.0, "xu": 35.5}
+    table = capsys.readouterr().out
+    assert "additive_fwd_kernel" in table and "barrier 2.1" in table
+    # nanoseconds too; a file without ncu's header has no kernels (exit 1)
+    raw.write_text(NCU_RAW.replace("usecond", "nsecond"))
+    assert profile_report.main([str(raw), str(tmp_path / "p.json")]) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["kernels"][0]["duration_us"] == 0.6845
+    raw.write_text("==PROF== nothing profiled\n")
+    assert profile_report.main([str(raw), str(tmp_path / "p.json")]) == 1
+    assert profile_report.main([str(raw)]) == 2
+
+
+def test_profile_cases_run_small_on_cpu_tensors():
+    """Each case's forward and backward, at a few rows: cuda through the host harness, triton in
+    Triton's interpreter (nothing profiled: a check of the script)."""
+    env = dict(os.environ, ATTNX_CUDA_ON_CPU="1", TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "scripts/gpu_profile_cases.py", "--small"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.split() == [w for n in ("additive-cuda", "sdpa-d128-cuda", "sdpa-d64-cuda",
+                                               "sdpa-d128-triton") for w in (n + ":", "ran")]
+    res = subprocess.run([sys.executable, "scripts/gpu_profile_cases.py", "nope"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "unknown cases ['nope']" in res.stderr
 
 
 # ---------------------------------------------------------------- benchmarks/gpu.py
