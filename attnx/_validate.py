@@ -446,6 +446,10 @@ def _check_index_tensor(name: str, x, shape: tuple, device) -> torch.Tensor:
     return x
 
 
+# The largest |scale| of a float32, bfloat16 or float16 call: float32's max over log2(e).
+MAX_FLOAT32_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
+
+
 def _check_scale(scale, e: int, dtype: torch.dtype) -> float:
     if scale is None:  # head dim 0: every score is 0 whatever the scale (torch: uniform weights)
         return 1.0 / math.sqrt(e) if e > 0 else 1.0
@@ -454,9 +458,11 @@ def _check_scale(scale, e: int, dtype: torch.dtype) -> float:
     value = _to_float("scale", scale, "a finite float")
     if not _finite(value):
         raise ValueError(f"scale: expected a finite float, got {scale}")
-    if dtype != torch.float64 and abs(value) > torch.finfo(torch.float32).max:
-        # the kernels scale in float32 (float64 only for float64 inputs): inf there, NaN after
-        raise ValueError(f"scale: expected a value float32 can hold for {dtype} inputs, got {scale}")
+    if dtype != torch.float64 and abs(value) > MAX_FLOAT32_SCALE:
+        # the kernels scale in float32 (float64 only for float64 inputs), the GPU ones times
+        # log2(e) (their exponentials are exp2): past this, inf there and NaN after
+        raise ValueError(f"scale: expected a value whose product with log2(e) float32 can hold "
+                         f"(|scale| <= {MAX_FLOAT32_SCALE:.4g}) for {dtype} inputs, got {scale}")
     return value
 
 

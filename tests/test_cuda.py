@@ -307,6 +307,28 @@ def test_sdpa_huge_scaled_scores_backward_stays_finite(dtype, scale):
         assert torch.isfinite(g).all(), f"d{name}: non-finite values"
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_largest_scale_validation_admits(sign):
+    """|scale| up to validation's bound (float32's max over log2(e)): the kernels fold scale *
+    log2(e) into one float32 factor, which at |scale| of 2.4e38-3.4e38 (then admitted) was inf,
+    and every output NaN, zero scores too. Here q = k = 0: each output row is the mean of v,
+    through SDPA, the packed sequences and the KV cache."""
+    from attnx._validate import MAX_FLOAT32_SCALE
+    scale = sign * MAX_FLOAT32_SCALE
+    q = torch.zeros(1, 2, 5, 32, device=DEV, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, 40, 32, device=DEV, dtype=torch.bfloat16)
+    v = rand(1, 2, 40, 32, dtype=torch.bfloat16, grad=False)
+    mean = v.float().mean(2, keepdim=True).expand(1, 2, 5, 32)
+    out = attnx.scaled_dot_product_attention(q, k, v, scale=scale, backend="cuda")
+    cu_q = torch.tensor([0, 5], dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0, 40], dtype=torch.int32, device=DEV)
+    packed = attnx.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                    v[0].transpose(0, 1), cu_q, cu_k, scale=scale, backend="cuda")
+    cached = attnx.attention_with_kvcache(q[:, :, :1], k, v, 40, scale=scale, backend="cuda")
+    for got, want in ((out, mean), (packed.transpose(0, 1)[None], mean), (cached, mean[:, :, :1])):
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_sdpa_tied_scores_just_below_the_fold_limit():
     """1024 keys of one score, |m scale log2(e)| ~ 2^19.5 (kFoldLimit: still folded): the
     output is the mean of v. The folded tiles' rescale exp2(m c - fl(m c)) was 2^(rounding), not

@@ -64,6 +64,7 @@ SDPA_CASES = [
     (dict(scale=math.nan), ValueError, ["scale", "finite", "nan"]),
     (dict(scale="1"), TypeError, ["scale", "float", "str"]),
     (dict(scale=1e39), ValueError, ["scale", "float32 can hold", "1e+39"]),
+    (dict(scale=-2.4e38), ValueError, ["scale", "log2(e)", "2.359e+38", "-2.4e+38"]),
     # ints past a float's range (float() raises OverflowError without the argument's name)
     (dict(scale=2**1024), ValueError, ["scale", "1025 bits", "too large for a float"]),
     (dict(dropout_p=2**1024), ValueError, ["dropout_p", "too large for a float"]),
