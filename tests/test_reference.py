@@ -328,6 +328,25 @@ def test_float32_overflow_reruns_in_float64(case):
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_scores_overflowing_to_minus_inf_rerun_in_float64(backend):
+    """An ALiBi slope of 3e38 sends every float32 score of a row to -inf, as if the row admitted
+    no key (the reference gave it zeros, an lse of -inf); in float64 the row's nearest admitted
+    key takes all the weight (its lse, -3e38 times the distance, rounds to -inf in float32, as
+    every backend rounds it). A row that admits no key stays zeros."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 1, n, 8, generator=g) for n in (3, 6, 6))
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    mask[:, :3] = False
+    slopes = torch.full((1,), 3e38)
+    out = attnx.scaled_dot_product_attention(q, k, v, mask, alibi_slopes=slopes, backend=backend)
+    want = v[0, 0, 3].expand(3, 8)  # key 3: the nearest admitted one of every row
+    torch.testing.assert_close(out[0, 0], want)
+    empty = attnx.scaled_dot_product_attention(q, k, v, torch.zeros(3, 6, dtype=torch.bool),
+                                               backend=backend, return_lse=True)
+    assert torch.equal(empty[0], torch.zeros_like(empty[0])) and (empty[1] == float("-inf")).all()
+
+
 def _rows_near_one_huge_value(dtype, grad=True):
     """q, k and values whose rows differ by ~1e-6 around 1e38: with an output gradient of ones,
     each dP = dO V^T (8e38) passes float32's range while dP - D, hence dS and dq, dk, does not."""

@@ -33,7 +33,8 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _float64_where_float32_overflows(op):
     """op(call, dtype) run in _compute_dtype; where float32 overflows on finite inputs (scores or
-    sums past its range: |q| |k| ~ 1e19, values ~ 3e38, a huge v or scale), it runs again in
+    sums past its range: |q| |k| ~ 1e19, values ~ 3e38, a huge v, scale or ALiBi slope; an lse
+    of +-inf or NaN, or a non-finite output), it runs again in
     float64, which holds every product of float32 values, as the fused CPU kernels do: finite
     inputs never give NaN. (Non-finite inputs rerun too, and keep their non-finite results.)
     The backward does the same (_GuardedBackward): float32's can overflow where the forward did
@@ -45,7 +46,9 @@ def _float64_where_float32_overflows(op):
         if call.q.dtype == torch.float64 or not values_readable(call.q):
             return result, dtype
         out, lse = result[0], result[1]
-        if not (bool(torch.isfinite(out).all()) and not bool((lse.isnan() | (lse == float("inf"))).any())):
+        # lse -inf: a row that admits no key, or one whose every score overflowed to -inf (a
+        # huge ALiBi slope or scaled score): float64 tells them apart (empty rows stay zeros)
+        if not bool(torch.isfinite(out).all()) or bool((lse.isnan() | lse.isinf()).any()):
             return op(call, torch.float64), torch.float64
         return result, dtype
 
