@@ -569,6 +569,33 @@ def test_running_max_with_huge_values():
     assert ((out.double() - golden).abs() / golden.abs().amax()).max() < 1e-6
 
 
+def test_float64_sums_of_values_near_its_range():
+    """float64 values of ~1e307 over 300 keys: the rows' unnormalized sums of p v passed
+    float64's range (NaN, or inf where the last key did not dominate); the call reruns on values
+    times 2^-64 and scales back (float64_rerun.h). SDPA, packed sequences and the KV cache."""
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64), torch.randn(
+        1, 2, 300, 8, generator=g, dtype=torch.float64)
+    q[:, :, :2] *= 0.01  # rows of near-equal weights: their sum of p v passes the range
+    k[:, :, -1] *= 30  # a last key that dominates some rows: the running max jumps at the end
+    v = 1e307 * (1 + torch.rand(1, 2, 300, 8, generator=g, dtype=torch.float64))
+    want = attnx.scaled_dot_product_attention(q, k, v, backend="reference")
+    assert torch.isfinite(want).all()
+    cu = lambda n: torch.tensor([0, n], dtype=torch.int32)  # noqa: E731
+    got = {
+        "sdpa": attnx.scaled_dot_product_attention(q, k, v, backend="cpu"),
+        "varlen": attnx.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                         v[0].transpose(0, 1), cu(4), cu(300),
+                                         backend="cpu").transpose(0, 1)[None],
+        "kvcache": attnx.attention_with_kvcache(q[:, :, :1], k, v, 300, backend="cpu"),
+    }
+    # (the cache's one query sits at its end: it attends every key)
+    want_kv = attnx.scaled_dot_product_attention(q[:, :, :1], k, v, backend="reference")
+    for name, out in got.items():
+        torch.testing.assert_close(out, want_kv if name == "kvcache" else want, rtol=1e-12,
+                                   atol=0, msg=name)
+
+
 def test_forward_packs_kv_heads_in_rounds():
     """The forward packs K and V for rounds of kv heads of at most 16M floats (64 MiB): at
     Lk = 24000, E = Ev = 128 that is 2 heads, so 3 kv heads (of 6 query heads, GQA) go in a

@@ -709,7 +709,8 @@ std::tuple<Tensor, Tensor, bool> attend(const Shape& d, const Tensor& q, const T
   return {out, lse, overflow};
 }
 
-// attend, float32 rerun in float64 where it overflowed (out float32, lse float64 then).
+// attend, float32 rerun in float64 where it overflowed (out float32, lse float64 then), float64
+// rerun on shrunk values where a sum of values passed its range.
 std::tuple<Tensor, Tensor> attend_checked(const Shape& d, const Tensor& q, const Tensor& k_cache,
                                           const Tensor& v_cache, const std::vector<int64_t>& lens,
                                           const Tensor& table, double scale, int64_t lo,
@@ -717,6 +718,12 @@ std::tuple<Tensor, Tensor> attend_checked(const Shape& d, const Tensor& q, const
                                           const MaskRows& mask) {
   auto [out, lse, overflow] =
       attend(d, q, k_cache, v_cache, lens, table, scale, lo, hi, mods, mask);
+  if (q.scalar_type() == at::kDouble && any_non_finite({out})) {
+    // sums of values near float64's range (float64_rerun.h); slots no query reads stay unread
+    auto [shrunk, lse64, ignored] =
+        attend(d, q, k_cache, v_cache * kShrinkValues, lens, table, scale, lo, hi, mods, mask);
+    return {shrunk.div_(kShrinkValues), lse64};
+  }
   if (q.scalar_type() != at::kDouble && (overflow ||
                                         nan_or_posinf(lse.data_ptr<float>(), lse.numel()) ||
                                         lost_rows(d, lse.data_ptr<float>(), lens, lo, hi, mask))) {

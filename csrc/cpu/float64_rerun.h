@@ -11,6 +11,14 @@
 
 namespace attnx::cpu {
 
+// float64 itself overflows only on values near its range: a row's sum of p v, kept unnormalized
+// until the end (up to e^2 L max|v|, p against a running max that may lag by 2), passes 1.8e308
+// with |v| ~ 1e306 over a few hundred keys, where the answer, a convex combination of the values,
+// is finite. Such a call runs again on the values times kShrinkValues (a power of two: exact
+// but for values under 2^-958) and scales its output back; outputs non-finite from non-finite
+// inputs come out the same.
+constexpr double kShrinkValues = 0x1p-64;
+
 // Whether every value of the tensors is finite (undefined tensors pass), and a float mask has
 // no NaN or +inf (-inf is a refusal). When they are not, an overflow is the input's, and the
 // call keeps its float32 result.

@@ -620,9 +620,16 @@ std::tuple<Tensor, Tensor> forward_double(const Tensor& q, const Tensor& k, cons
   const Tensor qc = prepared(q, at::kDouble), kc = prepared(k, at::kDouble),
                vc = prepared(v, at::kDouble);
   Tensor out = at::empty({d.B, d.Hq, d.Lq, d.Ev}, opts), lse = at::empty({d.B, d.Hq, d.Lq}, opts);
-  forward_with<double, BlasProducts<double>>(
-      qc.data_ptr<double>(), kc.data_ptr<double>(), vc.data_ptr<double>(), rows, scale, band,
-      drop, mods, out.data_ptr<double>(), lse.data_ptr<double>(), d);
+  const auto run = [&](const Tensor& values) {
+    forward_with<double, BlasProducts<double>>(
+        qc.data_ptr<double>(), kc.data_ptr<double>(), values.data_ptr<double>(), rows, scale,
+        band, drop, mods, out.data_ptr<double>(), lse.data_ptr<double>(), d);
+  };
+  run(vc);
+  if (any_non_finite({out})) {  // sums of values near float64's range (float64_rerun.h)
+    run(vc * kShrinkValues);
+    out.div_(kShrinkValues);
+  }
   return {out, lse};
 }
 
