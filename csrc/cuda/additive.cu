@@ -62,6 +62,12 @@ static_assert(kEC == 64 && kBQ == 4 * kWarps, "value layout: warp = 4 rows, lane
 // overflows for any d2 > 2: r2 = 0 where it is up to 1/2.)
 // Past the limit tanh(x + y) is +-1 in fp32 unless the other operand is as large.
 constexpr float kExpLimit = 18.f;
+// e^{2x} = 2^{x kTwoLog2e}. Within kExpLimit the SFU's exp2 (exp2_approx) takes it: its result
+// lies in [e^-36, e^36], never subnormal; its error, 2^-22 relative plus the product's rounding
+// (|x kTwoLog2e| <= 52: 3e-6), moves a term's tanh by at most 2e-6 (dr = r (1 - r) de / e),
+// far under the bf16/fp16 output's rounding. (expf took 12-13 instructions an element, 15% of
+// a chunk's issue between two barriers; exp2_approx one MUFU and a multiply.)
+constexpr float kTwoLog2e = 2.8853900817779268f;
 // CTAs per SM the kernels are compiled for (__launch_bounds__): ptxas (CUDA 13) then fits them
 // in 96 and 128 registers without spilling (test_cuda_resources.py); the backward's gradient
 // loop holds 16 dq partials and 16 e^{2q} per thread.
@@ -117,7 +123,6 @@ struct Head {  // pointers to one (b, h)
 // e^{2(x+y)} = inf gives r = 0, tanh = 1; exp2f's relative error, which grows with |x + y|, is
 // scaled by dr/de = r(1 - r) <= e^{-2|x+y|} there).
 __device__ __forceinline__ float r_raw(float x, float y) {
-  constexpr float kTwoLog2e = 2.8853900817779268f;
   return rcp_approx(1.f + exp2f(kTwoLog2e * (x + y)));
 }
 
@@ -147,7 +152,7 @@ __device__ bool load_chunk(const AdditiveParams& p, const Head<T>& hd, const Sme
 #pragma unroll
   for (int r = r0; r < kBQ; r += kStep) {
     const float x = a_in && i0 + r < p.Lq ? to_float(hd.q[int64_t(i0 + r) * p.sq.l + a0 + a]) : 0.f;
-    big = big || !(fabsf(x) <= kExpLimit);  // NaN too: it then propagates through expf
+    big = big || !(fabsf(x) <= kExpLimit);  // NaN too: it then propagates through exp2f
     sm[L.eq + r * kStrideA + a] = x;
   }
 #pragma unroll 4
@@ -162,9 +167,11 @@ __device__ bool load_chunk(const AdditiveParams& p, const Head<T>& hd, const Sme
   const bool fast = sm[L.flag] == 0.f;
   if (fast) {  // each thread turns the entries it wrote
 #pragma unroll
-    for (int r = r0; r < kBQ; r += kStep) sm[L.eq + r * kStrideA + a] = expf(2.f * sm[L.eq + r * kStrideA + a]);
+    for (int r = r0; r < kBQ; r += kStep)
+      sm[L.eq + r * kStrideA + a] = exp2_approx(kTwoLog2e * sm[L.eq + r * kStrideA + a]);
 #pragma unroll 4
-    for (int r = r0; r < kBK; r += kStep) sm[L.ek + r * kStrideA + a] = expf(2.f * sm[L.ek + r * kStrideA + a]);
+    for (int r = r0; r < kBK; r += kStep)
+      sm[L.ek + r * kStrideA + a] = exp2_approx(kTwoLog2e * sm[L.ek + r * kStrideA + a]);
   }
   __syncthreads();
   // every thread has read the flag; the next chunk's threads set it after its first barrier
