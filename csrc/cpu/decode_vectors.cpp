@@ -162,28 +162,31 @@ ATTNX_BODY void add_rows_pass(float* const* o, const float* const* p, const KV* 
     for (int u = 0; u < U; ++u) store<W>(o[rr] + c + u * W, acc[rr][u]);
 }
 
-// Passes of U W columns, then of U / 2 and U / 4 where the rest still fills them, then single
+// Passes of U W columns, then of 4 and 2 vectors where the rest still fills them, then single
 // vectors: each value row is read as one run of the widest pass (the whole row at Ev = 128 on
-// AVX-512, and at Ev = 64, where passes of 8 vectors alone left every column to one-vector
-// passes, one FMA chain per row and column: a block took 5-10% longer at D = 64 on a Zen 5): a
-// row's first touch streams from memory in order. U keeps the accumulators within the ISA's
-// registers (32 zmm, 16 ymm).
+// AVX-512 for one or two rows, and at Ev = 64, where passes of 8 vectors alone left every
+// column to one-vector passes, one FMA chain per row and column: a block took 5-10% longer at
+// D = 64 on a Zen 5): a row's first touch streams from memory in order. U keeps the
+// accumulators within the ISA's registers (32 zmm, 16 ymm): three or four rows take 6 vectors a
+// pass (24 accumulators), so a value row goes as 6 + 2 vectors at Ev = 128, each line loaded
+// once for the four rows.
 template <int W, int ROWS, bool REG, typename KV>
 ATTNX_BODY void add_rows_body(float* const* o, const float* const* p, const KV* const* v,
                               int64_t n, int64_t ev, const Ahead& ahead) {
-  constexpr int U = (ROWS == 2 && W == 8) ? 4 : 8;
+  constexpr int U = ROWS > 2 ? 6 : (ROWS == 2 && W == 8) ? 4 : 8;
+  static_assert(ROWS <= 2 || W == 16, "three or four rows a pass need AVX-512's registers");
   Spread spread(ahead, ev < W ? 0 : n);  // over the keys of the first pass
   Spread* first = &spread;
   int64_t c = 0;
   for (; c + U * W <= ev; c += U * W, first = nullptr)
     add_rows_pass<W, ROWS, U, REG>(o, p, v, n, c, first);
-  if (c + U / 2 * W <= ev) {
-    add_rows_pass<W, ROWS, U / 2, REG>(o, p, v, n, c, first);
-    c += U / 2 * W, first = nullptr;
+  if (U > 4 && c + 4 * W <= ev) {
+    add_rows_pass<W, ROWS, 4, REG>(o, p, v, n, c, first);
+    c += 4 * W, first = nullptr;
   }
-  if (c + U / 4 * W <= ev) {
-    add_rows_pass<W, ROWS, U / 4, REG>(o, p, v, n, c, first);
-    c += U / 4 * W, first = nullptr;
+  if (c + 2 * W <= ev) {
+    add_rows_pass<W, ROWS, 2, REG>(o, p, v, n, c, first);
+    c += 2 * W, first = nullptr;
   }
   for (; c + W <= ev; c += W, first = nullptr)
     add_rows_pass<W, ROWS, 1, REG>(o, p, v, n, c, first);
@@ -220,13 +223,23 @@ template <int W, bool REG, typename KV>
 ATTNX_BODY void add_rows_any(int rows, float* const* o, const float* const* p,
                              const KV* const* v, int64_t n, int64_t ev,
                              const Ahead& ahead) {
-  // Two rows at a time even on AVX-512: four would take two passes over each value row, whose
-  // first touch then no longer streams in order (14% slower at Lq = 1 from memory, one thread;
-  // again with its loads in registers: 27% faster in L1, 10% slower from memory, Zen 5).
-  if (rows == 1) return add_rows_body<W, 1, REG>(o, p, v, n, ev, ahead);
-  add_rows_body<W, 2, REG>(o, p, v, n, ev, ahead);
-  if (rows == 3) add_rows_body<W, 1, REG>(o + 2, p + 2, v, n, ev, {});
-  if (rows == 4) add_rows_body<W, 2, REG>(o + 2, p + 2, v, n, ev, {});
+  // AVX-512: the four rows in passes of 6 + 2 vectors at Ev = 128 (add_rows_body): each value
+  // line loaded once for them; as fast from memory as two rows a pass, which read each value row
+  // twice, and 15% faster from L2/L3 (Zen 5). Halves of the row (4 + 4) had lost 10-14% from
+  // memory, the row's first touch then going in two strided sweeps. AVX2: two rows a pass.
+  if constexpr (W == 16) {
+    switch (rows) {
+      case 4: return add_rows_body<W, 4, REG>(o, p, v, n, ev, ahead);
+      case 3: return add_rows_body<W, 3, REG>(o, p, v, n, ev, ahead);
+      case 2: return add_rows_body<W, 2, REG>(o, p, v, n, ev, ahead);
+      default: return add_rows_body<W, 1, REG>(o, p, v, n, ev, ahead);
+    }
+  } else {
+    if (rows == 1) return add_rows_body<W, 1, REG>(o, p, v, n, ev, ahead);
+    add_rows_body<W, 2, REG>(o, p, v, n, ev, ahead);
+    if (rows == 3) add_rows_body<W, 1, REG>(o + 2, p + 2, v, n, ev, {});
+    if (rows == 4) add_rows_body<W, 2, REG>(o + 2, p + 2, v, n, ev, {});
+  }
 }
 
 // Two columns of a key row, repeated over the vector: one 8-byte broadcast load. (x - 0 is x
