@@ -618,3 +618,142 @@ def test_sdpa_output_offsets_past_2_31_elements():
                                       -4096, 4096, 0.0, None)
     torch.testing.assert_close(out[-1:, 1:, rows], golden, rtol=0, atol=0)
     torch.testing.assert_close(lse[-1:, 1:, rows], golden_lse, rtol=0, atol=0)
+
+
+# Values near bf16's largest (3.39e38) over a few keys: the forward kernels' float32 sums P v
+# passed float32's largest, and out came inf, or NaN after a rescale (found by fuzzing). Each
+# result is held to the error of the same call on the values scaled down by 2^64 (exact in
+# bf16), scaled back: the rest of this file holds those to the float64 reference.
+BIG = 2.0 ** 64
+
+
+def near_bf16_max(*shape):
+    """bf16 values of magnitude 1.5e38-3.3e38, a fifth of them negative."""
+    mag = 1.5e38 + 1.8e38 * torch.rand(*shape, dtype=torch.float64)
+    return (mag * torch.where(torch.rand(*shape) < 0.2, -1.0, 1.0)).to(DEV, torch.bfloat16)
+
+
+def assert_as_scaled_down(call, values, golden_call, what="out"):
+    """call(values) vs golden_call (float64), within twice the error of call(values / 2^64) *
+    2^64; the outputs only (call returns (out, ...) or out)."""
+    first = lambda r: r[0] if isinstance(r, tuple) else r  # noqa: E731
+    out = first(call(values))
+    assert torch.isfinite(out).all(), f"{what}: non-finite values"
+    base = first(call(values / BIG)).double() * BIG
+    assert_within(out, first(golden_call()), base, what=what)
+
+
+@pytest.mark.parametrize("e,lq,kw", [
+    (64, 17, {}),
+    (32, 130, dict(is_causal=True)),
+    (128, 40, dict(dropout_p=0.3)),
+    (256, 9, dict(softcap=30.0, alibi_slopes=0.05)),
+    (96, 33, dict(sinks=True, window=(200, 5))),
+])
+def test_sdpa_values_near_the_bf16_max(e, lq, kw):
+    """Several 64-key tiles of such values, GQA, through the plain and the modifier kernels: the
+    rows whose O overflowed are rerun with P scaled down (sdpa_fwd.cuh rerun_row)."""
+    torch.manual_seed(40)
+    hq, hkv, lk = 4, 2, 300
+    q = rand(1, hq, lq, e, dtype=torch.bfloat16, grad=False)
+    k = rand(1, hkv, lk, e, dtype=torch.bfloat16, grad=False)
+    v = near_bf16_max(1, hkv, lk, e)
+    kw = dict(kw, enable_gqa=True)
+    if kw.get("alibi_slopes") is not None:
+        kw["alibi_slopes"] = torch.full((hq,), kw["alibi_slopes"], device=DEV)
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.tensor([0.5, 3.0, -1.0, 8.0], device=DEV)
+    sdpa = attnx.scaled_dot_product_attention
+    assert_as_scaled_down(
+        lambda vals: seeded(sdpa, 3, q, k, vals, backend="cuda", **kw), v,
+        lambda: seeded(sdpa, 3, *(t.double() for t in (q, k, v)), backend="reference", **kw))
+
+
+@pytest.mark.skipif(not ON_CPU, reason="a GPU launches the variant of its own arch")
+def test_sdpa_values_near_the_bf16_max_below_sm90():
+    """The same through the sm_80 variant (one row tile a warp, 8 warps), a bool mask."""
+    from attnx import _cuda_host as host
+    torch.manual_seed(41)
+    q = rand(1, 2, 70, 64, dtype=torch.bfloat16, grad=False)
+    k = rand(1, 2, 200, 64, dtype=torch.bfloat16, grad=False)
+    v = near_bf16_max(1, 2, 200, 64)
+    mask = torch.rand(1, 2, 70, 200, device=DEV) > 0.3
+    sdpa = attnx.scaled_dot_product_attention
+    host.set_sm90(False)
+    try:
+        assert_as_scaled_down(lambda vals: sdpa(q, k, vals, mask, backend="cuda"), v,
+                              lambda: sdpa(q.double(), k.double(), v.double(), mask,
+                                           backend="reference"))
+        assert host.last_launch_threads() == 256
+    finally:
+        host.set_sm90(True)
+
+
+def test_sdpa_rows_beside_an_overflowed_row_keep_their_accuracy():
+    """Row 0 attends to keys of values near bf16's largest, the other rows of its tile (a float
+    mask) to ordinary values: only row 0 is rerun, the others keep the tiles' result."""
+    torch.manual_seed(42)
+    lq, lk, e = 24, 256, 64
+    q = rand(1, 1, lq, e, dtype=torch.bfloat16, grad=False)
+    k = rand(1, 1, lk, e, dtype=torch.bfloat16, grad=False)
+    v = torch.cat([near_bf16_max(1, 1, lk // 2, e), rand(1, 1, lk // 2, e, dtype=torch.bfloat16,
+                                                          grad=False)], dim=2)
+    mask = torch.full((lq, lk), -1e4, device=DEV, dtype=torch.bfloat16)
+    mask[0, : lk // 2] = 0.0
+    mask[1:, lk // 2:] = 0.0
+    out = attnx.scaled_dot_product_attention(q, k, v, mask, backend="cuda")
+    gold = attnx.scaled_dot_product_attention(q.double(), k.double(), v.double(), mask.double(),
+                                              backend="reference")
+    base = lowp_sdpa(q, k, v, mask)
+    assert torch.isfinite(out).all()
+    assert_within(out[..., 1:, :], gold[..., 1:, :], base[..., 1:, :], what="ordinary rows")
+    base0 = lowp_sdpa(q, k, v / BIG, mask).double() * BIG
+    assert_within(out[..., :1, :], gold[..., :1, :], base0[..., :1, :], what="row 0")
+
+
+def test_varlen_values_near_the_bf16_max():
+    torch.manual_seed(43)
+    cu_q = torch.tensor([0, 17, 50], dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0, 150, 390], dtype=torch.int32, device=DEV)
+    q = rand(50, 2, 64, dtype=torch.bfloat16, grad=False)
+    k = rand(390, 2, 64, dtype=torch.bfloat16, grad=False)
+    v = near_bf16_max(390, 2, 64)
+    varlen = attnx.varlen_attention
+    assert_as_scaled_down(
+        lambda vals: varlen(q, k, vals, cu_q, cu_k, is_causal=True, backend="cuda"), v,
+        lambda: varlen(q.double(), k.double(), v.double(), cu_q, cu_k, is_causal=True,
+                       backend="reference"))
+
+
+@pytest.mark.parametrize("capacity,sinks", [(300, False), (300, True), (32, True)])
+def test_kvcache_values_near_the_bf16_max(capacity, sinks):
+    """Decoding: 300 keys split across CTAs (merged by their lse), or 32 in one split (where the
+    sink joins in the split kernel); the output rows stay normalised (decode.cu)."""
+    torch.manual_seed(44)
+    q = 0.1 * rand(2, 8, 2, 128, dtype=torch.bfloat16, grad=False)
+    k_cache = rand(2, 2, capacity, 128, dtype=torch.bfloat16, grad=False)
+    v_cache = near_bf16_max(2, 2, capacity, 128)
+    lens = torch.tensor([capacity, capacity - 7], dtype=torch.int32, device=DEV)
+    kw = dict(sinks=torch.linspace(-2, 4, 8, device=DEV)) if sinks else {}
+    cache = attnx.attention_with_kvcache
+    assert_as_scaled_down(
+        lambda vals: cache(q, k_cache, vals, lens, backend="cuda", **kw), v_cache,
+        lambda: cache(q.double(), k_cache.double(), v_cache.double(), lens, backend="reference",
+                      **kw))
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_additive_values_near_the_bf16_max(dropout_p):
+    """The output tile stays normalised (additive.cu). Values at 0.6 of those above: dropout's
+    1 / (1 - p) may take an output that far past them."""
+    torch.manual_seed(45)
+    q = rand(2, 2, 20, 16, dtype=torch.bfloat16, grad=False)
+    k = rand(2, 2, 150, 16, dtype=torch.bfloat16, grad=False)
+    w = rand(2, 16, dtype=torch.bfloat16, grad=False)
+    value = near_bf16_max(2, 2, 150, 32) * 0.6
+    add = attnx.additive_attention
+    assert_as_scaled_down(
+        lambda vals: seeded(add, 6, q, k, vals, w, dropout_p=dropout_p, backend="cuda",
+                            return_weights=True), value,
+        lambda: seeded(add, 6, q.double(), k.double(), value.double(), w.double(),
+                       dropout_p=dropout_p, backend="reference", return_weights=True))

@@ -18,7 +18,11 @@
 // tile in registers (thread = 2 rows x 4 keys); the online softmax on those registers, each row's
 // max and sum reduced across the 16 lanes that hold it (every warp takes part); P*z to shared
 // memory; then, kEC value columns at a time, the value tile is loaded into shared memory once and
-// the fp32 output tile (kBQ, Ev), kept in shared memory, is rescaled and accumulated. With
+// the fp32 output tile (kBQ, Ev), kept in shared memory, is rescaled and accumulated. Its rows
+// stay normalised (O = sum_j P_j z_j value_j / l: P z / l and the rescale alpha l_old / l_new
+// go to shared memory): a convex combination of values (dropout's 1 / (1 - p) aside), finite
+// where the unnormalised sum of bf16 values near their largest over a few keys overflowed
+// float32 (inf out, or NaN after a rescale). With
 // return_weights, each tile's exp(s - m_t) z is written to the weights as it is computed, with
 // the running max m_t to a scratch, and a last pass over them (no scores recomputed) scales
 // them by exp(m_t - m) / l: exact on rows of huge lse too, where exp(s - lse) is not
@@ -302,17 +306,23 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks)
       float sum = 0.f;
 #pragma unroll
       for (int m = 0; m < kCols; ++m) {
+        s[u][m] = fast_exp(s[u][m] - m_use);
+        sum += s[u][m];
+      }
+      const float l_new = l_run[u] * alpha + row_sum(sum);
+      const float inv = l_new > 0.f ? 1.f / l_new : 0.f;  // (0 until the row admits a key)
+#pragma unroll
+      for (int m = 0; m < kCols; ++m) {
         const int c = tc + kRowLanes * m;
-        const float e = fast_exp(s[u][m] - m_use);
-        sum += e;
-        const float pz = e * dropout_factor(p.drop, hd.key_bh, uint32_t(i0 + r), uint32_t(j0 + c));
-        sm[L.P + r * kBK + c] = pz;
+        const float pz =
+            s[u][m] * dropout_factor(p.drop, hd.key_bh, uint32_t(i0 + r), uint32_t(j0 + c));
+        sm[L.P + r * kBK + c] = pz * inv;
         if (p.weights != nullptr && i0 + r < p.Lq && j0 + c < p.Lk)
           static_cast<T*>(p.weights)[(hd.bh * p.Lq + i0 + r) * p.Lk + j0 + c] = from_float<T>(pz);
       }
-      l_run[u] = l_run[u] * alpha + row_sum(sum);
+      if (tc == 0) alpha_s[r] = alpha * l_run[u] * inv;
+      l_run[u] = l_new;
       m_run[u] = m_new;
-      if (tc == 0) alpha_s[r] = alpha;
       if (p.weights != nullptr && tc == 0 && i0 + r < p.Lq)
         p.weight_max[(hd.bh * p.Lq + i0 + r) * key_tiles(p.Lk) + t] = m_use;
     }
@@ -367,9 +377,7 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks)
   for (int idx = threadIdx.x; idx < kBQ * p.Ev; idx += kThreads) {
     const int r = idx / p.Ev, e = idx % p.Ev;
     if (i0 + r >= p.Lq) continue;
-    const float l = l_s[r];
-    static_cast<T*>(p.out)[(hd.bh * p.Lq + i0 + r) * p.Ev + e] =
-        from_float<T>(l > 0.f ? sm[L.O + idx] / l : 0.f);
+    static_cast<T*>(p.out)[(hd.bh * p.Lq + i0 + r) * p.Ev + e] = from_float<T>(sm[L.O + idx]);
   }
   if (threadIdx.x < kBQ && i0 + int(threadIdx.x) < p.Lq) {
     const float l = l_s[threadIdx.x];

@@ -10,7 +10,10 @@
 // offsets (through the block table when paged), K and V rows to shared memory (16-byte loads
 // when aligned), scores with lane = key and warp = rows (each K element read once for 4 rows),
 // the online softmax in the log2 domain (row max and sum reduced across the warp), then the
-// fp32 output rows, thread = value column(s), rescaled and accumulated from P and V.
+// fp32 output rows, thread = value column(s), rescaled and accumulated from P and V. The rows
+// stay normalised (o = sum_j P_j v_j / l, P / l and the rescale a l_old / l_new through shared
+// memory): a convex combination of values, finite where the unnormalised sum of bf16 values near
+// their largest over a few keys overflowed float32 (and a later rescale made it NaN).
 // With one split the CTA writes out and lse itself; otherwise its normalised partial output and
 // lse go to fp32 scratch and the merge kernel combines the splits by their lse.
 //
@@ -209,10 +212,12 @@ __global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcachePa
       const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no -inf - -inf
       const float pr = exp2f(x - m_use);
       const float a = exp2f(m[u] - m_use);
-      l[u] = l[u] * a + warp_sum(pr);
+      const float l_new = l[u] * a + warp_sum(pr);
+      const float inv = l_new > 0.f ? 1.f / l_new : 0.f;  // (0 until the row admits a key)
+      ps[r * kKeys + lane] = pr * inv;
+      if (lane == 0) alpha_s[r] = a * l[u] * inv;
+      l[u] = l_new;
       m[u] = m_new;
-      ps[r * kKeys + lane] = pr;
-      if (lane == 0) alpha_s[r] = a;
     }
     __syncthreads();
 
@@ -230,7 +235,8 @@ __global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcachePa
     }
   }
 
-  // Each row's 1 / l to shared memory, its lse (natural log) out; rows with no key: 0, -inf.
+  // Each row's output factor to shared memory (the sink's share taken out; 0 for rows with no
+  // key), its lse (natural log) out (-inf for rows with no key).
   __syncthreads();  // the last tile's alpha is consumed
   const int64_t row0 = (int64_t(b) * p.Hkv + kvh) * R + r0;  // (b, h, i) of row r0, flattened
 #pragma unroll
@@ -238,6 +244,7 @@ __global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcachePa
     const int r = warp + kWarps * u;
     if (lane != 0) continue;
     float scale_out = 1.f;  // the sink's rescale of the output
+    const float l_keys = l[u];
     if constexpr (kMods) {
       if (p.splits == 1 && p.mods.sinks != nullptr && r < rows) {
         const float sink = sink_log2(p.mods, kvh * G + (r0 + r) / p.Lq);
@@ -247,7 +254,7 @@ __global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcachePa
         m[u] = m_new;
       }
     }
-    alpha_s[r] = l[u] > 0.f ? scale_out / l[u] : 0.f;
+    alpha_s[r] = l[u] > 0.f ? l_keys * scale_out / l[u] : 0.f;
     if (r >= rows) continue;
     const float lse = l[u] > 0.f ? (m[u] + log2f(l[u])) * kLn2 : -INFINITY;
     if (p.splits == 1) {
@@ -274,8 +281,9 @@ __global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcachePa
   }
 }
 
-// out and lse of each row from its splits' partials: weights exp(lse_s - lse). kSinks: the
-// sink joins as one more part of no value.
+// out and lse of each row from its splits' partials: weights exp(lse_s - lse), normalised before
+// the sum, which stays a convex combination (no overflow). kSinks: the sink joins as one more
+// part of no value.
 template <typename T, bool kSinks>
 __global__ void __launch_bounds__(kThreads) kvcache_merge_kernel(const KvcacheParams p) {
   const int64_t rows = int64_t(p.B) * p.Hq * p.Lq;
@@ -291,9 +299,9 @@ __global__ void __launch_bounds__(kThreads) kvcache_merge_kernel(const KvcachePa
     for (int c = threadIdx.x; c < p.Ev; c += kThreads) {
       float x = 0.f;
       for (int s = 0; s < p.splits; ++s) {
-        x += expf(lse_s[s] - top_use) * p.o_part[(row * p.splits + s) * p.Ev + c];
+        x += expf(lse_s[s] - top_use) * inv * p.o_part[(row * p.splits + s) * p.Ev + c];
       }
-      static_cast<T*>(p.out)[row * p.Ev + c] = from_float<T>(x * inv);
+      static_cast<T*>(p.out)[row * p.Ev + c] = from_float<T>(x);
     }
     if (threadIdx.x == 0) p.lse[row] = total > 0.f ? top + logf(total) : -INFINITY;
   }

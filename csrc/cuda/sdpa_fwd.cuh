@@ -37,6 +37,9 @@
 // without P V, ending with R_i = sum_j exp(s_ij - lse_i) = l exp(m - lse_i) against the saved
 // lse for rows of huge lse; query tiles with no such row write R = 1 and stop at once.
 //
+// Overflowed rows (bf16): a row whose O came out non-finite (values near bf16's largest) is
+// written by rerun_row, once the tiles are done, from its final max and sum with P scaled down.
+//
 // Score modifiers (p.mods, API.md; the kMods instantiation only, so the plain kernels keep their
 // code and registers): each score is scaled, soft-capped (softcap tanh(s / softcap)) and ALiBi's
 // -slope |i - j| subtracted before the band and the mask; P then takes exp_diff's unfolded
@@ -136,6 +139,60 @@ __device__ __forceinline__ void exp_scores(float (&s)[NB][4], const float (&mu)[
       s[nb][e] = exp_diff<kFold>(s[nb][e], mu[e / 2], c);
       l[e / 2] += s[nb][e];
     }
+}
+
+// Rows whose O overflowed: O = sum_j P_j v_j with P <= 1 passes float32's largest for bf16 values
+// near theirs (3.4e38) over a few keys (inf out, or NaN after a rescale). Their output is
+// computed again (rerun_row) with P scaled by kRerunScale = 2^-64: L max|v| 2^-64, even times
+// dropout's 1 / (1 - p) up to 2^32, stays finite for any L below 2^32, and terms P v under 2^-62
+// flush. fp16 values (at most 65504) cannot overflow O: its kernels have none of this code.
+constexpr float kRerunScale = 5.421010862427522e-20f;  // 2^-64
+template <typename T>
+constexpr bool kMayOverflowO = std::is_same<T, __nv_bfloat16>::value;
+
+// Row i's output again, by one warp: O = sum_j P_ij v_j with P scaled by kRerunScale, from the
+// row's final max m (the scaled scores', natural units) and sum l, then O / l scaled back. Key by
+// key, lanes over the columns (scores reduced across the warp): a slow path with few registers,
+// after the tiles' loop, which keeps its code and registers (a second pass through that loop
+// spilled in the bf16 D = 64..256 kernels, ptxas 13.0). The score is the tiles' unfolded one:
+// scaled, modified, admitted (band and mask of any kind) and dropped alike.
+template <typename T, int D, bool kMods>
+__device__ __forceinline__ void rerun_row(const SdpaParams& p, const SeqView& seq, int b, int h,
+                                       const T* q_row, const T* k, const T* v, T* out, int i,
+                                       float m, float l, float slope, uint32_t key_bh) {
+  constexpr int U = D / 32;  // columns a lane: every family is a multiple of 32
+  const int lane = threadIdx.x % 32;
+  float q[U], o[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) q[u] = to_float(q_row[lane + 32 * u]), o[u] = 0.f;  // 0 past E
+  const int64_t j_lo = max(int64_t(0), i + seq.lo), j_hi = min(int64_t(seq.Lk) - 1, i + seq.hi);
+  for (int j = int(j_lo); j <= j_hi; ++j) {
+    float x = 0.f;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = lane + 32 * u;
+      if (c < p.E) x += q[u] * to_float(k[j * p.sk.l + c]);
+    }
+#pragma unroll
+    for (int w = 16; w >= 1; w /= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
+    x *= p.scale;
+    if constexpr (kMods) {
+      float tc;
+      x = modified_score(x, p.mods, slope, fabsf(float(i + seq.diag - j)), tc);
+    }
+    x = admit<T>(x, p.mask, seq.lo, seq.hi, b, h, i, j, seq.Lq, seq.Lk);
+    const float pj = fast_exp(x - m) * kRerunScale * dropout_factor(p.drop, key_bh, i, j);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = lane + 32 * u;
+      if (c < p.Ev) o[u] += pj * to_float(v[j * p.sv.l + c]);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = lane + 32 * u;
+    if (c < p.Ev) out[c] = from_float<T>(o[u] / l / kRerunScale);
+  }
 }
 
 // kMods: the score modifiers (p.mods) are applied; the plain instantiation has none of their
@@ -430,12 +487,24 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
     __syncthreads();  // this stage is read by all before the next iteration's loads refill it
   }
 
+  uint32_t overflowed = 0;  // bit 2 mt + r: row g + 8 r of tile mt has a non-finite O (bf16)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 1);
       l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 2);
+      if constexpr (kMayOverflowO<T>) {  // the row's O lies across the lane quad
+        int bad = 0;
+#pragma unroll
+        for (int db = 0; db < DB; ++db)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) bad |= !(fabsf(o[mt][db][2 * r + e]) < INFINITY);
+        bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
+        bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
+        // (rows past Lq admit every key of the interior tiles: never written, never rerun)
+        if (bad && row_of(mt, 2 * r) < seq.Lq) overflowed |= 1u << (2 * mt + r);
+      }
     }
     if constexpr (kMods) {
       // The sink joins the denominator (and the lse, and the row sums R) as one more score, of
@@ -470,15 +539,43 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
       }
       const float inv_l = l[mt][r] > 0.f ? 1.f / l[mt][r] : 0.f;
       T* out = static_cast<T*>(p.out) + (rows + i) * p.Ev;
+      if (!(overflowed >> (2 * mt + r) & 1)) {  // (else rerun_row writes it)
 #pragma unroll
-      for (int db = 0; db < DB; ++db)
+        for (int db = 0; db < DB; ++db)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = db * 8 + 2 * t + e;
-          if (col < p.Ev) out[col] = from_float<T>(o[mt][db][2 * r + e] * inv_l);
-        }
+          for (int e = 0; e < 2; ++e) {
+            const int col = db * 8 + 2 * t + e;
+            if (col < p.Ev) out[col] = from_float<T>(o[mt][db][2 * r + e] * inv_l);
+          }
+      }
       const float m_nat = fold ? m[mt][r] * p.scale : m[mt][r];  // the scaled scores' row max
       if (t == 0) p.lse[rows + i] = l[mt][r] > 0.f ? m_nat + logf(l[mt][r]) : -INFINITY;
+    }
+  }
+
+  if constexpr (kMayOverflowO<T>) {
+    if (__syncthreads_or(overflowed != 0)) {
+      // The overflowed rows' max and sum through shared memory (the key tiles' stages are
+      // free), l = 0 for the others; then each warp reruns rows of the tile, one at a time.
+      float* const row_m = reinterpret_cast<float*>(Ks);
+      float* const row_l = row_m + kBM;
+      for (int r = threadIdx.x; r < kBM; r += kThreads) row_l[r] = 0.f;
+      __syncthreads();
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          if (t == 0 && (overflowed >> (2 * mt + r) & 1)) {
+            const int x = row_of(mt, 2 * r) - i0;
+            row_m[x] = fold ? m[mt][r] * p.scale : m[mt][r];
+            row_l[x] = l[mt][r];
+          }
+      __syncthreads();
+      for (int x = warp; x < kBM; x += C::kWarps)
+        if (row_l[x] > 0.f)
+          rerun_row<T, D, kMods>(p, seq, b, h, Qs + x * LD, k, v,
+                                 static_cast<T*>(p.out) + (rows + i0 + x) * p.Ev, i0 + x, row_m[x],
+                                 row_l[x], slope, key_bh);
     }
   }
 }

@@ -41,6 +41,19 @@
 
 inline void __syncthreads() { ::attnx::host::block_barrier(); }
 
+// Whether `predicate` holds in any thread of the block, as a barrier: three barriers around one
+// slot per block (per OS thread: it runs one block at a time), so that the slot is cleared after
+// every thread has read the last call's result and read after every thread has written.
+inline int __syncthreads_or(int predicate) {
+  static thread_local int any;
+  ::attnx::host::block_barrier();
+  if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) any = 0;
+  ::attnx::host::block_barrier();
+  if (predicate) any = 1;
+  ::attnx::host::block_barrier();
+  return any;
+}
+
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   ::attnx::host::warp_collective("__syncwarp", mask, nullptr, [](void* const*) {});
 }
