@@ -674,3 +674,198 @@ def test_kvcache(dtype, paged, lq, is_causal, window):
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
     ok = torch.isfinite(want_lse)
     assert_within(lse[ok], want_lse[ok].float(), want_lse[ok].float(), floor=1e-4, what="lse")
+
+
+# ---------------------------------------------------------------- values near the dtype's max
+
+# bf16 and fp32 values near their max over hundreds of keys (P <= 1 each) overflowed the fp32
+# accumulator P V: out came inf or NaN (common.OVERFLOW_SHIFT). The output is a weighted average
+# of the values: its error is bounded relative to max|v|, as the kernels do on ordinary values
+# (bf16: 0.55-0.65% here, with P rounded to bf16 for P V; fp32: 1e-6, the shifted exponent's
+# rounding, 2^-18 at 64, included), and its lse as if nothing had been shifted.
+NEAR_MAX_TOL = {f32: 1e-5, bf16: 2e-2}
+# The interpreter's numpy warns of the first pass's overflow, which the kernels then redo.
+near_max = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                                      "ignore:invalid value encountered:RuntimeWarning")
+
+
+def _near_max(shape, dtype, gen, signed=False):
+    """3e38 * U(0, 1) (or U(-1, 1)): finite in bf16 and fp32, whose sums of a few overflow."""
+    u = torch.rand(shape, generator=gen, dtype=torch.float64)
+    return (3e38 * (2 * u - 1 if signed else u)).to(DEVICE, dtype)
+
+
+def _assert_near(out, gold, scale, dtype, what="output"):
+    assert torch.isfinite(out).all(), f"{what}: non-finite values"
+    err = max_err(out, gold) / scale
+    bound = NEAR_MAX_TOL[dtype]
+    assert err <= bound, f"{what}: max error {err:.3g} of max|v| > {bound}"
+
+
+def _assert_lse(lse, gold):
+    torch.testing.assert_close(lse, gold.float(), rtol=1e-5, atol=1e-4)
+
+
+@near_max
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize("signed", [False, True], ids=["positive", "mixed-signs"])
+@pytest.mark.parametrize("mods", ["plain", "causal-softcap", "alibi-dropout", "sinks"])
+def test_sdpa_values_near_the_dtype_max(dtype, signed, mods):
+    """300 keys (19 blocks here): plain (exp2 of scores in log2 units), with the natural-units
+    exponent (softcap, ALiBi), dropout's 1 / (1 - p) and a sink's term."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = _randn((1, 2, 17, 64), dtype, gen), _randn((1, 2, 300, 64), dtype, gen)
+    v = _near_max((1, 2, 300, 64), dtype, gen, signed)
+    kw = {"plain": {}, "causal-softcap": dict(is_causal=True, softcap=5.0),
+          "alibi-dropout": dict(alibi_slopes=torch.tensor([0.01, 0.1], device=DEVICE),
+                                dropout_p=0.2),
+          "sinks": dict(sinks=torch.tensor([6.0, 2.0], device=DEVICE))}[mods]
+    runs = {}
+    for name, backend, t in (("triton", "triton", dtype), ("gold", "reference", torch.float64)):
+        torch.manual_seed(SEED)  # the same dropout mask
+        runs[name] = attnx.scaled_dot_product_attention(q.to(t), k.to(t), v.to(t), backend=backend,
+                                                        return_lse=True, **kw)
+    (out, lse), (gold, gold_lse) = runs["triton"], runs["gold"]
+    _assert_near(out, gold, v.double().abs().max(), dtype)
+    _assert_lse(lse, gold_lse)
+
+
+@near_max
+def test_sdpa_second_head_chunk_near_the_max():
+    """Head dim 160 (sdpa._head_blocks: 128 + 32): values near the max only in the second
+    chunk, whose accumulator acc2 alone overflows."""
+    gen = torch.Generator().manual_seed(5)
+    q, k = _randn((1, 2, 17, 160), bf16, gen), _randn((1, 2, 300, 160), bf16, gen)
+    v = torch.cat([_randn((1, 2, 300, 128), bf16, gen), _near_max((1, 2, 300, 32), bf16, gen)],
+                  dim=-1)
+    out, lse = attnx.scaled_dot_product_attention(q, k, v, backend="triton", return_lse=True)
+    gold, gold_lse = attnx.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                        backend="reference", return_lse=True)
+    for cols in (slice(0, 128), slice(128, 160)):
+        _assert_near(out[..., cols], gold[..., cols], v[..., cols].double().abs().max(), bf16,
+                     f"columns {cols.start}-{cols.stop - 1}")
+    _assert_lse(lse, gold_lse)
+
+
+@near_max
+@pytest.mark.parametrize("config", _sdpa_ops._FWD_SHAPES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_sdpa_near_the_max_in_every_gpu_config(monkeypatch, config, dtype):
+    """Each GPU forward config pinned (the interpreter's own is 16 x 16, the rerun's block
+    size): blocks of 32-128 keys in the first pass, 32-128 rows to flag, causal and banded."""
+    from attnx.triton import common
+    import triton
+
+    if not common.warps_fit(dtype.itemsize, config[2], config[0]):
+        pytest.skip("a config the pruning never runs for this dtype (common.warps_fit)")
+    monkeypatch.setattr(_sdpa_ops._fwd_kernel, "configs", common.gpu_configs([config]))
+    gen = torch.Generator().manual_seed(6)
+    q, k = _randn((1, 2, 70, 64), dtype, gen), _randn((1, 2, 300, 64), dtype, gen)
+    v = _near_max((1, 2, 300, 64), dtype, gen, signed=True)
+    for kw in ({}, dict(is_causal=True), dict(window=(40, 10), softcap=5.0)):
+        try:
+            out, lse = attnx.scaled_dot_product_attention(q, k, v, backend="triton",
+                                                          return_lse=True, **kw)
+        except triton.runtime.errors.OutOfResources as exc:  # only compiled code has limits
+            pytest.skip(f"does not fit this device: {exc}")
+        gold, gold_lse = attnx.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                            backend="reference", return_lse=True,
+                                                            **kw)
+        _assert_near(out, gold, v.double().abs().max(), dtype)
+        _assert_lse(lse, gold_lse)
+
+
+@near_max
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_sdpa_one_row_near_the_max_others_tiny(dtype):
+    """Row 0 admits keys 0-149, values near the max (its sum overflows); rows 1-16, in the same
+    program, only keys 150-299, values ~1e-30: their products with 2^-64-scaled probabilities
+    would flush, so only the overflowing row may take the shift."""
+    gen = torch.Generator().manual_seed(1)
+    q, k = _randn((1, 2, 17, 64), dtype, gen), _randn((1, 2, 300, 64), dtype, gen)
+    big = _near_max((1, 2, 150, 64), dtype, gen, signed=True)
+    tiny = (1e-30 * torch.randn((1, 2, 150, 64), generator=gen, dtype=torch.float64)).to(DEVICE,
+                                                                                          dtype)
+    v = torch.cat([big, tiny], dim=2)
+    mask = torch.zeros(17, 300, dtype=torch.bool, device=DEVICE)
+    mask[0] = True
+    mask[1:, 150:] = True
+    out, lse = attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend="triton",
+                                                  return_lse=True)
+    gold, gold_lse = attnx.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                        attn_mask=mask, backend="reference",
+                                                        return_lse=True)
+    _assert_near(out[:, :, :1], gold[:, :, :1], big.double().abs().max(), dtype, "row 0")
+    _assert_near(out[:, :, 1:], gold[:, :, 1:], tiny.double().abs().max(), dtype, "rows 1-16")
+    _assert_lse(lse, gold_lse)
+
+
+@near_max
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_varlen_values_near_the_dtype_max(dtype):
+    """Packed sequences (the SDPA forward's VARLEN mode): 300 keys, a short one, and one whose
+    values are ordinary."""
+    gen = torch.Generator().manual_seed(2)
+    lens = [(17, 300), (5, 40), (9, 70)]
+    tq, tk = sum(a for a, _ in lens), sum(b for _, b in lens)
+    q, k = _randn((tq, 2, 64), dtype, gen), _randn((tk, 2, 64), dtype, gen)
+    v = _near_max((tk, 2, 64), dtype, gen, signed=True)
+    v[-70:] = _randn((70, 2, 64), dtype, gen)
+    cu_q = torch.tensor([0, 17, 22, 31], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 300, 340, 410], dtype=torch.int32, device=DEVICE)
+    out, lse = attnx.varlen_attention(q, k, v, cu_q, cu_k, backend="triton", return_lse=True)
+    gold, gold_lse = attnx.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k,
+                                            backend="reference", return_lse=True)
+    _assert_near(out[:22], gold[:22], v[:340].double().abs().max(), dtype)
+    _assert_near(out[22:], gold[22:], v[340:].double().abs().max(), dtype, "ordinary sequence")
+    _assert_lse(lse, gold_lse)
+
+
+@near_max
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_kvcache_values_near_the_dtype_max(dtype, sinks):
+    """Decoding: 300 and 150 cached keys (two splits here, several key tiles each), GQA, and
+    the merge of the splits' outputs."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [300, 150]
+    k = _randn((2, 2, 320, 64), dtype, gen)
+    v = _near_max((2, 2, 320, 64), dtype, gen, signed=True)
+    q = _randn((2, 4, 3, 64), dtype, gen)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    kw = dict(sinks=torch.tensor([1.0, 3.0, 0.0, 5.0], device=DEVICE)) if sinks else {}
+    out, lse = attnx.attention_with_kvcache(q, k, v, lens, backend="triton", return_lse=True,
+                                            **kw)
+    gold, gold_lse = attnx.attention_with_kvcache(q.double(), k.double(), v.double(), lens,
+                                                  backend="reference", return_lse=True, **kw)
+    _assert_near(out, gold, v.double().abs().max(), dtype)
+    _assert_lse(lse, gold_lse)
+
+
+def test_kvcache_merge_keeps_a_convex_combination():
+    """decode.merge at lse ~ 3e5, whose ulp is 1/32: weights exp(lse_s - lse) summed to 0.99-1.01
+    by the lse's rounding, moving the output 1% and, near fp32's max, past it (inf). Normalised
+    by their sum they keep the splits' (equal) outputs."""
+    from attnx.triton import decode
+
+    lse_part = torch.tensor([3e5, 3e5 + 0.1875], device=DEVICE).view(1, 1, 1, 2)
+    o_part = torch.full((1, 1, 1, 2, 8), 3.38e38, device=DEVICE)
+    out, lse = decode.merge(o_part, lse_part, f32)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, o_part[..., 0, :], rtol=1e-6, atol=0)
+    torch.testing.assert_close(lse, torch.logsumexp(lse_part.double(), -1).float())
+
+
+@near_max
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_additive_values_near_the_dtype_max(dtype):
+    gen = torch.Generator().manual_seed(4)
+    q, k = _randn((1, 2, 17, 16), dtype, gen), _randn((1, 2, 300, 16), dtype, gen)
+    value = _near_max((1, 2, 300, 24), dtype, gen, signed=True)
+    w = _randn((2, 16), dtype, gen)
+    out, weights = attnx.additive_attention(q, k, value, w, backend="triton", return_weights=True)
+    gold, gold_w = attnx.additive_attention(q.double(), k.double(), value.double(), w.double(),
+                                            backend="reference", return_weights=True)
+    _assert_near(out, gold, value.double().abs().max(), dtype)
+    # the weights come from the saved lse, which must not keep the shift
+    _assert_near(weights, gold_w, 1.0, dtype, "weights")

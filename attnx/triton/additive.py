@@ -24,7 +24,8 @@ import triton.language as tl
 from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device, weights_grads
 from . import common
 from .common import (admit, dot, huge_rows, key_range, offsets, query_range, score_grad,
-                     softmax_start, softmax_step, split_tile, store_rows, tile_and_head)
+                     softmax_start, softmax_step, split_tile, store_normalised_rows,
+                     tile_and_head)
 from .rng import keep, rng_words, row_keys
 
 
@@ -97,8 +98,8 @@ def _fwd_kernel(Q, K, VAL, W, M, O, LSE, RNG,
                       mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < Ev), other=0.0)
         m_i, l_i, acc = softmax_step(s, val, m_i, l_i, acc, key_row, threshold, offs_n, inv_keep,
                                      DROPOUT, DOT_PREC)
-    store_rows(O + b * sob + h * soh, LSE + bh.to(tl.int64) * Lq, m_i, l_i, acc, offs_m, offs_dv,
-               Lq, Ev, som, sod)
+    store_normalised_rows(O + b * sob + h * soh, LSE + bh.to(tl.int64) * Lq, m_i, l_i, acc,
+                          offs_m, offs_dv, Lq, Ev, som, sod)
 
 
 @triton.jit

@@ -402,6 +402,40 @@ def query_range(n0, Lq, Lk, window_lo, window_hi, BLOCK_M: tl.constexpr, BLOCK_N
     return start, tl.minimum(last - window_lo + 1, Lq)
 
 
+# The fp32 accumulator acc += P V overflows where bf16 or fp32 values near their max meet
+# hundreds of keys (P <= 1 each). The additive forward and decoding keep their rows normalised
+# (softmax_step, decode.py's loop alike: a multiply a probability, small beside their other
+# work). The SDPA forward, bound by its exponentials, does not: a program with such rows
+# (`overflowed`) reruns its keys with their probabilities scaled by 2^-OVERFLOW_SHIFT, the
+# shift subtracted from exp's argument after the row max (`shift_exponent`): l and acc alike,
+# so acc / l is unchanged (the rescale alphas, differences of maxima, are too), and the row's
+# max takes the shift back for the lse and a sink's term. 2^-64 keeps L * max|v| * P *
+# (dropout's 1 / (1 - p) <= 2^24) below fp32's max for any L < 2^31; keys under 2^-62 of the
+# row max flush, negligibly. fp16 values (< 65504) cannot overflow the sum: its kernels keep
+# one pass and no check.
+OVERFLOW_SHIFT = tl.constexpr(64.0)
+# The rerun walks its keys in one loop of RERUN_BLOCK_N-key edge blocks: the first pass's
+# calls repeated let the compiler share their tiles' addresses and offsets (the pipelines'
+# first tiles) with the first pass, which held them in registers across it
+# (tests/test_triton_compile.py: forwards +25-75 registers on sm_80/sm_90, new spills).
+RERUN_BLOCK_N = tl.constexpr(16)
+
+
+@triton.jit
+def overflowed(acc, row_ok):
+    """The rows (of those row_ok) whose accumulator holds inf or NaN."""
+    return (tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1), 1) > 0) & row_ok
+
+
+@triton.jit
+def shift_exponent(x, p_shift):
+    """exp's argument x (rows of a tile) less its row's shift, x itself without one (None: the
+    first pass)."""
+    if p_shift is not None:
+        x = x - p_shift[:, None]
+    return x
+
+
 @triton.jit
 def softmax_start(BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     """The online softmax's running row max, row sum and output before any key tile."""
@@ -413,19 +447,22 @@ def softmax_start(BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
 def softmax_step(s, v, m_i, l_i, acc, key_row, threshold, offs_n, inv_keep,
                  DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
     """One key tile of the online softmax: its scores s and values v folded into the running
-    row max m_i, row sum l_i (taken before dropout) and output acc; returns the new three.
-    key_row and threshold are `row_keys` of the rows (None without DROPOUT)."""
+    row max m_i, row sum l_i (taken before dropout) and output acc, kept normalised (acc = sum_j
+    P_j v_j / l: a convex combination of values, dropout's 1 / (1 - p) aside, finite where the
+    unnormalised sum overflowed); returns the new three. key_row and threshold are `row_keys`
+    of the rows (None without DROPOUT)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with nothing admissible so far keeps max -inf; subtracting 0 instead keeps
     # exp(-inf - -inf) = NaN out.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_new = l_i * alpha + tl.sum(p, 1)
+    inv = tl.where(l_new > 0.0, 1.0 / l_new, 0.0)  # (0 until the row admits a key)
     if DROPOUT:
         p = tl.where(keep(key_row, offs_n, threshold), p * inv_keep, 0.0)
-    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PREC)
-    return m_new, l_i, acc
+    acc = acc * (alpha * l_i * inv)[:, None] + dot((p * inv[:, None]).to(v.dtype), v, DOT_PREC)
+    return m_new, l_new, acc
 
 
 @triton.jit
@@ -450,14 +487,28 @@ def store_out(o_base, l_i, acc, offs_m, offs_dv, Lq, Ev, som, sod):
 
 
 @triton.jit
-def store_rows(o_base, lse_base, m_i, l_i, acc, offs_m, offs_dv, Lq, Ev, som, sod):
-    """Normalises and stores the output rows and their lse: 0 and -inf on rows that admitted
-    no key."""
-    store_out(o_base, l_i, acc, offs_m, offs_dv, Lq, Ev, som, sod)
+def store_lse(lse_base, m_i, l_i, offs_m, Lq):
+    """Stores the rows' lse: -inf on rows that admitted no key."""
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
     tl.store(lse_base + offs_m, tl.where(has, m_i + tl.log(l_safe), float("-inf")),
              mask=offs_m < Lq)
+
+
+@triton.jit
+def store_rows(o_base, lse_base, m_i, l_i, acc, offs_m, offs_dv, Lq, Ev, som, sod):
+    """Normalises and stores the output rows and their lse: 0 and -inf on rows that admitted
+    no key."""
+    store_out(o_base, l_i, acc, offs_m, offs_dv, Lq, Ev, som, sod)
+    store_lse(lse_base, m_i, l_i, offs_m, Lq)
+
+
+@triton.jit
+def store_normalised_rows(o_base, lse_base, m_i, l_i, acc, offs_m, offs_dv, Lq, Ev, som, sod):
+    """store_rows of rows that softmax_step kept normalised (0 on rows that admitted no key)."""
+    tl.store(o_base + offsets(offs_m, offs_dv, som, sod), acc.to(o_base.dtype.element_ty),
+             mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < Ev))
+    store_lse(lse_base, m_i, l_i, offs_m, Lq)
 
 
 @triton.jit

@@ -6,8 +6,11 @@ that share one kv head (row r: head g * G + r // Lq, query r % Lq), so each K/V 
 cache is read once for the whole group, and the keys of one split: positions
 [s * S, (s + 1) * S) below the sequence's length n, S a multiple of BLOCK_N. Splits let a
 batch of few sequences still fill the GPU; positions past n are never read. In a paged cache
-each key position finds its block through the block table. A program writes its split's
-normalised output and lse (fp32); `merge` combines the splits by their lse. Softcap and ALiBi
+each key position finds its block through the block table. A program keeps its output rows
+normalised as it goes (acc = sum_j P_j v_j / l: a convex combination of values, which cannot
+overflow where the unnormalised sum of bf16 or fp32 values near their largest over a few keys
+passed fp32's range) and writes them and their lse (fp32); `merge` combines the splits by their
+lse. Softcap and ALiBi
 change each split's scores; a sink joins the denominator once, in the merge.
 """
 
@@ -87,18 +90,20 @@ def _split_kernel(Q, K, V, LENS, TABLE, O_PART, LSE_PART, SLOPES,
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no exp(-inf - -inf)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_new = l_i * alpha + tl.sum(p, 1)
+        inv = tl.where(l_new > 0.0, 1.0 / l_new, 0.0)  # (0 until the row admits a key)
         v = tl.load(V + g * svh + v_base[:, None] + offs_dv[None, :] * svd,
                     mask=valid[:, None] & (offs_dv[None, :] < Ev), other=0.0)
-        acc = acc * alpha[:, None] + common.dot(p.to(v.dtype), v, DOT_PREC)
+        acc = (acc * (alpha * l_i * inv)[:, None]
+               + common.dot((p * inv[:, None]).to(v.dtype), v, DOT_PREC))
+        l_i = l_new
         m_i = m_new
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
     # partials: O_PART (B, Hq, Lq, splits, Ev), LSE_PART (B, Hq, Lq, splits), contiguous
     part = ((b * Hkv * GROUP + h) * Lq + i) * splits + split64
-    tl.store(O_PART + part[:, None] * Ev + offs_dv[None, :],
-             tl.where(has[:, None], acc / l_safe[:, None], 0.0),
+    tl.store(O_PART + part[:, None] * Ev + offs_dv[None, :], acc,
              mask=row_ok[:, None] & (offs_dv[None, :] < Ev))
     tl.store(LSE_PART + part, tl.where(has, m_i + tl.log(l_safe), float("-inf")), mask=row_ok)
 
@@ -107,14 +112,20 @@ def merge(o_part: torch.Tensor, lse_part: torch.Tensor, dtype: torch.dtype,
           sinks: Optional[torch.Tensor] = None):
     """The splits' outputs (B, H, Lq, splits, Ev) weighted by exp(lse_s - lse): (out, lse); rows
     that no split admitted anything for give zeros and -inf (the sink's lse with sinks (H,):
-    their term joins the denominator here, once)."""
+    their term joins the denominator here, once). The weights are normalised by their sum
+    (w_s / total, from the largest term) before the sum of outputs, a convex combination:
+    exp(lse_s - lse) summed to 1 only within lse's rounding (1% at |lse| ~ 3e5), which moved
+    the output as much and took outputs near the dtype's max past it (inf)."""
     terms = lse_part
     if sinks is not None:
         sink = sinks.float().view(1, -1, 1, 1).expand(*lse_part.shape[:-1], 1)
         terms = torch.cat([lse_part, sink], dim=-1)
-    lse = torch.logsumexp(terms, dim=-1)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    w = torch.exp(lse_part - safe.unsqueeze(-1))  # exp(-inf) = 0 for empty splits
+    top = terms.amax(-1, keepdim=True)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w = torch.exp(terms - top)  # exp(-inf) = 0 for empty splits
+    total = w.sum(-1, keepdim=True)
+    lse = (top + torch.log(total)).squeeze(-1)  # -inf where total is 0
+    w = w[..., :lse_part.shape[-1]] / torch.where(total > 0, total, torch.ones_like(total))
     return (w.unsqueeze(-1) * o_part).sum(-2).to(dtype), lse
 
 

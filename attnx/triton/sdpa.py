@@ -23,9 +23,10 @@ import triton.language as tl
 
 from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device
 from . import common
-from .common import (LN2, LOG2E, admit, dot, dot_acc, huge_rows, inner_range, key_range,
-                     load_tile, modified, offsets, query_range, second_chunk, softmax_start,
-                     store_out, store_rows, tile_and_head)
+from .common import (LN2, LOG2E, OVERFLOW_SHIFT, RERUN_BLOCK_N, admit, dot, dot_acc, huge_rows,
+                     inner_range, key_range, load_tile, modified, offsets, overflowed,
+                     query_range, second_chunk, shift_exponent, softmax_start, store_out,
+                     store_rows, tile_and_head)
 from .rng import keep, keep_t, mix32, rng_words, row_keys
 
 # Pruned per launch by common.pruner; the small configs are what fits wide fp32 heads on
@@ -188,7 +189,7 @@ def _varlen_row_keys(RNG, n, h, offs_m):
 @triton.jit
 def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs_m, row_ok,
                 offs_d, offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc,
-                window_lo, window_hi, key_row, threshold, inv_keep, cap, slope, shift,
+                window_lo, window_hi, key_row, threshold, inv_keep, cap, slope, shift, p_shift,
                 EDGE: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                 DOT_PREC: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -202,7 +203,8 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
     natural units, and exp2 takes (s - m) * LOG2E; so do softcap and ALiBi, which change the
     scaled score before the max (no scale to fold into exp2). Head dims in two chunks
     (common.head_blocks) take a second dot each for the scores (q2, k2) and the output
-    (acc2, v2)."""
+    (acc2, v2). p_shift: the rows' exponent shifts (common.OVERFLOW_SHIFT, in m_i's units; EDGE
+    blocks only, as _rerun walks them), None for none."""
     qk_scale = sc * LOG2E
     cols = tl.arange(0, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
@@ -235,7 +237,7 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
             # A row with nothing admissible so far keeps max -inf; subtracting 0 instead keeps
             # exp(-inf - -inf) = NaN out.
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
+            p = tl.math.exp2(shift_exponent((s - m_safe[:, None]) * LOG2E, p_shift))
             alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
         else:
             if MASK_KIND == 1:
@@ -245,7 +247,7 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
                 t = tl.where(ok, qk * qk_scale, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(t, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.math.exp2(t - m_safe[:, None])
+                p = tl.math.exp2(shift_exponent(t - m_safe[:, None], p_shift))
             else:
                 # Subtract first, in raw units, from the tile's own max mt: exp2(qk * qk_scale
                 # - m_new) compiles to one FMA whose result for the max is the rounding of
@@ -272,6 +274,35 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
                            EDGE, PAD_D)
             acc2 = dot_acc(p, v2, acc2 * alpha[:, None], DOT_PREC)
         m_i = m_new
+    return acc, acc2, l_i, m_i
+
+
+@triton.jit
+def _rerun(q, q2, k_base, v_base, m_base, start, end, bad, offs_m, row_ok, offs_d, offs_d2,
+           offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc, window_lo, window_hi,
+           key_row, threshold, inv_keep, cap, slope, shift, MASK_KIND: tl.constexpr,
+           DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+           DOT_PREC: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_DV: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV2: tl.constexpr):
+    """(acc, acc2, l_i, m_i) of the program's keys [start, end) again, with the `bad` rows'
+    probabilities scaled by 2^-OVERFLOW_SHIFT (common.OVERFLOW_SHIFT): l and acc are that much
+    of the true sums, and m_i takes the shift back (l * 2^m_i, or l * e^m_i, stays the row's
+    sum, for the lse and a sink's term). In one loop of edge blocks of RERUN_BLOCK_N keys
+    (common.RERUN_BLOCK_N): their exponents carry fp32's rounding of the scaled score, as the
+    first pass's edge blocks do, where its in-band blocks' carry only that of its distance to
+    the max (less accurate at large scaled scores)."""
+    p_shift = tl.where(bad, OVERFLOW_SHIFT, 0.0)
+    m_i, l_i, acc = softmax_start(BLOCK_M, BLOCK_DV)
+    acc2 = tl.zeros([BLOCK_M, offs_dv2.shape[0]], tl.float32)
+    acc, acc2, l_i, m_i = _fwd_blocks(
+        acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, start, end, offs_m, row_ok, offs_d,
+        offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc, window_lo,
+        window_hi, key_row, threshold, inv_keep, cap, slope, shift, p_shift, True, MASK_KIND,
+        DROPOUT, SOFTCAP, ALIBI, DOT_PREC, PAD_D, RERUN_BLOCK_N, BLOCK_D2, BLOCK_DV2)
+    if (MASK_KIND != 2 and not SOFTCAP) and not ALIBI:  # m_i in log2 units
+        m_i += p_shift
+    else:
+        m_i += p_shift * LN2
     return acc, acc2, l_i, m_i
 
 
@@ -332,21 +363,31 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS,
     acc, acc2, l_i, m_i = _fwd_blocks(
         acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, start, lo, offs_m, row_ok, offs_d,
         offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc, window_lo,
-        window_hi, key_row, threshold, inv_keep, cap, slope, shift, True, MASK_KIND, DROPOUT,
-        SOFTCAP,
+        window_hi, key_row, threshold, inv_keep, cap, slope, shift, None, True, MASK_KIND,
+        DROPOUT, SOFTCAP,
         ALIBI, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
     acc, acc2, l_i, m_i = _fwd_blocks(
         acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs_m, row_ok, offs_d,
         offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc, window_lo,
-        window_hi, key_row, threshold, inv_keep, cap, slope, shift, False, MASK_KIND, DROPOUT,
-        SOFTCAP,
+        window_hi, key_row, threshold, inv_keep, cap, slope, shift, None, False, MASK_KIND,
+        DROPOUT, SOFTCAP,
         ALIBI, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
     acc, acc2, l_i, m_i = _fwd_blocks(
         acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, hi, end, offs_m, row_ok, offs_d,
         offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc, window_lo,
-        window_hi, key_row, threshold, inv_keep, cap, slope, shift, True, MASK_KIND, DROPOUT,
-        SOFTCAP,
+        window_hi, key_row, threshold, inv_keep, cap, slope, shift, None, True, MASK_KIND,
+        DROPOUT, SOFTCAP,
         ALIBI, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
+    if V.dtype.element_ty != tl.float16:  # rows whose P V overflowed (common.OVERFLOW_SHIFT)
+        bad = overflowed(acc, row_ok)
+        if BLOCK_DV2 > 0:
+            bad = bad | overflowed(acc2, row_ok)
+        if tl.max(bad.to(tl.int32), 0) > 0:
+            acc, acc2, l_i, m_i = _rerun(
+                q, q2, k_base, v_base, m_base, start, end, bad, offs_m, row_ok, offs_d,
+                offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc,
+                window_lo, window_hi, key_row, threshold, inv_keep, cap, slope, shift, MASK_KIND,
+                DROPOUT, SOFTCAP, ALIBI, DOT_PREC, PAD_D, BLOCK_M, BLOCK_DV, BLOCK_D2, BLOCK_DV2)
     if (MASK_KIND != 2 and not SOFTCAP) and not ALIBI:
         m_i = m_i * LN2  # back to natural units (-inf stays -inf)
     if HAS_SINKS:  # the sink's term joins the denominator (and the lse), nothing the output
