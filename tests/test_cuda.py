@@ -757,3 +757,22 @@ def test_additive_values_near_the_bf16_max(dropout_p):
                             return_weights=True), value,
         lambda: seeded(add, 6, q.double(), k.double(), value.double(), w.double(),
                        dropout_p=dropout_p, backend="reference", return_weights=True))
+
+
+def test_additive_dropout_with_values_near_the_bf16_max():
+    """Dropout's 1 / (1 - p) joins the normalised output once, at the end: within the sums, the
+    kept keys of the first tile took it to max|value| / (1 - p), past float32's largest, where
+    the result is within bf16's (inf out; found by fuzzing). Values 3e38, p = 0.5: the rows whose
+    result is in range."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 1, n, 16, generator=gen).to(DEV, torch.bfloat16) for n in (4, 130))
+    w = torch.randn(16, generator=gen).to(DEV, torch.bfloat16)
+    value = torch.full((1, 1, 130, 32), 3.0e38, device=DEV, dtype=torch.bfloat16)
+    add = attnx.additive_attention
+    gold = seeded(add, 0, q.double(), k.double(), value.double(), w.double(), dropout_p=0.5,
+                  backend="reference")
+    rows = gold.abs().amax(-1) < 3.38e38
+    assert rows.sum() >= 2  # (rows 1 and 2 came out inf)
+    out = seeded(add, 0, q, k, value, w, dropout_p=0.5, backend="cuda")
+    base = seeded(add, 0, q, k, value / BIG, w, dropout_p=0.5, backend="cuda").double() * BIG
+    assert_within(out[rows], gold[rows], base[rows])

@@ -869,3 +869,23 @@ def test_additive_values_near_the_dtype_max(dtype):
     _assert_near(out, gold, value.double().abs().max(), dtype)
     # the weights come from the saved lse, which must not keep the shift
     _assert_near(weights, gold_w, 1.0, dtype, "weights")
+
+
+@near_max
+def test_additive_dropout_with_values_near_the_dtype_max():
+    """Dropout's 1 / (1 - p) joins the normalised output once, at the end (softmax_step): within
+    the sums, the kept keys of the first blocks took it to max|v| / (1 - p), past fp32's largest,
+    where the result is within bf16's (inf out; found by fuzzing). Values 3e38, p = 0.5: the
+    rows whose result is in range."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 1, n, 16, generator=gen).to(DEVICE, bf16) for n in (4, 130))
+    w = torch.randn(16, generator=gen).to(DEVICE, bf16)
+    value = torch.full((1, 1, 130, 32), 3.0e38, device=DEVICE, dtype=bf16)
+    torch.manual_seed(0)
+    gold = attnx.additive_attention(q.double(), k.double(), value.double(), w.double(),
+                                    dropout_p=0.5, backend="reference")
+    rows = gold.abs().amax(-1) < 3.38e38
+    assert rows.sum() >= 2  # (row 1 came out inf)
+    torch.manual_seed(0)
+    out = attnx.additive_attention(q, k, value, w, dropout_p=0.5, backend="triton")
+    _assert_near(out[rows], gold[rows], 3.0e38, bf16)

@@ -96,8 +96,10 @@ def _fwd_kernel(Q, K, VAL, W, M, O, LSE, RNG,
         s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
         val = tl.load(v_base + offsets(offs_n, offs_dv, svn, svd),
                       mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < Ev), other=0.0)
-        m_i, l_i, acc = softmax_step(s, val, m_i, l_i, acc, key_row, threshold, offs_n, inv_keep,
-                                     DROPOUT, DOT_PREC)
+        m_i, l_i, acc = softmax_step(s, val, m_i, l_i, acc, key_row, threshold, offs_n, DROPOUT,
+                                     DOT_PREC)
+    if DROPOUT:
+        acc = acc * inv_keep  # (softmax_step's rows hold the kept keys' share)
     store_normalised_rows(O + b * sob + h * soh, LSE + bh.to(tl.int64) * Lq, m_i, l_i, acc,
                           offs_m, offs_dv, Lq, Ev, som, sod)
 

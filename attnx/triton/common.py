@@ -444,13 +444,15 @@ def softmax_start(BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
 
 
 @triton.jit
-def softmax_step(s, v, m_i, l_i, acc, key_row, threshold, offs_n, inv_keep,
-                 DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
+def softmax_step(s, v, m_i, l_i, acc, key_row, threshold, offs_n, DROPOUT: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
     """One key tile of the online softmax: its scores s and values v folded into the running
     row max m_i, row sum l_i (taken before dropout) and output acc, kept normalised (acc = sum_j
-    P_j v_j / l: a convex combination of values, dropout's 1 / (1 - p) aside, finite where the
-    unnormalised sum overflowed); returns the new three. key_row and threshold are `row_keys`
-    of the rows (None without DROPOUT)."""
+    P_j [j kept] v_j / l: a convex combination of values, finite where the unnormalised sum
+    overflowed); returns the new three. Dropout's 1 / (1 - p) is the caller's, once at the end:
+    within the sums, the first tiles' kept keys would take acc up to max|v| / (1 - p) before the
+    later keys' share brought it down (inf where the result is finite). key_row and threshold
+    are `row_keys` of the rows (None without DROPOUT)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with nothing admissible so far keeps max -inf; subtracting 0 instead keeps
     # exp(-inf - -inf) = NaN out.
@@ -460,7 +462,7 @@ def softmax_step(s, v, m_i, l_i, acc, key_row, threshold, offs_n, inv_keep,
     l_new = l_i * alpha + tl.sum(p, 1)
     inv = tl.where(l_new > 0.0, 1.0 / l_new, 0.0)  # (0 until the row admits a key)
     if DROPOUT:
-        p = tl.where(keep(key_row, offs_n, threshold), p * inv_keep, 0.0)
+        p = tl.where(keep(key_row, offs_n, threshold), p, 0.0)
     acc = acc * (alpha * l_i * inv)[:, None] + dot((p * inv[:, None]).to(v.dtype), v, DOT_PREC)
     return m_new, l_new, acc
 

@@ -19,10 +19,12 @@
 // max and sum reduced across the 16 lanes that hold it (every warp takes part); P*z to shared
 // memory; then, kEC value columns at a time, the value tile is loaded into shared memory once and
 // the fp32 output tile (kBQ, Ev), kept in shared memory, is rescaled and accumulated. Its rows
-// stay normalised (O = sum_j P_j z_j value_j / l: P z / l and the rescale alpha l_old / l_new
-// go to shared memory): a convex combination of values (dropout's 1 / (1 - p) aside), finite
-// where the unnormalised sum of bf16 values near their largest over a few keys overflowed
-// float32 (inf out, or NaN after a rescale). With
+// stay normalised (O = sum_j P_j [j kept] value_j / l: P / l of the kept keys and the rescale
+// alpha l_old / l_new go to shared memory): a convex combination of values, finite where the
+// unnormalised sum of bf16 values near their largest over a few keys overflowed float32 (inf
+// out, or NaN after a rescale). Dropout's 1 / (1 - p) multiplies O once, at the end: within
+// the sums, the first tiles' kept keys would take O up to max|value| / (1 - p) before the
+// later keys' share brought it down (inf where the result is finite). With
 // return_weights, each tile's exp(s - m_t) z is written to the weights as it is computed, with
 // the running max m_t to a scratch, and a last pass over them (no scores recomputed) scales
 // them by exp(m_t - m) / l: exact on rows of huge lse too, where exp(s - lse) is not
@@ -314,9 +316,9 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks)
 #pragma unroll
       for (int m = 0; m < kCols; ++m) {
         const int c = tc + kRowLanes * m;
-        const float pz =
-            s[u][m] * dropout_factor(p.drop, hd.key_bh, uint32_t(i0 + r), uint32_t(j0 + c));
-        sm[L.P + r * kBK + c] = pz * inv;
+        const float z = dropout_factor(p.drop, hd.key_bh, uint32_t(i0 + r), uint32_t(j0 + c));
+        const float pz = s[u][m] * z;
+        sm[L.P + r * kBK + c] = z != 0.f ? s[u][m] * inv : 0.f;
         if (p.weights != nullptr && i0 + r < p.Lq && j0 + c < p.Lk)
           static_cast<T*>(p.weights)[(hd.bh * p.Lq + i0 + r) * p.Lk + j0 + c] = from_float<T>(pz);
       }
@@ -377,7 +379,8 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks)
   for (int idx = threadIdx.x; idx < kBQ * p.Ev; idx += kThreads) {
     const int r = idx / p.Ev, e = idx % p.Ev;
     if (i0 + r >= p.Lq) continue;
-    static_cast<T*>(p.out)[(hd.bh * p.Lq + i0 + r) * p.Ev + e] = from_float<T>(sm[L.O + idx]);
+    static_cast<T*>(p.out)[(hd.bh * p.Lq + i0 + r) * p.Ev + e] =
+        from_float<T>(sm[L.O + idx] * p.drop.keep_scale);  // (1 without dropout)
   }
   if (threadIdx.x < kBQ && i0 + int(threadIdx.x) < p.Lq) {
     const float l = l_s[threadIdx.x];
