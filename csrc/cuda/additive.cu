@@ -311,8 +311,8 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks)
         s[u][m] = fast_exp(s[u][m] - m_use);
         sum += s[u][m];
       }
-      const float l_new = l_run[u] * alpha + row_sum(sum);
-      const float inv = l_new > 0.f ? 1.f / l_new : 0.f;  // (0 until the row admits a key)
+      float rescale;
+      const float inv = normalised_step(l_run[u], alpha, row_sum(sum), &rescale);
 #pragma unroll
       for (int m = 0; m < kCols; ++m) {
         const int c = tc + kRowLanes * m;
@@ -322,8 +322,7 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks)
         if (p.weights != nullptr && i0 + r < p.Lq && j0 + c < p.Lk)
           static_cast<T*>(p.weights)[(hd.bh * p.Lq + i0 + r) * p.Lk + j0 + c] = from_float<T>(pz);
       }
-      if (tc == 0) alpha_s[r] = alpha * l_run[u] * inv;
-      l_run[u] = l_new;
+      if (tc == 0) alpha_s[r] = rescale;
       m_run[u] = m_new;
       if (p.weights != nullptr && tc == 0 && i0 + r < p.Lq)
         p.weight_max[(hd.bh * p.Lq + i0 + r) * key_tiles(p.Lk) + t] = m_use;

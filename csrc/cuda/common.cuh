@@ -128,6 +128,20 @@ __device__ __forceinline__ float alibi_slope(const ScoreMods& m, int64_t bh) {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+// One tile's step of an online-softmax row kept normalised (o = sum_j P_j v_j / l: a convex
+// combination of values, finite where the unnormalised sum of values near bf16's largest
+// overflowed float32; decode.cu, additive.cu): the row sum l, rescaled by a, takes the tile's
+// sum. Returns 1 / l_new (0 while the row admits no key), by which the tile's P are divided; the
+// output so far is multiplied by *rescale = a l_old / l_new.
+__device__ __forceinline__ float normalised_step(float& l, float a, float tile_sum,
+                                                 float* rescale) {
+  const float l_new = l * a + tile_sum;
+  const float inv = l_new > 0.f ? 1.f / l_new : 0.f;
+  *rescale = a * l * inv;
+  l = l_new;
+  return inv;
+}
+
 // exp(x) for x <= 0 or -inf, through the fast exp2 unit.
 __device__ __forceinline__ float fast_exp(float x) { return exp2_approx(x * kLog2e); }
 

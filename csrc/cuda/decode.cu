@@ -212,11 +212,10 @@ __global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcachePa
       const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no -inf - -inf
       const float pr = exp2f(x - m_use);
       const float a = exp2f(m[u] - m_use);
-      const float l_new = l[u] * a + warp_sum(pr);
-      const float inv = l_new > 0.f ? 1.f / l_new : 0.f;  // (0 until the row admits a key)
+      float rescale;
+      const float inv = normalised_step(l[u], a, warp_sum(pr), &rescale);
       ps[r * kKeys + lane] = pr * inv;
-      if (lane == 0) alpha_s[r] = a * l[u] * inv;
-      l[u] = l_new;
+      if (lane == 0) alpha_s[r] = rescale;
       m[u] = m_new;
     }
     __syncthreads();
