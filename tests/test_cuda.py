@@ -776,3 +776,132 @@ def test_additive_dropout_with_values_near_the_bf16_max():
     out = seeded(add, 0, q, k, value, w, dropout_p=0.5, backend="cuda")
     base = seeded(add, 0, q, k, value / BIG, w, dropout_p=0.5, backend="cuda").double() * BIG
     assert_within(out[rows], gold[rows], base[rows])
+
+
+# The backward of such values: dP = dO V^T and delta = rowsum(dO O) passed float32's largest in
+# the key-block kernels' accumulators, and dS = P (dP z - delta) came out NaN (inf - inf, 0 inf),
+# though dS, a probability times a difference, and so dQ and dK fit where attention spreads over
+# many keys. The kernels flag a non-finite dK and sdpa_bwd_rerun.cu computes dQ, dK (dmask, delta)
+# again in float64. Those gradients (and dsinks) are linear in V: each is held to the error of
+# the call on V / 2^64, scaled back; dV does not involve V.
+def grad_out_for(out, seed):
+    """The output gradient the tests below take: 0.25 N(0, 1) (dP = dO V^T still overflows)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (0.25 * torch.randn(out.shape, generator=gen, dtype=torch.float64)).to(DEV, out.dtype)
+
+
+def assert_grads_as_scaled_down(call, inputs, v_at, seed=3, floors=None):
+    """call(*inputs, backend=...) returns the output; the gradients of the inputs that require
+    them (named by their index), cuda vs the float64 reference, within three times the error of
+    the cuda call on inputs[v_at] / 2^64 (scaled back), or floors[index]."""
+
+    def grads(tensors, backend):
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+        out = seeded(call, seed, *leaves, backend=backend)
+        out.backward(grad_out_for(out, seed))
+        return {n: t.grad for n, t in enumerate(leaves) if t.requires_grad}
+
+    got = grads(inputs, "cuda")
+    scaled = list(inputs)
+    scaled[v_at] = inputs[v_at] / BIG
+    base = grads(scaled, "cuda")
+    gold = grads([t.double() if t.is_floating_point() else t for t in inputs], "reference")
+    for n, g in got.items():
+        assert gold[n].abs().max() < 3.3e38, f"grad {n}: past bf16's range in the case itself"
+        back = 1.0 if n == v_at else BIG
+        assert_within(g, gold[n], base[n].double() * back, factor=3.0,
+                      floor=(floors or {}).get(n, 1e-5), what=f"grad {n}")
+
+
+def sink_grad_floor(out, lse, dout, sinks, head_dim):
+    """What the output's rounding to bf16 (2^-9 of each element) may move the sinks' gradient,
+    -sum_i P_sink,i rowsum(dO_i O_i), by: the float64 rerun and the float32 kernels read outputs
+    that differ in their last bits (a sum that cancels: the baseline's error can be far smaller).
+    out, lse: the reference's (lse: out's dims but the last); head_dim: the heads' dim of lse."""
+    view = [1] * lse.dim()
+    view[head_dim] = -1
+    p_sink = torch.exp(sinks.double().view(view) - lse.double())
+    terms = p_sink * (dout.double().abs() * out.double().abs()).sum(-1)
+    return 2.0 ** -8 * terms.sum(tuple(d for d in range(lse.dim()) if d != head_dim)).max().item()
+
+
+@pytest.mark.parametrize("e,lq,kw", [
+    (64, 17, {}),
+    (32, 40, dict(is_causal=True)),
+    (128, 24, dict(dropout_p=0.3)),
+    (256, 9, dict(softcap=30.0, alibi_slopes=0.05)),
+    (96, 20, dict(sinks=True, window=(200, 5))),
+    (160, 12, dict(float_mask=True)),
+    (64, 21, dict(bool_mask=True)),
+])
+def test_sdpa_backward_values_near_the_bf16_max(e, lq, kw):
+    """GQA over 300 keys (several key blocks), through the 128-key (e = 64..128), 64-key and
+    split (e > 128) variants, plain and with modifiers; a bool mask with a fully masked row, a
+    float mask's gradient, the sinks' gradient."""
+    torch.manual_seed(46)
+    hq, hkv, lk = 4, 2, 300
+    q = rand(1, hq, lq, e, dtype=torch.bfloat16)
+    k = rand(1, hkv, lk, e, dtype=torch.bfloat16)
+    v = near_bf16_max(1, hkv, lk, e).requires_grad_(True)
+    kw = dict(kw, enable_gqa=True)
+    inputs = [q, k, v]
+    if kw.pop("float_mask", False):
+        inputs.append(rand(1, hq, lq, lk, dtype=torch.bfloat16))
+    if kw.pop("bool_mask", False):
+        mask = torch.rand(1, 1, lq, lk, device=DEV) > 0.3
+        mask[..., 3, :] = False
+        inputs.append(mask)
+    if kw.get("alibi_slopes") is not None:
+        kw["alibi_slopes"] = torch.full((hq,), kw["alibi_slopes"], device=DEV)
+    if kw.pop("sinks", False):
+        inputs.append(torch.tensor([0.5, 3.0, -1.0, 8.0], device=DEV, requires_grad=True))
+
+    def call(q, k, v, *rest, backend, return_lse=False):
+        mask = rest[0] if rest and rest[0].dim() == 4 else None
+        sinks = rest[-1] if rest and rest[-1].dim() == 1 else None
+        extra = dict(sinks=sinks) if sinks is not None else {}
+        return attnx.scaled_dot_product_attention(q, k, v, mask, backend=backend,
+                                                  return_lse=return_lse, **kw, **extra)
+
+    floors = {}
+    if inputs[-1].dim() == 1:
+        out, lse = seeded(call, 3, *(t.double() for t in inputs), backend="reference",
+                          return_lse=True)
+        floors[3] = sink_grad_floor(out, lse, grad_out_for(out, 3), inputs[-1], head_dim=1)
+    assert_grads_as_scaled_down(call, inputs, 2, floors=floors)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="a GPU launches the variant of its own arch")
+def test_sdpa_backward_values_near_the_bf16_max_below_sm90():
+    """The 64-key variant that sm_80 code takes at e = 64 (sm_90 takes 128 keys)."""
+    from attnx import _cuda_host as host
+    torch.manual_seed(47)
+    q = rand(1, 2, 30, 64, dtype=torch.bfloat16)
+    k = rand(1, 2, 200, 64, dtype=torch.bfloat16)
+    v = near_bf16_max(1, 2, 200, 64).requires_grad_(True)
+    host.set_sm90(False)
+    try:
+        assert_grads_as_scaled_down(
+            lambda q, k, v, backend: attnx.scaled_dot_product_attention(
+                q, k, v, is_causal=True, backend=backend), [q, k, v], 2)
+    finally:
+        host.set_sm90(True)
+
+
+def test_varlen_backward_values_near_the_bf16_max():
+    torch.manual_seed(48)
+    cu_q = torch.tensor([0, 17, 50], dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0, 150, 390], dtype=torch.int32, device=DEV)
+    q = rand(50, 2, 64, dtype=torch.bfloat16)
+    k = rand(390, 2, 64, dtype=torch.bfloat16)
+    v = near_bf16_max(390, 2, 64).requires_grad_(True)
+    sinks = torch.tensor([1.0, -2.0], device=DEV, requires_grad=True)
+
+    def call(q, k, v, sinks, backend, return_lse=False):
+        return attnx.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True, sinks=sinks,
+                                      backend=backend, return_lse=return_lse)
+
+    out, lse = call(q.double(), k.double(), v.double(), sinks, "reference", return_lse=True)
+    floor = sink_grad_floor(out.transpose(0, 1), lse, grad_out_for(out, 3).transpose(0, 1), sinks,
+                            head_dim=0)
+    assert_grads_as_scaled_down(call, [q, k, v, sinks], 2, floors={3: floor})

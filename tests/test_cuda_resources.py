@@ -63,6 +63,8 @@ KERNELS.update({f"sdpa_bwd<{dt}, {d}{mods}, KT=2>": ("sdpa_bwd_kt2", d)
                 for dt in DTYPES.values() for d in SDPA_BWD_FAMILIES
                 for mods in SDPA_VARIANTS.values() if (96 if mods else 64) <= d <= 128})
 KERNELS.update({f"sdpa_bwd_delta<{dt}>": (None, 0) for dt in DTYPES.values()})
+# The backward's float64 rerun (sdpa_bwd_rerun.cu): bf16 only, plain and with the modifiers.
+KERNELS.update({f"sdpa_bwd_rerun<bf16{mods}>": (None, 0) for mods in SDPA_VARIANTS.values()})
 KERNELS.update({f"additive_{op}<{dt}>": ("additive", cuda_backend.MAX_ADDITIVE_VALUE_DIM)
                 for op in ("fwd", "bwd") for dt in DTYPES.values()})
 # KV-cache decoding (decode.cu): the split kernel per value columns per thread (1: Ev <= 128,
@@ -78,6 +80,7 @@ _SDPA = re.compile(
     r"(sdpa_fwd|sdpa_bwd)_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELb([01])E(?:Li(\d)E)?")
 _ADDITIVE = re.compile(r"additive_(fwd|bwd)_kernelI(6__half|13__nv_bfloat16)E")
 _DELTA = re.compile(r"sdpa_bwd_delta_kernelI(6__half|13__nv_bfloat16)E")
+_RERUN = re.compile(r"sdpa_bwd_rerun_kernelI13__nv_bfloat16Lb([01])E")
 _KVCACHE = re.compile(
     r"kvcache_(split|merge)_kernelI(6__half|13__nv_bfloat16)(?:Li(\d+)E)?Lb([01])E")
 _USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
@@ -115,6 +118,8 @@ def kernel_name(symbol: str) -> str:
         return f"additive_{m[1]}<{DTYPES[m[2]]}>"
     if m := _DELTA.search(symbol):
         return f"sdpa_bwd_delta<{DTYPES[m[1]]}>"
+    if m := _RERUN.search(symbol):
+        return f"sdpa_bwd_rerun<bf16{SDPA_VARIANTS[m[1]]}>"
     if m := _KVCACHE.search(symbol):
         return (f"kvcache_{m[1]}<{DTYPES[m[2]]}" + (f", {m[3]}" if m[3] else "")
                 + f"{KVCACHE_VARIANTS[m[1]][m[4]]}>")

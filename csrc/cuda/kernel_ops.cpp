@@ -8,6 +8,8 @@
 #include <cmath>
 #include <vector>
 
+#include <c10/util/accumulate.h>
+
 namespace attnx {
 namespace cuda {
 namespace {
@@ -306,7 +308,11 @@ Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout
   };
   Grads g;
   Tensor delta = target.empty(rows, f32);
-  g.dq_acc = target.zeros(with(rows, p.E), f32);
+  // dq_acc and, one past its end, the overflow flag of the bf16 backward (launch.h): one fill
+  const std::vector<int64_t> dq_shape = with(rows, p.E);
+  const int64_t dq_numel = c10::multiply_integers(dq_shape);
+  const Tensor dq_and_flag = target.zeros({dq_numel + 1}, f32);
+  g.dq_acc = dq_and_flag.narrow(0, 0, dq_numel).view(dq_shape);
   g.dk = target.empty(with(key_rows, p.E), opts);
   g.dv = target.empty(with(key_rows, p.Ev), opts);
   g.dmask = want_dmask ? target.zeros({p.B, p.Hq, p.Lq, p.Lk}, opts) : q.new_empty({0});
@@ -320,8 +326,13 @@ Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout
   p.dk = g.dk.data_ptr();
   p.dv = g.dv.data_ptr();
   p.dmask = want_dmask ? g.dmask.data_ptr() : nullptr;
+  p.overflowed = dq_and_flag.data_ptr<float>() + dq_numel;
+  const bool rerun_sinks = sinks32.defined() && p.dtype == DType::BFloat16;
+  const Tensor dsinks64 = rerun_sinks ? target.zeros({p.Hq}, f32.dtype(at::kDouble)) : Tensor();
+  p.dsinks = rerun_sinks ? dsinks64.data_ptr<double>() : nullptr;
   target.check(sdpa_bwd_delta(p, target.stream()));
   target.check(run_sdpa_bwd(p, target.stream()));
+  target.check(sdpa_bwd_rerun(p, target.stream()));
   if (sinks32.defined()) {
     // d lse_i / d sink = exp(sink - lse_i) / R_i (the sink's probability; R_i the row sum of a
     // huge-lse row, 1 elsewhere), and the sink's value is 0: its score gradient is that
@@ -334,6 +345,10 @@ Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout
     const Tensor sink = sinks32.view(view);
     const Tensor p_sink = at::where(sink == -INFINITY, 0.0, at::exp(sink - lse32));
     g.dsinks = (-(p_sink / row_sums * delta)).sum(at::IntArrayRef(dims));
+    // after the bf16 rerun (the flag set, read on the device: no synchronisation), its float64 sums
+    if (rerun_sinks)
+      g.dsinks = at::where(dq_and_flag.narrow(0, dq_numel, 1) != 0, dsinks64.to(at::kFloat),
+                           g.dsinks);
   }
   return g;
 }

@@ -76,6 +76,12 @@ struct SdpaParams {
   float* dq_acc;
   void *dk, *dv, *dmask;
   float* delta;
+  // bf16 backward: one float, zeroed; the key-block kernels set it to 1 where a dK came out
+  // non-finite, and sdpa_bwd_rerun then computes dq_acc, dk, dmask and delta again in float64.
+  float* overflowed = nullptr;
+  // With it, where the sinks' gradient is asked for: (Hq) float64, zeroed; the rerun adds each
+  // row's term -P_sink,i delta_i there (delta may pass float's range), or null.
+  double* dsinks = nullptr;
   // Packed variable-length batches (varlen_attention), when cu_q is set: batch index b is
   // sequence n = b of B, whose queries are rows cu_q[n]..cu_q[n+1] - 1 of q (a (1, Hq, total_q,
   // E) view, sq.b = 0) and keys rows cu_k[n].. of k and v; Lq and Lk are the longest
@@ -134,6 +140,9 @@ template <int D>
 cudaError_t sdpa_bwd_family(const SdpaParams& p, cudaStream_t stream);
 // The backward's pre-pass: p.delta from p.dout, p.out and p.grad_lse.
 cudaError_t sdpa_bwd_delta(const SdpaParams& p, cudaStream_t stream);
+// The backward's slow path, after the key-block kernels: does nothing unless they set
+// *p.overflowed (bf16 values near the dtype's largest: sdpa_bwd_rerun.cu).
+cudaError_t sdpa_bwd_rerun(const SdpaParams& p, cudaStream_t stream);
 
 // Shared memory the forward (backward) SDPA launch requests for head dims E, Ev up to `dim`
 // (the serving family's Config::smem_bytes; 0 past the largest family). The backward's is its

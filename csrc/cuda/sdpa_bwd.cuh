@@ -491,6 +491,19 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
     }
   }
 
+  // bf16: a non-finite dK (any dS that overflowed reaches its key's dK) sends the backward to
+  // its float64 rerun (sdpa_bwd_rerun.cu), tested here after the loop, where it costs nothing.
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    bool finite = true;
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+      for (int n = 0; n < ND; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) finite &= fabsf(dk[kt][n][e]) <= 3.402823466e38f;
+    if (!finite) *p.overflowed = 1.f;
+  }
+
   // dK (times scale) and dV of this warp's keys and columns, straight from the fragments.
   const int64_t krows = key_rows(p, seq, b, hk);
   T* dk_out = static_cast<T*>(p.dk) + krows * p.E;

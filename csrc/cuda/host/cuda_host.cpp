@@ -77,7 +77,7 @@ thread_local std::string g_last_error;
 uint64_t g_seed = 0;
 uint64_t g_last_blocks = 0;  // 0: every block (set_last_blocks)
 bool g_sm90 = true;  // set_sm90
-size_t g_last_threads = 0;  // last_launch_threads
+size_t g_last_threads = 0;  // last_launch_threads: of launches with dynamic shared memory
 size_t g_smem_optin = 0;    // set_smem_optin
 thread_local uint64_t g_launches = 0;
 
@@ -265,7 +265,7 @@ cudaError_t run(dim3 grid, dim3 block, size_t smem, const std::function<void()>&
                    std::to_string(smem_optin()) + ")";
     return cudaErrorInvalidConfiguration;
   }
-  g_last_threads = threads;
+  if (smem > 0) g_last_threads = threads;  // a tile kernel's launch (last_launch_threads)
   Block b;
   b.body = &body;
   b.smem.resize(std::max<size_t>(smem, 1));

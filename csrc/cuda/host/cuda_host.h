@@ -98,6 +98,11 @@ inline float atomicAdd(float* address, float value) {
   *address = old + value;
   return old;
 }
+inline double atomicAdd(double* address, double value) {
+  const double old = *address;
+  *address = old + value;
+  return old;
+}
 
 // CUDA's min and max take mixed integer types.
 template <typename A, typename B>

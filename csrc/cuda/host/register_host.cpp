@@ -246,7 +246,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_smem_optin", &attnx::host::set_smem_optin,
         "the opt-in shared memory per block of the part the harness stands for (0: by set_sm90)");
   m.def("last_launch_threads", &attnx::host::last_launch_threads,
-        "the threads a block of the last launch had");
+        "the threads a block of the last launch with dynamic shared memory had (a tile kernel's)");
   // Self-tests of csrc/cuda/mma.cuh's primitives (tests/test_cuda_mma.py; mma_selftest.h).
   m.def("test_tile_products", &attnx::cuda::test_tile_products,
         "(4, 16, 16) fp32: a bt^T and a v through ldmatrix x4/x4.trans, then x2/x2.trans");

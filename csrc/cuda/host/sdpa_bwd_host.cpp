@@ -2,6 +2,7 @@
 #include "cuda_host.h"
 
 #include "../sdpa_bwd_delta.cu"
+#include "../sdpa_bwd_rerun.cu"
 #include "../sdpa_bwd_d32.cu"
 #include "../sdpa_bwd_d64.cu"
 #include "../sdpa_bwd_d96.cu"

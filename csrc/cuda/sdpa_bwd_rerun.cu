@@ -1,0 +1,209 @@
+// The SDPA backward's slow path for bf16 values near the dtype's largest (3.39e38): there dP =
+// dO V^T and delta = rowsum(dO O) pass float32's largest in sdpa_bwd.cuh's fp32 accumulators,
+// and dS = P (dP z - delta) comes out inf - inf = NaN (or 0 * inf), though dS itself, P times a
+// difference, is usually far inside the range: with attention spread over a few hundred keys,
+// dQ and dK fit. The key-block kernels flag a non-finite dK (every non-finite dS reaches the dK
+// of its key: NaN and inf survive the sums) in p.overflowed, after their loop, where the test
+// costs nothing; this kernel, launched after them on a small grid, reads the flag and returns at
+// once while it is 0 (a few microseconds a backward). When it is set, every dQ and dK row (and
+// dmask and delta) is computed again, one warp a row, in float64: the products of bf16 values
+// (at most 3.39e38^2 each, 256 of them) cannot overflow there. Scores and P are formed as the
+// key-block kernels form them (scaled, modified, admitted, dropped, divided by the huge-lse row
+// sums), so only the sums change. dV needs nothing: it does not involve V. A result past the
+// dtype's range is inf, as it would be for any backend. fp16 (at most 65504) cannot overflow:
+// its kernels neither flag nor launch this.
+#include <algorithm>
+
+#include "common.cuh"
+
+namespace attnx {
+namespace cuda {
+namespace {
+
+constexpr int kWarps = 4;       // a block's warps, one row (task) each at a time
+constexpr int kMaxBlocks = 264;  // the grid's blocks at most (two per SM of an H100)
+constexpr int kMaxCols = 256 / 32;  // columns a lane holds: E, Ev <= 256 (sdpa_params)
+
+// float(x), inf past float's range (converting such a double is undefined in C++).
+__device__ __forceinline__ float saturated(double x) {
+  return fabs(x) <= 3.4028234663852886e38 ? float(x) : (x > 0 ? INFINITY : -INFINITY);
+}
+
+template <typename T>
+__device__ __forceinline__ float warp_dot_f(const T* a, const T* b, int n, int lane) {
+  float x = 0.f;
+  for (int c = lane; c < n; c += 32) x += to_float(a[c]) * to_float(b[c]);
+#pragma unroll
+  for (int w = 16; w >= 1; w /= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
+  return x;
+}
+
+template <typename T>
+__device__ __forceinline__ double warp_dot_d(const T* a, const T* b, int n, int lane) {
+  double x = 0.0;
+  for (int c = lane; c < n; c += 32) x += double(to_float(a[c])) * double(to_float(b[c]));
+#pragma unroll
+  for (int w = 16; w >= 1; w /= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
+  return x;
+}
+
+// What a pair (i, j) of head h needs of its query row i: q, dO and the row values of the
+// key-block kernels (lse, +inf for rows without probabilities; 1 / R; delta in float64).
+template <typename T>
+struct QueryRow {
+  const T *q, *dout;
+  float lse, inv_r;
+  double delta;
+};
+
+template <typename T>
+__device__ __forceinline__ QueryRow<T> query_row(const SdpaParams& p, const SeqView& seq, int b,
+                                                 int h, int i, int lane) {
+  const int64_t row = query_rows(p, seq, b, h) + i;
+  QueryRow<T> r;
+  r.q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h + (seq.q0 + i) * p.sq.l;
+  r.dout = static_cast<const T*>(p.dout) + row * p.Ev;
+  const float lse = p.lse[row];
+  r.lse = lse == -INFINITY ? INFINITY : lse;
+  r.inv_r = 1.f / p.row_sums[row];
+  r.delta = warp_dot_d(r.dout, static_cast<const T*>(p.out) + row * p.Ev, p.Ev, lane) -
+            (p.grad_lse != nullptr ? double(p.grad_lse[row]) : 0.0);
+  return r;
+}
+
+// dS_ij (after the softcap's derivative) in float64; dmask_ij, dS before that derivative, in
+// *ds_mask. k_row, v_row: key j's rows of head h's kv head.
+template <typename T, bool kMods>
+__device__ __forceinline__ double pair_ds(const SdpaParams& p, const SeqView& seq, int b, int h,
+                                          int i, int j, const QueryRow<T>& r, const T* k_row,
+                                          const T* v_row, int lane, double* ds_mask) {
+  float x = warp_dot_f(r.q, k_row, p.E, lane) * p.scale;
+  float tc = 0.f;
+  if constexpr (kMods)
+    x = modified_score(x, p.mods, alibi_slope(p.mods, int64_t(b) * p.Hq + h),
+                       fabsf(float(i + seq.diag - j)), tc);
+  x = admit<T>(x, p.mask, seq.lo, seq.hi, b, h, i, j, seq.Lq, seq.Lk);
+  const float prob = fast_exp(x - r.lse) * r.inv_r;
+  double ds = 0.0;
+  if (prob != 0.f) {  // (a warp-uniform branch: every lane holds the same sums)
+    const double z = dropout_factor(p.drop, sdpa_dropout_key(p, b, h), i, j);
+    ds = double(prob) * (warp_dot_d(r.dout, v_row, p.Ev, lane) * z - r.delta);
+  }
+  *ds_mask = ds;
+  if (kMods && p.mods.softcap > 0.f) ds *= 1.0 - double(tc) * double(tc);
+  return ds;
+}
+
+// Query row i of head h: dQ_i = scale sum_j dS_ij k_j over the band, written over dq_acc; its
+// delta (float, inf past the range: the host's sink gradient reads it) and its dmask row.
+template <typename T, bool kMods>
+__device__ __forceinline__ void rerun_query_row(const SdpaParams& p, const SeqView& seq, int b,
+                                                int h, int i, int lane) {
+  const int hk = h / (p.Hq / p.Hkv);
+  const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h + seq.k0 * p.sk.l;
+  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h + seq.k0 * p.sv.l;
+  const QueryRow<T> r = query_row<T>(p, seq, b, h, i, lane);
+  const int64_t row = query_rows(p, seq, b, h) + i;
+  T* dmask = p.dmask == nullptr
+                 ? nullptr
+                 : static_cast<T*>(p.dmask) + ((int64_t(b) * p.Hq + h) * p.Lq + i) * p.Lk;
+  double dq[kMaxCols] = {};
+  const int64_t j_lo = max(int64_t(0), i + seq.lo), j_hi = min(int64_t(seq.Lk) - 1, i + seq.hi);
+  for (int j = int(j_lo); j <= j_hi; ++j) {
+    double ds_mask;
+    const double ds = pair_ds<T, kMods>(p, seq, b, h, i, j, r, k + j * p.sk.l, v + j * p.sv.l,
+                                        lane, &ds_mask);
+#pragma unroll
+    for (int u = 0; u < kMaxCols; ++u) {
+      const int c = lane + 32 * u;
+      if (c < p.E) dq[u] += ds * double(to_float(k[j * p.sk.l + c]));
+    }
+    if (dmask != nullptr && lane == 0) dmask[j] = from_float<T>(saturated(ds_mask));
+  }
+#pragma unroll
+  for (int u = 0; u < kMaxCols; ++u) {
+    const int c = lane + 32 * u;
+    if (c < p.E) p.dq_acc[row * p.E + c] = saturated(dq[u] * p.scale);
+  }
+  // dmask past the band: the key-block kernels wrote dS = 0 * (dP - delta) there, NaN where
+  // those overflowed
+  if (dmask != nullptr)
+    for (int j = lane; j < seq.Lk; j += 32)
+      if (j < j_lo || j > j_hi) dmask[j] = from_float<T>(0.f);
+  if (lane == 0) {
+    p.delta[row] = saturated(r.delta);
+    // the sink's gradient from this row (kernel_ops.cpp computes it from delta otherwise):
+    // its probability exp(sink - lse) / R times (0 - delta)
+    const float sink = p.dsinks != nullptr ? p.mods.sinks[h] : -INFINITY;
+    if (sink != -INFINITY)
+      atomicAdd(p.dsinks + h, -exp(double(sink) - double(p.lse[row])) / p.row_sums[row] * r.delta);
+  }
+}
+
+// Key row j of kv head hk: dK_j = scale sum over the group's query heads and the band's rows of
+// dS_ij q_i, written over dk.
+template <typename T, bool kMods>
+__device__ __forceinline__ void rerun_key_row(const SdpaParams& p, const SeqView& seq, int b,
+                                              int hk, int j, int lane) {
+  const int group = p.Hq / p.Hkv;
+  const T* k_row = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h + (seq.k0 + j) * p.sk.l;
+  const T* v_row = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h + (seq.k0 + j) * p.sv.l;
+  double dk[kMaxCols] = {};
+  const int64_t i_lo = max(int64_t(0), j - seq.hi), i_hi = min(int64_t(seq.Lq) - 1, j - seq.lo);
+  for (int h = hk * group; h < (hk + 1) * group; ++h) {
+    for (int i = int(i_lo); i <= i_hi; ++i) {
+      const QueryRow<T> r = query_row<T>(p, seq, b, h, i, lane);
+      double ds_mask;
+      const double ds = pair_ds<T, kMods>(p, seq, b, h, i, j, r, k_row, v_row, lane, &ds_mask);
+#pragma unroll
+      for (int u = 0; u < kMaxCols; ++u) {
+        const int c = lane + 32 * u;
+        if (c < p.E) dk[u] += ds * double(to_float(r.q[c]));
+      }
+    }
+  }
+  T* dk_out = static_cast<T*>(p.dk) + (key_rows(p, seq, b, hk) + j) * p.E;
+#pragma unroll
+  for (int u = 0; u < kMaxCols; ++u) {
+    const int c = lane + 32 * u;
+    if (c < p.E) dk_out[c] = from_float<T>(saturated(dk[u] * p.scale));
+  }
+}
+
+// Tasks: the B Hq Lq query rows, then the B Hkv Lk key rows, taken by the grid's warps in turn
+// (rows past a packed sequence's lengths are skipped).
+template <typename T, bool kMods>
+__global__ void __launch_bounds__(32 * kWarps) sdpa_bwd_rerun_kernel(const SdpaParams p) {
+  if (*p.overflowed == 0.f) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t n_query = int64_t(p.B) * p.Hq * p.Lq, n_key = int64_t(p.B) * p.Hkv * p.Lk;
+  const int64_t warps = int64_t(gridDim.x) * kWarps;
+  for (int64_t t = blockIdx.x * kWarps + threadIdx.x / 32; t < n_query + n_key; t += warps) {
+    if (t < n_query) {
+      const int i = int(t % p.Lq), h = int(t / p.Lq % p.Hq), b = int(t / p.Lq / p.Hq);
+      const SeqView seq = seq_view(p, b);
+      if (i < seq.Lq) rerun_query_row<T, kMods>(p, seq, b, h, i, lane);
+    } else {
+      const int64_t u = t - n_query;
+      const int j = int(u % p.Lk), hk = int(u / p.Lk % p.Hkv), b = int(u / p.Lk / p.Hkv);
+      const SeqView seq = seq_view(p, b);
+      if (j < seq.Lk) rerun_key_row<T, kMods>(p, seq, b, hk, j, lane);
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t sdpa_bwd_rerun(const SdpaParams& p, cudaStream_t stream) {
+  if (p.dtype != DType::BFloat16 || p.B == 0 || p.Hq == 0) return cudaSuccess;
+  const int64_t tasks = int64_t(p.B) * (int64_t(p.Hq) * p.Lq + int64_t(p.Hkv) * p.Lk);
+  if (tasks == 0) return cudaSuccess;
+  const dim3 grid(unsigned(std::min<int64_t>(kMaxBlocks, (tasks + kWarps - 1) / kWarps)));
+  return launch_on_flag(p.mods.any(), [&](auto mods) {
+    return launch_kernel(sdpa_bwd_rerun_kernel<__nv_bfloat16, decltype(mods)::value>, grid,
+                         dim3(32 * kWarps), 0, stream, p);
+  });
+}
+
+}  // namespace cuda
+}  // namespace attnx
