@@ -905,3 +905,29 @@ def test_varlen_backward_values_near_the_bf16_max():
     floor = sink_grad_floor(out.transpose(0, 1), lse, grad_out_for(out, 3).transpose(0, 1), sinks,
                             head_dim=0)
     assert_grads_as_scaled_down(call, [q, k, v, sinks], 2, floors={3: floor})
+
+
+@pytest.mark.parametrize("a,kw", [
+    (16, {}),
+    (300, dict(dropout_p=0.25, float_mask=True)),
+    (32, dict(window=(40, 3), weights=True)),
+])
+def test_additive_backward_values_near_the_bf16_max(a, kw):
+    """The additive backward's float64 rerun (additive_bwd_rerun.cu): over two A chunks (a = 300),
+    with dropout, a float mask's gradient, a band, and a loss on the returned weights too."""
+    torch.manual_seed(49)
+    q = rand(1, 2, 12, a, dtype=torch.bfloat16)
+    k = rand(1, 2, 150, a, dtype=torch.bfloat16)
+    w = rand(2, a, dtype=torch.bfloat16)
+    value = (0.5 * near_bf16_max(1, 2, 150, 32)).requires_grad_(True)
+    inputs = [q, k, value, w]
+    if kw.pop("float_mask", False):
+        inputs.append(rand(1, 2, 12, 150, dtype=torch.bfloat16))
+    weights = kw.pop("weights", False)
+
+    def call(q, k, value, w, *mask, backend):
+        res = attnx.additive_attention(q, k, value, w, *mask, backend=backend,
+                                       return_weights=weights, **kw)
+        return torch.cat([res[0].flatten(), res[1].flatten()]) if weights else res
+
+    assert_grads_as_scaled_down(call, inputs, 2)

@@ -308,11 +308,12 @@ Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout
   };
   Grads g;
   Tensor delta = target.empty(rows, f32);
-  // dq_acc and, one past its end, the overflow flag of the bf16 backward (launch.h): one fill
+  // The overflow flag of the bf16 backward (launch.h) and dq_acc 16 bytes on (its pair atomics
+  // need 8-byte alignment; its end stays at the harness's guard page): zeroed by one fill.
   const std::vector<int64_t> dq_shape = with(rows, p.E);
-  const int64_t dq_numel = c10::multiply_integers(dq_shape);
-  const Tensor dq_and_flag = target.zeros({dq_numel + 1}, f32);
-  g.dq_acc = dq_and_flag.narrow(0, 0, dq_numel).view(dq_shape);
+  const Tensor flag_and_dq = target.zeros({4 + c10::multiply_integers(dq_shape)}, f32);
+  const Tensor overflowed = flag_and_dq.narrow(0, 0, 1);
+  g.dq_acc = flag_and_dq.narrow(0, 4, flag_and_dq.size(0) - 4).view(dq_shape);
   g.dk = target.empty(with(key_rows, p.E), opts);
   g.dv = target.empty(with(key_rows, p.Ev), opts);
   g.dmask = want_dmask ? target.zeros({p.B, p.Hq, p.Lq, p.Lk}, opts) : q.new_empty({0});
@@ -326,7 +327,7 @@ Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout
   p.dk = g.dk.data_ptr();
   p.dv = g.dv.data_ptr();
   p.dmask = want_dmask ? g.dmask.data_ptr() : nullptr;
-  p.overflowed = dq_and_flag.data_ptr<float>() + dq_numel;
+  p.overflowed = overflowed.data_ptr<float>();
   const bool rerun_sinks = sinks32.defined() && p.dtype == DType::BFloat16;
   const Tensor dsinks64 = rerun_sinks ? target.zeros({p.Hq}, f32.dtype(at::kDouble)) : Tensor();
   p.dsinks = rerun_sinks ? dsinks64.data_ptr<double>() : nullptr;
@@ -347,8 +348,7 @@ Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout
     g.dsinks = (-(p_sink / row_sums * delta)).sum(at::IntArrayRef(dims));
     // after the bf16 rerun (the flag set, read on the device: no synchronisation), its float64 sums
     if (rerun_sinks)
-      g.dsinks = at::where(dq_and_flag.narrow(0, dq_numel, 1) != 0, dsinks64.to(at::kFloat),
-                           g.dsinks);
+      g.dsinks = at::where(overflowed != 0, dsinks64.to(at::kFloat), g.dsinks);
   }
   return g;
 }
@@ -588,7 +588,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
   p.dweights = dw.defined() ? dw.data_ptr() : nullptr;
   target.check(launch_additive_bwd(p, target.stream()));
   // The CTAs' partial sums, added up here rather than by atomics on v's H x A addresses.
-  const Tensor dv = dv_parts.sum(0);
+  Tensor dv = dv_parts.sum(0);
+  if (p.dtype == DType::BFloat16) {
+    // Values near bf16's largest: a dS that overflowed reaches v's gradient; then dq, dk, dv and
+    // dmask again in float64 (additive_bwd_rerun.cu). The flag stays on the device.
+    const Tensor overflowed = target.input(at::logical_not(at::isfinite(dv).all()));
+    const Tensor o = target.input(out.to(in.q.scalar_type()).contiguous());
+    Tensor glse;
+    if (grad_lse.has_value()) glse = target.input(grad_lse->to(at::kFloat).contiguous());
+    const Tensor row_r = target.empty({p.B, p.H, p.Lq}, f32);
+    const Tensor row_delta = target.empty({p.B, p.H, p.Lq}, f32.dtype(at::kDouble));
+    const Tensor dv64 = target.zeros({p.H, p.A}, f32.dtype(at::kDouble));
+    p.overflowed = overflowed.data_ptr<bool>();
+    p.out = const_cast<void*>(o.data_ptr());
+    p.grad_lse = glse.defined() ? glse.data_ptr<float>() : nullptr;
+    p.row_r = row_r.data_ptr<float>();
+    p.row_delta = row_delta.data_ptr<double>();
+    p.dv64 = dv64.data_ptr<double>();
+    target.check(additive_bwd_rerun(p, target.stream()));
+    dv = at::where(overflowed, dv64.to(at::kFloat), dv);
+  }
   // v may have been a broadcast (A,) vector: its gradient has v's own (H, A) shape here, the
   // autograd of the expand sums it back.
   return {grad_for(dq, q_in), grad_for(dk, k_in), grad_for(dvalue, value_in), grad_for(dv, v),

@@ -117,6 +117,13 @@ struct AdditiveParams {
   const void* dweights;
   float *dq, *dk, *dvalue, *dv, *delta;
   void* dmask;
+  // bf16: additive_bwd_rerun's inputs. overflowed: a device bool, set where v's gradient came out
+  // non-finite; out (above) in q's dtype and grad_lse fp32 (or null), from which it takes delta
+  // again; row_r fp32 and row_delta float64 (B, H, Lq) scratch; dv64 (H, A) float64, zeroed.
+  const bool* overflowed = nullptr;
+  const float* grad_lse = nullptr;
+  float* row_r = nullptr;
+  double *row_delta = nullptr, *dv64 = nullptr;
 };
 
 // The SDPA kernels are built for head-dim families: family D serves every E, Ev <= D (the
@@ -143,6 +150,8 @@ cudaError_t sdpa_bwd_delta(const SdpaParams& p, cudaStream_t stream);
 // The backward's slow path, after the key-block kernels: does nothing unless they set
 // *p.overflowed (bf16 values near the dtype's largest: sdpa_bwd_rerun.cu).
 cudaError_t sdpa_bwd_rerun(const SdpaParams& p, cudaStream_t stream);
+// The additive backward's (additive_bwd_rerun.cu): nothing unless *p.overflowed.
+cudaError_t additive_bwd_rerun(const AdditiveParams& p, cudaStream_t stream);
 
 // Shared memory the forward (backward) SDPA launch requests for head dims E, Ev up to `dim`
 // (the serving family's Config::smem_bytes; 0 past the largest family). The backward's is its

@@ -12,40 +12,11 @@
 // sums), so only the sums change. dV needs nothing: it does not involve V. A result past the
 // dtype's range is inf, as it would be for any backend. fp16 (at most 65504) cannot overflow:
 // its kernels neither flag nor launch this.
-#include <algorithm>
-
-#include "common.cuh"
+#include "float64_rerun.cuh"
 
 namespace attnx {
 namespace cuda {
 namespace {
-
-constexpr int kWarps = 4;       // a block's warps, one row (task) each at a time
-constexpr int kMaxBlocks = 264;  // the grid's blocks at most (two per SM of an H100)
-constexpr int kMaxCols = 256 / 32;  // columns a lane holds: E, Ev <= 256 (sdpa_params)
-
-// float(x), inf past float's range (converting such a double is undefined in C++).
-__device__ __forceinline__ float saturated(double x) {
-  return fabs(x) <= 3.4028234663852886e38 ? float(x) : (x > 0 ? INFINITY : -INFINITY);
-}
-
-template <typename T>
-__device__ __forceinline__ float warp_dot_f(const T* a, const T* b, int n, int lane) {
-  float x = 0.f;
-  for (int c = lane; c < n; c += 32) x += to_float(a[c]) * to_float(b[c]);
-#pragma unroll
-  for (int w = 16; w >= 1; w /= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
-  return x;
-}
-
-template <typename T>
-__device__ __forceinline__ double warp_dot_d(const T* a, const T* b, int n, int lane) {
-  double x = 0.0;
-  for (int c = lane; c < n; c += 32) x += double(to_float(a[c])) * double(to_float(b[c]));
-#pragma unroll
-  for (int w = 16; w >= 1; w /= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
-  return x;
-}
 
 // What a pair (i, j) of head h needs of its query row i: q, dO and the row values of the
 // key-block kernels (lse, +inf for rows without probabilities; 1 / R; delta in float64).
@@ -107,21 +78,21 @@ __device__ __forceinline__ void rerun_query_row(const SdpaParams& p, const SeqVi
   T* dmask = p.dmask == nullptr
                  ? nullptr
                  : static_cast<T*>(p.dmask) + ((int64_t(b) * p.Hq + h) * p.Lq + i) * p.Lk;
-  double dq[kMaxCols] = {};
+  double dq[kRerunCols] = {};
   const int64_t j_lo = max(int64_t(0), i + seq.lo), j_hi = min(int64_t(seq.Lk) - 1, i + seq.hi);
   for (int j = int(j_lo); j <= j_hi; ++j) {
     double ds_mask;
     const double ds = pair_ds<T, kMods>(p, seq, b, h, i, j, r, k + j * p.sk.l, v + j * p.sv.l,
                                         lane, &ds_mask);
 #pragma unroll
-    for (int u = 0; u < kMaxCols; ++u) {
+    for (int u = 0; u < kRerunCols; ++u) {
       const int c = lane + 32 * u;
       if (c < p.E) dq[u] += ds * double(to_float(k[j * p.sk.l + c]));
     }
     if (dmask != nullptr && lane == 0) dmask[j] = from_float<T>(saturated(ds_mask));
   }
 #pragma unroll
-  for (int u = 0; u < kMaxCols; ++u) {
+  for (int u = 0; u < kRerunCols; ++u) {
     const int c = lane + 32 * u;
     if (c < p.E) p.dq_acc[row * p.E + c] = saturated(dq[u] * p.scale);
   }
@@ -148,7 +119,7 @@ __device__ __forceinline__ void rerun_key_row(const SdpaParams& p, const SeqView
   const int group = p.Hq / p.Hkv;
   const T* k_row = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h + (seq.k0 + j) * p.sk.l;
   const T* v_row = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h + (seq.k0 + j) * p.sv.l;
-  double dk[kMaxCols] = {};
+  double dk[kRerunCols] = {};
   const int64_t i_lo = max(int64_t(0), j - seq.hi), i_hi = min(int64_t(seq.Lq) - 1, j - seq.lo);
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
     for (int i = int(i_lo); i <= i_hi; ++i) {
@@ -156,7 +127,7 @@ __device__ __forceinline__ void rerun_key_row(const SdpaParams& p, const SeqView
       double ds_mask;
       const double ds = pair_ds<T, kMods>(p, seq, b, h, i, j, r, k_row, v_row, lane, &ds_mask);
 #pragma unroll
-      for (int u = 0; u < kMaxCols; ++u) {
+      for (int u = 0; u < kRerunCols; ++u) {
         const int c = lane + 32 * u;
         if (c < p.E) dk[u] += ds * double(to_float(r.q[c]));
       }
@@ -164,7 +135,7 @@ __device__ __forceinline__ void rerun_key_row(const SdpaParams& p, const SeqView
   }
   T* dk_out = static_cast<T*>(p.dk) + (key_rows(p, seq, b, hk) + j) * p.E;
 #pragma unroll
-  for (int u = 0; u < kMaxCols; ++u) {
+  for (int u = 0; u < kRerunCols; ++u) {
     const int c = lane + 32 * u;
     if (c < p.E) dk_out[c] = from_float<T>(saturated(dk[u] * p.scale));
   }
@@ -173,12 +144,12 @@ __device__ __forceinline__ void rerun_key_row(const SdpaParams& p, const SeqView
 // Tasks: the B Hq Lq query rows, then the B Hkv Lk key rows, taken by the grid's warps in turn
 // (rows past a packed sequence's lengths are skipped).
 template <typename T, bool kMods>
-__global__ void __launch_bounds__(32 * kWarps) sdpa_bwd_rerun_kernel(const SdpaParams p) {
+__global__ void __launch_bounds__(32 * kRerunWarps, 1) sdpa_bwd_rerun_kernel(const SdpaParams p) {
   if (*p.overflowed == 0.f) return;
   const int lane = threadIdx.x % 32;
   const int64_t n_query = int64_t(p.B) * p.Hq * p.Lq, n_key = int64_t(p.B) * p.Hkv * p.Lk;
-  const int64_t warps = int64_t(gridDim.x) * kWarps;
-  for (int64_t t = blockIdx.x * kWarps + threadIdx.x / 32; t < n_query + n_key; t += warps) {
+  const int64_t warps = int64_t(gridDim.x) * kRerunWarps;
+  for (int64_t t = blockIdx.x * kRerunWarps + threadIdx.x / 32; t < n_query + n_key; t += warps) {
     if (t < n_query) {
       const int i = int(t % p.Lq), h = int(t / p.Lq % p.Hq), b = int(t / p.Lq / p.Hq);
       const SeqView seq = seq_view(p, b);
@@ -198,10 +169,9 @@ cudaError_t sdpa_bwd_rerun(const SdpaParams& p, cudaStream_t stream) {
   if (p.dtype != DType::BFloat16 || p.B == 0 || p.Hq == 0) return cudaSuccess;
   const int64_t tasks = int64_t(p.B) * (int64_t(p.Hq) * p.Lq + int64_t(p.Hkv) * p.Lk);
   if (tasks == 0) return cudaSuccess;
-  const dim3 grid(unsigned(std::min<int64_t>(kMaxBlocks, (tasks + kWarps - 1) / kWarps)));
   return launch_on_flag(p.mods.any(), [&](auto mods) {
-    return launch_kernel(sdpa_bwd_rerun_kernel<__nv_bfloat16, decltype(mods)::value>, grid,
-                         dim3(32 * kWarps), 0, stream, p);
+    return launch_kernel(sdpa_bwd_rerun_kernel<__nv_bfloat16, decltype(mods)::value>,
+                         rerun_grid(tasks), dim3(32 * kRerunWarps), 0, stream, p);
   });
 }
 

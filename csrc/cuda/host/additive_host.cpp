@@ -2,3 +2,4 @@
 #include "cuda_host.h"
 
 #include "../additive.cu"
+#include "../additive_bwd_rerun.cu"

@@ -1,0 +1,50 @@
+// What the backwards' float64 reruns share (sdpa_bwd_rerun.cu, additive_bwd_rerun.cu): slow
+// paths, a warp a row, for bf16 values near the dtype's largest, where the fast kernels' float32
+// sums passed float's range. A lane holds up to kRerunCols columns of the warp's row.
+#pragma once
+
+#include <algorithm>
+
+#include "common.cuh"
+
+namespace attnx {
+namespace cuda {
+
+// A block's warps, one row (task) each at a time. The kernels declare one block per SM at the
+// least (__launch_bounds__(32 * kRerunWarps, 1)), so ptxas may give a thread every register:
+// without it, it held them at 128 and the additive query pass spilled.
+constexpr int kRerunWarps = 4;
+constexpr int kRerunMaxBlocks = 264;  // the grid's blocks at most (two per SM of an H100)
+constexpr int kRerunCols = 256 / 32;  // columns a lane holds at a time
+
+// The grid of a rerun over `tasks` rows: each launch returns at once unless its flag is set,
+// so the grid is small whatever the sizes (a few microseconds a backward).
+inline dim3 rerun_grid(int64_t tasks) {
+  return dim3(unsigned(std::min<int64_t>(kRerunMaxBlocks, (tasks + kRerunWarps - 1) / kRerunWarps)));
+}
+
+// float(x), inf past float's range (converting such a double is undefined in C++).
+__device__ __forceinline__ float saturated(double x) {
+  return fabs(x) <= 3.4028234663852886e38 ? float(x) : (x > 0 ? INFINITY : -INFINITY);
+}
+
+// sum_c a[c] b[c] over c < n, lanes over c, in float (as the fast kernels' scores) or float64.
+template <typename T>
+__device__ __forceinline__ float warp_dot_f(const T* a, const T* b, int n, int lane) {
+  float x = 0.f;
+  for (int c = lane; c < n; c += 32) x += to_float(a[c]) * to_float(b[c]);
+#pragma unroll
+  for (int w = 16; w >= 1; w /= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
+  return x;
+}
+template <typename T>
+__device__ __forceinline__ double warp_dot_d(const T* a, const T* b, int n, int lane) {
+  double x = 0.0;
+  for (int c = lane; c < n; c += 32) x += double(to_float(a[c])) * double(to_float(b[c]));
+#pragma unroll
+  for (int w = 16; w >= 1; w /= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
+  return x;
+}
+
+}  // namespace cuda
+}  // namespace attnx
