@@ -559,7 +559,7 @@ def test_grids_stay_within_cudas_axis_caps():
         out, lse, _ = ta.additive_fwd(q, k, v, w, None, -2, 2, 0.0, None, True)
         ta.additive_bwd(q, q, k, v, w, None, out, lse, -2, 2, 0.0, None, False, None,
                         torch.zeros(b, 1, 2, 2))
-    assert len(launches) == 10
+    assert len(launches) == 14  # (float32: the SDPA and additive backwards' reruns too)
     for launch in launches:
         grid = launch.grid
         if callable(grid):  # an autotuned kernel: its grid for each config
@@ -587,6 +587,8 @@ def test_gqa_backward_fills_the_gpu(monkeypatch):
 
 def _autotune_keys(lq, lk):
     """The autotuners' keys (as Triton's Autotuner builds them) of an SDPA forward and backward."""
+    import triton
+
     from attnx.triton import sdpa as ts
     from triton_compile.capture import recording
 
@@ -597,6 +599,8 @@ def _autotune_keys(lq, lk):
         ts.sdpa_bwd(out, q, k, k, None, out, lse, 0.125, -lq, lk, 0.0, None, False, None)
     keys = []
     for launch in launches:
+        if not isinstance(launch.kernel, triton.runtime.Autotuner):  # (sdpa_bwd_rerun's)
+            continue
         args = {**dict(zip(launch.kernel.arg_names, launch.args)), **launch.kwargs}
         keys.append(tuple(args[name] for name in launch.kernel.keys))
     return keys
@@ -821,6 +825,161 @@ def test_varlen_values_near_the_dtype_max(dtype):
     _assert_lse(lse, gold_lse)
 
 
+# The backwards of such values: dP = dO V^T and D = rowsum(dO * O) overflowed float32 (inf), and
+# dS = P (dP - D) came out inf - inf or 0 * inf: NaN in dq, dk (and dmask, dsinks), where the true
+# gradients mostly fit (sdpa_bwd_rerun redoes them in float64). dS is linear in V (O too), so the
+# true dq, dk, dmask and dsinks at V are 2^64 times those at V / 2^64 (exact), which the first pass
+# computes without overflow: each is held to twice the error of that call (as test_cuda.py's
+# assert_as_scaled_down holds the forwards). dv = P^T dO, which no V overflows and the rerun
+# leaves, carries the lse of the forward's rerun (sdpa._rerun), which the scaled call does not
+# take: it is held as the forward's output is (NEAR_MAX_TOL of its largest).
+BIG = 2.0 ** 64
+GRAD_SCALE = {"dq": BIG, "dk": BIG, "dmask": BIG, "dsinks": BIG}
+
+
+def _near_max_values(shape, dtype, gen):
+    """Magnitudes 1.5e38-3.3e38, a fifth of them negative."""
+    mag = 1.5e38 + 1.8e38 * torch.rand(shape, generator=gen, dtype=torch.float64)
+    sign = torch.where(torch.rand(shape, generator=gen) < 0.2, -1.0, 1.0)
+    return (mag * sign).to(DEVICE, dtype)
+
+
+def _assert_grads_as_scaled_down(grads_of, v, names):
+    """grads_of(values, dtype) -> gradients named `names` (dtype None: the call's, float64: the
+    golden call): no NaN; finite and within twice the error of grads_of(v / 2^64) times
+    GRAD_SCALE wherever that is well inside the range (under half the largest value), as the
+    true gradient then is; elsewhere inf may stand for a true value past the range. dv: finite,
+    within NEAR_MAX_TOL of its largest."""
+    grads, scaled = grads_of(v, None), grads_of(v / BIG, None)
+    gold = grads_of(v.double(), torch.float64)
+    for name, g, small, want in zip(names, grads, scaled, gold):
+        assert not torch.isnan(g).any(), f"{name}: NaN"
+        if name == "dv":
+            _assert_near(g, want, want.abs().max(), g.dtype, name)
+            continue
+        base = small.double() * GRAD_SCALE[name]
+        inside = base.abs() < torch.finfo(g.dtype).max / 2
+        assert inside.float().mean() > 0.9, f"{name}: the check covers too little"
+        assert_within(g[inside], want[inside], base[inside], what=name)
+
+
+def _sdpa_grads(q, k, v, do, mask, kw, dtype):
+    """dq, dk, dv (dmask with a float mask, dsinks with sinks) of out . do, in `dtype` (None:
+    the inputs' own, the triton backend; float64: the reference)."""
+    backend = "triton" if dtype is None else "reference"
+    cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))  # noqa: E731
+    leaves = [cast(t).detach().requires_grad_() for t in (q, k, v)]
+    mask = cast(mask) if _is_float_mask(mask) else mask
+    if _is_float_mask(mask):
+        mask = mask.detach().requires_grad_()
+        leaves.append(mask)
+    kw = dict(kw)
+    if "sinks" in kw:
+        kw["sinks"] = kw["sinks"].detach().requires_grad_()
+        leaves.append(kw["sinks"])
+    torch.manual_seed(SEED)  # the same dropout mask
+    out = attnx.scaled_dot_product_attention(*leaves[:3], attn_mask=mask, backend=backend,
+                                             enable_gqa=True, **kw)
+    return torch.autograd.grad(out, leaves, cast(do))
+
+
+NEAR_MAX_BACKWARDS = ["plain", "causal", "window", "bool-mask", "float-mask", "dropout",
+                      "softcap", "alibi", "sinks"]
+
+
+@near_max
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize("mods", NEAR_MAX_BACKWARDS)
+def test_sdpa_backward_near_the_dtype_max(dtype, mods):
+    """200 keys (13 blocks here), 2 query heads on 1 kv head, q and k small (attention spread):
+    the gradients of values near the dtype's largest, each score modifier and mask."""
+    gen = torch.Generator().manual_seed(7)
+    lq, lk = 20, 200
+    q, k = (_randn((1, 2, lq, 16), dtype, gen), _randn((1, 1, lk, 16), dtype, gen))
+    v = _near_max_values((1, 1, lk, 16), dtype, gen)
+    do = _randn((1, 2, lq, 16), dtype, gen)
+    mask = None
+    if mods == "bool-mask":
+        mask = torch.rand((1, 2, lq, lk), generator=gen).to(DEVICE) > 0.3
+    elif mods == "float-mask":
+        mask = _randn((1, 2, lq, lk), dtype, gen)
+    kw = {"causal": dict(is_causal=True), "window": dict(window=(80, 20)),
+          "dropout": dict(dropout_p=0.2), "softcap": dict(softcap=5.0),
+          "alibi": dict(alibi_slopes=torch.tensor([0.02, 0.1], device=DEVICE)),
+          "sinks": dict(sinks=torch.tensor([1.0, -2.0], device=DEVICE))}.get(mods, {})
+    names = ["dq", "dk", "dv"] + ["dmask"] * (mods == "float-mask") + ["dsinks"] * (mods == "sinks")
+    _assert_grads_as_scaled_down(lambda vals, dt: _sdpa_grads(q, k, vals, do, mask, kw, dt), v,
+                                 names)
+
+
+@near_max
+def test_sdpa_backward_near_the_max_with_gqa_split(monkeypatch):
+    """On many SMs the dK/dV kernel splits each GQA group (sdpa._gqa_split) into fp32 partial
+    sums that the host adds up: the rerun writes the final dk."""
+    from attnx.triton import common
+
+    monkeypatch.setattr(common, "multiprocessors", lambda: 64)
+    assert _sdpa_ops._gqa_split(4, 200, 1) == 4
+    gen = torch.Generator().manual_seed(8)
+    q, k = _randn((1, 4, 17, 16), bf16, gen), _randn((1, 1, 200, 16), bf16, gen)
+    v = _near_max_values((1, 1, 200, 16), bf16, gen)
+    do = _randn((1, 4, 17, 16), bf16, gen)
+    _assert_grads_as_scaled_down(lambda vals, dt: _sdpa_grads(q, k, vals, do, None, {}, dt), v,
+                                 ["dq", "dk", "dv"])
+
+
+@near_max
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_varlen_backward_near_the_dtype_max(dtype):
+    """Packed sequences (the backward's VARLEN mode), causal (bottom-right), GQA, dropout: 200
+    keys, a short sequence, one with more queries than keys."""
+    gen = torch.Generator().manual_seed(9)
+    cu_q = torch.tensor([0, 17, 22, 52], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 200, 240, 260], dtype=torch.int32, device=DEVICE)
+    q, k = _randn((52, 2, 16), dtype, gen), _randn((260, 1, 16), dtype, gen)
+    v = _near_max_values((260, 1, 16), dtype, gen)
+    do = _randn((52, 2, 16), dtype, gen)
+
+    def grads_of(vals, dt):
+        cast = (lambda t: t) if dt is None else (lambda t: t.to(dt))  # noqa: E731
+        leaves = [cast(t).detach().requires_grad_() for t in (q, k, vals)]
+        torch.manual_seed(SEED)
+        out = attnx.varlen_attention(*leaves, cu_q, cu_k, is_causal=True, dropout_p=0.1,
+                                     backend="triton" if dt is None else "reference")
+        return torch.autograd.grad(out, leaves, cast(do))
+
+    _assert_grads_as_scaled_down(grads_of, v, ["dq", "dk", "dv"])
+
+
+def test_an_ordinary_backward_is_not_rerun(monkeypatch):
+    """Ordinary values leave the backward's flag at 0: the rerun's kernels run no tile, and the
+    gradients are those of the same call without them, bit for bit (masks, dropout, sinks,
+    GQA, bf16 and fp32; fp16 has neither the check nor the rerun)."""
+    from attnx.triton import sdpa_bwd_rerun
+
+    real, flags = sdpa_bwd_rerun.launch, []
+
+    def spied(flag, *args, **kw):
+        rows = real(flag, *args, **kw)
+        flags.append(int(flag.item()))
+        return rows
+
+    gen = torch.Generator().manual_seed(10)
+    for dtype in (f32, bf16, f16):
+        q, k, v = (_randn(s, dtype, gen) for s in ((1, 4, 20, 32), (1, 2, 40, 32),
+                                                   (1, 2, 40, 32)))
+        do = _randn((1, 4, 20, 32), dtype, gen)
+        kw = dict(dropout_p=0.2, sinks=torch.tensor([1.0, 0.0, -1.0, 2.0], device=DEVICE))
+        mask = _randn((1, 4, 20, 40), dtype, gen)
+        monkeypatch.setattr(sdpa_bwd_rerun, "launch", spied)
+        grads = _sdpa_grads(q, k, v, do, mask, kw, None)
+        monkeypatch.setattr(sdpa_bwd_rerun, "launch",
+                            lambda flag, inputs, *a, **k: inputs[6].double())
+        plain = _sdpa_grads(q, k, v, do, mask, kw, None)
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain))
+    assert flags == [0, 0]  # fp16: not launched
+
+
 @near_max
 @pytest.mark.parametrize("dtype", [f32, bf16])
 @pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
@@ -889,3 +1048,119 @@ def test_additive_dropout_with_values_near_the_dtype_max():
     torch.manual_seed(0)
     out = attnx.additive_attention(q, k, value, w, dropout_p=0.5, backend="triton")
     _assert_near(out[rows], gold[rows], 3.0e38, bf16)
+
+
+def test_the_rerun_launches_only_where_the_device_holds_it(monkeypatch):
+    """Its shared memory (sdpa_bwd_rerun.shared_bytes, which tests/triton_compile holds the
+    compiles to) against the device's: a 99 KiB part (sm_86, sm_89) takes head dims up to 128
+    and skips the rerun above (no launch that would fail on every such backward)."""
+    from attnx.triton import common, sdpa_bwd_rerun
+
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "shared_memory_limit", lambda: 99 * 1024)
+    assert sdpa_bwd_rerun.fits(128, 128) and sdpa_bwd_rerun.fits(64, 96)
+    assert not sdpa_bwd_rerun.fits(256, 256) and not sdpa_bwd_rerun.fits(160, 192)
+    assert sdpa_bwd_rerun.launch(None, (None,) * 10, (None,) * 3, (), (), (1, 1, 1, 1, 1, 192, 192),
+                                 (), (), mask_kind=0, dropout=False, mask_grad=False,
+                                 softcap=False, alibi=False, has_sinks=False, has_glse=False,
+                                 varlen=False) is None
+    monkeypatch.setattr(common, "shared_memory_limit", lambda: 163 * 1024)
+    assert sdpa_bwd_rerun.fits(256, 256)
+
+
+# The additive backward's float32 dP = dO . value_j and delta = rowsum(dO * O) overflow alike at
+# values near the dtype's largest (NaN in dq, dk, dw, dmask from dS = P (dP - delta)), where the
+# true gradients fit: additive_bwd_rerun redoes them in float64. dS is linear in (value, dW) (the
+# weights' gradient), so the true dq, dk, dw, dmask are 2^64 times those of the call on value / 2^64
+# (and dW / 2^64), which the first pass computes without overflow: held to twice its error.
+ADDITIVE_GRAD_SCALE = {"dq": BIG, "dk": BIG, "dw": BIG, "dmask": BIG}
+
+
+def _additive_grads(q, k, value, w, do, mask, kw, dweights, dtype):
+    """dq, dk, dvalue, dw (dmask with a float mask) of out . do (+ weights . dweights where
+    given, with return_weights), in `dtype` (None: the inputs', the triton backend; float64:
+    the reference)."""
+    backend = "triton" if dtype is None else "reference"
+    cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))  # noqa: E731
+    leaves = [cast(t).detach().requires_grad_() for t in (q, k, value, w)]
+    if _is_float_mask(mask):
+        mask = cast(mask).detach().requires_grad_()
+        leaves.append(mask)
+    torch.manual_seed(SEED)  # the same dropout mask
+    res = attnx.additive_attention(*leaves[:4], attn_mask=mask, backend=backend,
+                                   return_weights=dweights is not None, **kw)
+    if dweights is None:
+        return torch.autograd.grad(res, leaves, cast(do))
+    out, weights = res
+    return torch.autograd.grad((out, weights), leaves, (cast(do), cast(dweights)))
+
+
+ADDITIVE_NEAR_MAX_BACKWARDS = ["plain", "wide", "dropout", "float-mask", "window", "causal",
+                               "weights"]
+
+
+@near_max
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize("mods", ADDITIVE_NEAR_MAX_BACKWARDS)
+def test_additive_backward_near_the_dtype_max(dtype, mods):
+    """150 keys, q and k small (attention spread), values 0.5 x 1.5e38-3.3e38: no NaN, and dq,
+    dk, dw (and dmask) within twice the error of the scaled-down call; dvalue as the forward's
+    output is held. A > 128 ("wide"), dropout, a float mask, a band, returned weights with a
+    loss on them."""
+    gen = torch.Generator().manual_seed(11)
+    a = 160 if mods == "wide" else 16
+    lq, lk = 12, 150
+    q, k = _randn((1, 2, lq, a), dtype, gen), _randn((1, 2, lk, a), dtype, gen)
+    value = (0.5 * _near_max_values((1, 2, lk, 16), f32, gen).double()).to(DEVICE, dtype)
+    w = _randn((2, a), dtype, gen)
+    do = (0.25 * _randn((1, 2, lq, 16), f32, gen)).to(dtype)
+    mask = _randn((1, 2, lq, lk), dtype, gen) if mods == "float-mask" else None
+    dweights = _randn((1, 2, lq, lk), dtype, gen) if mods == "weights" else None
+    kw = {"dropout": dict(dropout_p=0.2), "window": dict(window=(60, 10)),
+          "causal": dict(is_causal=True)}.get(mods, {})
+    names = ["dq", "dk", "dvalue", "dw"] + ["dmask"] * (mods == "float-mask")
+    grads = _additive_grads(q, k, value, w, do, mask, kw, dweights, None)
+    scaled = _additive_grads(q, k, value / BIG, w, do, mask, kw,
+                             None if dweights is None else dweights / BIG, None)
+    gold = _additive_grads(q, k, value, w, do, mask, kw, dweights, torch.float64)
+    for name, g, small, want in zip(names, grads, scaled, gold):
+        assert want.abs().max() < 3.3e38, f"{name}: the true gradient exceeds the dtype"
+        assert not torch.isnan(g).any(), f"{name}: NaN"
+        if name == "dvalue":
+            _assert_near(g, want, want.abs().max(), g.dtype, name)
+            continue
+        base = small.double() * ADDITIVE_GRAD_SCALE[name]
+        inside = base.abs() < torch.finfo(g.dtype).max / 2
+        assert inside.float().mean() > 0.9, f"{name}: the check covers too little"
+        assert_within(g[inside], want[inside], base[inside], what=name)
+
+
+def test_an_ordinary_additive_backward_is_not_rerun(monkeypatch):
+    """Ordinary values leave the additive backward's flag at 0: the rerun does nothing and the
+    gradients are those of the first pass, bit for bit (fp16: no check, no rerun)."""
+    from attnx.triton import additive_bwd_rerun
+
+    real, flags = additive_bwd_rerun.launch, []
+
+    def spied(flag, *args, **kw):
+        res = real(flag, *args, **kw)
+        flags.append(int(flag.item()))
+        return res
+
+    def skipped(flag, inputs, *args, **kw):
+        q, k, _, w = inputs[:4]
+        return (q.double().new_zeros(q.shape), k.double().new_zeros(k.shape),
+                w.double().new_zeros(w.shape))
+
+    gen = torch.Generator().manual_seed(12)
+    for dtype in (f32, bf16, f16):
+        q, k = _randn((1, 2, 20, 16), dtype, gen), _randn((1, 2, 40, 16), dtype, gen)
+        value, w = _randn((1, 2, 40, 8), dtype, gen), _randn((2, 16), dtype, gen)
+        do, mask = _randn((1, 2, 20, 8), dtype, gen), _randn((1, 2, 20, 40), dtype, gen)
+        kw = dict(dropout_p=0.2)
+        monkeypatch.setattr(additive_bwd_rerun, "launch", spied)
+        grads = _additive_grads(q, k, value, w, do, mask, kw, None, None)
+        monkeypatch.setattr(additive_bwd_rerun, "launch", skipped)
+        plain = _additive_grads(q, k, value, w, do, mask, kw, None, None)
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain))
+    assert flags == [0, 0]  # fp16: not launched

@@ -11,6 +11,10 @@ backward recomputes the scores and then, in a second pass over A, the tanh terms
 Each program owns its rows of dq / dk (and one slot of dw partial sums), accumulated in fp32
 scratch across its loop, so the result is deterministic with no atomics. Here `w` is the
 op's `v` (H, A), renamed to keep it apart from the values.
+
+bf16 and fp32 values near their largest overflow the backward's float32 dP and delta (NaN in
+dS): the dK and dQ kernels then set a device flag after their loops, and additive_bwd_rerun
+redoes dq, dk, dw and the float mask's gradient in float64 (nothing runs while it is unset).
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ import triton.language as tl
 
 from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device, weights_grads
 from . import common
-from .common import (admit, dot, huge_rows, key_range, offsets, query_range, score_grad,
-                     softmax_start, softmax_step, split_tile, store_normalised_rows,
-                     tile_and_head)
+from .common import (admit, dot, flag_nonfinite, huge_rows, key_range, offsets, query_range,
+                     score_grad, softmax_start, softmax_step, split_tile,
+                     store_normalised_rows, tile_and_head)
 from .rng import keep, rng_words, row_keys
 
 
@@ -185,7 +189,19 @@ def _dweights(DWEIGHTS, bh, offs_m, offs_n, Lq, Lk, HAS_DWEIGHTS: tl.constexpr,
 
 
 @triton.jit
-def _dk_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DK, DVAL, DW, DM,
+def _flag_scratch(FLAG, rows_base, offs, L, A, BLOCK_A: tl.constexpr):
+    """Sets FLAG where the rows offs (< L) of a program's fp32 scratch (rows_base: (rows, A))
+    hold inf or NaN after its loop: a non-finite dS (dP or delta overflowed) always reaches them
+    (additive_bwd_rerun then redoes the gradients)."""
+    for a0 in range(0, A, BLOCK_A):
+        offs_a = a0 + tl.arange(0, BLOCK_A)
+        acc = tl.load(rows_base + offs_a[None, :], mask=(offs[:, None] < L) & (offs_a[None, :] < A),
+                      other=0.0)
+        flag_nonfinite(FLAG, acc)
+
+
+@triton.jit
+def _dk_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DK, DVAL, DW, DM, FLAG,
                sqb, sqh, sqm, sqa, skb, skh, skn, ska, svb, svh, svn, svd, swh, swa,
                smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                H, Lq, Lk, A, Ev, window_lo, window_hi, inv_keep,
@@ -241,10 +257,12 @@ def _dk_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DK, DVAL, DW, DM,
             tl.debug_barrier()  # the next pass reads what this one stored
     tl.store(DVAL + (bh * Lk + offs_n[:, None]) * Ev + offs_dv[None, :],
              dval.to(DVAL.dtype.element_ty), mask=val_mask)
+    if VAL.dtype.element_ty != tl.float16:  # fp16 cannot overflow (additive_bwd_rerun)
+        _flag_scratch(FLAG, dk_rows, offs_n, Lk, A, BLOCK_A)
 
 
 @triton.jit
-def _dq_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DQ,
+def _dq_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DQ, FLAG,
                sqb, sqh, sqm, sqa, skb, skh, skn, ska, svb, svh, svn, svd, swh, swa,
                smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                H, Lq, Lk, A, Ev, window_lo, window_hi, inv_keep,
@@ -289,6 +307,8 @@ def _dq_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DQ,
             dq = tl.load(ptrs, mask=ok, other=0.0)
             tl.store(ptrs, dq + tl.sum(ds[:, :, None] * (1.0 - t * t), 1) * wa[None, :], mask=ok)
             tl.debug_barrier()  # the next pass reads what this one stored
+    if VAL.dtype.element_ty != tl.float16:  # fp16 cannot overflow (additive_bwd_rerun)
+        _flag_scratch(FLAG, dq_rows, offs_m, Lq, A, BLOCK_A)
 
 
 def _launch_args(q, k, value, w, mask, dropout_p, seed):
@@ -367,6 +387,7 @@ def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value
     lk, ev = k.shape[2], value.shape[-1]
     # Everything the backward reads from upstream goes through r, as dO does (common.HUGE_LSE)
     r = _row_sums(q, k, v, mask, lse, window_lo, window_hi)
+    raw_grad_out = grad_out
     grad_out = common.divide_rows(grad_out, r)
     delta = (grad_out.float() * out.float()).sum(-1)  # rowsum(dO * O), as in the SDPA backward
     if grad_lse is not None:
@@ -382,13 +403,31 @@ def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value
     dmask = mask.new_zeros((b, h, lq, lk)) if mask_grad else q.new_empty((0,))
     sizes = (h, lq, lk, a, ev, window_lo, window_hi, inv_keep)
     has_dw = grad_weights is not None
+    from . import additive_bwd_rerun  # (it imports this module's jit functions)
+    # Set where dP or delta overflowed (bf16, fp32): additive_bwd_rerun then redoes dq, dk, dw.
+    flag = q.new_zeros((1,), dtype=torch.int32) if additive_bwd_rerun.applies(q.dtype) else None
     common.launcher(_dk_kernel)[common.tiles_grid(lk, consts["BLOCK_N"], b * h)](
-        q, k, value, v, m, grad_out, dweights, lse, delta, rng, dk, dvalue, dw, dmask, *strides,
-        *grad_out.stride(), *sizes, MASK_GRAD=mask_grad, HAS_DWEIGHTS=has_dw, **consts)
+        q, k, value, v, m, grad_out, dweights, lse, delta, rng, dk, dvalue, dw, dmask,
+        q if flag is None else flag, *strides, *grad_out.stride(), *sizes, MASK_GRAD=mask_grad,
+        HAS_DWEIGHTS=has_dw, **consts)
     common.launcher(_dq_kernel)[common.tiles_grid(lq, consts["BLOCK_M"], b * h)](
-        q, k, value, v, m, grad_out, dweights, lse, delta, rng, dq, *strides, *grad_out.stride(),
-        *sizes, HAS_DWEIGHTS=has_dw, **consts)
-    return dq.to(q.dtype), dk.to(k.dtype), dvalue, dw.sum((0, 2)).to(v.dtype), dmask
+        q, k, value, v, m, grad_out, dweights, lse, delta, rng, dq, q if flag is None else flag,
+        *strides, *grad_out.stride(), *sizes, HAS_DWEIGHTS=has_dw, **consts)
+    dq, dk, dw = dq.to(q.dtype), dk.to(k.dtype), dw.sum((0, 2)).to(v.dtype)
+    if flag is not None:
+        # The caller's dO and weights' gradient: the rerun divides by its own float64 r
+        dq64, dk64, dw64 = additive_bwd_rerun.launch(
+            flag, (q, k, value, v, m, raw_grad_out,
+                   None if grad_weights is None else grad_weights.float().contiguous(),
+                   grad_lse, lse, rng),
+            (*strides, *raw_grad_out.stride()), (b, h, lq, lk, a, ev),
+            (window_lo, window_hi, inv_keep), dmask, mask_kind=consts["MASK_KIND"],
+            dropout=dropout_p > 0, mask_grad=mask_grad)
+        flagged = flag.bool()
+        dq = torch.where(flagged, dq64.to(q.dtype), dq)
+        dk = torch.where(flagged, dk64.to(k.dtype), dk)
+        dw = torch.where(flagged, dw64.to(v.dtype), dw)
+    return dq, dk, dvalue, dw, dmask
 
 
 # Shape-only versions (see attnx/triton/sdpa.py for why they are spelled out).

@@ -57,6 +57,15 @@ def sink_probabilities(sinks: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.where(sinks == float("-inf"), 0.0, torch.exp(sinks - lse))
 
 
+def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, shape: tuple,
+              dims) -> torch.Tensor:
+    """dsinks: d lse_i / d sink = P_sink,i = exp(sink - lse_i) / r_i, and the sink's value is 0:
+    its score gradient is P_sink,i (0 - D_i), summed over `dims`, with delta holding D_i / r_i;
+    in delta's dtype, sinks viewed as `shape` against lse."""
+    p = sink_probabilities(sinks.to(delta.dtype).view(shape), lse)
+    return -(p * delta).sum(dims).to(sinks.dtype)
+
+
 def clamped_band(lo: int, hi: int, lq: int, lk: int) -> tuple[int, int]:
     """The band (lo, hi) in [-Lq, Lk]: the same admissible pairs, and i + lo, i + hi cannot
     overflow in the kernels whatever a direct caller of the ops passes."""
@@ -425,6 +434,14 @@ RERUN_BLOCK_N = tl.constexpr(16)
 def overflowed(acc, row_ok):
     """The rows (of those row_ok) whose accumulator holds inf or NaN."""
     return (tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1), 1) > 0) & row_ok
+
+
+@triton.jit
+def flag_nonfinite(flag, acc):
+    """Sets *flag (int32) to 1 where the tile acc holds inf or NaN: a plain store, as every
+    program that writes it writes 1 (the SDPA backward's check, sdpa_bwd_rerun)."""
+    if tl.max(tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1), 1), 0) > 0:
+        tl.store(flag, 1)
 
 
 @triton.jit

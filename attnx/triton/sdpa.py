@@ -23,10 +23,10 @@ import triton.language as tl
 
 from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device
 from . import common
-from .common import (LN2, LOG2E, OVERFLOW_SHIFT, RERUN_BLOCK_N, admit, dot, dot_acc, huge_rows,
-                     inner_range, key_range, load_tile, modified, offsets, overflowed,
-                     query_range, second_chunk, shift_exponent, softmax_start, store_out,
-                     store_rows, tile_and_head)
+from .common import (LN2, LOG2E, OVERFLOW_SHIFT, RERUN_BLOCK_N, admit, dot, dot_acc,
+                     flag_nonfinite, huge_rows, inner_range, key_range, load_tile, modified,
+                     offsets, overflowed, query_range, second_chunk, shift_exponent,
+                     softmax_start, store_out, store_rows, tile_and_head)
 from .rng import keep, keep_t, mix32, rng_words, row_keys
 
 # Pruned per launch by common.pruner; the small configs are what fits wide fp32 heads on
@@ -597,7 +597,7 @@ def _dkdv_blocks(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_bas
                  prune_configs_by={"early_config_prune": common.pruner(
                      _dkdv_tiles, _dkdv_sm90_fits)})
 @_JIT
-def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
+def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM, FLAG,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                  smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                  H, Hkv, Lq, Lk, E, Ev, GROUPS, SPLIT, PER, scale, window_lo, window_hi, inv_keep,
@@ -610,7 +610,9 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
     """One program per (key block, b * Hkv + kv head, slice of its GQA group): the group's
     PER = GROUPS / SPLIT query heads in turn (an argument, so that Triton compiles PER = 1 without
     the loop). SPLIT > 1 (_gqa_split) writes fp32 partial sums, one per slice, that the host adds
-    up: no atomics, deterministic. VARLEN: b is the sequence; dK, dV (total_k, Hkv, SPLIT, E)."""
+    up: no atomics, deterministic. VARLEN: b is the sequence; dK, dV (total_k, Hkv, SPLIT, E).
+    bf16/fp32: a dK accumulator holding inf or NaN (an overflowed dP or D) sets FLAG
+    (sdpa_bwd_rerun)."""
     n0, prog = tile_and_head(Lk, BLOCK_N)
     part = prog % SPLIT
     bhk = prog // SPLIT
@@ -692,6 +694,10 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM,
             smm, smn, sc,
             window_lo, window_hi, inv_keep, cap, slope, shift, True, MASK_KIND, DROPOUT, MASK_GRAD,
             SOFTCAP, ALIBI, VARLEN, DOT_PREC, PAD_D, BLOCK_M, BLOCK_D2, BLOCK_DV2)
+    if V.dtype.element_ty != tl.float16:  # fp16 cannot overflow (sdpa_bwd_rerun.applies)
+        flag_nonfinite(FLAG, dk)
+        if BLOCK_D2 > 0:
+            flag_nonfinite(FLAG, dk2)
     # dK and dV (or their slices' partial sums) are contiguous: (programs' heads, Lk, E); VARLEN:
     # (total_k, Hkv * SPLIT, E), rows of Hkv * SPLIT heads.
     base = prog.to(tl.int64) * Lk + n
@@ -764,7 +770,7 @@ def _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, lo, 
                  prune_configs_by={"early_config_prune": common.pruner(
                      _dq_tiles, _dq_sm90_fits)})
 @_JIT
-def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
+def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ, FLAG,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
@@ -843,6 +849,10 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ,
                          inv_keep, cap, slope, shift, True, MASK_KIND, DROPOUT, SOFTCAP, ALIBI,
                          DOT_PREC,
                          PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
+    if V.dtype.element_ty != tl.float16:  # as _dkdv_kernel's
+        flag_nonfinite(FLAG, dq)
+        if BLOCK_D2 > 0:
+            flag_nonfinite(FLAG, dq2)
     out = DQ + (bh64 * Lq + m) * E
     stride = E
     if VARLEN:
@@ -930,6 +940,9 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         DOT_PREC=consts["DOT_PREC"], PAD_D=common.head_block(e) != e or common.head_block(ev) != ev,
         BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    from . import sdpa_bwd_rerun  # (it imports this module's jit functions)
+    # Set where dP or D overflowed (bf16, fp32): sdpa_bwd_rerun's kernels then redo dQ and dK.
+    flag = q.new_zeros((1,), dtype=torch.int32) if sdpa_bwd_rerun.applies(q.dtype) else None
     split = _gqa_split(h // hkv, lk, b * hkv, _one_head_per_program(q, e, ev))
     if split == 1:
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
@@ -943,20 +956,29 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     band = (scale, window_lo, window_hi, inv_keep, slopes, *a_strides, cap)
     common.launcher(_dkdv_kernel)[
         lambda meta: common.tiles_grid(lk, meta["BLOCK_N"], b * hkv * split)](
-        q, k, v, m, dos, lse, delta, rng, dk, dv, dmask, *strides, *dos.stride(),
+        q, k, v, m, dos, lse, delta, rng, dk, dv, dmask, q if flag is None else flag, *strides,
+        *dos.stride(),
         h, hkv, *sizes, split, h // hkv // split, *band, q, q, 0, MASK_GRAD=mask_grad,
         VARLEN=False, **consts)
     if split > 1:
         dk, dv = dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype)
-    # d lse_i / d sink = P_sink,i = exp(sink - lse_i) / r_i, and the sink's value is 0: its
-    # score gradient is P_sink,i (0 - D_i), and DELTA holds D_i / r_i.
-    dsinks = q.new_empty((0,)) if sinks is None else (
-        -(common.sink_probabilities(sinks.float().view(1, h, 1), lse) * delta).sum((0, 2))
-    ).to(sinks.dtype)
+    dsinks = q.new_empty((0,)) if sinks is None else common.sink_grad(sinks, lse, delta,
+                                                                        (1, h, 1), (0, 2))
     common.launcher(_dq_kernel)[
         lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)](
-        q, k, v, m, dos, lse, delta, rng, dq, *strides, *dos.stride(),
-        h, *sizes, *band, q, q, 0, VARLEN=False, **consts)
+        q, k, v, m, dos, lse, delta, rng, dq, q if flag is None else flag, *strides,
+        *dos.stride(), h, *sizes, *band, q, q, 0, VARLEN=False, **consts)
+    if flag is not None:
+        delta64 = sdpa_bwd_rerun.launch(
+            flag, (q, k, v, m, grad_out, glse, lse, rng, slopes, sink), (dq, dk, dmask),
+            (*strides, *grad_out.stride(), *a_strides), (*dq.stride(), *dk.stride()),
+            (b, h, hkv, lq, lk, e, ev), (scale, window_lo, window_hi, inv_keep, cap), (q, q, 0),
+            mask_kind=consts["MASK_KIND"], dropout=dropout_p > 0, mask_grad=mask_grad,
+            softcap=softcap is not None, alibi=alibi is not None, has_sinks=sinks is not None,
+            has_glse=grad_lse is not None, varlen=False)
+        if sinks is not None and delta64 is not None:  # D_i / r_i overflowed too where flagged
+            dsinks = torch.where(flag.bool(), common.sink_grad(sinks, lse, delta64, (1, h, 1),
+                                                               (0, 2)), dsinks)
     return dq, dk, dv, dmask, dsinks
 
 

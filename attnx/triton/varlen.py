@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .._ops import no_double_backward, or_zeros, same_device
-from . import common, sdpa
+from . import common, sdpa, sdpa_bwd_rerun
 from .rng import rng_words
 
 def _strides(t: torch.Tensor) -> tuple:
@@ -97,6 +97,8 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         DOT_PREC=consts["DOT_PREC"],
         PAD_D=common.head_block(e) != e or common.head_block(ev) != ev,
         BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
+    # Set where dP or D overflowed (sdpa_bwd): sdpa_bwd_rerun's kernels then redo dQ and dK.
+    flag = q.new_zeros((1,), dtype=torch.int32) if sdpa_bwd_rerun.applies(q.dtype) else None
     split = sdpa._gqa_split(h // hkv, max_seqlen_k, n * hkv,
                             sdpa._one_head_per_program(q, e, ev))
     if split == 1:
@@ -108,18 +110,28 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     band = (scale, lo, hi, 1.0 / (1.0 - dropout_p), slopes, *a_strides, cap)
     common.launcher(sdpa._dkdv_kernel)[
         lambda meta: common.tiles_grid(max_seqlen_k, meta["BLOCK_N"], n * hkv * split)](
-        q, k, v, q, dos, lse, delta, rng, dk, dv, q, *strides, *dos_strides,
+        q, k, v, q, dos, lse, delta, rng, dk, dv, q, q if flag is None else flag, *strides,
+        *dos_strides,
         h, hkv, *lengths, split, h // hkv // split, *band, *cu, MASK_GRAD=False, **consts)
     if split > 1:
         dk, dv = dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype)
-    # as sdpa_bwd's: the sink's score gradient P_sink,i (0 - D_i), DELTA holding D_i / r_i
-    dsinks = q.new_empty((0,)) if sinks is None else (
-        -(common.sink_probabilities(sinks.float().view(h, 1), lse) * delta).sum(1)).to(sinks.dtype)
+    dsinks = q.new_empty((0,)) if sinks is None else common.sink_grad(sinks, lse, delta, (h, 1), 1)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     common.launcher(sdpa._dq_kernel)[
         lambda meta: common.tiles_grid(max_seqlen_q, meta["BLOCK_M"], n * h)](
-        q, k, v, q, dos, lse, delta, rng, dq, *strides, *dos_strides,
+        q, k, v, q, dos, lse, delta, rng, dq, q if flag is None else flag, *strides, *dos_strides,
         h, *lengths, *band, *cu, **consts)
+    if flag is not None:
+        delta64 = sdpa_bwd_rerun.launch(
+            flag, (q, k, v, q, grad_out, glse, lse, rng, slopes, sink), (dq, dk, q),
+            (*strides, *_strides(grad_out), *a_strides), (*_strides(dq), *_strides(dk)),
+            (n, h, hkv, max_seqlen_q, max_seqlen_k, e, ev), band[:4] + (cap,), cu,
+            mask_kind=common.MASK_NONE, dropout=dropout_p > 0, mask_grad=False,
+            softcap=softcap is not None, alibi=alibi is not None, has_sinks=sinks is not None,
+            has_glse=grad_lse is not None, varlen=True)
+        if sinks is not None and delta64 is not None:  # as sdpa_bwd's
+            dsinks = torch.where(flag.bool(), common.sink_grad(sinks, lse, delta64, (h, 1), 1),
+                                 dsinks)
     return dq, dk, dv, dsinks
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from attnx.triton import sdpa_bwd_rerun
+
 from .aot import SHARED_LIMIT
 
 # (kernel, variant, arch) allowed to spill registers at fp16/bf16 head dims <= 128, and why.
@@ -32,6 +34,20 @@ SPILL_EXCEPTIONS: dict[tuple[str, str, int], str] = {
         "32 B with Triton 3.6 (torch 2.11) in the (16, 64, 8, 2) config; Triton 3.8 compiles the "
         "same config without spills",
 }
+
+# Kernels allowed to spill at any head dim: slow paths that run (past a load of their flag) only
+# where a first pass overflowed.
+SLOW_PATHS: dict[str, str] = {
+    f"sdpa_bwd_rerun.{kernel}":
+        "the SDPA backward's float64 rerun (attnx/triton/sdpa_bwd_rerun.py): DMMA operands of "
+        "whole head dims (up to 128 a chunk), 16-row tiles replicated across the warps; it runs "
+        "only where dP or D overflowed"
+    for kernel in ("_rows_kernel", "_keys_kernel")}
+SLOW_PATHS.update({
+    f"additive_bwd_rerun.{kernel}":
+        "the additive backward's float64 rerun (attnx/triton/additive_bwd_rerun.py): float64 "
+        "16 x 16 x 8 elementwise tiles, no tl.dot; it runs only where dP or delta overflowed"
+    for kernel in ("_rows_kernel", "_keys_kernel")})
 
 # wgmma multiplies 64 rows per warpgroup: an sm_90 SDPA config whose dots all have fewer rows
 # (BLOCK_M; BLOCK_N for the key-major dots of dK/dV) runs mma.sync. Such configs are kept for
@@ -121,9 +137,9 @@ SPILL_RULES: list[tuple[Callable[[dict], bool], str]] = [
 
 
 def _accepted_spills(rows: list[dict]) -> set:
-    """ids of the spilling rows SPILL_EXCEPTIONS or SPILL_RULES accept: listed, or matching a
-    rule where, if the run compiled other configs of the same kernel, variant and arch (the
-    --full run does; the CI set mostly compiles one), one of them does not spill."""
+    """ids of the spilling rows SPILL_EXCEPTIONS, SLOW_PATHS or SPILL_RULES accept: listed, or
+    matching a rule where, if the run compiled other configs of the same kernel, variant and arch
+    (the --full run does; the CI set mostly compiles one), one of them does not spill."""
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["kernel"], r["variant"], r["arch"]), []).append(r)
@@ -131,7 +147,8 @@ def _accepted_spills(rows: list[dict]) -> set:
     for group, members in groups.items():
         clean = len(members) == 1 or any(not m["error"] and not m["spill_bytes"] for m in members)
         for r in members:
-            if group in SPILL_EXCEPTIONS or (clean and any(rule(r) for rule, _ in SPILL_RULES)):
+            if (group in SPILL_EXCEPTIONS or r["kernel"] in SLOW_PATHS
+                    or (clean and any(rule(r) for rule, _ in SPILL_RULES))):
                 accepted.add(id(r))
     return accepted
 
@@ -139,8 +156,8 @@ def _accepted_spills(rows: list[dict]) -> set:
 def failures(rows: list[dict]) -> list[str]:
     """One line per broken bound: a compile error; shared memory over the arch's opt-in limit
     or over the pruning rule's estimate; spills of a fp16/bf16 unit at head dim <= 128 (less
-    SPILL_EXCEPTIONS and SPILL_RULES); a 32-bit product of two runtime integers in the TTIR
-    (aot.narrow_products);
+    SPILL_EXCEPTIONS, SLOW_PATHS and SPILL_RULES); a 32-bit product of two runtime integers in
+    the TTIR (aot.narrow_products);
     an SDPA kernel transposing computed tiles (aot.computed_transposes); an sm_90 fp16/bf16
     SDPA kernel without wgmma though its config has a 64-row dot (WGMMA_ROWS); an fp16/bf16
     SDPA forward without mask or dropout whose in-band loop does mask arithmetic or does not
@@ -161,6 +178,11 @@ def failures(rows: list[dict]) -> list[str]:
             out.append(f"{what}: pruning estimate {estimate} B against shared {r['shared']} B, "
                        f"limit {SHARED_LIMIT[r['arch']]} B")
         dtype, dim = _dtype_and_dim(r)
+        # The SDPA rerun's launch decides by this bound whether a device holds it (fits).
+        if (r["kernel"].startswith("sdpa_bwd_rerun.")
+                and r["shared"] > sdpa_bwd_rerun.shared_bytes(dim, dim)):
+            out.append(f"{what}: shared {r['shared']} B > sdpa_bwd_rerun.shared_bytes "
+                       f"{sdpa_bwd_rerun.shared_bytes(dim, dim)} B")
         low = dtype in ("fp16", "bf16")
         if low and dim <= 128 and r["spill_bytes"] and id(r) not in accepted:
             out.append(f"{what}: {r['spill_bytes']} spill bytes")

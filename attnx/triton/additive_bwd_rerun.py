@@ -1,0 +1,292 @@
+"""The additive backward's slow path (additive.additive_bwd) for values near the dtype's largest.
+
+As in the SDPA backward (sdpa_bwd_rerun, whose reasons hold here): bf16 and fp32 values near
+their largest overflow the float32 dP = dO . value_j and delta = rowsum(dO * O) to inf, and
+dS = P (z dP - delta) comes out inf - inf or 0 * inf: NaN in dq, dk, dv (the (H, A) weight
+vector's gradient) and the float mask's, where the true gradients mostly fit. The dK and dQ
+kernels check their scratch after their loops (a non-finite dS always reaches it) and set FLAG,
+one int32 on the device; the two kernels here, launched after them on a fixed grid of
+common.multiprocessors() programs, do nothing unless it is set. Set, they recompute in float64
+(csrc/cuda/additive_bwd_rerun.cu's math): the scores as the additive kernels form them
+(sum_a w_a tanh(q_ia + k_ja), band, masks, the dropout hash), each row's probabilities divided
+by their float64 sum r_i (what the first pass does on huge-lse rows only, common.HUGE_LSE),
+dPd = dO . value_j (+ the weights' gradient), D_i = sum_j (P_ij / r_i) z dO . value_j - grad_lse_i
+(grad_lse holds -rowsum(W * dW), _ops.weights_grads) and dS = (P / r) (z dPd - D):
+
+    dq[i, a] = w_a sum_j dS_ij (1 - t_ija^2),   dk[j, a] = w_a sum_i dS_ij (1 - t_ija^2),
+    dw[a] = sum_ij dS_ij t_ija,                 dmask[i, j] = dS_ij.
+
+Plain float64 elementwise products and sums (no tl.dot: sdpa_bwd_rerun's `_wide`), in tiles of
+RERUN_BLOCK rows x RERUN_BLOCK keys x a chunk of A (or of Ev); speed is not the aim. dq, dk and
+dw go to float64 scratch that each program owns (zeroed by it), which the host puts in place of
+the first results where FLAG is set (torch.where on the device, no synchronisation); the mask's
+gradient is written over the first one in place. dvalue = P^T dO does not involve the values: it
+stands. fp16 cannot overflow: no check, no rerun (sdpa_bwd_rerun.applies).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import common
+from .additive import _tanh
+from .common import admit, key_range, offsets, query_range, split_tile
+from .rng import keep, row_keys
+from .sdpa_bwd_rerun import _narrow, applies  # noqa: F401 (applies: the additive backward's)
+
+RERUN_BLOCK = tl.constexpr(16)
+_OPTIONS = dict(num_warps=4, num_stages=1, maxnreg=common.MAX_REGISTERS)
+
+
+def _chunk_sizes(a: int, ev: int) -> dict:
+    """Chunks of A and Ev in the (RERUN_BLOCK, RERUN_BLOCK, chunk) float64 tiles: 8 on a GPU
+    (2048 doubles over 128 threads: 32 registers a tile), 32 in the interpreter (fewer steps)."""
+    top = 32 if common.interpreting() else 8
+    return dict(BLOCK_A=min(top, triton.next_power_of_2(a)),
+                BLOCK_E=min(top, triton.next_power_of_2(ev)))
+
+
+@triton.jit
+def _chunk64(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A, sqm, sqa, skn, ska, swa):
+    """tanh(q[i, a] + k[j, a]) (RERUN_BLOCK, RERUN_BLOCK, BLOCK_A) and w[a], float64 (0 past A)."""
+    a_ok = offs_a < A
+    qa = tl.load(q_base + offsets(offs_m, offs_a, sqm, sqa),
+                 mask=(offs_m[:, None] < Lq) & a_ok[None, :], other=0.0).to(tl.float64)
+    ka = tl.load(k_base + offsets(offs_n, offs_a, skn, ska),
+                 mask=(offs_n[:, None] < Lk) & a_ok[None, :], other=0.0).to(tl.float64)
+    wa = tl.load(w_base + offs_a.to(tl.int64) * swa, mask=a_ok, other=0.0).to(tl.float64)
+    return _tanh(qa[:, None, :] + ka[None, :, :]), wa
+
+
+@triton.jit
+def _probs64(q_base, k_base, w_base, m_base, lse, offs_m, offs_n, Lq, Lk, A, sqm, sqa, skn, ska,
+             swa, smm, smn, window_lo, window_hi, MASK_KIND: tl.constexpr,
+             BLOCK_A: tl.constexpr):
+    """exp(min(s - lse, 0)) of a tile in float64 (lse +inf on empty and padded rows: 0 there)."""
+    s = tl.zeros([RERUN_BLOCK, RERUN_BLOCK], tl.float64)
+    for a0 in range(0, A, BLOCK_A):
+        t, wa = _chunk64(q_base, k_base, w_base, offs_m, offs_n, a0 + tl.arange(0, BLOCK_A),
+                         Lq, Lk, A, sqm, sqa, skn, ska, swa)
+        s += tl.sum(t * wa[None, None, :], 2)
+    s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
+    return tl.exp(tl.minimum(s - lse[:, None], 0.0))
+
+
+@triton.jit
+def _dvalues(do_base, val_base, offs_m, offs_n, Lq, Lk, Ev, sdm, sdd, svn, svd,
+             BLOCK_E: tl.constexpr):
+    """dO_i . value_j of a tile, float64 (where 3.4e38^2 * Ev cannot overflow)."""
+    dp = tl.zeros([RERUN_BLOCK, RERUN_BLOCK], tl.float64)
+    for e0 in range(0, Ev, BLOCK_E):
+        offs_e = e0 + tl.arange(0, BLOCK_E)
+        do = tl.load(do_base + offsets(offs_m, offs_e, sdm, sdd),
+                     mask=(offs_m[:, None] < Lq) & (offs_e[None, :] < Ev), other=0.0)
+        va = tl.load(val_base + offsets(offs_n, offs_e, svn, svd),
+                     mask=(offs_n[:, None] < Lk) & (offs_e[None, :] < Ev), other=0.0)
+        dp += tl.sum(do.to(tl.float64)[:, None, :] * va.to(tl.float64)[None, :, :], 2)
+    return dp
+
+
+@triton.jit
+def _dropped(x, key_row, threshold, offs_n, inv_keep, DROPOUT: tl.constexpr):
+    """z x: dropout's keep / (1 - p) times x (x itself without dropout)."""
+    if DROPOUT:
+        x = tl.where(keep(key_row, offs_n, threshold), x * inv_keep, 0.0)
+    return x
+
+
+@triton.jit
+def _dscores(q_base, k_base, w_base, m_base, do_base, val_base, DWEIGHTS, bh, lse, rinv, dlt,
+             key_row, threshold, offs_m, offs_n, Lq, Lk, A, Ev, sqm, sqa, skn, ska, swa, smm,
+             smn, sdm, sdd, svn, svd, window_lo, window_hi, inv_keep,
+             MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HAS_DWEIGHTS: tl.constexpr,
+             BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr):
+    """dS = P (z dPd / r - D / r) of a tile, float64, from the rows' rinv = 1 / r and
+    dlt = D / r (_rows_kernel); dPd = dO . value_j + the weights' gradient (raw, float32)."""
+    p = _probs64(q_base, k_base, w_base, m_base, lse, offs_m, offs_n, Lq, Lk, A, sqm, sqa, skn,
+                 ska, swa, smm, smn, window_lo, window_hi, MASK_KIND, BLOCK_A)
+    dpd = _dvalues(do_base, val_base, offs_m, offs_n, Lq, Lk, Ev, sdm, sdd, svn, svd, BLOCK_E)
+    if HAS_DWEIGHTS:
+        dpd += tl.load(DWEIGHTS + (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :],
+                       mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk),
+                       other=0.0).to(tl.float64)
+    zdp = _dropped(dpd, key_row, threshold, offs_n, inv_keep, DROPOUT)
+    return p * (zdp * rinv[:, None] - dlt[:, None])
+
+
+@triton.jit
+def _zero_rows(base, offs, L, A, BLOCK_A: tl.constexpr):
+    """Zeros into rows offs (< L) of the (rows, A) float64 scratch at base."""
+    for a0 in range(0, A, BLOCK_A):
+        offs_a = a0 + tl.arange(0, BLOCK_A)
+        tl.store(base + offs.to(tl.int64)[:, None] * A + offs_a[None, :],
+                 tl.zeros([RERUN_BLOCK, BLOCK_A], tl.float64),
+                 mask=(offs[:, None] < L) & (offs_a[None, :] < A))
+
+
+@triton.jit
+def _rows_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, GLSE, LSE, RNG, ROWS, DQ, DW, DM,
+                 sqb, sqh, sqm, sqa, skb, skh, skn, ska, svb, svh, svn, svd, swh, swa,
+                 smb, smh, smm, smn, sdb, sdh, sdm, sdd,
+                 ITEMS, H, Lq, Lk, A, Ev, window_lo, window_hi, inv_keep,
+                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
+                 HAS_DWEIGHTS: tl.constexpr, HAS_GLSE: tl.constexpr,
+                 BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Each query block of each head in turn (ITEMS: B x H x blocks of Lq). A first pass over
+    its keys sums r_i = sum_j P_ij and sum_j P_ij z dO . value_j, for D_i, stored as 1 / r_i and
+    D_i / r_i (ROWS, (B, H, Lq, 2)); a second gives dq (DQ, (B, H, Lq, A) float64), its slot of
+    dw (DW, (B, H, blocks of Lq, A) float64) and, with MASK_GRAD, the float mask's gradient (DM,
+    (B, H, Lq, Lk)) over every key: past the band its zeros replace the first pass's."""
+    rows = tl.arange(0, RERUN_BLOCK)
+    items = tl.where(tl.load(FLAG) != 0, ITEMS, 0)  # none unless flagged
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        m0, bh = split_tile(item, Lq, RERUN_BLOCK)
+        bh = bh.to(tl.int64)
+        b = bh // H
+        h = bh % H
+        offs_m = m0 + rows
+        row_ok = offs_m < Lq
+        q_base = Q + b * sqb + h * sqh
+        k_base = K + b * skb + h * skh
+        w_base = W + h * swh
+        m_base = M + b * smb + h * smh
+        do_base = DO + b * sdb + h * sdh
+        val_base = VAL + b * svb + h * svh
+        lse = tl.load(LSE + bh * Lq + offs_m, mask=row_ok, other=float("inf")).to(tl.float64)
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)  # empty rows: P = 0
+        key_row, threshold = None, None
+        if DROPOUT:
+            key_row, threshold = row_keys(RNG, bh, offs_m)
+        start, end = key_range(m0, Lq, Lk, window_lo, window_hi, RERUN_BLOCK, RERUN_BLOCK)
+        r = tl.zeros([RERUN_BLOCK], tl.float64)
+        pdp = tl.zeros([RERUN_BLOCK], tl.float64)
+        for n0 in range(start, end, RERUN_BLOCK):
+            offs_n = n0 + rows
+            p = _probs64(q_base, k_base, w_base, m_base, lse, offs_m, offs_n, Lq, Lk, A, sqm,
+                         sqa, skn, ska, swa, smm, smn, window_lo, window_hi, MASK_KIND, BLOCK_A)
+            zdp = _dropped(_dvalues(do_base, val_base, offs_m, offs_n, Lq, Lk, Ev, sdm, sdd, svn,
+                                    svd, BLOCK_E), key_row, threshold, offs_n, inv_keep, DROPOUT)
+            r += tl.sum(p, 1)
+            pdp += tl.sum(p * zdp, 1)
+        r = tl.where(r > 0.0, r, 1.0)  # (rows that admit nothing: P = 0)
+        d = pdp / r
+        if HAS_GLSE:
+            d -= tl.load(GLSE + bh * Lq + offs_m, mask=row_ok, other=0.0).to(tl.float64)
+        rinv = 1.0 / r
+        dlt = d / r
+        tl.store(ROWS + 2 * (bh * Lq + offs_m), rinv, mask=row_ok)
+        tl.store(ROWS + 2 * (bh * Lq + offs_m) + 1, dlt, mask=row_ok)
+        dq_base = DQ + bh * Lq * A
+        dw_slot = DW + (bh * tl.cdiv(Lq, RERUN_BLOCK) + m0 // RERUN_BLOCK) * A
+        _zero_rows(dq_base, offs_m, Lq, A, BLOCK_A)
+        _zero_rows(dw_slot, rows, 1, A, BLOCK_A)
+        tl.debug_barrier()  # the loop below reads what these stored
+        if MASK_GRAD:
+            start, end = 0, Lk
+        for n0 in range(start, end, RERUN_BLOCK):
+            offs_n = n0 + rows
+            ds = _dscores(q_base, k_base, w_base, m_base, do_base, val_base, DWEIGHTS, bh, lse,
+                          rinv, dlt, key_row, threshold, offs_m, offs_n, Lq, Lk, A, Ev, sqm, sqa,
+                          skn, ska, swa, smm, smn, sdm, sdd, svn, svd, window_lo, window_hi,
+                          inv_keep, MASK_KIND, DROPOUT, HAS_DWEIGHTS, BLOCK_A, BLOCK_E)
+            if MASK_GRAD:
+                tl.store(DM + (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :],
+                         _narrow(ds, DM), mask=row_ok[:, None] & (offs_n[None, :] < Lk))
+            for a0 in range(0, A, BLOCK_A):
+                offs_a = a0 + tl.arange(0, BLOCK_A)
+                t, wa = _chunk64(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A,
+                                 sqm, sqa, skn, ska, swa)
+                g = ds[:, :, None] * t
+                ptrs = dq_base + offs_m.to(tl.int64)[:, None] * A + offs_a[None, :]
+                ok = row_ok[:, None] & (offs_a[None, :] < A)
+                dq = tl.load(ptrs, mask=ok, other=0.0)
+                tl.store(ptrs, dq + tl.sum(ds[:, :, None] - g * t, 1) * wa[None, :], mask=ok)
+                dw = tl.load(dw_slot + offs_a, mask=offs_a < A, other=0.0)
+                tl.store(dw_slot + offs_a, dw + tl.sum(tl.sum(g, 0), 0), mask=offs_a < A)
+                tl.debug_barrier()  # the next pass reads what this one stored
+
+
+@triton.jit
+def _keys_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, LSE, RNG, ROWS, DK,
+                 sqb, sqh, sqm, sqa, skb, skh, skn, ska, svb, svh, svn, svd, swh, swa,
+                 smb, smh, smm, smn, sdb, sdh, sdm, sdd,
+                 ITEMS, H, Lq, Lk, A, Ev, window_lo, window_hi, inv_keep,
+                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HAS_DWEIGHTS: tl.constexpr,
+                 BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Each key block of each head in turn (ITEMS: B x H x blocks of Lk): dk (DK, (B, H, Lk, A)
+    float64) over the query rows of the band, from _rows_kernel's ROWS."""
+    rows = tl.arange(0, RERUN_BLOCK)
+    items = tl.where(tl.load(FLAG) != 0, ITEMS, 0)  # none unless flagged
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        n0, bh = split_tile(item, Lk, RERUN_BLOCK)
+        bh = bh.to(tl.int64)
+        b = bh // H
+        h = bh % H
+        offs_n = n0 + rows
+        q_base = Q + b * sqb + h * sqh
+        k_base = K + b * skb + h * skh
+        w_base = W + h * swh
+        m_base = M + b * smb + h * smh
+        do_base = DO + b * sdb + h * sdh
+        val_base = VAL + b * svb + h * svh
+        dk_base = DK + bh * Lk * A
+        _zero_rows(dk_base, offs_n, Lk, A, BLOCK_A)
+        tl.debug_barrier()  # the loop below reads what this stored
+        start, end = query_range(n0, Lq, Lk, window_lo, window_hi, RERUN_BLOCK, RERUN_BLOCK)
+        for m0 in range(start, end, RERUN_BLOCK):
+            offs_m = m0 + rows
+            row_ok = offs_m < Lq
+            lse = tl.load(LSE + bh * Lq + offs_m, mask=row_ok, other=float("inf"))
+            lse = tl.where(lse == float("-inf"), float("inf"), lse).to(tl.float64)
+            rinv = tl.load(ROWS + 2 * (bh * Lq + offs_m), mask=row_ok, other=1.0)
+            dlt = tl.load(ROWS + 2 * (bh * Lq + offs_m) + 1, mask=row_ok, other=0.0)
+            key_row, threshold = None, None
+            if DROPOUT:
+                key_row, threshold = row_keys(RNG, bh, offs_m)
+            ds = _dscores(q_base, k_base, w_base, m_base, do_base, val_base, DWEIGHTS, bh, lse,
+                          rinv, dlt, key_row, threshold, offs_m, offs_n, Lq, Lk, A, Ev, sqm, sqa,
+                          skn, ska, swa, smm, smn, sdm, sdd, svn, svd, window_lo, window_hi,
+                          inv_keep, MASK_KIND, DROPOUT, HAS_DWEIGHTS, BLOCK_A, BLOCK_E)
+            for a0 in range(0, A, BLOCK_A):
+                offs_a = a0 + tl.arange(0, BLOCK_A)
+                t, wa = _chunk64(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A,
+                                 sqm, sqa, skn, ska, swa)
+                ptrs = dk_base + offs_n.to(tl.int64)[:, None] * A + offs_a[None, :]
+                ok = (offs_n[:, None] < Lk) & (offs_a[None, :] < A)
+                dk = tl.load(ptrs, mask=ok, other=0.0)
+                tl.store(ptrs, dk + tl.sum(ds[:, :, None] * (1.0 - t * t), 0) * wa[None, :],
+                         mask=ok)
+                tl.debug_barrier()  # the next pass reads what this one stored
+
+
+def launch(flag: torch.Tensor, inputs: tuple, strides: tuple, sizes: tuple, band: tuple,
+           dmask: torch.Tensor, *, mask_kind: int, dropout: bool, mask_grad: bool):
+    """Launches the two kernels after the backward's others (they do nothing unless `flag` is
+    set). inputs: q, k, value, v (the (H, A) weights), mask, dO (the caller's, not divided by r),
+    the weights' gradient (float32 contiguous, not divided by r; None for none), grad_lse (None
+    for none), lse, rng words (the kernels' dummies where absent); strides: q, k, value, v,
+    mask, dO (4, 4, 4, 2, 4, 4); sizes: B, H, Lq, Lk, A, Ev; band: window_lo, window_hi,
+    inv_keep. Writes the mask's gradient into dmask where flagged; returns (dq, dk, dw) in
+    float64 ((B, H, Lq, A), (B, H, Lk, A), (H, A)), meaningful only where flag is set."""
+    q, k, value, w, m, do, dweights, glse, lse, rng = inputs
+    b, h, lq, lk, a, ev = sizes
+    window_lo, window_hi, inv_keep = band
+    blocks = lambda n: triton.cdiv(n, RERUN_BLOCK.value)  # noqa: E731
+    rows = lse.new_empty((b, h, lq, 2), dtype=torch.float64)  # 1 / r_i, D_i / r_i
+    dq = q.new_empty((b, h, lq, a), dtype=torch.float64)
+    dk = q.new_empty((b, h, lk, a), dtype=torch.float64)
+    dw = q.new_empty((b, h, blocks(lq), a), dtype=torch.float64)
+    consts = dict(MASK_KIND=mask_kind, DROPOUT=dropout, HAS_DWEIGHTS=dweights is not None,
+                  **_chunk_sizes(a, ev), **_OPTIONS)
+    grid = (common.multiprocessors(),)
+    dweights = q if dweights is None else dweights
+    common.launcher(_rows_kernel)[grid](
+        flag, q, k, value, w, m, do, dweights, q if glse is None else glse, lse, rng, rows, dq, dw,
+        dmask, *strides, b * h * blocks(lq), h, lq, lk, a, ev, window_lo, window_hi, inv_keep,
+        MASK_GRAD=mask_grad, HAS_GLSE=glse is not None, **consts)
+    common.launcher(_keys_kernel)[grid](
+        flag, q, k, value, w, m, do, dweights, lse, rng, rows, dk, *strides, b * h * blocks(lk),
+        h, lq, lk, a, ev, window_lo, window_hi, inv_keep, **consts)
+    return dq, dk, dw.sum((0, 2))

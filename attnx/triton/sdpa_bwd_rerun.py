@@ -1,0 +1,394 @@
+"""The SDPA backward's slow path (sdpa_bwd, varlen_bwd) for values near the dtype's largest.
+
+bf16 and fp32 values near their largest (3.4e38) overflow the backward's float32 dP = dO V^T and
+D = rowsum(dO * O) to inf, and dS = P (dP - D) comes out inf - inf or 0 * inf: NaN, where the
+true dQ and dK, sums of dS ~ P * 1e39 over attention spread across keys, mostly fit. As the
+forward reruns its overflowed rows (sdpa._rerun), the dK/dV and dQ kernels keep their loops and
+only check, after them, their dK or dQ accumulator (a non-finite dS always reaches it: inf and
+NaN propagate through the sums): one holding inf or NaN sets FLAG, one int32 on the device, so
+the backward never waits on the host. The two kernels here, launched after them on a fixed grid
+of common.multiprocessors() programs, load FLAG first and do nothing unless it is set (their
+loops run zero times); set, they recompute the whole call's dQ, dK and float mask gradient in
+float64, where dP and D cannot overflow (3.4e38^2 * 256 fits), from the scores and
+probabilities the backward kernels form (scale, softcap, ALiBi, band, masks, the dropout hash,
+sinks through the lse), each row's divided by their float64 sum r_i (as the first pass does on
+huge-lse rows only, common.HUGE_LSE), and write them over the first results, rounded to the
+output dtype (inf where the true value exceeds it). dV = P^T dO does not involve V: its first
+result stands. fp16 values (< 65504) cannot overflow: its backward has no check and no rerun
+(`applies`).
+
+Two launches, because dK needs every query row's 1 / r_i and D_i / r_i: _rows_kernel (a program
+per query block in turn) writes them to ROWS (float64) with dQ and the mask gradient;
+_keys_kernel (a program per key block) reads them for dK. Tiles are RERUN_BLOCK x RERUN_BLOCK,
+float64 products on the tensor cores (DMMA, sm_80 and up); speed is not the aim.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import common
+from .common import (admit, dot, key_range, load_tile, modified, offsets, query_range,
+                     second_chunk, split_tile)
+from .rng import keep, row_keys
+from .sdpa import _alibi, _sequence, _varlen_row_keys
+
+RERUN_BLOCK = tl.constexpr(16)  # rows and keys of a float64 tile: tl.dot's least
+_OPTIONS = dict(num_warps=4, num_stages=1, maxnreg=common.MAX_REGISTERS)
+
+
+def applies(dtype: torch.dtype) -> bool:
+    """Whether a backward in `dtype` may overflow float32 (bf16, fp32) and so takes the check
+    and the rerun; fp16's values keep dO V^T and rowsum(dO * O) far inside float32."""
+    return dtype != torch.float16
+
+
+@triton.jit
+def _call_sequence(b, Lq, Lk, window_lo, window_hi, CU_Q, CU_K, VARLEN: tl.constexpr):
+    """(first query row, first key row (int64, rows of the packed tensors), Lq, Lk and band) of
+    batch b: those of sequence b under VARLEN (sdpa._sequence), the call's otherwise."""
+    q0 = tl.full([], 0, tl.int64)
+    k0 = q0
+    if VARLEN:
+        q0, k0, Lq, Lk, window_lo, window_hi = _sequence(CU_Q, CU_K, b, window_lo, window_hi)
+    return q0, k0, Lq, Lk, window_lo, window_hi
+
+
+@triton.jit
+def _lse_rows(b, h, H, Lq, q0, offs_m, TOTAL_Q, VARLEN: tl.constexpr):
+    """The rows of LSE (and of ROWS) of query rows offs_m of head h: (B, Hq, Lq), or (Hq,
+    total_q) under VARLEN."""
+    if VARLEN:
+        return h * TOTAL_Q + q0 + offs_m
+    return (b * H + h) * Lq + offs_m
+
+
+@triton.jit
+def _wide(x):
+    """The tile x in float64 for tl.dot: through a sum over a size-1 axis, where Triton's
+    compiler stops following x's elementwise ops back to the loads it came from (AccelerateMatmul's
+    computeOrigBitWidth): from a 16-bit load (the inputs', a mask's) it laid out the float64
+    operands for 16-bit MMAs and failed ("fp64 don't support largeK MMA", Triton 3.8)."""
+    return tl.sum(x.to(tl.float64)[:, :, None], 2)
+
+
+@triton.jit
+def _operand(base, rows, cols, sr, sc, R, C):
+    """The (rows, cols) tile at base (strides sr, sc; zeros past R, C) as a float64 operand."""
+    return _wide(load_tile(base + offsets(rows, cols, sr, sc), rows, cols, R, C, True, True))
+
+
+@triton.jit
+def _chunks(base, idx, offs, offs2, s_idx, s_off, L, D, TRANSPOSED: tl.constexpr,
+            BLOCK2: tl.constexpr):
+    """The head-dim chunks (offs, then offs2 where BLOCK2 > 0, else the first again) of rows idx
+    (< L) of base, float64: (idx, dims) tiles, (dims, idx) where TRANSPOSED."""
+    if TRANSPOSED:
+        x = _operand(base, offs, idx, s_off, s_idx, D, L)
+    else:
+        x = _operand(base, idx, offs, s_idx, s_off, L, D)
+    x2 = x
+    if BLOCK2 > 0:
+        if TRANSPOSED:
+            x2 = _operand(base, offs2, idx, s_off, s_idx, D, L)
+        else:
+            x2 = _operand(base, idx, offs2, s_idx, s_off, L, D)
+    return x, x2
+
+
+@triton.jit
+def _dot2(a, a2, b, b2, BLOCK2: tl.constexpr):
+    """a @ b in float64, plus a2 @ b2 (second head-dim chunks) where BLOCK2 > 0."""
+    c = dot(a, b, "ieee")
+    if BLOCK2 > 0:
+        c += dot(a2, b2, "ieee")
+    return c
+
+
+@triton.jit
+def _probs(q, q2, kt, kt2, lse, m_base, offs_m, offs_n, Lq, Lk, smm, smn, scale, window_lo,
+           window_hi, cap, slope, shift, MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
+           ALIBI: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """(P = exp(min(s - lse, 0)) and the softcap's tanh, float64) of query rows q and keys kt
+    (transposed), as sdpa._probs forms them: clamped at 1, 0 past the band, the keys, the rows
+    and a bool mask; lse +inf on empty rows."""
+    s, t = modified(_dot2(q, q2, kt, kt2, BLOCK_D2) * scale, cap, slope, offs_m[:, None] + shift,
+                    offs_n[None, :], SOFTCAP, ALIBI)
+    s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
+    return tl.exp(tl.minimum(s - lse[:, None], 0.0)), t
+
+
+@triton.jit
+def _dprobs(do, do2, vt, vt2, offs_n, key_row, threshold, inv_keep, DROPOUT: tl.constexpr,
+            BLOCK_DV2: tl.constexpr):
+    """z dP = z dO V^T of a tile (float64), z dropout's keep / (1 - p)."""
+    dp = _dot2(do, do2, vt, vt2, BLOCK_DV2)
+    if DROPOUT:
+        dp = tl.where(keep(key_row, offs_n, threshold), dp * inv_keep, 0.0)
+    return dp
+
+
+@triton.jit
+def _dscores(q, q2, do, do2, kt, kt2, vt, vt2, lse, rinv, dlt, m_base, offs_m, offs_n, Lq, Lk,
+             smm, smn, scale, window_lo, window_hi, cap, slope, shift, key_row, threshold,
+             inv_keep, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+             ALIBI: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV2: tl.constexpr):
+    """(dS of the scores after the softcap: the float mask's gradient; dS of q . k * scale, as
+    a float64 operand) of a tile: (P / r) (z dP - D) = P (z dP / r - D / r), from the rows'
+    rinv = 1 / r and dlt = D / r (_rows_kernel)."""
+    p, t = _probs(q, q2, kt, kt2, lse, m_base, offs_m, offs_n, Lq, Lk, smm, smn, scale,
+                  window_lo, window_hi, cap, slope, shift, MASK_KIND, SOFTCAP, ALIBI, BLOCK_D2)
+    zdp = _dprobs(do, do2, vt, vt2, offs_n, key_row, threshold, inv_keep, DROPOUT, BLOCK_DV2)
+    ds = p * (zdp * rinv[:, None] - dlt[:, None])
+    dsc = ds
+    if SOFTCAP:  # the mask is added after the cap; the scaled score goes through tanh
+        dsc = ds * (1.0 - t * t)
+    return ds, _wide(dsc)
+
+
+@triton.jit
+def _store(base, x, rows, cols, sr, sc, R, C):
+    """x (float64) into the (rows, cols) tile at base, in its element type (< R, C only)."""
+    tl.store(base + offsets(rows, cols, sr, sc), _narrow(x, base),
+             mask=(rows[:, None] < R) & (cols[None, :] < C))
+
+
+@triton.jit
+def _narrow(x, ptr):
+    """x (float64) in ptr's element type, through float32: Triton's interpreter casts float64 to
+    bfloat16 as 0 (3.8), and bf16's range is within float32's."""
+    return x.to(tl.float32).to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def _dropout_keys(RNG, b, h, bh, offs_m, DROPOUT: tl.constexpr, VARLEN: tl.constexpr):
+    """The rows' dropout keys (rng.row_keys; sdpa._varlen_row_keys of sequence b under VARLEN),
+    None without DROPOUT."""
+    key_row, threshold = None, None
+    if DROPOUT:
+        if VARLEN:
+            key_row, threshold = _varlen_row_keys(RNG, b, h, offs_m)
+        else:
+            key_row, threshold = row_keys(RNG, bh, offs_m)
+    return key_row, threshold
+
+
+@triton.jit
+def _rows_kernel(FLAG, Q, K, V, M, DO, GLSE, LSE, RNG, SLOPES, SINKS, ROWS, DQ, DM,
+                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn,
+                 sdb, sdh, sdm, sdd, sgb, sgh, sgm, sgd, sab, sah,
+                 ITEMS, H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep, cap,
+                 CU_Q, CU_K, TOTAL_Q,
+                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+                 HAS_GLSE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr):
+    """Each query block of each head in turn (ITEMS: B x Hq x blocks of Lq). A first pass over
+    its keys sums r_i = sum_j P_ij (the sink's exp(sink - lse_i) included) and sum_j P_ij z dP_ij,
+    for D_i = sum_j (P_ij / r_i) z dP_ij - grad_lse_i, stored as 1 / r_i and D_i / r_i (ROWS,
+    (rows of LSE, 2)). Every row is divided by its r_i: P / r is the softmax whatever the
+    rounding of the saved lse (the first pass does so on huge-lse rows only,
+    sdpa._prep_kernel), and D from it is the float64 rowsum(dO * O) without O's rounding (that
+    of the forward's shifted rerun, sdpa._rerun, 2^-18 in fp32). A second pass gives dQ (DQ,
+    strides sg*) and, with MASK_GRAD, the float mask's gradient (DM, (B, Hq, Lq, Lk)) over
+    every key: past the band its zeros replace what the first pass left there."""
+    rows = tl.arange(0, RERUN_BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_d2 = second_chunk(BLOCK_D, BLOCK_D2)
+    offs_dv2 = second_chunk(BLOCK_DV, BLOCK_DV2)
+    items = tl.where(tl.load(FLAG) != 0, ITEMS, 0)  # none unless flagged
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        m0, bh = split_tile(item, Lq, RERUN_BLOCK)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        q0, k0, lq, lk, lo, hi = _call_sequence(b, Lq, Lk, window_lo, window_hi, CU_Q, CU_K,
+                                                VARLEN)
+        if m0 < lq:
+            offs_m = m0 + rows
+            row_ok = offs_m < lq
+            k_base = K + b * skb + (h // GROUPS) * skh + k0 * skn
+            v_base = V + b * svb + (h // GROUPS) * svh + k0 * svn
+            m_base = M + b * smb + h * smh
+            q, q2 = _chunks(Q + b * sqb + h * sqh + q0 * sqm, offs_m, offs_d, offs_d2, sqm, sqd,
+                            lq, E, False, BLOCK_D2)
+            do, do2 = _chunks(DO + b * sdb + h * sdh + q0 * sdm, offs_m, offs_dv, offs_dv2, sdm,
+                              sdd, lq, Ev, False, BLOCK_DV2)
+            lse_rows = _lse_rows(b, h, H, Lq, q0, offs_m, TOTAL_Q, VARLEN)
+            lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf")).to(tl.float64)
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)  # empty rows: P = 0
+            slope, shift = _alibi(SLOPES, b, h, sab, sah, lq, lk, ALIBI, VARLEN)
+            key_row, threshold = _dropout_keys(RNG, b, h, bh, offs_m, DROPOUT, VARLEN)
+            start, end = key_range(m0, lq, lk, lo, hi, RERUN_BLOCK, RERUN_BLOCK)
+            r = tl.zeros([RERUN_BLOCK], tl.float64)
+            if HAS_SINKS:
+                r += tl.exp(tl.load(SINKS + h).to(tl.float64) - lse)
+            pdp = tl.zeros([RERUN_BLOCK], tl.float64)
+            for n0 in range(start, end, RERUN_BLOCK):
+                offs_n = n0 + rows
+                kt, kt2 = _chunks(k_base, offs_n, offs_d, offs_d2, skn, skd, lk, E, True,
+                                  BLOCK_D2)
+                vt, vt2 = _chunks(v_base, offs_n, offs_dv, offs_dv2, svn, svd, lk, Ev, True,
+                                  BLOCK_DV2)
+                p = _probs(q, q2, kt, kt2, lse, m_base, offs_m, offs_n, lq, lk, smm, smn, scale,
+                           lo, hi, cap, slope, shift, MASK_KIND, SOFTCAP, ALIBI, BLOCK_D2)[0]
+                r += tl.sum(p, 1)
+                pdp += tl.sum(p * _dprobs(do, do2, vt, vt2, offs_n, key_row, threshold,
+                                          inv_keep, DROPOUT, BLOCK_DV2), 1)
+            r = tl.where(r > 0.0, r, 1.0)  # (rows that admit nothing: P = 0)
+            d = pdp / r
+            if HAS_GLSE:
+                d -= tl.load(GLSE + lse_rows, mask=row_ok, other=0.0).to(tl.float64)
+            rinv = 1.0 / r
+            dlt = d / r
+            tl.store(ROWS + 2 * lse_rows, rinv, mask=row_ok)
+            tl.store(ROWS + 2 * lse_rows + 1, dlt, mask=row_ok)
+            if MASK_GRAD:
+                start, end = 0, lk
+            dq = tl.zeros([RERUN_BLOCK, BLOCK_D], tl.float64)
+            dq2 = tl.zeros([RERUN_BLOCK, offs_d2.shape[0]], tl.float64)
+            for n0 in range(start, end, RERUN_BLOCK):
+                offs_n = n0 + rows
+                kt, kt2 = _chunks(k_base, offs_n, offs_d, offs_d2, skn, skd, lk, E, True,
+                                  BLOCK_D2)
+                vt, vt2 = _chunks(v_base, offs_n, offs_dv, offs_dv2, svn, svd, lk, Ev, True,
+                                  BLOCK_DV2)
+                ds, dsc = _dscores(q, q2, do, do2, kt, kt2, vt, vt2, lse, rinv, dlt, m_base,
+                                   offs_m, offs_n, lq, lk, smm, smn, scale, lo, hi, cap, slope,
+                                   shift, key_row, threshold, inv_keep, MASK_KIND, DROPOUT,
+                                   SOFTCAP, ALIBI, BLOCK_D2, BLOCK_DV2)
+                if MASK_GRAD:
+                    _store(DM + bh.to(tl.int64) * Lq * Lk, ds, offs_m, offs_n, Lk, 1, lq, lk)
+                dq += dot(dsc, tl.trans(kt), "ieee")
+                if BLOCK_D2 > 0:
+                    dq2 += dot(dsc, tl.trans(kt2), "ieee")
+            dq_base = DQ + b * sgb + h * sgh + q0 * sgm
+            _store(dq_base, dq * scale, offs_m, offs_d, sgm, sgd, lq, E)
+            if BLOCK_D2 > 0:
+                _store(dq_base, dq2 * scale, offs_m, offs_d2, sgm, sgd, lq, E)
+
+
+@triton.jit
+def _keys_kernel(FLAG, Q, K, V, M, DO, LSE, RNG, SLOPES, ROWS, DK,
+                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn,
+                 sdb, sdh, sdm, sdd, sgb, sgh, sgm, sgd, sab, sah,
+                 ITEMS, H, Hkv, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
+                 cap, CU_Q, CU_K, TOTAL_Q,
+                 MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+                 ALIBI: tl.constexpr, VARLEN: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr):
+    """Each key block of each kv head in turn (ITEMS: B x Hkv x blocks of Lk): dK over the
+    query heads of its GQA group and every query row of the band (DK, the final dK, strides
+    sg*), from _rows_kernel's ROWS."""
+    rows = tl.arange(0, RERUN_BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_d2 = second_chunk(BLOCK_D, BLOCK_D2)
+    offs_dv2 = second_chunk(BLOCK_DV, BLOCK_DV2)
+    items = tl.where(tl.load(FLAG) != 0, ITEMS, 0)  # none unless flagged
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        n0, bhk = split_tile(item, Lk, RERUN_BLOCK)
+        b = (bhk // Hkv).to(tl.int64)
+        hk = (bhk % Hkv).to(tl.int64)
+        q0, k0, lq, lk, lo, hi = _call_sequence(b, Lq, Lk, window_lo, window_hi, CU_Q, CU_K,
+                                                VARLEN)
+        if n0 < lk:
+            offs_n = n0 + rows
+            kt, kt2 = _chunks(K + b * skb + hk * skh + k0 * skn, offs_n, offs_d, offs_d2, skn,
+                              skd, lk, E, True, BLOCK_D2)
+            vt, vt2 = _chunks(V + b * svb + hk * svh + k0 * svn, offs_n, offs_dv, offs_dv2, svn,
+                              svd, lk, Ev, True, BLOCK_DV2)
+            start, end = query_range(n0, lq, lk, lo, hi, RERUN_BLOCK, RERUN_BLOCK)
+            dk = tl.zeros([RERUN_BLOCK, BLOCK_D], tl.float64)
+            dk2 = tl.zeros([RERUN_BLOCK, offs_d2.shape[0]], tl.float64)
+            for g in range(GROUPS):
+                h = hk * GROUPS + g
+                m_base = M + b * smb + h * smh
+                slope, shift = _alibi(SLOPES, b, h, sab, sah, lq, lk, ALIBI, VARLEN)
+                for m0 in range(start, end, RERUN_BLOCK):
+                    offs_m = m0 + rows
+                    row_ok = offs_m < lq
+                    q, q2 = _chunks(Q + b * sqb + h * sqh + q0 * sqm, offs_m, offs_d, offs_d2,
+                                    sqm, sqd, lq, E, False, BLOCK_D2)
+                    do, do2 = _chunks(DO + b * sdb + h * sdh + q0 * sdm, offs_m, offs_dv,
+                                      offs_dv2, sdm, sdd, lq, Ev, False, BLOCK_DV2)
+                    lse_rows = _lse_rows(b, h, H, Lq, q0, offs_m, TOTAL_Q, VARLEN)
+                    lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf"))
+                    lse = tl.where(lse == float("-inf"), float("inf"), lse).to(tl.float64)
+                    rinv = tl.load(ROWS + 2 * lse_rows, mask=row_ok, other=1.0)
+                    dlt = tl.load(ROWS + 2 * lse_rows + 1, mask=row_ok, other=0.0)
+                    key_row, threshold = _dropout_keys(RNG, b, h, b * H + h, offs_m, DROPOUT,
+                                                       VARLEN)
+                    dsct = tl.trans(_dscores(
+                        q, q2, do, do2, kt, kt2, vt, vt2, lse, rinv, dlt, m_base, offs_m, offs_n,
+                        lq, lk, smm, smn, scale, lo, hi, cap, slope, shift, key_row, threshold,
+                        inv_keep, MASK_KIND, DROPOUT, SOFTCAP, ALIBI, BLOCK_D2, BLOCK_DV2)[1])
+                    dk += dot(dsct, q, "ieee")
+                    if BLOCK_D2 > 0:
+                        dk2 += dot(dsct, q2, "ieee")
+            dk_base = DK + b * sgb + hk * sgh + k0 * sgm
+            _store(dk_base, dk * scale, offs_n, offs_d, sgm, sgd, lk, E)
+            if BLOCK_D2 > 0:
+                _store(dk_base, dk2 * scale, offs_n, offs_d2, sgm, sgd, lk, E)
+
+
+def _head_chunks(d: int) -> tuple[int, int]:
+    """A head dim's float64 tiles: one power-of-two block up to 128, two halves of the block
+    over it (one 256-wide block spilled 0.9-1 KB on sm_80 and sm_90, the halves 0-128 B)."""
+    block = common.head_block(d)
+    return (block, 0) if block <= 128 else (block // 2, block // 2)
+
+
+def shared_bytes(e: int, ev: int) -> int:
+    """The shared memory the two kernels take: their float64 operand tiles q, K^T (RERUN_BLOCK
+    rows or columns of E's chunks), dO and V^T (of Ev's), once each, and a score tile's worth
+    (a mask's tile, up to 8 bytes an element). tests/triton_compile holds the sm_80 and sm_90
+    compiles to it (about 32 KiB at head dims up to 64, 64 at 128, 128 above)."""
+    (d1, d2), (dv1, dv2) = _head_chunks(e), _head_chunks(ev)
+    block = RERUN_BLOCK.value
+    return 8 * block * 2 * (d1 + d2 + dv1 + dv2) + 8 * block * block
+
+
+def fits(e: int, ev: int) -> bool:
+    """Whether the device holds the kernels' shared memory. Not where head dims over 128 meet
+    99 KiB parts (sm_86, sm_89): their backwards skip the rerun, so that launches every
+    bf16/fp32 backward makes cannot fail there; values near the largest give NaN there."""
+    return common.interpreting() or shared_bytes(e, ev) <= common.shared_memory_limit()
+
+
+def launch(flag: torch.Tensor, inputs: tuple, outputs: tuple, strides: tuple, out_strides: tuple,
+           sizes: tuple, band: tuple, cu: tuple, *, mask_kind: int, dropout: bool,
+           mask_grad: bool, softcap: bool, alibi: bool, has_sinks: bool, has_glse: bool,
+           varlen: bool) -> torch.Tensor:
+    """Launches the two kernels after the backward's others (they do nothing unless `flag` is
+    set). inputs: q, k, v, mask, dO (the caller's, not divided by r), grad_lse, lse, rng words,
+    slopes, sinks (the kernels' dummies where absent); outputs: dq, the final dk (after a GQA
+    split's sum), dmask; strides: q, k, v, mask, dO (4 each) and the slopes' 2; out_strides:
+    dq's and dk's 4 each; sizes: B (sequences under varlen), Hq, Hkv, Lq, Lk, E, Ev (the longest
+    lengths under varlen); band: scale, window, inv_keep, softcap; cu: cu_seqlens_q, cu_seqlens_k,
+    total_q. Returns D_i / r_i (float64, lse's shape; only where flag is set) for dsinks, or None
+    where the device does not hold the kernels (`fits`: nothing launched)."""
+    q, k, v, m, do, glse, lse, rng, slopes, sinks = inputs
+    dq, dk, dmask = outputs
+    b, h, hkv, lq, lk, e, ev = sizes
+    if not fits(e, ev):
+        return None
+    scale, window_lo, window_hi, inv_keep, cap = band
+    rows = lse.new_empty((*lse.shape, 2), dtype=torch.float64)  # 1 / r_i, D_i / r_i
+    (d1, d2), (dv1, dv2) = _head_chunks(e), _head_chunks(ev)
+    consts = dict(MASK_KIND=mask_kind, DROPOUT=dropout, SOFTCAP=softcap, ALIBI=alibi,
+                  VARLEN=varlen, BLOCK_D=d1, BLOCK_D2=d2, BLOCK_DV=dv1, BLOCK_DV2=dv2)
+    grid = (common.multiprocessors(),)
+    blocks = lambda n: triton.cdiv(n, RERUN_BLOCK.value)  # noqa: E731
+    common.launcher(_rows_kernel)[grid](
+        flag, q, k, v, m, do, glse, lse, rng, slopes, sinks, rows, dq, dmask, *strides[:20],
+        *out_strides[:4], *strides[20:], b * h * blocks(lq), h, lq, lk, e, ev, h // hkv, scale,
+        window_lo, window_hi, inv_keep, cap, *cu, MASK_GRAD=mask_grad, HAS_SINKS=has_sinks,
+        HAS_GLSE=has_glse, **consts, **_OPTIONS)
+    common.launcher(_keys_kernel)[grid](
+        flag, q, k, v, m, do, lse, rng, slopes, rows, dk, *strides[:20], *out_strides[4:],
+        *strides[20:], b * hkv * blocks(lk), h, hkv, lq, lk, e, ev, h // hkv, scale, window_lo,
+        window_hi, inv_keep, cap, *cu, **consts, **_OPTIONS)
+    return rows[..., 1]
