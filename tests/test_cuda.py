@@ -833,11 +833,13 @@ def sink_grad_floor(out, lse, dout, sinks, head_dim):
     (96, 20, dict(sinks=True, window=(200, 5))),
     (160, 12, dict(float_mask=True)),
     (64, 21, dict(bool_mask=True)),
+    (64, 9, dict(huge_bias=True, sinks=True)),
 ])
 def test_sdpa_backward_values_near_the_bf16_max(e, lq, kw):
     """GQA over 300 keys (several key blocks), through the 128-key (e = 64..128), 64-key and
     split (e > 128) variants, plain and with modifiers; a bool mask with a fully masked row, a
-    float mask's gradient, the sinks' gradient."""
+    float mask's gradient, the sinks' gradient; rows of huge lse (a bias of 5000: the rerun
+    divides by its own scores' row sums there)."""
     torch.manual_seed(46)
     hq, hkv, lk = 4, 2, 300
     q = rand(1, hq, lq, e, dtype=torch.bfloat16)
@@ -847,6 +849,10 @@ def test_sdpa_backward_values_near_the_bf16_max(e, lq, kw):
     inputs = [q, k, v]
     if kw.pop("float_mask", False):
         inputs.append(rand(1, hq, lq, lk, dtype=torch.bfloat16))
+    if kw.pop("huge_bias", False):
+        bias = torch.zeros(1, 1, lq, lk, device=DEV, dtype=torch.bfloat16)
+        bias[..., ::2, :] = 5000.0
+        inputs.append(bias)
     if kw.pop("bool_mask", False):
         mask = torch.rand(1, 1, lq, lk, device=DEV) > 0.3
         mask[..., 3, :] = False
@@ -867,7 +873,8 @@ def test_sdpa_backward_values_near_the_bf16_max(e, lq, kw):
     if inputs[-1].dim() == 1:
         out, lse = seeded(call, 3, *(t.double() for t in inputs), backend="reference",
                           return_lse=True)
-        floors[3] = sink_grad_floor(out, lse, grad_out_for(out, 3), inputs[-1], head_dim=1)
+        floors[len(inputs) - 1] = sink_grad_floor(out, lse, grad_out_for(out, 3), inputs[-1],
+                                                  head_dim=1)
     assert_grads_as_scaled_down(call, inputs, 2, floors=floors)
 
 
@@ -909,12 +916,14 @@ def test_varlen_backward_values_near_the_bf16_max():
 
 @pytest.mark.parametrize("a,kw", [
     (16, {}),
+    (16, dict(window=(None, 0), float_mask=True)),
     (300, dict(dropout_p=0.25, float_mask=True)),
     (32, dict(window=(40, 3), weights=True)),
 ])
 def test_additive_backward_values_near_the_bf16_max(a, kw):
     """The additive backward's float64 rerun (additive_bwd_rerun.cu): over two A chunks (a = 300),
-    with dropout, a float mask's gradient, a band, and a loss on the returned weights too."""
+    with dropout, a float mask's gradient (a causal band: row 0's one key, whose dS the rerun
+    finds 0 where the first pass's was NaN), a band, and a loss on the returned weights too."""
     torch.manual_seed(49)
     q = rand(1, 2, 12, a, dtype=torch.bfloat16)
     k = rand(1, 2, 150, a, dtype=torch.bfloat16)

@@ -63,10 +63,12 @@ KERNELS.update({f"sdpa_bwd<{dt}, {d}{mods}, KT=2>": ("sdpa_bwd_kt2", d)
                 for dt in DTYPES.values() for d in SDPA_BWD_FAMILIES
                 for mods in SDPA_VARIANTS.values() if (96 if mods else 64) <= d <= 128})
 KERNELS.update({f"sdpa_bwd_delta<{dt}>": (None, 0) for dt in DTYPES.values()})
-# The backwards' float64 reruns, bf16 only (sdpa_bwd_rerun.cu: plain and with the modifiers;
-# additive_bwd_rerun.cu: the query pass and the key pass).
-KERNELS.update({f"sdpa_bwd_rerun<bf16{mods}>": (None, 0) for mods in SDPA_VARIANTS.values()})
-KERNELS.update({f"additive_bwd_rerun<bf16, {rows}>": (None, 0) for rows in ("queries", "keys")})
+# The backwards' float64 reruns, bf16 only, each a query pass and a key pass (sdpa_bwd_rerun.cu:
+# plain and with the modifiers; additive_bwd_rerun.cu).
+RERUN_PASSES = ("queries", "keys")
+KERNELS.update({f"sdpa_bwd_rerun<bf16{mods}, {rows}>": (None, 0)
+                for mods in SDPA_VARIANTS.values() for rows in RERUN_PASSES})
+KERNELS.update({f"additive_bwd_rerun<bf16, {rows}>": (None, 0) for rows in RERUN_PASSES})
 KERNELS.update({f"additive_{op}<{dt}>": ("additive", cuda_backend.MAX_ADDITIVE_VALUE_DIM)
                 for op in ("fwd", "bwd") for dt in DTYPES.values()})
 # KV-cache decoding (decode.cu): the split kernel per value columns per thread (1: Ev <= 128,
@@ -82,7 +84,7 @@ _SDPA = re.compile(
     r"(sdpa_fwd|sdpa_bwd)_kernelI(6__half|13__nv_bfloat16)Li(\d+)ELb([01])E(?:Li(\d)E)?")
 _ADDITIVE = re.compile(r"additive_(fwd|bwd)_kernelI(6__half|13__nv_bfloat16)E")
 _DELTA = re.compile(r"sdpa_bwd_delta_kernelI(6__half|13__nv_bfloat16)E")
-_RERUN = re.compile(r"sdpa_bwd_rerun_kernelI13__nv_bfloat16Lb([01])E")
+_RERUN = re.compile(r"sdpa_bwd_rerun_kernelI13__nv_bfloat16Lb([01])ELb([01])E")
 _ADDITIVE_RERUN = re.compile(r"additive_bwd_rerun_kernelI13__nv_bfloat16Lb([01])E")
 _KVCACHE = re.compile(
     r"kvcache_(split|merge)_kernelI(6__half|13__nv_bfloat16)(?:Li(\d+)E)?Lb([01])E")
@@ -122,9 +124,9 @@ def kernel_name(symbol: str) -> str:
     if m := _DELTA.search(symbol):
         return f"sdpa_bwd_delta<{DTYPES[m[1]]}>"
     if m := _RERUN.search(symbol):
-        return f"sdpa_bwd_rerun<bf16{SDPA_VARIANTS[m[1]]}>"
+        return f"sdpa_bwd_rerun<bf16{SDPA_VARIANTS[m[1]]}, {RERUN_PASSES[int(m[2])]}>"
     if m := _ADDITIVE_RERUN.search(symbol):
-        return f"additive_bwd_rerun<bf16, {('queries', 'keys')[int(m[1])]}>"
+        return f"additive_bwd_rerun<bf16, {RERUN_PASSES[int(m[1])]}>"
     if m := _KVCACHE.search(symbol):
         return (f"kvcache_{m[1]}<{DTYPES[m[2]]}" + (f", {m[3]}" if m[3] else "")
                 + f"{KVCACHE_VARIANTS[m[1]][m[4]]}>")

@@ -104,10 +104,10 @@ __device__ void rerun_query_row(const AdditiveParams& p, int b, int h, int i, in
     double dq[kRerunCols] = {}, dv[kRerunCols] = {};
     for (int j = j_lo; j <= j_hi; ++j) {
       const double ds = pair_ds(p, r, b, h, i, j, lse, R, delta, lane);
-      if (ds == 0.0) continue;  // (the fast pass wrote dmask 0 there too)
-      add_chunk(p, r.q, r.k + j * p.sk.l, r.v, a0, lane, ds, dq, &dv);
+      // (every pair of the band: the fast pass's may be NaN where this one's is 0)
       if (a0 == 0 && p.dmask != nullptr && lane == 0)
         store_mask_grad<T>(p.dmask, p.mask.kind, r.row * p.Lk + j, saturated(ds));
+      if (ds != 0.0) add_chunk(p, r.q, r.k + j * p.sk.l, r.v, a0, lane, ds, dq, &dv);
     }
 #pragma unroll
     for (int u = 0; u < kRerunCols; ++u) {
@@ -143,7 +143,8 @@ __device__ void rerun_key_row(const AdditiveParams& p, int b, int h, int j, int 
 
 // kKeys: the key pass (after the query pass, whose R and delta it reads).
 template <typename T, bool kKeys>
-__global__ void __launch_bounds__(32 * kRerunWarps, 1) additive_bwd_rerun_kernel(const AdditiveParams p) {
+__global__ void __launch_bounds__(32 * kRerunWarps, 1)
+    additive_bwd_rerun_kernel(const AdditiveParams p) {
   if (!*p.overflowed) return;
   const int lane = threadIdx.x % 32, L = kKeys ? p.Lk : p.Lq;
   const int64_t tasks = int64_t(p.B) * p.H * L, warps = int64_t(gridDim.x) * kRerunWarps;

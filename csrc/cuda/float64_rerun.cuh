@@ -20,12 +20,14 @@ constexpr int kRerunCols = 256 / 32;  // columns a lane holds at a time
 // The grid of a rerun over `tasks` rows: each launch returns at once unless its flag is set,
 // so the grid is small whatever the sizes (a few microseconds a backward).
 inline dim3 rerun_grid(int64_t tasks) {
-  return dim3(unsigned(std::min<int64_t>(kRerunMaxBlocks, (tasks + kRerunWarps - 1) / kRerunWarps)));
+  const int64_t blocks = (tasks + kRerunWarps - 1) / kRerunWarps;
+  return dim3(unsigned(std::min<int64_t>(kRerunMaxBlocks, blocks)));
 }
 
-// float(x), inf past float's range (converting such a double is undefined in C++).
+// float(x), inf past float's range (converting such a double is undefined in C++), NaN kept.
 __device__ __forceinline__ float saturated(double x) {
-  return fabs(x) <= 3.4028234663852886e38 ? float(x) : (x > 0 ? INFINITY : -INFINITY);
+  if (fabs(x) <= 3.4028234663852886e38) return float(x);
+  return x > 0 ? INFINITY : x < 0 ? -INFINITY : NAN;
 }
 
 // sum_c a[c] b[c] over c < n, lanes over c, in float (as the fast kernels' scores) or float64.

@@ -328,7 +328,12 @@ Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout
   p.dv = g.dv.data_ptr();
   p.dmask = want_dmask ? g.dmask.data_ptr() : nullptr;
   p.overflowed = overflowed.data_ptr<float>();
-  const bool rerun_sinks = sinks32.defined() && p.dtype == DType::BFloat16;
+  const bool bf16 = p.dtype == DType::BFloat16;
+  const Tensor rerun_inv_r = bf16 ? target.empty(rows, f32) : Tensor();
+  const Tensor rerun_delta = bf16 ? target.empty(rows, f32.dtype(at::kDouble)) : Tensor();
+  p.rerun_inv_r = bf16 ? rerun_inv_r.data_ptr<float>() : nullptr;
+  p.rerun_delta = bf16 ? rerun_delta.data_ptr<double>() : nullptr;
+  const bool rerun_sinks = sinks32.defined() && bf16;
   const Tensor dsinks64 = rerun_sinks ? target.zeros({p.Hq}, f32.dtype(at::kDouble)) : Tensor();
   p.dsinks = rerun_sinks ? dsinks64.data_ptr<double>() : nullptr;
   target.check(sdpa_bwd_delta(p, target.stream()));

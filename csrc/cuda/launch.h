@@ -82,6 +82,9 @@ struct SdpaParams {
   // With it, where the sinks' gradient is asked for: (Hq) float64, zeroed; the rerun adds each
   // row's term -P_sink,i delta_i there (delta may pass float's range), or null.
   double* dsinks = nullptr;
+  // The rerun's rows (as delta): 1 / R and delta in float64, from its query pass to its key pass.
+  float* rerun_inv_r = nullptr;
+  double* rerun_delta = nullptr;
   // Packed variable-length batches (varlen_attention), when cu_q is set: batch index b is
   // sequence n = b of B, whose queries are rows cu_q[n]..cu_q[n+1] - 1 of q (a (1, Hq, total_q,
   // E) view, sq.b = 0) and keys rows cu_k[n].. of k and v; Lq and Lk are the longest

@@ -4,42 +4,54 @@
 // difference, is usually far inside the range: with attention spread over a few hundred keys,
 // dQ and dK fit. The key-block kernels flag a non-finite dK (every non-finite dS reaches the dK
 // of its key: NaN and inf survive the sums) in p.overflowed, after their loop, where the test
-// costs nothing; this kernel, launched after them on a small grid, reads the flag and returns at
-// once while it is 0 (a few microseconds a backward). When it is set, every dQ and dK row (and
-// dmask and delta) is computed again, one warp a row, in float64: the products of bf16 values
-// (at most 3.39e38^2 each, 256 of them) cannot overflow there. Scores and P are formed as the
-// key-block kernels form them (scaled, modified, admitted, dropped, divided by the huge-lse row
-// sums), so only the sums change. dV needs nothing: it does not involve V. A result past the
-// dtype's range is inf, as it would be for any backend. fp16 (at most 65504) cannot overflow:
-// its kernels neither flag nor launch this.
+// costs nothing; the two launches here, on a small grid, read the flag and return at once while
+// it is 0 (a few microseconds a backward). When it is set, every dQ row (with dmask, delta and
+// the sinks' gradient: the query pass) and then every dK row (the key pass, from the rows' R and
+// delta the query pass kept) is computed again, one warp a row, in float64: the products of bf16
+// values (at most 3.39e38^2 each, 256 of them) cannot overflow there. Scores and P are formed as
+// the key-block kernels form them (scaled, modified, admitted, dropped; rows of huge lse divided
+// by their row sum, here of this pass's own scores), so only the sums change. dV needs nothing:
+// it does not involve V. A result past the dtype's range is inf, as it would be for any
+// backend. fp16 (at most 65504) cannot overflow: its kernels neither flag nor launch this.
 #include "float64_rerun.cuh"
 
 namespace attnx {
 namespace cuda {
 namespace {
 
-// What a pair (i, j) of head h needs of its query row i: q, dO and the row values of the
-// key-block kernels (lse, +inf for rows without probabilities; 1 / R; delta in float64).
+// What a pair (i, j) of head h needs of its query row i: q, dO and the row values (lse, +inf
+// for rows without probabilities; 1 / R; delta in float64).
 template <typename T>
 struct QueryRow {
   const T *q, *dout;
+  int64_t row;  // in the buffers indexed by query row
   float lse, inv_r;
   double delta;
 };
 
 template <typename T>
 __device__ __forceinline__ QueryRow<T> query_row(const SdpaParams& p, const SeqView& seq, int b,
-                                                 int h, int i, int lane) {
-  const int64_t row = query_rows(p, seq, b, h) + i;
+                                                 int h, int i) {
   QueryRow<T> r;
+  r.row = query_rows(p, seq, b, h) + i;
   r.q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h + (seq.q0 + i) * p.sq.l;
-  r.dout = static_cast<const T*>(p.dout) + row * p.Ev;
-  const float lse = p.lse[row];
+  r.dout = static_cast<const T*>(p.dout) + r.row * p.Ev;
+  const float lse = p.lse[r.row];
   r.lse = lse == -INFINITY ? INFINITY : lse;
-  r.inv_r = 1.f / p.row_sums[row];
-  r.delta = warp_dot_d(r.dout, static_cast<const T*>(p.out) + row * p.Ev, p.Ev, lane) -
-            (p.grad_lse != nullptr ? double(p.grad_lse[row]) : 0.0);
   return r;
+}
+
+// The score of pair (i, j) as the key-block kernels form it: scaled, modified, admitted (-inf
+// outside the band and the mask); tc: tanh(score / softcap) with a softcap.
+template <typename T, bool kMods>
+__device__ __forceinline__ float pair_score(const SdpaParams& p, const SeqView& seq, int b, int h,
+                                            int i, int j, const T* q_row, const T* k_row,
+                                            int lane, float* tc) {
+  float x = warp_dot_f(q_row, k_row, p.E, lane) * p.scale;
+  if constexpr (kMods)
+    x = modified_score(x, p.mods, alibi_slope(p.mods, int64_t(b) * p.Hq + h),
+                       fabsf(float(i + seq.diag - j)), *tc);
+  return admit<T>(x, p.mask, seq.lo, seq.hi, b, h, i, j, seq.Lq, seq.Lk);
 }
 
 // dS_ij (after the softcap's derivative) in float64; dmask_ij, dS before that derivative, in
@@ -48,12 +60,8 @@ template <typename T, bool kMods>
 __device__ __forceinline__ double pair_ds(const SdpaParams& p, const SeqView& seq, int b, int h,
                                           int i, int j, const QueryRow<T>& r, const T* k_row,
                                           const T* v_row, int lane, double* ds_mask) {
-  float x = warp_dot_f(r.q, k_row, p.E, lane) * p.scale;
   float tc = 0.f;
-  if constexpr (kMods)
-    x = modified_score(x, p.mods, alibi_slope(p.mods, int64_t(b) * p.Hq + h),
-                       fabsf(float(i + seq.diag - j)), tc);
-  x = admit<T>(x, p.mask, seq.lo, seq.hi, b, h, i, j, seq.Lq, seq.Lk);
+  const float x = pair_score<T, kMods>(p, seq, b, h, i, j, r.q, k_row, lane, &tc);
   const float prob = fast_exp(x - r.lse) * r.inv_r;
   double ds = 0.0;
   if (prob != 0.f) {  // (a warp-uniform branch: every lane holds the same sums)
@@ -65,21 +73,36 @@ __device__ __forceinline__ double pair_ds(const SdpaParams& p, const SeqView& se
   return ds;
 }
 
-// Query row i of head h: dQ_i = scale sum_j dS_ij k_j over the band, written over dq_acc; its
-// delta (float, inf past the range: the host's sink gradient reads it) and its dmask row.
+// Query row i of head h: its delta in float64 and, on a row of huge lse, R = sum_j exp(s_j -
+// lse) (the sink's term included) from this pass's own scores (the key-block kernels' R came from
+// scores rounded in another order, and exp(s - lse) is what that rounding moves there: common.cuh
+// huge_lse), both kept for the key pass; dQ_i = scale sum_j dS_ij k_j over the band, written over
+// dq_acc; its dmask row; delta (float, inf past the range) and the sink's gradient.
 template <typename T, bool kMods>
 __device__ __forceinline__ void rerun_query_row(const SdpaParams& p, const SeqView& seq, int b,
                                                 int h, int i, int lane) {
   const int hk = h / (p.Hq / p.Hkv);
   const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h + seq.k0 * p.sk.l;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h + seq.k0 * p.sv.l;
-  const QueryRow<T> r = query_row<T>(p, seq, b, h, i, lane);
-  const int64_t row = query_rows(p, seq, b, h) + i;
+  QueryRow<T> r = query_row<T>(p, seq, b, h, i);
+  r.delta = warp_dot_d(r.dout, static_cast<const T*>(p.out) + r.row * p.Ev, p.Ev, lane) -
+            (p.grad_lse != nullptr ? double(p.grad_lse[r.row]) : 0.0);
+  const int64_t j_lo = max(int64_t(0), i + seq.lo), j_hi = min(int64_t(seq.Lk) - 1, i + seq.hi);
+  const float sink = p.mods.sinks != nullptr ? p.mods.sinks[h] : -INFINITY;
+  float R = 1.f;
+  if (huge_lse(r.lse)) {
+    R = sink != -INFINITY ? fast_exp(sink - r.lse) : 0.f;
+    for (int j = int(j_lo); j <= j_hi; ++j) {
+      float tc;
+      R += fast_exp(pair_score<T, kMods>(p, seq, b, h, i, j, r.q, k + j * p.sk.l, lane, &tc) -
+                    r.lse);
+    }
+  }
+  r.inv_r = 1.f / R;
   T* dmask = p.dmask == nullptr
                  ? nullptr
                  : static_cast<T*>(p.dmask) + ((int64_t(b) * p.Hq + h) * p.Lq + i) * p.Lk;
   double dq[kRerunCols] = {};
-  const int64_t j_lo = max(int64_t(0), i + seq.lo), j_hi = min(int64_t(seq.Lk) - 1, i + seq.hi);
   for (int j = int(j_lo); j <= j_hi; ++j) {
     double ds_mask;
     const double ds = pair_ds<T, kMods>(p, seq, b, h, i, j, r, k + j * p.sk.l, v + j * p.sv.l,
@@ -94,7 +117,7 @@ __device__ __forceinline__ void rerun_query_row(const SdpaParams& p, const SeqVi
 #pragma unroll
   for (int u = 0; u < kRerunCols; ++u) {
     const int c = lane + 32 * u;
-    if (c < p.E) p.dq_acc[row * p.E + c] = saturated(dq[u] * p.scale);
+    if (c < p.E) p.dq_acc[r.row * p.E + c] = saturated(dq[u] * p.scale);
   }
   // dmask past the band: the key-block kernels wrote dS = 0 * (dP - delta) there, NaN where
   // those overflowed
@@ -102,17 +125,18 @@ __device__ __forceinline__ void rerun_query_row(const SdpaParams& p, const SeqVi
     for (int j = lane; j < seq.Lk; j += 32)
       if (j < j_lo || j > j_hi) dmask[j] = from_float<T>(0.f);
   if (lane == 0) {
-    p.delta[row] = saturated(r.delta);
-    // the sink's gradient from this row (kernel_ops.cpp computes it from delta otherwise):
-    // its probability exp(sink - lse) / R times (0 - delta)
-    const float sink = p.dsinks != nullptr ? p.mods.sinks[h] : -INFINITY;
-    if (sink != -INFINITY)
-      atomicAdd(p.dsinks + h, -exp(double(sink) - double(p.lse[row])) / p.row_sums[row] * r.delta);
+    p.rerun_inv_r[r.row] = r.inv_r;
+    p.rerun_delta[r.row] = r.delta;
+    p.delta[r.row] = saturated(r.delta);
+    // the sink's gradient from this row (kernel_ops.cpp computes it from delta otherwise): its
+    // probability exp(sink - lse) / R times (0 - delta)
+    if (p.dsinks != nullptr && sink != -INFINITY)
+      atomicAdd(p.dsinks + h, -exp(double(sink) - double(r.lse)) * r.inv_r * r.delta);
   }
 }
 
 // Key row j of kv head hk: dK_j = scale sum over the group's query heads and the band's rows of
-// dS_ij q_i, written over dk.
+// dS_ij q_i, written over dk; the rows' 1 / R and delta from the query pass.
 template <typename T, bool kMods>
 __device__ __forceinline__ void rerun_key_row(const SdpaParams& p, const SeqView& seq, int b,
                                               int hk, int j, int lane) {
@@ -123,7 +147,9 @@ __device__ __forceinline__ void rerun_key_row(const SdpaParams& p, const SeqView
   const int64_t i_lo = max(int64_t(0), j - seq.hi), i_hi = min(int64_t(seq.Lq) - 1, j - seq.lo);
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
     for (int i = int(i_lo); i <= i_hi; ++i) {
-      const QueryRow<T> r = query_row<T>(p, seq, b, h, i, lane);
+      QueryRow<T> r = query_row<T>(p, seq, b, h, i);
+      r.inv_r = p.rerun_inv_r[r.row];
+      r.delta = p.rerun_delta[r.row];
       double ds_mask;
       const double ds = pair_ds<T, kMods>(p, seq, b, h, i, j, r, k_row, v_row, lane, &ds_mask);
 #pragma unroll
@@ -141,24 +167,21 @@ __device__ __forceinline__ void rerun_key_row(const SdpaParams& p, const SeqView
   }
 }
 
-// Tasks: the B Hq Lq query rows, then the B Hkv Lk key rows, taken by the grid's warps in turn
-// (rows past a packed sequence's lengths are skipped).
-template <typename T, bool kMods>
+// kKeys: the key pass (after the query pass, whose 1 / R and delta it reads). Tasks: the
+// B Hq Lq query rows or the B Hkv Lk key rows, taken by the grid's warps in turn (rows past a
+// packed sequence's lengths are skipped).
+template <typename T, bool kMods, bool kKeys>
 __global__ void __launch_bounds__(32 * kRerunWarps, 1) sdpa_bwd_rerun_kernel(const SdpaParams p) {
   if (*p.overflowed == 0.f) return;
-  const int lane = threadIdx.x % 32;
-  const int64_t n_query = int64_t(p.B) * p.Hq * p.Lq, n_key = int64_t(p.B) * p.Hkv * p.Lk;
-  const int64_t warps = int64_t(gridDim.x) * kRerunWarps;
-  for (int64_t t = blockIdx.x * kRerunWarps + threadIdx.x / 32; t < n_query + n_key; t += warps) {
-    if (t < n_query) {
-      const int i = int(t % p.Lq), h = int(t / p.Lq % p.Hq), b = int(t / p.Lq / p.Hq);
-      const SeqView seq = seq_view(p, b);
-      if (i < seq.Lq) rerun_query_row<T, kMods>(p, seq, b, h, i, lane);
+  const int lane = threadIdx.x % 32, L = kKeys ? p.Lk : p.Lq, H = kKeys ? p.Hkv : p.Hq;
+  const int64_t tasks = int64_t(p.B) * H * L, warps = int64_t(gridDim.x) * kRerunWarps;
+  for (int64_t t = blockIdx.x * kRerunWarps + threadIdx.x / 32; t < tasks; t += warps) {
+    const int x = int(t % L), h = int(t / L % H), b = int(t / L / H);
+    const SeqView seq = seq_view(p, b);
+    if constexpr (kKeys) {
+      if (x < seq.Lk) rerun_key_row<T, kMods>(p, seq, b, h, x, lane);
     } else {
-      const int64_t u = t - n_query;
-      const int j = int(u % p.Lk), hk = int(u / p.Lk % p.Hkv), b = int(u / p.Lk / p.Hkv);
-      const SeqView seq = seq_view(p, b);
-      if (j < seq.Lk) rerun_key_row<T, kMods>(p, seq, b, hk, j, lane);
+      if (x < seq.Lq) rerun_query_row<T, kMods>(p, seq, b, h, x, lane);
     }
   }
 }
@@ -166,12 +189,17 @@ __global__ void __launch_bounds__(32 * kRerunWarps, 1) sdpa_bwd_rerun_kernel(con
 }  // namespace
 
 cudaError_t sdpa_bwd_rerun(const SdpaParams& p, cudaStream_t stream) {
-  if (p.dtype != DType::BFloat16 || p.B == 0 || p.Hq == 0) return cudaSuccess;
-  const int64_t tasks = int64_t(p.B) * (int64_t(p.Hq) * p.Lq + int64_t(p.Hkv) * p.Lk);
-  if (tasks == 0) return cudaSuccess;
+  if (p.dtype != DType::BFloat16 || p.B == 0 || p.Hq == 0 || p.Lq == 0 || p.Lk == 0)
+    return cudaSuccess;
   return launch_on_flag(p.mods.any(), [&](auto mods) {
-    return launch_kernel(sdpa_bwd_rerun_kernel<__nv_bfloat16, decltype(mods)::value>,
-                         rerun_grid(tasks), dim3(32 * kRerunWarps), 0, stream, p);
+    constexpr bool kMods = decltype(mods)::value;
+    const dim3 block(32 * kRerunWarps);
+    const cudaError_t err = launch_kernel(sdpa_bwd_rerun_kernel<__nv_bfloat16, kMods, false>,
+                                          rerun_grid(int64_t(p.B) * p.Hq * p.Lq), block, 0,
+                                          stream, p);
+    if (err != cudaSuccess) return err;
+    return launch_kernel(sdpa_bwd_rerun_kernel<__nv_bfloat16, kMods, true>,
+                         rerun_grid(int64_t(p.B) * p.Hkv * p.Lk), block, 0, stream, p);
   });
 }
 
