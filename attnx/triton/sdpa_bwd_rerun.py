@@ -164,9 +164,10 @@ def _narrow(x, ptr):
 
 @triton.jit
 def _dropout_keys(RNG, b, h, bh, offs_m, DROPOUT: tl.constexpr, VARLEN: tl.constexpr):
-    """The rows' dropout keys (rng.row_keys; sdpa._varlen_row_keys of sequence b under VARLEN),
-    None without DROPOUT."""
-    key_row, threshold = None, None
+    """The rows' dropout keys (rng.row_keys; sdpa._varlen_row_keys of sequence b under VARLEN);
+    without DROPOUT placeholders nothing reads (Triton 3.6, the GPU machines', cannot return
+    None from a jit function)."""
+    key_row, threshold = offs_m, 0
     if DROPOUT:
         if VARLEN:
             key_row, threshold = _varlen_row_keys(RNG, b, h, offs_m)
@@ -342,13 +343,12 @@ def _head_chunks(d: int) -> tuple[int, int]:
 
 
 def shared_bytes(e: int, ev: int) -> int:
-    """The shared memory the two kernels take: their float64 operand tiles q, K^T (RERUN_BLOCK
-    rows or columns of E's chunks), dO and V^T (of Ev's), once each, and a score tile's worth
-    (a mask's tile, up to 8 bytes an element). tests/triton_compile holds the sm_80 and sm_90
-    compiles to it (about 32 KiB at head dims up to 64, 64 at 128, 128 above)."""
+    """The shared memory the two kernels take: float64 tiles of RERUN_BLOCK rows, 2.5 times
+    those of q, K^T (E's chunks), dO and V^T (Ev's) together: what Triton 3.6 (the GPU machines')
+    allocates (40, 80 and 160 KiB at head dims 64, 128 and 256); 3.8 takes the four once and a
+    mask's tile. tests/triton_compile holds the sm_80 and sm_90 compiles to it."""
     (d1, d2), (dv1, dv2) = _head_chunks(e), _head_chunks(ev)
-    block = RERUN_BLOCK.value
-    return 8 * block * 2 * (d1 + d2 + dv1 + dv2) + 8 * block * block
+    return 8 * RERUN_BLOCK.value * 5 * (d1 + d2 + dv1 + dv2) // 2
 
 
 def fits(e: int, ev: int) -> bool:
