@@ -895,6 +895,50 @@ def test_sdpa_backward_values_near_the_bf16_max_below_sm90():
         host.set_sm90(True)
 
 
+@pytest.mark.parametrize("kw", [{}, dict(is_causal=True, enable_gqa=True)])
+def test_sdpa_backward_keys_near_the_bf16_max(kw):
+    """Keys near bf16's largest sharing a common part, q tiny (scores ~1): dS ~ 2 and dK stay
+    finite (nothing flags the rerun), but dQ = scale sum_j dS_ij k_j passes float32's largest in
+    the kernels' sums (a single product dS k does), where sum_j dS_ij = 0 cancels the common part
+    of the true dQ: NaN before the rerun's query pass redid the rows of dq_acc that came out
+    non-finite. dQ, dK, dV within three times the error of the call on (q 2^64, k / 2^64): the
+    same scores and dS, dQ / 2^64 and dK 2^64, scaled back."""
+    gen = torch.Generator().manual_seed(49)
+    hq, hkv, lq, lk, e = 2, 2 - bool(kw), 20, 300, 64
+
+    def normal(*shape, std):
+        return (std * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(DEV, torch.bfloat16)
+
+    shared = 3.0e38 * torch.sign(torch.randn(1, hkv, 1, e, generator=gen, dtype=torch.float64))
+    spread = torch.rand(1, hkv, lk, e, generator=gen, dtype=torch.float64) / 64 - 1 / 128
+    k = (shared * (1 + spread)).to(DEV, torch.bfloat16)
+    q, v = normal(1, hq, lq, e, std=2e-37), normal(1, hkv, lk, e, std=10.0)
+    dout = normal(1, hq, lq, e, std=7.5)
+
+    def grads(q, k, v, backend):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = attnx.scaled_dot_product_attention(*leaves, backend=backend, **kw)
+        out.backward(dout.to(out.dtype))
+        return [t.grad for t in leaves]
+
+    got = grads(q, k, v, "cuda")
+    base = grads(q * BIG, k / BIG, v, "cuda")
+    gold = grads(q.double(), k.double(), v.double(), "reference")
+    # The case: some product dS_ij k_jd past float32's largest, the true dQ inside bf16's range
+    k64, v64 = (t.double().repeat_interleave(hq // hkv, 1) for t in (k, v))
+    scores = q.double() @ k64.transpose(-1, -2) / 8
+    if kw:
+        scores = scores.masked_fill(~torch.ones(lq, lk, dtype=torch.bool, device=DEV).tril(lk - lq),
+                                    -torch.inf)
+    probs = torch.softmax(scores, -1)
+    dp = dout.double() @ v64.transpose(-1, -2)
+    ds = probs * (dp - (probs * dp).sum(-1, keepdim=True))
+    assert (ds.abs().amax((-1, -2)) * k64.abs().amax((-1, -2))).max() > 3.5e38
+    assert gold[0].abs().max() < 3.3e38
+    for name, g, b, want, back in zip("qkv", got, base, gold, (BIG, 1 / BIG, 1.0)):
+        assert_within(g, want, b.double() * back, factor=3.0, floor=0.0, what=f"d{name}")
+
+
 def test_varlen_backward_values_near_the_bf16_max():
     torch.manual_seed(48)
     cu_q = torch.tensor([0, 17, 50], dtype=torch.int32, device=DEV)

@@ -77,7 +77,8 @@ struct SdpaParams {
   void *dk, *dv, *dmask;
   float* delta;
   // bf16 backward: one float, zeroed; the key-block kernels set it to 1 where a dK came out
-  // non-finite, and sdpa_bwd_rerun then computes dq_acc, dk, dmask and delta again in float64.
+  // non-finite, and sdpa_bwd_rerun then computes dq_acc, dk, dmask and delta again in float64
+  // (unset, the dq_acc rows that came out non-finite).
   float* overflowed = nullptr;
   // With it, where the sinks' gradient is asked for: (Hq) float64, zeroed; the rerun adds each
   // row's term -P_sink,i delta_i there (delta may pass float's range), or null.
@@ -150,8 +151,9 @@ template <int D>
 cudaError_t sdpa_bwd_family(const SdpaParams& p, cudaStream_t stream);
 // The backward's pre-pass: p.delta from p.dout, p.out and p.grad_lse.
 cudaError_t sdpa_bwd_delta(const SdpaParams& p, cudaStream_t stream);
-// The backward's slow path, after the key-block kernels: does nothing unless they set
-// *p.overflowed (bf16 values near the dtype's largest: sdpa_bwd_rerun.cu).
+// The backward's slow path, after the key-block kernels, for bf16 values near the dtype's
+// largest (sdpa_bwd_rerun.cu): everything where they set *p.overflowed, else the non-finite
+// rows of dq_acc.
 cudaError_t sdpa_bwd_rerun(const SdpaParams& p, cudaStream_t stream);
 // The additive backward's (additive_bwd_rerun.cu): nothing unless *p.overflowed.
 cudaError_t additive_bwd_rerun(const AdditiveParams& p, cudaStream_t stream);

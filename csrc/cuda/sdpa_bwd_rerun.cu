@@ -4,10 +4,14 @@
 // difference, is usually far inside the range: with attention spread over a few hundred keys,
 // dQ and dK fit. The key-block kernels flag a non-finite dK (every non-finite dS reaches the dK
 // of its key: NaN and inf survive the sums) in p.overflowed, after their loop, where the test
-// costs nothing; the two launches here, on a small grid, read the flag and return at once while
-// it is 0 (a few microseconds a backward). When it is set, every dQ row (with dmask, delta and
-// the sinks' gradient: the query pass) and then every dK row (the key pass, from the rows' R and
-// delta the query pass kept) is computed again, one warp a row, in float64: the products of bf16
+// costs nothing; the two launches here, on a small grid, read the flag. When it is set, every
+// dQ row (with dmask, delta and the sinks' gradient: the query pass) and then every dK row (the
+// key pass, from the rows' R and delta the query pass kept) is computed again, one warp a row,
+// in float64. When it is 0 the key pass returns at once and the query pass reads dq_acc (one
+// pass over it, what converting it to bf16 reads next) and computes again the rows that hold a
+// non-finite value: dS finite, dQ = scale sum_j dS_ij k_j can still pass float32's largest where
+// keys near bf16's largest share a large common part (sum_j dS_ij = 0 cancels it in the true
+// sum, not in the kernels' float32 partial sums and atomics: inf - inf = NaN). The products of bf16
 // values (at most 3.39e38^2 each, 256 of them) cannot overflow there. Scores and P are formed as
 // the key-block kernels form them (scaled, modified, admitted, dropped; rows of huge lse divided
 // by their row sum, here of this pass's own scores), so only the sums change. dV needs nothing:
@@ -167,12 +171,23 @@ __device__ __forceinline__ void rerun_key_row(const SdpaParams& p, const SeqView
   }
 }
 
+// Whether dq_acc's query row i of head h holds only finite values (the same in every lane).
+__device__ __forceinline__ bool dq_row_finite(const SdpaParams& p, const SeqView& seq, int b,
+                                              int h, int i, int lane) {
+  const float* row = p.dq_acc + (query_rows(p, seq, b, h) + i) * p.E;
+  bool finite = true;
+  for (int c = lane; c < p.E; c += 32) finite &= fabsf(row[c]) <= 3.402823466e38f;
+  return !__any_sync(0xffffffffu, !finite);
+}
+
 // kKeys: the key pass (after the query pass, whose 1 / R and delta it reads). Tasks: the
 // B Hq Lq query rows or the B Hkv Lk key rows, taken by the grid's warps in turn (rows past a
-// packed sequence's lengths are skipped).
+// packed sequence's lengths are skipped). Unflagged, the query pass redoes the rows whose dQ
+// came out non-finite, and the key pass nothing (dK was finite: no dS overflowed).
 template <typename T, bool kMods, bool kKeys>
 __global__ void __launch_bounds__(32 * kRerunWarps, 1) sdpa_bwd_rerun_kernel(const SdpaParams p) {
-  if (*p.overflowed == 0.f) return;
+  const bool flagged = *p.overflowed != 0.f;
+  if (kKeys && !flagged) return;
   const int lane = threadIdx.x % 32, L = kKeys ? p.Lk : p.Lq, H = kKeys ? p.Hkv : p.Hq;
   const int64_t tasks = int64_t(p.B) * H * L, warps = int64_t(gridDim.x) * kRerunWarps;
   for (int64_t t = blockIdx.x * kRerunWarps + threadIdx.x / 32; t < tasks; t += warps) {
@@ -181,7 +196,8 @@ __global__ void __launch_bounds__(32 * kRerunWarps, 1) sdpa_bwd_rerun_kernel(con
     if constexpr (kKeys) {
       if (x < seq.Lk) rerun_key_row<T, kMods>(p, seq, b, h, x, lane);
     } else {
-      if (x < seq.Lq) rerun_query_row<T, kMods>(p, seq, b, h, x, lane);
+      if (x < seq.Lq && (flagged || !dq_row_finite(p, seq, b, h, x, lane)))
+        rerun_query_row<T, kMods>(p, seq, b, h, x, lane);
     }
   }
 }
