@@ -415,18 +415,16 @@ def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value
         *strides, *grad_out.stride(), *sizes, HAS_DWEIGHTS=has_dw, **consts)
     dq, dk, dw = dq.to(q.dtype), dk.to(k.dtype), dw.sum((0, 2)).to(v.dtype)
     if flag is not None:
-        # The caller's dO and weights' gradient: the rerun divides by its own float64 r
-        dq64, dk64, dw64 = additive_bwd_rerun.launch(
+        # The caller's dO and weights' gradient: the rerun divides by its own float64 r. Where
+        # flagged it writes dq, dk and dmask over these, and its dw takes the place of this one.
+        dw64 = additive_bwd_rerun.launch(
             flag, (q, k, value, v, m, raw_grad_out,
                    None if grad_weights is None else grad_weights.float().contiguous(),
                    grad_lse, lse, rng),
             (*strides, *raw_grad_out.stride()), (b, h, lq, lk, a, ev),
-            (window_lo, window_hi, inv_keep), dmask, mask_kind=consts["MASK_KIND"],
+            (window_lo, window_hi, inv_keep), (dq, dk, dmask), mask_kind=consts["MASK_KIND"],
             dropout=dropout_p > 0, mask_grad=mask_grad)
-        flagged = flag.bool()
-        dq = torch.where(flagged, dq64.to(q.dtype), dq)
-        dk = torch.where(flagged, dk64.to(k.dtype), dk)
-        dw = torch.where(flagged, dw64.to(v.dtype), dw)
+        dw = torch.where(flag.bool(), dw64.to(v.dtype), dw)
     return dq, dk, dvalue, dw, dmask
 
 

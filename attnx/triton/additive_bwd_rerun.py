@@ -17,11 +17,12 @@ dPd = dO . value_j (+ the weights' gradient), D_i = sum_j (P_ij / r_i) z dO . va
     dw[a] = sum_ij dS_ij t_ija,                 dmask[i, j] = dS_ij.
 
 Plain float64 elementwise products and sums (no tl.dot: sdpa_bwd_rerun's `_wide`), in tiles of
-RERUN_BLOCK rows x RERUN_BLOCK keys x a chunk of A (or of Ev); speed is not the aim. dq, dk and
-dw go to float64 scratch that each program owns (zeroed by it), which the host puts in place of
-the first results where FLAG is set (torch.where on the device, no synchronisation); the mask's
-gradient is written over the first one in place. dvalue = P^T dO does not involve the values: it
-stands. fp16 cannot overflow: no check, no rerun (sdpa_bwd_rerun.applies).
+RERUN_BLOCK rows x RERUN_BLOCK keys x a chunk of A (or of Ev); speed is not the aim. A block's
+dq or dk rows are summed in a (RERUN_BLOCK, A) float64 scratch its program owns, then written
+over the first results (as the mask's gradient is); dw sums in the program's (H, A) float64 slot,
+which the host puts in place where FLAG is set (torch.where over (H, A), no synchronisation).
+Unflagged, a backward pays two launches, small scratch and that (H, A) pass, nothing the size of
+the call. dvalue = P^T dO does not involve the values: it stands. fp16 cannot overflow: no check, no rerun (sdpa_bwd_rerun.applies).
 """
 
 from __future__ import annotations
@@ -127,7 +128,34 @@ def _zero_rows(base, offs, L, A, BLOCK_A: tl.constexpr):
 
 
 @triton.jit
-def _rows_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, GLSE, LSE, RNG, ROWS, DQ, DW, DM,
+def _write_rows(out_base, scratch, offs, L, A, BLOCK_A: tl.constexpr):
+    """The program's (RERUN_BLOCK, A) float64 scratch into rows offs (< L) of the contiguous
+    (rows, A) gradient at out_base, in its element type."""
+    tl.debug_barrier()  # the scratch as the last pass stored it
+    rows = tl.arange(0, RERUN_BLOCK)
+    for a0 in range(0, A, BLOCK_A):
+        offs_a = a0 + tl.arange(0, BLOCK_A)
+        x = tl.load(scratch + rows.to(tl.int64)[:, None] * A + offs_a[None, :],
+                    mask=offs_a[None, :] < A)
+        tl.store(out_base + offs.to(tl.int64)[:, None] * A + offs_a[None, :], _narrow(x, out_base),
+                 mask=(offs[:, None] < L) & (offs_a[None, :] < A))
+    tl.debug_barrier()  # read before the next item zeroes it
+
+
+@triton.jit
+def _item(item, L, H, Q, K, VAL, W, M, DO, sqb, sqh, skb, skh, svb, svh, swh, smb, smh, sdb, sdh):
+    """A work item's first row (of L: the queries or the keys), b * H + h, h and the bases of
+    its head in q, k, value, v, mask and dO."""
+    first, bh = split_tile(item, L, RERUN_BLOCK)
+    bh = bh.to(tl.int64)
+    b = bh // H
+    h = bh % H
+    return (first, bh, h, Q + b * sqb + h * sqh, K + b * skb + h * skh, VAL + b * svb + h * svh,
+            W + h * swh, M + b * smb + h * smh, DO + b * sdb + h * sdh)
+
+
+@triton.jit
+def _rows_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, GLSE, LSE, RNG, ROWS, SCRATCH, DWS, DQ, DM,
                  sqb, sqh, sqm, sqa, skb, skh, skn, ska, svb, svh, svn, svd, swh, swa,
                  smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                  ITEMS, H, Lq, Lk, A, Ev, window_lo, window_hi, inv_keep,
@@ -136,24 +164,22 @@ def _rows_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, GLSE, LSE, RNG, ROWS, DQ, 
                  BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr):
     """Each query block of each head in turn (ITEMS: B x H x blocks of Lq). A first pass over
     its keys sums r_i = sum_j P_ij and sum_j P_ij z dO . value_j, for D_i, stored as 1 / r_i and
-    D_i / r_i (ROWS, (B, H, Lq, 2)); a second gives dq (DQ, (B, H, Lq, A) float64), its slot of
-    dw (DW, (B, H, blocks of Lq, A) float64) and, with MASK_GRAD, the float mask's gradient (DM,
+    D_i / r_i (ROWS, (B, H, Lq, 2)); a second sums dq in the program's (RERUN_BLOCK, A) float64
+    SCRATCH, then written over DQ (the backward's (B, H, Lq, A) result), and dw in the program's
+    (H, A) float64 slot of DWS, and, with MASK_GRAD, writes the float mask's gradient (DM,
     (B, H, Lq, Lk)) over every key: past the band its zeros replace the first pass's."""
     rows = tl.arange(0, RERUN_BLOCK)
-    items = tl.where(tl.load(FLAG) != 0, ITEMS, 0)  # none unless flagged
-    for item in range(tl.program_id(0), items, tl.num_programs(0)):
-        m0, bh = split_tile(item, Lq, RERUN_BLOCK)
-        bh = bh.to(tl.int64)
-        b = bh // H
-        h = bh % H
+    flagged = tl.load(FLAG) != 0
+    scratch = SCRATCH + tl.program_id(0).to(tl.int64) * RERUN_BLOCK * A
+    dws = DWS + tl.program_id(0).to(tl.int64) * H * A
+    for h0 in range(0, tl.where(flagged, H, 0), RERUN_BLOCK):
+        _zero_rows(dws, h0 + rows, H, A, BLOCK_A)
+    for item in range(tl.program_id(0), tl.where(flagged, ITEMS, 0), tl.num_programs(0)):
+        m0, bh, h, q_base, k_base, val_base, w_base, m_base, do_base = _item(
+            item, Lq, H, Q, K, VAL, W, M, DO, sqb, sqh, skb, skh, svb, svh, swh, smb, smh, sdb,
+            sdh)
         offs_m = m0 + rows
         row_ok = offs_m < Lq
-        q_base = Q + b * sqb + h * sqh
-        k_base = K + b * skb + h * skh
-        w_base = W + h * swh
-        m_base = M + b * smb + h * smh
-        do_base = DO + b * sdb + h * sdh
-        val_base = VAL + b * svb + h * svh
         lse = tl.load(LSE + bh * Lq + offs_m, mask=row_ok, other=float("inf")).to(tl.float64)
         lse = tl.where(lse == float("-inf"), float("inf"), lse)  # empty rows: P = 0
         key_row, threshold = None, None
@@ -178,10 +204,8 @@ def _rows_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, GLSE, LSE, RNG, ROWS, DQ, 
         dlt = d / r
         tl.store(ROWS + 2 * (bh * Lq + offs_m), rinv, mask=row_ok)
         tl.store(ROWS + 2 * (bh * Lq + offs_m) + 1, dlt, mask=row_ok)
-        dq_base = DQ + bh * Lq * A
-        dw_slot = DW + (bh * tl.cdiv(Lq, RERUN_BLOCK) + m0 // RERUN_BLOCK) * A
-        _zero_rows(dq_base, offs_m, Lq, A, BLOCK_A)
-        _zero_rows(dw_slot, rows, 1, A, BLOCK_A)
+        dw_slot = dws + h * A
+        _zero_rows(scratch, rows, RERUN_BLOCK, A, BLOCK_A)
         tl.debug_barrier()  # the loop below reads what these stored
         if MASK_GRAD:
             start, end = 0, Lk
@@ -199,40 +223,36 @@ def _rows_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, GLSE, LSE, RNG, ROWS, DQ, 
                 t, wa = _chunk64(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A,
                                  sqm, sqa, skn, ska, swa)
                 g = ds[:, :, None] * t
-                ptrs = dq_base + offs_m.to(tl.int64)[:, None] * A + offs_a[None, :]
-                ok = row_ok[:, None] & (offs_a[None, :] < A)
-                dq = tl.load(ptrs, mask=ok, other=0.0)
-                tl.store(ptrs, dq + tl.sum(ds[:, :, None] - g * t, 1) * wa[None, :], mask=ok)
-                dw = tl.load(dw_slot + offs_a, mask=offs_a < A, other=0.0)
-                tl.store(dw_slot + offs_a, dw + tl.sum(tl.sum(g, 0), 0), mask=offs_a < A)
+                ptrs = scratch + rows.to(tl.int64)[:, None] * A + offs_a[None, :]
+                a_ok = offs_a < A
+                dq = tl.load(ptrs, mask=a_ok[None, :], other=0.0)
+                tl.store(ptrs, dq + tl.sum(ds[:, :, None] - g * t, 1) * wa[None, :],
+                         mask=a_ok[None, :])
+                dw = tl.load(dw_slot + offs_a, mask=a_ok, other=0.0)
+                tl.store(dw_slot + offs_a, dw + tl.sum(tl.sum(g, 0), 0), mask=a_ok)
                 tl.debug_barrier()  # the next pass reads what this one stored
+        _write_rows(DQ + bh * Lq * A, scratch, offs_m, Lq, A, BLOCK_A)
 
 
 @triton.jit
-def _keys_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, LSE, RNG, ROWS, DK,
+def _keys_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, LSE, RNG, ROWS, SCRATCH, DK,
                  sqb, sqh, sqm, sqa, skb, skh, skn, ska, svb, svh, svn, svd, swh, swa,
                  smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                  ITEMS, H, Lq, Lk, A, Ev, window_lo, window_hi, inv_keep,
                  MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HAS_DWEIGHTS: tl.constexpr,
                  BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Each key block of each head in turn (ITEMS: B x H x blocks of Lk): dk (DK, (B, H, Lk, A)
-    float64) over the query rows of the band, from _rows_kernel's ROWS."""
+    """Each key block of each head in turn (ITEMS: B x H x blocks of Lk): dk over the query
+    rows of the band, from _rows_kernel's ROWS, summed in the program's SCRATCH and written over
+    DK (the backward's (B, H, Lk, A) result)."""
     rows = tl.arange(0, RERUN_BLOCK)
+    scratch = SCRATCH + tl.program_id(0).to(tl.int64) * RERUN_BLOCK * A
     items = tl.where(tl.load(FLAG) != 0, ITEMS, 0)  # none unless flagged
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
-        n0, bh = split_tile(item, Lk, RERUN_BLOCK)
-        bh = bh.to(tl.int64)
-        b = bh // H
-        h = bh % H
+        n0, bh, h, q_base, k_base, val_base, w_base, m_base, do_base = _item(
+            item, Lk, H, Q, K, VAL, W, M, DO, sqb, sqh, skb, skh, svb, svh, swh, smb, smh, sdb,
+            sdh)
         offs_n = n0 + rows
-        q_base = Q + b * sqb + h * sqh
-        k_base = K + b * skb + h * skh
-        w_base = W + h * swh
-        m_base = M + b * smb + h * smh
-        do_base = DO + b * sdb + h * sdh
-        val_base = VAL + b * svb + h * svh
-        dk_base = DK + bh * Lk * A
-        _zero_rows(dk_base, offs_n, Lk, A, BLOCK_A)
+        _zero_rows(scratch, rows, RERUN_BLOCK, A, BLOCK_A)
         tl.debug_barrier()  # the loop below reads what this stored
         start, end = query_range(n0, Lq, Lk, window_lo, window_hi, RERUN_BLOCK, RERUN_BLOCK)
         for m0 in range(start, end, RERUN_BLOCK):
@@ -253,40 +273,42 @@ def _keys_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, LSE, RNG, ROWS, DK,
                 offs_a = a0 + tl.arange(0, BLOCK_A)
                 t, wa = _chunk64(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A,
                                  sqm, sqa, skn, ska, swa)
-                ptrs = dk_base + offs_n.to(tl.int64)[:, None] * A + offs_a[None, :]
-                ok = (offs_n[:, None] < Lk) & (offs_a[None, :] < A)
-                dk = tl.load(ptrs, mask=ok, other=0.0)
+                ptrs = scratch + rows.to(tl.int64)[:, None] * A + offs_a[None, :]
+                a_ok = offs_a[None, :] < A
+                dk = tl.load(ptrs, mask=a_ok, other=0.0)
                 tl.store(ptrs, dk + tl.sum(ds[:, :, None] * (1.0 - t * t), 0) * wa[None, :],
-                         mask=ok)
+                         mask=a_ok)
                 tl.debug_barrier()  # the next pass reads what this one stored
+        _write_rows(DK + bh * Lk * A, scratch, offs_n, Lk, A, BLOCK_A)
 
 
 def launch(flag: torch.Tensor, inputs: tuple, strides: tuple, sizes: tuple, band: tuple,
-           dmask: torch.Tensor, *, mask_kind: int, dropout: bool, mask_grad: bool):
+           outputs: tuple, *, mask_kind: int, dropout: bool, mask_grad: bool) -> torch.Tensor:
     """Launches the two kernels after the backward's others (they do nothing unless `flag` is
     set). inputs: q, k, value, v (the (H, A) weights), mask, dO (the caller's, not divided by r),
     the weights' gradient (float32 contiguous, not divided by r; None for none), grad_lse (None
     for none), lse, rng words (the kernels' dummies where absent); strides: q, k, value, v,
     mask, dO (4, 4, 4, 2, 4, 4); sizes: B, H, Lq, Lk, A, Ev; band: window_lo, window_hi,
-    inv_keep. Writes the mask's gradient into dmask where flagged; returns (dq, dk, dw) in
-    float64 ((B, H, Lq, A), (B, H, Lk, A), (H, A)), meaningful only where flag is set."""
+    inv_keep; outputs: the first pass's dq, dk (contiguous, in q's dtype) and the mask's
+    gradient, overwritten where flagged. Returns v's gradient (H, A) in float64, meaningful
+    only where flag is set (the host's torch.where puts it in place: an (H, A) pass)."""
     q, k, value, w, m, do, dweights, glse, lse, rng = inputs
+    dq, dk, dmask = outputs
     b, h, lq, lk, a, ev = sizes
     window_lo, window_hi, inv_keep = band
     blocks = lambda n: triton.cdiv(n, RERUN_BLOCK.value)  # noqa: E731
+    programs = common.multiprocessors()
     rows = lse.new_empty((b, h, lq, 2), dtype=torch.float64)  # 1 / r_i, D_i / r_i
-    dq = q.new_empty((b, h, lq, a), dtype=torch.float64)
-    dk = q.new_empty((b, h, lk, a), dtype=torch.float64)
-    dw = q.new_empty((b, h, blocks(lq), a), dtype=torch.float64)
+    scratch = q.new_empty((programs, RERUN_BLOCK.value, a), dtype=torch.float64)
+    dws = q.new_empty((programs, h, a), dtype=torch.float64)
     consts = dict(MASK_KIND=mask_kind, DROPOUT=dropout, HAS_DWEIGHTS=dweights is not None,
                   **_chunk_sizes(a, ev), **_OPTIONS)
-    grid = (common.multiprocessors(),)
     dweights = q if dweights is None else dweights
-    common.launcher(_rows_kernel)[grid](
-        flag, q, k, value, w, m, do, dweights, q if glse is None else glse, lse, rng, rows, dq, dw,
-        dmask, *strides, b * h * blocks(lq), h, lq, lk, a, ev, window_lo, window_hi, inv_keep,
-        MASK_GRAD=mask_grad, HAS_GLSE=glse is not None, **consts)
-    common.launcher(_keys_kernel)[grid](
-        flag, q, k, value, w, m, do, dweights, lse, rng, rows, dk, *strides, b * h * blocks(lk),
-        h, lq, lk, a, ev, window_lo, window_hi, inv_keep, **consts)
-    return dq, dk, dw.sum((0, 2))
+    common.launcher(_rows_kernel)[(programs,)](
+        flag, q, k, value, w, m, do, dweights, q if glse is None else glse, lse, rng, rows,
+        scratch, dws, dq, dmask, *strides, b * h * blocks(lq), h, lq, lk, a, ev, window_lo,
+        window_hi, inv_keep, MASK_GRAD=mask_grad, HAS_GLSE=glse is not None, **consts)
+    common.launcher(_keys_kernel)[(programs,)](
+        flag, q, k, value, w, m, do, dweights, lse, rng, rows, scratch, dk, *strides,
+        b * h * blocks(lk), h, lq, lk, a, ev, window_lo, window_hi, inv_keep, **consts)
+    return dws.sum(0)

@@ -157,9 +157,16 @@ def _store(base, x, rows, cols, sr, sc, R, C):
 
 @triton.jit
 def _narrow(x, ptr):
-    """x (float64) in ptr's element type, through float32: Triton's interpreter casts float64 to
-    bfloat16 as 0 (3.8), and bf16's range is within float32's."""
-    return x.to(tl.float32).to(ptr.dtype.element_ty)
+    """x (float64) in ptr's element type, through float32 (Triton's interpreter casts float64 to
+    bfloat16 as 0, 3.8; bf16's range is within float32's). To bfloat16 rounded to nearest even
+    on the bits (+ 0x7fff + the kept lowest bit; inf past the largest), which the GPU's cast
+    does too but the interpreter's truncates."""
+    y = x.to(tl.float32)
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        y = bits.to(tl.float32, bitcast=True)
+    return y.to(ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -174,6 +181,25 @@ def _dropout_keys(RNG, b, h, bh, offs_m, DROPOUT: tl.constexpr, VARLEN: tl.const
         else:
             key_row, threshold = row_keys(RNG, bh, offs_m)
     return key_row, threshold
+
+
+@triton.jit
+def _aranges(BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+             BLOCK_DV2: tl.constexpr):
+    """A tile's rows and the head dims' chunks (_head_chunks): q and k's, then v's."""
+    return (tl.arange(0, RERUN_BLOCK), tl.arange(0, BLOCK_D), second_chunk(BLOCK_D, BLOCK_D2),
+            tl.arange(0, BLOCK_DV), second_chunk(BLOCK_DV, BLOCK_DV2))
+
+
+@triton.jit
+def _item(item, L, H, Lq, Lk, window_lo, window_hi, CU_Q, CU_K, VARLEN: tl.constexpr):
+    """A work item's first row (of L: the queries or the keys; tasks of H heads), b * H + h, b, h
+    (int64) and its sequence (_call_sequence)."""
+    first, bh = split_tile(item, L, RERUN_BLOCK)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    q0, k0, lq, lk, lo, hi = _call_sequence(b, Lq, Lk, window_lo, window_hi, CU_Q, CU_K, VARLEN)
+    return first, bh, b, h, q0, k0, lq, lk, lo, hi
 
 
 @triton.jit
@@ -195,18 +221,11 @@ def _rows_kernel(FLAG, Q, K, V, M, DO, GLSE, LSE, RNG, SLOPES, SINKS, ROWS, DQ, 
     of the forward's shifted rerun, sdpa._rerun, 2^-18 in fp32). A second pass gives dQ (DQ,
     strides sg*) and, with MASK_GRAD, the float mask's gradient (DM, (B, Hq, Lq, Lk)) over
     every key: past the band its zeros replace what the first pass left there."""
-    rows = tl.arange(0, RERUN_BLOCK)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_d2 = second_chunk(BLOCK_D, BLOCK_D2)
-    offs_dv2 = second_chunk(BLOCK_DV, BLOCK_DV2)
+    rows, offs_d, offs_d2, offs_dv, offs_dv2 = _aranges(BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_DV2)
     items = tl.where(tl.load(FLAG) != 0, ITEMS, 0)  # none unless flagged
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
-        m0, bh = split_tile(item, Lq, RERUN_BLOCK)
-        b = (bh // H).to(tl.int64)
-        h = (bh % H).to(tl.int64)
-        q0, k0, lq, lk, lo, hi = _call_sequence(b, Lq, Lk, window_lo, window_hi, CU_Q, CU_K,
-                                                VARLEN)
+        m0, bh, b, h, q0, k0, lq, lk, lo, hi = _item(item, Lq, H, Lq, Lk, window_lo, window_hi,
+                                                     CU_Q, CU_K, VARLEN)
         if m0 < lq:
             offs_m = m0 + rows
             row_ok = offs_m < lq
@@ -283,18 +302,11 @@ def _keys_kernel(FLAG, Q, K, V, M, DO, LSE, RNG, SLOPES, ROWS, DK,
     """Each key block of each kv head in turn (ITEMS: B x Hkv x blocks of Lk): dK over the
     query heads of its GQA group and every query row of the band (DK, the final dK, strides
     sg*), from _rows_kernel's ROWS."""
-    rows = tl.arange(0, RERUN_BLOCK)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_d2 = second_chunk(BLOCK_D, BLOCK_D2)
-    offs_dv2 = second_chunk(BLOCK_DV, BLOCK_DV2)
+    rows, offs_d, offs_d2, offs_dv, offs_dv2 = _aranges(BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_DV2)
     items = tl.where(tl.load(FLAG) != 0, ITEMS, 0)  # none unless flagged
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
-        n0, bhk = split_tile(item, Lk, RERUN_BLOCK)
-        b = (bhk // Hkv).to(tl.int64)
-        hk = (bhk % Hkv).to(tl.int64)
-        q0, k0, lq, lk, lo, hi = _call_sequence(b, Lq, Lk, window_lo, window_hi, CU_Q, CU_K,
-                                                VARLEN)
+        n0, _, b, hk, q0, k0, lq, lk, lo, hi = _item(item, Lk, Hkv, Lq, Lk, window_lo, window_hi,
+                                                     CU_Q, CU_K, VARLEN)
         if n0 < lk:
             offs_n = n0 + rows
             kt, kt2 = _chunks(K + b * skb + hk * skh + k0 * skn, offs_n, offs_d, offs_d2, skn,
