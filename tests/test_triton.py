@@ -847,23 +847,29 @@ def _near_max_values(shape, dtype, gen):
     return (mag * sign).to(DEVICE, dtype)
 
 
-def _assert_grads_as_scaled_down(grads_of, v, names):
-    """grads_of(values, dtype) -> gradients named `names` (dtype None: the call's, float64: the
-    golden call): no NaN; finite and within twice the error of grads_of(v / 2^64) times
-    GRAD_SCALE wherever that is well inside the range (under half the largest value), as the
-    true gradient then is; elsewhere inf may stand for a true value past the range. dv: finite,
-    within NEAR_MAX_TOL of its largest."""
-    grads, scaled = grads_of(v, None), grads_of(v / BIG, None)
-    gold = grads_of(v.double(), torch.float64)
+def _assert_as_scaled_down(names, grads, scaled, gold, scales, plain):
+    """Gradients named `names`, of a call, of the call scaled down and the golden ones: no NaN;
+    finite and within twice the error of the scaled call's times scales[name] wherever that is
+    well inside the range (under half the largest value), as the true gradient then is;
+    elsewhere inf may stand for a true value past the range. The one named `plain` (which
+    involves no scaled input): finite, within NEAR_MAX_TOL of its largest."""
     for name, g, small, want in zip(names, grads, scaled, gold):
         assert not torch.isnan(g).any(), f"{name}: NaN"
-        if name == "dv":
+        if name == plain:
             _assert_near(g, want, want.abs().max(), g.dtype, name)
             continue
-        base = small.double() * GRAD_SCALE[name]
+        base = small.double() * scales[name]
         inside = base.abs() < torch.finfo(g.dtype).max / 2
         assert inside.float().mean() > 0.9, f"{name}: the check covers too little"
         assert_within(g[inside], want[inside], base[inside], what=name)
+
+
+def _assert_grads_as_scaled_down(grads_of, v, names):
+    """grads_of(values, dtype) -> gradients named `names` (dtype None: the call's, float64: the
+    golden call), held to those of grads_of(v / 2^64) times GRAD_SCALE (dv as is)."""
+    grads, scaled = grads_of(v, None), grads_of(v / BIG, None)
+    gold = grads_of(v.double(), torch.float64)
+    _assert_as_scaled_down(names, grads, scaled, gold, GRAD_SCALE, "dv")
 
 
 def _sdpa_grads(q, k, v, do, mask, kw, dtype):
@@ -929,6 +935,37 @@ def test_sdpa_backward_near_the_max_with_gqa_split(monkeypatch):
     do = _randn((1, 4, 17, 16), bf16, gen)
     _assert_grads_as_scaled_down(lambda vals, dt: _sdpa_grads(q, k, vals, do, None, {}, dt), v,
                                  ["dq", "dk", "dv"])
+
+
+@near_max
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_sdpa_backward_keys_near_the_dtype_max(dtype):
+    """Keys near the dtype's largest sharing a common part, q tiny (scores ~1): dS ~ 2 and dk
+    stay finite, but dq = scale sum_j dS_ij k_j passes float32's largest in the dQ kernel's sums
+    (a single product dS k does), where sum_j dS_ij = 0 cancels the common part of the true dq:
+    the dQ kernel flags it and the rerun redoes it. dq, dk, dv within twice the error of the call
+    on (q 2^64, k / 2^64): the same scores and dS, dq / 2^64 and dk 2^64, scaled back."""
+    gen = torch.Generator().manual_seed(10)
+    lq, lk, e = 20, 200, 16
+    f64 = torch.float64
+    shared = 3.0e38 * torch.sign(torch.randn((1, 1, 1, e), generator=gen, dtype=f64))
+    spread = torch.rand((1, 1, lk, e), generator=gen, dtype=f64) / 64 - 1 / 128
+    k = (shared * (1 + spread)).to(DEVICE, dtype)
+    q = (1e-37 * torch.randn((1, 2, lq, e), generator=gen, dtype=f64)).to(DEVICE, dtype)
+    v = (10 * torch.randn((1, 1, lk, e), generator=gen, dtype=f64)).to(DEVICE, dtype)
+    do = (8 * torch.randn((1, 2, lq, e), generator=gen, dtype=f64)).to(DEVICE, dtype)
+    grads = _sdpa_grads(q, k, v, do, None, {}, None)
+    scaled = _sdpa_grads(q * BIG, k / BIG, v, do, None, {}, None)
+    gold = _sdpa_grads(q, k, v, do, None, {}, torch.float64)
+    # The case: some product dS_ij k_jd past float32's largest, the true dq inside the range
+    probs = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 4, -1)
+    dp = do.double() @ v.double().transpose(-1, -2)
+    ds = probs * (dp - (probs * dp).sum(-1, keepdim=True))
+    assert ds.abs().max() * k.double().abs().max() > 3.5e38
+    assert gold[0].abs().max() < 3.3e38
+    for name, g, small, want, back in zip(("dq", "dk", "dv"), grads, scaled, gold,
+                                          (BIG, 1 / BIG, 1.0)):
+        assert_within(g, want, small.double() * back, floor=0.0, what=name)
 
 
 @near_max
@@ -1145,16 +1182,9 @@ def test_additive_backward_near_the_dtype_max(dtype, mods):
     scaled = _additive_grads(q, k, value / BIG, w, do, mask, kw,
                              None if dweights is None else dweights / BIG, None)
     gold = _additive_grads(q, k, value, w, do, mask, kw, dweights, torch.float64)
-    for name, g, small, want in zip(names, grads, scaled, gold):
+    for name, want in zip(names, gold):
         assert want.abs().max() < 3.3e38, f"{name}: the true gradient exceeds the dtype"
-        assert not torch.isnan(g).any(), f"{name}: NaN"
-        if name == "dvalue":
-            _assert_near(g, want, want.abs().max(), g.dtype, name)
-            continue
-        base = small.double() * ADDITIVE_GRAD_SCALE[name]
-        inside = base.abs() < torch.finfo(g.dtype).max / 2
-        assert inside.float().mean() > 0.9, f"{name}: the check covers too little"
-        assert_within(g[inside], want[inside], base[inside], what=name)
+    _assert_as_scaled_down(names, grads, scaled, gold, ADDITIVE_GRAD_SCALE, "dvalue")
 
 
 def test_an_ordinary_additive_backward_is_not_rerun(monkeypatch):
