@@ -939,6 +939,40 @@ def test_sdpa_backward_keys_near_the_bf16_max(kw):
         assert_within(g, want, b.double() * back, factor=3.0, floor=0.0, what=f"d{name}")
 
 
+@pytest.mark.parametrize("hq", [1, 2])
+def test_sdpa_backward_grad_out_near_the_bf16_max(hq):
+    """dO near bf16's largest (3e38, 2^-7 spread), its sign flipping every 16 queries, over 3
+    keys with P ~ 1/3: dP and delta overflow (the flag), and dV = sum_i P_ij dO_i passes
+    float32's largest in the kernels' sums (16 queries of one sign already do) where the true
+    dV fits: NaN or inf before the key pass wrote dV again. Every gradient is linear in dO:
+    held to three times the error of the call on dO / 2^64, scaled back. hq = 2: GQA, dV summed
+    over both query heads."""
+    gen = torch.Generator().manual_seed(50)
+    lq, lk, e = 64, 3, 64
+
+    def normal(*shape, std):
+        return (std * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(DEV, torch.bfloat16)
+
+    q, k, v = normal(1, hq, lq, e, std=1e-3), normal(1, 1, lk, e, std=1e-3), normal(1, 1, lk, e, std=1.0)
+    sign = 1.0 - 2.0 * (torch.arange(lq, dtype=torch.float64) // 16 % 2).view(lq, 1)
+    spread = torch.rand(1, hq, lq, e, generator=gen, dtype=torch.float64) / 128
+    dout = (3.0e38 * sign * (1 + spread)).to(DEV, torch.bfloat16)
+
+    def grads(q, k, v, dout, backend):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = attnx.scaled_dot_product_attention(*leaves, backend=backend, enable_gqa=True)
+        out.backward(dout.to(out.dtype))
+        return [t.grad for t in leaves]
+
+    got = grads(q, k, v, dout, "cuda")
+    base = grads(q, k, v, dout / BIG, "cuda")
+    gold = grads(q.double(), k.double(), v.double(), dout.double(), "reference")
+    assert (dout[..., :16, :].double().sum(-2) / lk).abs().min() > 3.5e38  # the case
+    for name, g, b, want in zip("qkv", got, base, gold):
+        assert want.abs().max() < 3.3e38, f"d{name}: past bf16's range in the case itself"
+        assert_within(g, want, b.double() * BIG, factor=3.0, floor=0.0, what=f"d{name}")
+
+
 def test_varlen_backward_values_near_the_bf16_max():
     torch.manual_seed(48)
     cu_q = torch.tensor([0, 17, 50], dtype=torch.int32, device=DEV)
@@ -984,3 +1018,34 @@ def test_additive_backward_values_near_the_bf16_max(a, kw):
         return torch.cat([res[0].flatten(), res[1].flatten()]) if weights else res
 
     assert_grads_as_scaled_down(call, inputs, 2)
+
+
+def test_additive_backward_grad_out_near_the_bf16_max():
+    """dO near bf16's largest (3e38, 2^-7 spread), its sign flipping every 16 queries, over 3
+    keys with P ~ 1/3 (q, k, w small): dPd and delta overflow (the flag: v's gradient NaN), and
+    dvalue = sum_i P_ij dO_i passes float32's largest in the kernel's sums where the true dvalue
+    fits: NaN or inf before the key pass wrote dvalue again. Every gradient is linear in dO: held
+    to three times the error of the call on dO / 2^64, scaled back."""
+    gen = torch.Generator().manual_seed(51)
+    lq, lk, a, ev = 64, 3, 40, 24
+
+    def normal(*shape, std):
+        return (std * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(DEV, torch.bfloat16)
+
+    q, k, w = normal(1, 2, lq, a, std=1e-3), normal(1, 2, lk, a, std=1e-3), normal(2, a, std=1e-3)
+    value = normal(1, 2, lk, ev, std=1.0)
+    sign = 1.0 - 2.0 * (torch.arange(lq, dtype=torch.float64) // 16 % 2).view(lq, 1)
+    spread = torch.rand(1, 2, lq, ev, generator=gen, dtype=torch.float64) / 128
+    dout = (3.0e38 * sign * (1 + spread)).to(DEV, torch.bfloat16)
+
+    def grads(dout, backend, dtype=torch.bfloat16):
+        leaves = [t.to(dtype).detach().requires_grad_() for t in (q, k, value, w)]
+        attnx.additive_attention(*leaves, backend=backend).backward(dout.to(dtype))
+        return [t.grad for t in leaves]
+
+    got, base = grads(dout, "cuda"), grads(dout / BIG, "cuda")
+    gold = grads(dout, "reference", torch.float64)
+    assert (dout[..., :16, :].double().sum(-2) / lk).abs().min() > 3.5e38  # the case
+    for name, g, b, want in zip(("dq", "dk", "dvalue", "dw"), got, base, gold):
+        assert want.abs().max() < 3.3e38, f"{name}: past bf16's range in the case itself"
+        assert_within(g, want, b.double() * BIG, factor=3.0, floor=0.0, what=name)

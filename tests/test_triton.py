@@ -562,7 +562,7 @@ def test_grids_stay_within_cudas_axis_caps():
         out, lse, _ = ta.additive_fwd(q, k, v, w, None, -2, 2, 0.0, None, True)
         ta.additive_bwd(q, q, k, v, w, None, out, lse, -2, 2, 0.0, None, False, None,
                         torch.zeros(b, 1, 2, 2))
-    assert len(launches) == 14  # (float32: the SDPA and additive backwards' reruns too)
+    assert len(launches) == 15  # (float32: the SDPA and additive backwards' reruns too)
     for launch in launches:
         grid = launch.grid
         if callable(grid):  # an autotuned kernel: its grid for each config
@@ -970,6 +970,35 @@ def test_sdpa_backward_keys_near_the_dtype_max(dtype):
 
 @near_max
 @pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize("hq", [1, 2])
+def test_sdpa_backward_grad_out_near_the_dtype_max(dtype, hq):
+    """dO near the dtype's largest (3e38, 2^-7 spread), its sign flipping every 16 queries, over
+    3 keys with P ~ 1/3: dP and D overflow (the flag), and dv = sum_i P_ij dO_i passes float32's
+    largest in the dK/dV kernel's sums (16 queries of one sign already do) where the true dv
+    fits: NaN or inf unless the rerun writes dv again. Every gradient is linear in dO: held to
+    twice the error of the call on dO / 2^64, scaled back. hq = 2: GQA (dv over both heads)."""
+    gen = torch.Generator().manual_seed(13)
+    lq, lk, e = 64, 3, 16
+    f64 = torch.float64
+
+    def normal(shape, std):
+        return (std * torch.randn(shape, generator=gen, dtype=f64)).to(DEVICE, dtype)
+
+    q, k, v = normal((1, hq, lq, e), 1e-3), normal((1, 1, lk, e), 1e-3), normal((1, 1, lk, e), 1.0)
+    sign = 1.0 - 2.0 * (torch.arange(lq, dtype=f64) // 16 % 2).view(lq, 1)
+    spread = torch.rand((1, hq, lq, e), generator=gen, dtype=f64) / 128
+    do = (3.0e38 * sign * (1 + spread)).to(DEVICE, dtype)
+    grads = _sdpa_grads(q, k, v, do, None, {}, None)
+    scaled = _sdpa_grads(q, k, v, do / BIG, None, {}, None)
+    gold = _sdpa_grads(q, k, v, do, None, {}, torch.float64)
+    assert (do[..., :16, :].double().sum(-2) / lk).abs().min() > 3.5e38  # the case
+    for name, g, small, want in zip(("dq", "dk", "dv"), grads, scaled, gold):
+        assert want.abs().max() < 3.3e38, f"{name}: past the dtype's range in the case itself"
+        assert_within(g, want, small.double() * BIG, floor=0.0, what=name)
+
+
+@near_max
+@pytest.mark.parametrize("dtype", [f32, bf16])
 def test_varlen_backward_near_the_dtype_max(dtype):
     """Packed sequences (the backward's VARLEN mode), causal (bottom-right), GQA, dropout: 200
     keys, a short sequence, one with more queries than keys."""
@@ -1119,7 +1148,7 @@ def test_the_rerun_launches_only_where_the_device_holds_it(monkeypatch):
     monkeypatch.setattr(common, "shared_memory_limit", lambda: 99 * 1024)
     assert sdpa_bwd_rerun.fits(128, 128) and sdpa_bwd_rerun.fits(64, 96)
     assert not sdpa_bwd_rerun.fits(256, 256) and not sdpa_bwd_rerun.fits(160, 192)
-    assert sdpa_bwd_rerun.launch(None, (None,) * 10, (None,) * 3, (), (), (1, 1, 1, 1, 1, 192, 192),
+    assert sdpa_bwd_rerun.launch(None, (None,) * 10, (None,) * 4, (), (), (1, 1, 1, 1, 1, 192, 192),
                                  (), (), mask_kind=0, dropout=False, mask_grad=False,
                                  softcap=False, alibi=False, has_sinks=False, has_glse=False,
                                  varlen=False) is None
@@ -1185,6 +1214,35 @@ def test_additive_backward_near_the_dtype_max(dtype, mods):
     for name, want in zip(names, gold):
         assert want.abs().max() < 3.3e38, f"{name}: the true gradient exceeds the dtype"
     _assert_as_scaled_down(names, grads, scaled, gold, ADDITIVE_GRAD_SCALE, "dvalue")
+
+
+@near_max
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_additive_backward_grad_out_near_the_dtype_max(dtype):
+    """dO near the dtype's largest (3e38, 2^-7 spread), its sign flipping every 16 queries, over
+    3 keys with P ~ 1/3 (q, k, w small): dPd and delta overflow (the flag), and dvalue =
+    sum_i P_ij dO_i passes float32's largest in the dK kernel's sums where the true dvalue fits:
+    NaN or inf unless the rerun writes dvalue again. Every gradient is linear in dO: held to
+    twice the error of the call on dO / 2^64, scaled back."""
+    gen = torch.Generator().manual_seed(14)
+    lq, lk, a, ev = 64, 3, 16, 16
+    f64 = torch.float64
+
+    def normal(shape, std):
+        return (std * torch.randn(shape, generator=gen, dtype=f64)).to(DEVICE, dtype)
+
+    q, k, w = normal((1, 2, lq, a), 1e-3), normal((1, 2, lk, a), 1e-3), normal((2, a), 1e-3)
+    value = normal((1, 2, lk, ev), 1.0)
+    sign = 1.0 - 2.0 * (torch.arange(lq, dtype=f64) // 16 % 2).view(lq, 1)
+    spread = torch.rand((1, 2, lq, ev), generator=gen, dtype=f64) / 128
+    do = (3.0e38 * sign * (1 + spread)).to(DEVICE, dtype)
+    grads = _additive_grads(q, k, value, w, do, None, {}, None, None)
+    scaled = _additive_grads(q, k, value, w, do / BIG, None, {}, None, None)
+    gold = _additive_grads(q, k, value, w, do, None, {}, None, torch.float64)
+    assert (do[..., :16, :].double().sum(-2) / lk).abs().min() > 3.5e38  # the case
+    for name, g, small, want in zip(("dq", "dk", "dvalue", "dw"), grads, scaled, gold):
+        assert want.abs().max() < 3.3e38, f"{name}: past the dtype's range in the case itself"
+        assert_within(g, want, small.double() * BIG, floor=0.0, what=name)
 
 
 def test_an_ordinary_additive_backward_is_not_rerun(monkeypatch):

@@ -416,13 +416,14 @@ def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value
     dq, dk, dw = dq.to(q.dtype), dk.to(k.dtype), dw.sum((0, 2)).to(v.dtype)
     if flag is not None:
         # The caller's dO and weights' gradient: the rerun divides by its own float64 r. Where
-        # flagged it writes dq, dk and dmask over these, and its dw takes the place of this one.
+        # flagged it writes dq, dk, dvalue and dmask over these, and its dw takes this one's place.
         dw64 = additive_bwd_rerun.launch(
             flag, (q, k, value, v, m, raw_grad_out,
                    None if grad_weights is None else grad_weights.float().contiguous(),
                    grad_lse, lse, rng),
             (*strides, *raw_grad_out.stride()), (b, h, lq, lk, a, ev),
-            (window_lo, window_hi, inv_keep), (dq, dk, dmask), mask_kind=consts["MASK_KIND"],
+            (window_lo, window_hi, inv_keep), (dq, dk, dvalue, dmask),
+            mask_kind=consts["MASK_KIND"],
             dropout=dropout_p > 0, mask_grad=mask_grad)
         dw = torch.where(flag.bool(), dw64.to(v.dtype), dw)
     return dq, dk, dvalue, dw, dmask

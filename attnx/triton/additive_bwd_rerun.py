@@ -22,7 +22,9 @@ dq or dk rows are summed in a (RERUN_BLOCK, A) float64 scratch its program owns,
 over the first results (as the mask's gradient is); dw sums in the program's (H, A) float64 slot,
 which the host puts in place where FLAG is set (torch.where over (H, A), no synchronisation).
 Unflagged, a backward pays two launches, small scratch and that (H, A) pass, nothing the size of
-the call. dvalue = P^T dO does not involve the values: it stands. fp16 cannot overflow: no check, no rerun (sdpa_bwd_rerun.applies).
+the call. dvalue = P^T dO does not involve the values, but a dO near the largest, which sets
+FLAG through dPd and delta, overflows its float32 sums too: the key pass writes it again. fp16
+cannot overflow: no check, no rerun (sdpa_bwd_rerun.applies).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from . import common
 from .additive import _tanh
 from .common import admit, key_range, offsets, query_range, split_tile
 from .rng import keep, row_keys
-from .sdpa_bwd_rerun import _narrow, applies  # noqa: F401 (applies: the additive backward's)
+from .sdpa_bwd_rerun import _dropped, _narrow, applies  # noqa: F401 (applies: the additive backward's)
 
 RERUN_BLOCK = tl.constexpr(16)
 _OPTIONS = dict(num_warps=4, num_stages=1, maxnreg=common.MAX_REGISTERS)
@@ -91,21 +93,14 @@ def _dvalues(do_base, val_base, offs_m, offs_n, Lq, Lk, Ev, sdm, sdd, svn, svd,
 
 
 @triton.jit
-def _dropped(x, key_row, threshold, offs_n, inv_keep, DROPOUT: tl.constexpr):
-    """z x: dropout's keep / (1 - p) times x (x itself without dropout)."""
-    if DROPOUT:
-        x = tl.where(keep(key_row, offs_n, threshold), x * inv_keep, 0.0)
-    return x
-
-
-@triton.jit
 def _dscores(q_base, k_base, w_base, m_base, do_base, val_base, DWEIGHTS, bh, lse, rinv, dlt,
              key_row, threshold, offs_m, offs_n, Lq, Lk, A, Ev, sqm, sqa, skn, ska, swa, smm,
              smn, sdm, sdd, svn, svd, window_lo, window_hi, inv_keep,
              MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HAS_DWEIGHTS: tl.constexpr,
              BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr):
-    """dS = P (z dPd / r - D / r) of a tile, float64, from the rows' rinv = 1 / r and
-    dlt = D / r (_rows_kernel); dPd = dO . value_j + the weights' gradient (raw, float32)."""
+    """(dS = P (z dPd / r - D / r), z P / r: what dvalue takes) of a tile, float64, from the
+    rows' rinv = 1 / r and dlt = D / r (_rows_kernel); dPd = dO . value_j + the weights'
+    gradient (raw, float32)."""
     p = _probs64(q_base, k_base, w_base, m_base, lse, offs_m, offs_n, Lq, Lk, A, sqm, sqa, skn,
                  ska, swa, smm, smn, window_lo, window_hi, MASK_KIND, BLOCK_A)
     dpd = _dvalues(do_base, val_base, offs_m, offs_n, Lq, Lk, Ev, sdm, sdd, svn, svd, BLOCK_E)
@@ -114,7 +109,8 @@ def _dscores(q_base, k_base, w_base, m_base, do_base, val_base, DWEIGHTS, bh, ls
                        mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk),
                        other=0.0).to(tl.float64)
     zdp = _dropped(dpd, key_row, threshold, offs_n, inv_keep, DROPOUT)
-    return p * (zdp * rinv[:, None] - dlt[:, None])
+    return (p * (zdp * rinv[:, None] - dlt[:, None]),
+            _dropped(p * rinv[:, None], key_row, threshold, offs_n, inv_keep, DROPOUT))
 
 
 @triton.jit
@@ -211,10 +207,11 @@ def _rows_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, GLSE, LSE, RNG, ROWS, SCRA
             start, end = 0, Lk
         for n0 in range(start, end, RERUN_BLOCK):
             offs_n = n0 + rows
-            ds = _dscores(q_base, k_base, w_base, m_base, do_base, val_base, DWEIGHTS, bh, lse,
-                          rinv, dlt, key_row, threshold, offs_m, offs_n, Lq, Lk, A, Ev, sqm, sqa,
-                          skn, ska, swa, smm, smn, sdm, sdd, svn, svd, window_lo, window_hi,
-                          inv_keep, MASK_KIND, DROPOUT, HAS_DWEIGHTS, BLOCK_A, BLOCK_E)
+            ds, pz = _dscores(q_base, k_base, w_base, m_base, do_base, val_base, DWEIGHTS, bh,
+                              lse, rinv, dlt, key_row, threshold, offs_m, offs_n, Lq, Lk, A, Ev,
+                              sqm, sqa, skn, ska, swa, smm, smn, sdm, sdd, svn, svd, window_lo,
+                              window_hi, inv_keep, MASK_KIND, DROPOUT, HAS_DWEIGHTS, BLOCK_A,
+                              BLOCK_E)
             if MASK_GRAD:
                 tl.store(DM + (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :],
                          _narrow(ds, DM), mask=row_ok[:, None] & (offs_n[None, :] < Lk))
@@ -235,17 +232,20 @@ def _rows_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, GLSE, LSE, RNG, ROWS, SCRA
 
 
 @triton.jit
-def _keys_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, LSE, RNG, ROWS, SCRATCH, DK,
+def _keys_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, LSE, RNG, ROWS, SCRATCH, SCRATCH_V, DK,
+                 DVALUE,
                  sqb, sqh, sqm, sqa, skb, skh, skn, ska, svb, svh, svn, svd, swh, swa,
                  smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                  ITEMS, H, Lq, Lk, A, Ev, window_lo, window_hi, inv_keep,
                  MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, HAS_DWEIGHTS: tl.constexpr,
                  BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Each key block of each head in turn (ITEMS: B x H x blocks of Lk): dk over the query
-    rows of the band, from _rows_kernel's ROWS, summed in the program's SCRATCH and written over
-    DK (the backward's (B, H, Lk, A) result)."""
+    """Each key block of each head in turn (ITEMS: B x H x blocks of Lk): dk and dvalue =
+    sum_i (P_ij / r_i) z_ij dO_i over the query rows of the band, from _rows_kernel's ROWS,
+    summed in the program's SCRATCH (RERUN_BLOCK, A) and SCRATCH_V (RERUN_BLOCK, Ev) and
+    written over DK and DVALUE (the backward's (B, H, Lk, A) and (B, H, Lk, Ev) results)."""
     rows = tl.arange(0, RERUN_BLOCK)
     scratch = SCRATCH + tl.program_id(0).to(tl.int64) * RERUN_BLOCK * A
+    scratch_v = SCRATCH_V + tl.program_id(0).to(tl.int64) * RERUN_BLOCK * Ev
     items = tl.where(tl.load(FLAG) != 0, ITEMS, 0)  # none unless flagged
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
         n0, bh, h, q_base, k_base, val_base, w_base, m_base, do_base = _item(
@@ -253,7 +253,8 @@ def _keys_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, LSE, RNG, ROWS, SCRATCH, D
             sdh)
         offs_n = n0 + rows
         _zero_rows(scratch, rows, RERUN_BLOCK, A, BLOCK_A)
-        tl.debug_barrier()  # the loop below reads what this stored
+        _zero_rows(scratch_v, rows, RERUN_BLOCK, Ev, BLOCK_E)
+        tl.debug_barrier()  # the loop below reads what these stored
         start, end = query_range(n0, Lq, Lk, window_lo, window_hi, RERUN_BLOCK, RERUN_BLOCK)
         for m0 in range(start, end, RERUN_BLOCK):
             offs_m = m0 + rows
@@ -265,10 +266,21 @@ def _keys_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, LSE, RNG, ROWS, SCRATCH, D
             key_row, threshold = None, None
             if DROPOUT:
                 key_row, threshold = row_keys(RNG, bh, offs_m)
-            ds = _dscores(q_base, k_base, w_base, m_base, do_base, val_base, DWEIGHTS, bh, lse,
-                          rinv, dlt, key_row, threshold, offs_m, offs_n, Lq, Lk, A, Ev, sqm, sqa,
-                          skn, ska, swa, smm, smn, sdm, sdd, svn, svd, window_lo, window_hi,
-                          inv_keep, MASK_KIND, DROPOUT, HAS_DWEIGHTS, BLOCK_A, BLOCK_E)
+            ds, pz = _dscores(q_base, k_base, w_base, m_base, do_base, val_base, DWEIGHTS, bh,
+                              lse, rinv, dlt, key_row, threshold, offs_m, offs_n, Lq, Lk, A, Ev,
+                              sqm, sqa, skn, ska, swa, smm, smn, sdm, sdd, svn, svd, window_lo,
+                              window_hi, inv_keep, MASK_KIND, DROPOUT, HAS_DWEIGHTS, BLOCK_A,
+                              BLOCK_E)
+            for e0 in range(0, Ev, BLOCK_E):
+                offs_e = e0 + tl.arange(0, BLOCK_E)
+                do = tl.load(do_base + offsets(offs_m, offs_e, sdm, sdd),
+                             mask=row_ok[:, None] & (offs_e[None, :] < Ev), other=0.0)
+                ptrs = scratch_v + rows.to(tl.int64)[:, None] * Ev + offs_e[None, :]
+                e_ok = offs_e[None, :] < Ev
+                dvalue = tl.load(ptrs, mask=e_ok, other=0.0)
+                tl.store(ptrs, dvalue + tl.sum(pz[:, :, None] * do.to(tl.float64)[:, None, :], 0),
+                         mask=e_ok)
+                tl.debug_barrier()  # the next pass reads what this one stored
             for a0 in range(0, A, BLOCK_A):
                 offs_a = a0 + tl.arange(0, BLOCK_A)
                 t, wa = _chunk64(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A,
@@ -280,6 +292,7 @@ def _keys_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, LSE, RNG, ROWS, SCRATCH, D
                          mask=a_ok)
                 tl.debug_barrier()  # the next pass reads what this one stored
         _write_rows(DK + bh * Lk * A, scratch, offs_n, Lk, A, BLOCK_A)
+        _write_rows(DVALUE + bh * Lk * Ev, scratch_v, offs_n, Lk, Ev, BLOCK_E)
 
 
 def launch(flag: torch.Tensor, inputs: tuple, strides: tuple, sizes: tuple, band: tuple,
@@ -289,17 +302,18 @@ def launch(flag: torch.Tensor, inputs: tuple, strides: tuple, sizes: tuple, band
     the weights' gradient (float32 contiguous, not divided by r; None for none), grad_lse (None
     for none), lse, rng words (the kernels' dummies where absent); strides: q, k, value, v,
     mask, dO (4, 4, 4, 2, 4, 4); sizes: B, H, Lq, Lk, A, Ev; band: window_lo, window_hi,
-    inv_keep; outputs: the first pass's dq, dk (contiguous, in q's dtype) and the mask's
-    gradient, overwritten where flagged. Returns v's gradient (H, A) in float64, meaningful
+    inv_keep; outputs: the first pass's dq, dk, dvalue (contiguous, in q's dtype) and the
+    mask's gradient, overwritten where flagged. Returns v's gradient (H, A) in float64, meaningful
     only where flag is set (the host's torch.where puts it in place: an (H, A) pass)."""
     q, k, value, w, m, do, dweights, glse, lse, rng = inputs
-    dq, dk, dmask = outputs
+    dq, dk, dvalue, dmask = outputs
     b, h, lq, lk, a, ev = sizes
     window_lo, window_hi, inv_keep = band
     blocks = lambda n: triton.cdiv(n, RERUN_BLOCK.value)  # noqa: E731
     programs = common.multiprocessors()
     rows = lse.new_empty((b, h, lq, 2), dtype=torch.float64)  # 1 / r_i, D_i / r_i
     scratch = q.new_empty((programs, RERUN_BLOCK.value, a), dtype=torch.float64)
+    scratch_v = q.new_empty((programs, RERUN_BLOCK.value, ev), dtype=torch.float64)
     dws = q.new_empty((programs, h, a), dtype=torch.float64)
     consts = dict(MASK_KIND=mask_kind, DROPOUT=dropout, HAS_DWEIGHTS=dweights is not None,
                   **_chunk_sizes(a, ev), **_OPTIONS)
@@ -309,6 +323,7 @@ def launch(flag: torch.Tensor, inputs: tuple, strides: tuple, sizes: tuple, band
         scratch, dws, dq, dmask, *strides, b * h * blocks(lq), h, lq, lk, a, ev, window_lo,
         window_hi, inv_keep, MASK_GRAD=mask_grad, HAS_GLSE=glse is not None, **consts)
     common.launcher(_keys_kernel)[(programs,)](
-        flag, q, k, value, w, m, do, dweights, lse, rng, rows, scratch, dk, *strides,
+        flag, q, k, value, w, m, do, dweights, lse, rng, rows, scratch, scratch_v, dk, dvalue,
+        *strides,
         b * h * blocks(lk), h, lq, lk, a, ev, window_lo, window_hi, inv_keep, **consts)
     return dws.sum(0)

@@ -970,8 +970,8 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         *dos.stride(), h, *sizes, *band, q, q, 0, VARLEN=False, **consts)
     if flag is not None:
         delta64 = sdpa_bwd_rerun.launch(
-            flag, (q, k, v, m, grad_out, glse, lse, rng, slopes, sink), (dq, dk, dmask),
-            (*strides, *grad_out.stride(), *a_strides), (*dq.stride(), *dk.stride()),
+            flag, (q, k, v, m, grad_out, glse, lse, rng, slopes, sink), (dq, dk, dv, dmask),
+            (*strides, *grad_out.stride(), *a_strides), (*dq.stride(), *dk.stride(), *dv.stride()),
             (b, h, hkv, lq, lk, e, ev), (scale, window_lo, window_hi, inv_keep, cap), (q, q, 0),
             mask_kind=consts["MASK_KIND"], dropout=dropout_p > 0, mask_grad=mask_grad,
             softcap=softcap is not None, alibi=alibi is not None, has_sinks=sinks is not None,

@@ -8,18 +8,18 @@ only check, after them, their dK or dQ accumulator (a non-finite dS always reach
 NaN propagate through the sums): one holding inf or NaN sets FLAG, one int32 on the device, so
 the backward never waits on the host. The two kernels here, launched after them on a fixed grid
 of common.multiprocessors() programs, load FLAG first and do nothing unless it is set (their
-loops run zero times); set, they recompute the whole call's dQ, dK and float mask gradient in
-float64, where dP and D cannot overflow (3.4e38^2 * 256 fits), from the scores and
+loops run zero times); set, they recompute the whole call's dQ, dK, dV and float mask gradient
+in float64, where dP and D cannot overflow (3.4e38^2 * 256 fits), from the scores and
 probabilities the backward kernels form (scale, softcap, ALiBi, band, masks, the dropout hash,
 sinks through the lse), each row's divided by their float64 sum r_i (as the first pass does on
 huge-lse rows only, common.HUGE_LSE), and write them over the first results, rounded to the
-output dtype (inf where the true value exceeds it). dV = P^T dO does not involve V: its first
-result stands. fp16 values (< 65504) cannot overflow: its backward has no check and no rerun
-(`applies`).
+output dtype (inf where the true value exceeds it). dV = P^T dO does not involve V, but a dO
+near the largest, which sets the flag through dP and D, overflows its float32 sums too. fp16
+values (< 65504) cannot overflow: its backward has no check and no rerun (`applies`).
 
 Two launches, because dK needs every query row's 1 / r_i and D_i / r_i: _rows_kernel (a program
 per query block in turn) writes them to ROWS (float64) with dQ and the mask gradient;
-_keys_kernel (a program per key block) reads them for dK. Tiles are RERUN_BLOCK x RERUN_BLOCK,
+_keys_kernel (a program per key block) reads them for dK and dV. Tiles are RERUN_BLOCK x RERUN_BLOCK,
 float64 products on the tensor cores (DMMA, sm_80 and up); speed is not the aim.
 """
 
@@ -121,13 +121,19 @@ def _probs(q, q2, kt, kt2, lse, m_base, offs_m, offs_n, Lq, Lk, smm, smn, scale,
 
 
 @triton.jit
+def _dropped(x, key_row, threshold, offs_n, inv_keep, DROPOUT: tl.constexpr):
+    """z x: dropout's keep / (1 - p) times x (x itself without dropout)."""
+    if DROPOUT:
+        x = tl.where(keep(key_row, offs_n, threshold), x * inv_keep, 0.0)
+    return x
+
+
+@triton.jit
 def _dprobs(do, do2, vt, vt2, offs_n, key_row, threshold, inv_keep, DROPOUT: tl.constexpr,
             BLOCK_DV2: tl.constexpr):
     """z dP = z dO V^T of a tile (float64), z dropout's keep / (1 - p)."""
-    dp = _dot2(do, do2, vt, vt2, BLOCK_DV2)
-    if DROPOUT:
-        dp = tl.where(keep(key_row, offs_n, threshold), dp * inv_keep, 0.0)
-    return dp
+    return _dropped(_dot2(do, do2, vt, vt2, BLOCK_DV2), key_row, threshold, offs_n, inv_keep,
+                    DROPOUT)
 
 
 @triton.jit
@@ -291,31 +297,40 @@ def _rows_kernel(FLAG, Q, K, V, M, DO, GLSE, LSE, RNG, SLOPES, SINKS, ROWS, DQ, 
 
 
 @triton.jit
-def _keys_kernel(FLAG, Q, K, V, M, DO, LSE, RNG, SLOPES, ROWS, DK,
+def _keys_kernel(FLAG, Q, K, V, M, DO, LSE, RNG, SLOPES, ROWS, OUT,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn,
                  sdb, sdh, sdm, sdd, sgb, sgh, sgm, sgd, sab, sah,
                  ITEMS, H, Hkv, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
                  cap, CU_Q, CU_K, TOTAL_Q,
                  MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
-                 ALIBI: tl.constexpr, VARLEN: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr):
-    """Each key block of each kv head in turn (ITEMS: B x Hkv x blocks of Lk): dK over the
-    query heads of its GQA group and every query row of the band (DK, the final dK, strides
-    sg*), from _rows_kernel's ROWS."""
+                 ALIBI: tl.constexpr, VARLEN: tl.constexpr, VALUES: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_DV2: tl.constexpr):
+    """Each key block of each kv head in turn (ITEMS: B x Hkv x blocks of Lk): dK, or with
+    VALUES dV = sum_i (P_ij / r_i) z_ij dO_i, over the query heads of its GQA group and every
+    query row of the band (OUT: the final dK or dV, strides sg*), from _rows_kernel's ROWS. Two
+    launches rather than both in one: together their float64 tiles took 192 KiB of shared memory
+    at head dims over 128 (Triton 3.6), past an A100's 164."""
     rows, offs_d, offs_d2, offs_dv, offs_dv2 = _aranges(BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_DV2)
+    if VALUES:  # the output's columns
+        offs_o, offs_o2, width = offs_dv, offs_dv2, Ev
+    else:
+        offs_o, offs_o2, width = offs_d, offs_d2, E
     items = tl.where(tl.load(FLAG) != 0, ITEMS, 0)  # none unless flagged
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
-        n0, _, b, hk, q0, k0, lq, lk, lo, hi = _item(item, Lk, Hkv, Lq, Lk, window_lo, window_hi,
-                                                     CU_Q, CU_K, VARLEN)
+        n0, bhk, b, hk, q0, k0, lq, lk, lo, hi = _item(item, Lk, Hkv, Lq, Lk, window_lo,
+                                                       window_hi, CU_Q, CU_K, VARLEN)
         if n0 < lk:
             offs_n = n0 + rows
             kt, kt2 = _chunks(K + b * skb + hk * skh + k0 * skn, offs_n, offs_d, offs_d2, skn,
                               skd, lk, E, True, BLOCK_D2)
-            vt, vt2 = _chunks(V + b * svb + hk * svh + k0 * svn, offs_n, offs_dv, offs_dv2, svn,
-                              svd, lk, Ev, True, BLOCK_DV2)
+            vt, vt2 = kt, kt2  # (read only for dK)
+            if not VALUES:
+                vt, vt2 = _chunks(V + b * svb + hk * svh + k0 * svn, offs_n, offs_dv, offs_dv2,
+                                  svn, svd, lk, Ev, True, BLOCK_DV2)
             start, end = query_range(n0, lq, lk, lo, hi, RERUN_BLOCK, RERUN_BLOCK)
-            dk = tl.zeros([RERUN_BLOCK, BLOCK_D], tl.float64)
-            dk2 = tl.zeros([RERUN_BLOCK, offs_d2.shape[0]], tl.float64)
+            acc = tl.zeros([RERUN_BLOCK, offs_o.shape[0]], tl.float64)
+            acc2 = tl.zeros([RERUN_BLOCK, offs_o2.shape[0]], tl.float64)
             for g in range(GROUPS):
                 h = hk * GROUPS + g
                 m_base = M + b * smb + h * smh
@@ -331,20 +346,34 @@ def _keys_kernel(FLAG, Q, K, V, M, DO, LSE, RNG, SLOPES, ROWS, DK,
                     lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf"))
                     lse = tl.where(lse == float("-inf"), float("inf"), lse).to(tl.float64)
                     rinv = tl.load(ROWS + 2 * lse_rows, mask=row_ok, other=1.0)
-                    dlt = tl.load(ROWS + 2 * lse_rows + 1, mask=row_ok, other=0.0)
                     key_row, threshold = _dropout_keys(RNG, b, h, b * H + h, offs_m, DROPOUT,
                                                        VARLEN)
-                    dsct = tl.trans(_dscores(
-                        q, q2, do, do2, kt, kt2, vt, vt2, lse, rinv, dlt, m_base, offs_m, offs_n,
-                        lq, lk, smm, smn, scale, lo, hi, cap, slope, shift, key_row, threshold,
-                        inv_keep, MASK_KIND, DROPOUT, SOFTCAP, ALIBI, BLOCK_D2, BLOCK_DV2)[1])
-                    dk += dot(dsct, q, "ieee")
-                    if BLOCK_D2 > 0:
-                        dk2 += dot(dsct, q2, "ieee")
-            dk_base = DK + b * sgb + hk * sgh + k0 * sgm
-            _store(dk_base, dk * scale, offs_n, offs_d, sgm, sgd, lk, E)
-            if BLOCK_D2 > 0:
-                _store(dk_base, dk2 * scale, offs_n, offs_d2, sgm, sgd, lk, E)
+                    if VALUES:
+                        p = _probs(q, q2, kt, kt2, lse, m_base, offs_m, offs_n, lq, lk, smm, smn,
+                                   scale, lo, hi, cap, slope, shift, MASK_KIND, SOFTCAP, ALIBI,
+                                   BLOCK_D2)[0]
+                        pzt = _wide(tl.trans(_dropped(p * rinv[:, None], key_row, threshold,
+                                                      offs_n, inv_keep, DROPOUT)))
+                        acc += dot(pzt, do, "ieee")
+                        if BLOCK_DV2 > 0:
+                            acc2 += dot(pzt, do2, "ieee")
+                    else:
+                        dlt = tl.load(ROWS + 2 * lse_rows + 1, mask=row_ok, other=0.0)
+                        dsct = tl.trans(_dscores(
+                            q, q2, do, do2, kt, kt2, vt, vt2, lse, rinv, dlt, m_base, offs_m,
+                            offs_n, lq, lk, smm, smn, scale, lo, hi, cap, slope, shift, key_row,
+                            threshold, inv_keep, MASK_KIND, DROPOUT, SOFTCAP, ALIBI, BLOCK_D2,
+                            BLOCK_DV2)[1])
+                        acc += dot(dsct, q, "ieee")
+                        if BLOCK_D2 > 0:
+                            acc2 += dot(dsct, q2, "ieee")
+            if not VALUES:
+                acc *= scale
+                acc2 *= scale
+            out_base = OUT + b * sgb + hk * sgh + k0 * sgm
+            _store(out_base, acc, offs_n, offs_o, sgm, sgd, lk, width)
+            if (BLOCK_DV2 if VALUES else BLOCK_D2) > 0:
+                _store(out_base, acc2, offs_n, offs_o2, sgm, sgd, lk, width)
 
 
 def _head_chunks(d: int) -> tuple[int, int]:
@@ -376,14 +405,14 @@ def launch(flag: torch.Tensor, inputs: tuple, outputs: tuple, strides: tuple, ou
            varlen: bool) -> torch.Tensor:
     """Launches the two kernels after the backward's others (they do nothing unless `flag` is
     set). inputs: q, k, v, mask, dO (the caller's, not divided by r), grad_lse, lse, rng words,
-    slopes, sinks (the kernels' dummies where absent); outputs: dq, the final dk (after a GQA
-    split's sum), dmask; strides: q, k, v, mask, dO (4 each) and the slopes' 2; out_strides:
-    dq's and dk's 4 each; sizes: B (sequences under varlen), Hq, Hkv, Lq, Lk, E, Ev (the longest
+    slopes, sinks (the kernels' dummies where absent); outputs: dq, the final dk and dv (after a
+    GQA split's sum), dmask; strides: q, k, v, mask, dO (4 each) and the slopes' 2; out_strides:
+    dq's, dk's and dv's 4 each; sizes: B (sequences under varlen), Hq, Hkv, Lq, Lk, E, Ev (the longest
     lengths under varlen); band: scale, window, inv_keep, softcap; cu: cu_seqlens_q, cu_seqlens_k,
     total_q. Returns D_i / r_i (float64, lse's shape; only where flag is set) for dsinks, or None
     where the device does not hold the kernels (`fits`: nothing launched)."""
     q, k, v, m, do, glse, lse, rng, slopes, sinks = inputs
-    dq, dk, dmask = outputs
+    dq, dk, dv, dmask = outputs
     b, h, hkv, lq, lk, e, ev = sizes
     if not fits(e, ev):
         return None
@@ -399,8 +428,9 @@ def launch(flag: torch.Tensor, inputs: tuple, outputs: tuple, strides: tuple, ou
         *out_strides[:4], *strides[20:], b * h * blocks(lq), h, lq, lk, e, ev, h // hkv, scale,
         window_lo, window_hi, inv_keep, cap, *cu, MASK_GRAD=mask_grad, HAS_SINKS=has_sinks,
         HAS_GLSE=has_glse, **consts, **_OPTIONS)
-    common.launcher(_keys_kernel)[grid](
-        flag, q, k, v, m, do, lse, rng, slopes, rows, dk, *strides[:20], *out_strides[4:],
-        *strides[20:], b * hkv * blocks(lk), h, hkv, lq, lk, e, ev, h // hkv, scale, window_lo,
-        window_hi, inv_keep, cap, *cu, **consts, **_OPTIONS)
+    for values, out, out_stride in ((False, dk, out_strides[4:8]), (True, dv, out_strides[8:])):
+        common.launcher(_keys_kernel)[grid](
+            flag, q, k, v, m, do, lse, rng, slopes, rows, out, *strides[:20], *out_stride,
+            *strides[20:], b * hkv * blocks(lk), h, hkv, lq, lk, e, ev, h // hkv, scale,
+            window_lo, window_hi, inv_keep, cap, *cu, VALUES=values, **consts, **_OPTIONS)
     return rows[..., 1]

@@ -123,8 +123,9 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         h, *lengths, *band, *cu, **consts)
     if flag is not None:
         delta64 = sdpa_bwd_rerun.launch(
-            flag, (q, k, v, q, grad_out, glse, lse, rng, slopes, sink), (dq, dk, q),
-            (*strides, *_strides(grad_out), *a_strides), (*_strides(dq), *_strides(dk)),
+            flag, (q, k, v, q, grad_out, glse, lse, rng, slopes, sink), (dq, dk, dv, q),
+            (*strides, *_strides(grad_out), *a_strides),
+            (*_strides(dq), *_strides(dk), *_strides(dv)),
             (n, h, hkv, max_seqlen_q, max_seqlen_k, e, ev), band[:4] + (cap,), cu,
             mask_kind=common.MASK_NONE, dropout=dropout_p > 0, mask_grad=False,
             softcap=softcap is not None, alibi=alibi is not None, has_sinks=sinks is not None,

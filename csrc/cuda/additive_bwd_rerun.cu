@@ -5,9 +5,11 @@
 // anyway; it turns "every element finite" into the device flag p.overflowed (no
 // synchronisation) and launches the two passes below, which return at once while the flag says
 // so. Otherwise they compute in float64, a warp a row, every dq row, v's gradient and dmask
-// (queries), then every dk row (keys, from the queries' R and delta). Scores and P are formed
-// as additive.cu forms them (tanh of q + k summed with v in float, the band and mask, exp(s -
-// lse) / R, dropout's hash); dvalue = (P z)^T dO needs nothing.
+// (queries), then every dk and dvalue row (keys, from the queries' R and delta). Scores and P
+// are formed as additive.cu forms them (tanh of q + k summed with v in float, the band and
+// mask, exp(s - lse) / R, dropout's hash). dvalue = (P z)^T dO does not involve the values,
+// but a dO near the largest, which sets the flag through dPd and delta, overflows its float32
+// sums too.
 #include "float64_rerun.cuh"
 
 namespace attnx {
@@ -46,11 +48,12 @@ struct Pair {
 };
 
 // dS_ij in float64 (0 where P is: no value of the pair is read then), from the row's lse, R
-// and delta.
+// and delta; P_ij z_ij (dropped, as dvalue takes it) in *pz.
 template <typename T>
 __device__ __forceinline__ double pair_ds(const AdditiveParams& p, const Pair<T>& r, int b, int h,
                                           int i, int j, float lse, float R, double delta,
-                                          int lane) {
+                                          int lane, double* pz) {
+  *pz = 0.0;
   const float s = additive_score(p, b, h, i, j, r.q, r.k + j * p.sk.l, r.v, lane);
   if (s == -INFINITY || lse == -INFINITY) return 0.0;
   const float prob = fast_exp(s - lse) / R;
@@ -58,7 +61,9 @@ __device__ __forceinline__ double pair_ds(const AdditiveParams& p, const Pair<T>
   double d = warp_dot_d(r.dout, r.value + j * p.svalue.l, p.Ev, lane);
   if (p.dweights != nullptr)
     d += to_float(static_cast<const T*>(p.dweights)[r.row * p.Lk + j]);
-  return double(prob) * (d * dropout_factor(p.drop, r.key_bh, uint32_t(i), uint32_t(j)) - delta);
+  const double z = dropout_factor(p.drop, r.key_bh, uint32_t(i), uint32_t(j));
+  *pz = double(prob) * z;
+  return double(prob) * (d * z - delta);
 }
 
 // dx[u] += ds v[a] (1 - tanh^2) and, with dv, (*dv)[u] += ds tanh, tanh = tanh(q[i, a] +
@@ -103,7 +108,8 @@ __device__ void rerun_query_row(const AdditiveParams& p, int b, int h, int i, in
   for (int a0 = 0; a0 < p.A; a0 += 32 * kRerunCols) {
     double dq[kRerunCols] = {}, dv[kRerunCols] = {};
     for (int j = j_lo; j <= j_hi; ++j) {
-      const double ds = pair_ds(p, r, b, h, i, j, lse, R, delta, lane);
+      double pz;
+      const double ds = pair_ds(p, r, b, h, i, j, lse, R, delta, lane, &pz);
       // (every pair of the band: the fast pass's may be NaN where this one's is 0)
       if (a0 == 0 && p.dmask != nullptr && lane == 0)
         store_mask_grad<T>(p.dmask, p.mask.kind, r.row * p.Lk + j, saturated(ds));
@@ -119,24 +125,37 @@ __device__ void rerun_query_row(const AdditiveParams& p, int b, int h, int i, in
   }
 }
 
-// Key row j of head h: dk_j over the band's query rows.
+// Key row j of head h: dk_j, chunk by chunk of A, then dvalue_j = sum_i P_ij z_ij dO_i,
+// chunk by chunk of Ev, over the band's query rows.
 template <typename T>
 __device__ void rerun_key_row(const AdditiveParams& p, int b, int h, int j, int lane) {
   const int i_lo = int(max(int64_t(0), j - p.window_hi));
   const int i_hi = int(min(int64_t(p.Lq) - 1, j - p.window_lo));
-  const int64_t bh = int64_t(b) * p.H + h;
-  for (int a0 = 0; a0 < p.A; a0 += 32 * kRerunCols) {
-    double dk[kRerunCols] = {};
+  const int64_t key_row = (int64_t(b) * p.H + h) * p.Lk + j;
+  constexpr int kChunk = 32 * kRerunCols;
+  const int a_end = (p.A + kChunk - 1) / kChunk * kChunk;  // A's chunks, then Ev's
+  for (int c0 = 0; c0 < a_end + p.Ev; c0 += kChunk) {
+    const bool values = c0 >= a_end;
+    const int e0 = c0 - a_end;
+    double sum[kRerunCols] = {};
     for (int i = i_lo; i <= i_hi; ++i) {
       const Pair<T> r(p, b, h, i);
-      const double ds =
-          pair_ds(p, r, b, h, i, j, p.lse[r.row], p.row_r[r.row], p.row_delta[r.row], lane);
-      if (ds != 0.0) add_chunk<T>(p, r.q, r.k + j * p.sk.l, r.v, a0, lane, ds, dk, nullptr);
+      double pz;
+      const double ds = pair_ds(p, r, b, h, i, j, p.lse[r.row], p.row_r[r.row],
+                                p.row_delta[r.row], lane, &pz);
+      if (!values && ds != 0.0)
+        add_chunk<T>(p, r.q, r.k + j * p.sk.l, r.v, c0, lane, ds, sum, nullptr);
+#pragma unroll
+      for (int u = 0; u < kRerunCols; ++u) {
+        const int e = e0 + lane + 32 * u;
+        if (values && pz != 0.0 && e < p.Ev) sum[u] += pz * double(to_float(r.dout[e]));
+      }
     }
 #pragma unroll
     for (int u = 0; u < kRerunCols; ++u) {
-      const int a = a0 + lane + 32 * u;
-      if (a < p.A) p.dk[(bh * p.Lk + j) * p.A + a] = saturated(dk[u]);
+      const int c = lane + 32 * u;
+      if (!values && c0 + c < p.A) p.dk[key_row * p.A + c0 + c] = saturated(sum[u]);
+      if (values && e0 + c < p.Ev) p.dvalue[key_row * p.Ev + e0 + c] = saturated(sum[u]);
     }
   }
 }

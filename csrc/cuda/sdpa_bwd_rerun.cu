@@ -5,18 +5,20 @@
 // dQ and dK fit. The key-block kernels flag a non-finite dK (every non-finite dS reaches the dK
 // of its key: NaN and inf survive the sums) in p.overflowed, after their loop, where the test
 // costs nothing; the two launches here, on a small grid, read the flag. When it is set, every
-// dQ row (with dmask, delta and the sinks' gradient: the query pass) and then every dK row (the
-// key pass, from the rows' R and delta the query pass kept) is computed again, one warp a row,
-// in float64. When it is 0 the key pass returns at once and the query pass reads dq_acc (one
-// pass over it, what converting it to bf16 reads next) and computes again the rows that hold a
-// non-finite value: dS finite, dQ = scale sum_j dS_ij k_j can still pass float32's largest where
-// keys near bf16's largest share a large common part (sum_j dS_ij = 0 cancels it in the true
-// sum, not in the kernels' float32 partial sums and atomics: inf - inf = NaN). The products of bf16
-// values (at most 3.39e38^2 each, 256 of them) cannot overflow there. Scores and P are formed as
-// the key-block kernels form them (scaled, modified, admitted, dropped; rows of huge lse divided
-// by their row sum, here of this pass's own scores), so only the sums change. dV needs nothing:
-// it does not involve V. A result past the dtype's range is inf, as it would be for any
-// backend. fp16 (at most 65504) cannot overflow: its kernels neither flag nor launch this.
+// dQ row (with dmask, delta and the sinks' gradient: the query pass) and then every dK and dV
+// row (the key pass, from the rows' R and delta the query pass kept) is computed again, one
+// warp a row, in float64, where the products of bf16 values (at most 3.39e38^2 each, 256 of
+// them) cannot overflow. dV = P^T dO does not involve V, but a dO near the largest, which sets
+// the flag through dP and delta, overflows its float32 sums too. When the flag is 0 the key
+// pass returns at once and the query pass reads dq_acc (one pass over it, what converting it to
+// bf16 reads next) and computes again the rows holding a non-finite value: with dS finite, dQ =
+// scale sum_j dS_ij k_j still passes float32's largest where keys near bf16's largest share a
+// large common part (sum_j dS_ij = 0 cancels it in the true sum, not in the kernels' float32
+// partial sums and atomics: inf - inf = NaN). Scores and P are formed as the key-block kernels
+// form them (scaled, modified, admitted, dropped; rows of huge lse divided by their row sum,
+// here of this pass's own scores), so only the sums change. A result past the dtype's range is
+// inf, as it would be for any backend. fp16 (at most 65504) cannot overflow: its kernels
+// neither flag nor launch this.
 #include "float64_rerun.cuh"
 
 namespace attnx {
@@ -59,18 +61,21 @@ __device__ __forceinline__ float pair_score(const SdpaParams& p, const SeqView& 
 }
 
 // dS_ij (after the softcap's derivative) in float64; dmask_ij, dS before that derivative, in
-// *ds_mask. k_row, v_row: key j's rows of head h's kv head.
+// *ds_mask; P_ij z_ij (dropped, as dV takes it) in *pz. k_row, v_row: key j's rows of head h's
+// kv head.
 template <typename T, bool kMods>
 __device__ __forceinline__ double pair_ds(const SdpaParams& p, const SeqView& seq, int b, int h,
                                           int i, int j, const QueryRow<T>& r, const T* k_row,
-                                          const T* v_row, int lane, double* ds_mask) {
+                                          const T* v_row, int lane, double* ds_mask, double* pz) {
   float tc = 0.f;
   const float x = pair_score<T, kMods>(p, seq, b, h, i, j, r.q, k_row, lane, &tc);
   const float prob = fast_exp(x - r.lse) * r.inv_r;
   double ds = 0.0;
+  *pz = 0.0;
   if (prob != 0.f) {  // (a warp-uniform branch: every lane holds the same sums)
     const double z = dropout_factor(p.drop, sdpa_dropout_key(p, b, h), i, j);
     ds = double(prob) * (warp_dot_d(r.dout, v_row, p.Ev, lane) * z - r.delta);
+    *pz = double(prob) * z;
   }
   *ds_mask = ds;
   if (kMods && p.mods.softcap > 0.f) ds *= 1.0 - double(tc) * double(tc);
@@ -108,9 +113,9 @@ __device__ __forceinline__ void rerun_query_row(const SdpaParams& p, const SeqVi
                  : static_cast<T*>(p.dmask) + ((int64_t(b) * p.Hq + h) * p.Lq + i) * p.Lk;
   double dq[kRerunCols] = {};
   for (int j = int(j_lo); j <= j_hi; ++j) {
-    double ds_mask;
+    double ds_mask, pz;
     const double ds = pair_ds<T, kMods>(p, seq, b, h, i, j, r, k + j * p.sk.l, v + j * p.sv.l,
-                                        lane, &ds_mask);
+                                        lane, &ds_mask, &pz);
 #pragma unroll
     for (int u = 0; u < kRerunCols; ++u) {
       const int c = lane + 32 * u;
@@ -140,34 +145,41 @@ __device__ __forceinline__ void rerun_query_row(const SdpaParams& p, const SeqVi
 }
 
 // Key row j of kv head hk: dK_j = scale sum over the group's query heads and the band's rows of
-// dS_ij q_i, written over dk; the rows' 1 / R and delta from the query pass.
+// dS_ij q_i, and dV_j = sum of P_ij z_ij dO_i (a dO near bf16's largest, which overflowed dP and
+// delta, can overflow the kernels' float32 sums there too), written over dk and dv; the rows'
+// 1 / R and delta from the query pass.
 template <typename T, bool kMods>
 __device__ __forceinline__ void rerun_key_row(const SdpaParams& p, const SeqView& seq, int b,
                                               int hk, int j, int lane) {
   const int group = p.Hq / p.Hkv;
   const T* k_row = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h + (seq.k0 + j) * p.sk.l;
   const T* v_row = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h + (seq.k0 + j) * p.sv.l;
-  double dk[kRerunCols] = {};
+  double dk[kRerunCols] = {}, dv[kRerunCols] = {};
   const int64_t i_lo = max(int64_t(0), j - seq.hi), i_hi = min(int64_t(seq.Lq) - 1, j - seq.lo);
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
     for (int i = int(i_lo); i <= i_hi; ++i) {
       QueryRow<T> r = query_row<T>(p, seq, b, h, i);
       r.inv_r = p.rerun_inv_r[r.row];
       r.delta = p.rerun_delta[r.row];
-      double ds_mask;
-      const double ds = pair_ds<T, kMods>(p, seq, b, h, i, j, r, k_row, v_row, lane, &ds_mask);
+      double ds_mask, pz;
+      const double ds =
+          pair_ds<T, kMods>(p, seq, b, h, i, j, r, k_row, v_row, lane, &ds_mask, &pz);
 #pragma unroll
       for (int u = 0; u < kRerunCols; ++u) {
         const int c = lane + 32 * u;
         if (c < p.E) dk[u] += ds * double(to_float(r.q[c]));
+        if (c < p.Ev) dv[u] += pz * double(to_float(r.dout[c]));
       }
     }
   }
-  T* dk_out = static_cast<T*>(p.dk) + (key_rows(p, seq, b, hk) + j) * p.E;
+  const int64_t row = key_rows(p, seq, b, hk) + j;
+  T* dk_out = static_cast<T*>(p.dk) + row * p.E;
+  T* dv_out = static_cast<T*>(p.dv) + row * p.Ev;
 #pragma unroll
   for (int u = 0; u < kRerunCols; ++u) {
     const int c = lane + 32 * u;
     if (c < p.E) dk_out[c] = from_float<T>(saturated(dk[u] * p.scale));
+    if (c < p.Ev) dv_out[c] = from_float<T>(saturated(dv[u]));
   }
 }
 

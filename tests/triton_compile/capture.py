@@ -56,6 +56,7 @@ class Unit:
     grid: tuple
     arch: int
     shared_estimate: Optional[int]  # the pruning rule's bytes (common.pruner), autotuned only
+    launch: int = 0          # which of the variant's launches (a kernel may take several)
 
 
 @dataclasses.dataclass
@@ -143,7 +144,7 @@ def _run_variant(v: Variant) -> None:
                               torch.zeros(b, h, L), rand(b, h, L, L) if v.weights else None)
 
 
-def _units_of(launch: Launch, v: Variant, arch: int) -> list[Unit]:
+def _units_of(launch: Launch, index: int, v: Variant, arch: int) -> list[Unit]:
     """The units of one launch: one per config its autotuner keeps for sm_<arch> (the launch's
     own options for a kernel that is not autotuned)."""
     kernel = launch.kernel
@@ -175,7 +176,7 @@ def _units_of(launch: Launch, v: Variant, arch: int) -> list[Unit]:
                                                           "BLOCK_DV2")}
         name = f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"  # sdpa._fwd_kernel
         units.append(Unit(name, v, fn, args, opts, {**blocks, **opts}, tuple(grid), arch,
-                          estimate))
+                          estimate, index))
     return units
 
 
@@ -205,4 +206,4 @@ def units(v: Variant, arch: int) -> list[Unit]:
     with recording(launches), torch.no_grad(), _device_limit(arch):
         _run_variant(v)
     with _device_limit(arch):
-        return [u for launch in launches for u in _units_of(launch, v, arch)]
+        return [u for i, launch in enumerate(launches) for u in _units_of(launch, i, v, arch)]

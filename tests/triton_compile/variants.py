@@ -72,12 +72,13 @@ def config_key(unit) -> tuple:
 
 def cover(units: list) -> list:
     """A subset of `units` (in variant order) that compiles every kernel x every config at
-    least once, and every variant's launch of every kernel at least once: for each variant and
-    kernel, the config compiled least so far; then each config not yet compiled."""
+    least once, and every launch of every variant at least once (a kernel launched twice with
+    other constexprs, as sdpa_bwd_rerun._keys_kernel for dK and dV, is two): for each launch,
+    the config compiled least so far; then each config not yet compiled."""
     chosen, seen = [], {}
     by_kernel: dict = {}
     for u in units:
-        by_kernel.setdefault((u.kernel, u.variant), []).append(u)
+        by_kernel.setdefault((u.kernel, u.variant, u.launch), []).append(u)
     for group in by_kernel.values():
         pick = min(group, key=lambda u: seen.get((u.kernel, config_key(u)), 0))
         seen[(pick.kernel, config_key(pick))] = seen.get((pick.kernel, config_key(pick)), 0) + 1
