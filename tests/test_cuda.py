@@ -939,21 +939,22 @@ def test_sdpa_backward_keys_near_the_bf16_max(kw):
         assert_within(g, want, b.double() * back, factor=3.0, floor=0.0, what=f"d{name}")
 
 
+@pytest.mark.parametrize("v_std", [1.0, 1e-3])
 @pytest.mark.parametrize("hq", [1, 2])
-def test_sdpa_backward_grad_out_near_the_bf16_max(hq):
+def test_sdpa_backward_grad_out_near_the_bf16_max(hq, v_std):
     """dO near bf16's largest (3e38, 2^-7 spread), its sign flipping every 16 queries, over 3
-    keys with P ~ 1/3: dP and delta overflow (the flag), and dV = sum_i P_ij dO_i passes
-    float32's largest in the kernels' sums (16 queries of one sign already do) where the true
-    dV fits: NaN or inf before the key pass wrote dV again. Every gradient is linear in dO:
-    held to three times the error of the call on dO / 2^64, scaled back. hq = 2: GQA, dV summed
-    over both query heads."""
+    keys with P ~ 1/3: dV = sum_i P_ij dO_i passes float32's largest in the kernels' sums (16
+    queries of one sign already do) where the true dV fits: NaN or inf before the key pass
+    wrote dV again. v ~ 1: dP and delta overflow too; v ~ 1e-3: they do not, dV alone sets the
+    flag. Every gradient is linear in dO: held to three times the error of the call on
+    dO / 2^64, scaled back. hq = 2: GQA, dV summed over both query heads."""
     gen = torch.Generator().manual_seed(50)
     lq, lk, e = 64, 3, 64
 
     def normal(*shape, std):
         return (std * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(DEV, torch.bfloat16)
 
-    q, k, v = normal(1, hq, lq, e, std=1e-3), normal(1, 1, lk, e, std=1e-3), normal(1, 1, lk, e, std=1.0)
+    q, k, v = normal(1, hq, lq, e, std=1e-3), normal(1, 1, lk, e, std=1e-3), normal(1, 1, lk, e, std=v_std)
     sign = 1.0 - 2.0 * (torch.arange(lq, dtype=torch.float64) // 16 % 2).view(lq, 1)
     spread = torch.rand(1, hq, lq, e, generator=gen, dtype=torch.float64) / 128
     dout = (3.0e38 * sign * (1 + spread)).to(DEV, torch.bfloat16)
@@ -1020,12 +1021,14 @@ def test_additive_backward_values_near_the_bf16_max(a, kw):
     assert_grads_as_scaled_down(call, inputs, 2)
 
 
-def test_additive_backward_grad_out_near_the_bf16_max():
+@pytest.mark.parametrize("value_std", [1.0, 1e-3])
+def test_additive_backward_grad_out_near_the_bf16_max(value_std):
     """dO near bf16's largest (3e38, 2^-7 spread), its sign flipping every 16 queries, over 3
-    keys with P ~ 1/3 (q, k, w small): dPd and delta overflow (the flag: v's gradient NaN), and
-    dvalue = sum_i P_ij dO_i passes float32's largest in the kernel's sums where the true dvalue
-    fits: NaN or inf before the key pass wrote dvalue again. Every gradient is linear in dO: held
-    to three times the error of the call on dO / 2^64, scaled back."""
+    keys with P ~ 1/3 (q, k, w small): dvalue = sum_i P_ij dO_i passes float32's largest in the
+    kernel's sums where the true dvalue fits: NaN or inf before the key pass wrote dvalue again.
+    value ~ 1: dPd and delta overflow too (v's gradient NaN); value ~ 1e-3: they do not, a
+    non-finite dvalue alone sets the flag. Every gradient is linear in dO: held to three times
+    the error of the call on dO / 2^64, scaled back."""
     gen = torch.Generator().manual_seed(51)
     lq, lk, a, ev = 64, 3, 40, 24
 
@@ -1033,7 +1036,7 @@ def test_additive_backward_grad_out_near_the_bf16_max():
         return (std * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(DEV, torch.bfloat16)
 
     q, k, w = normal(1, 2, lq, a, std=1e-3), normal(1, 2, lk, a, std=1e-3), normal(2, a, std=1e-3)
-    value = normal(1, 2, lk, ev, std=1.0)
+    value = normal(1, 2, lk, ev, std=value_std)
     sign = 1.0 - 2.0 * (torch.arange(lq, dtype=torch.float64) // 16 % 2).view(lq, 1)
     spread = torch.rand(1, 2, lq, ev, generator=gen, dtype=torch.float64) / 128
     dout = (3.0e38 * sign * (1 + spread)).to(DEV, torch.bfloat16)

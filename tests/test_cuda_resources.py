@@ -69,6 +69,7 @@ RERUN_PASSES = ("queries", "keys")
 KERNELS.update({f"sdpa_bwd_rerun<bf16{mods}, {rows}>": (None, 0)
                 for mods in SDPA_VARIANTS.values() for rows in RERUN_PASSES})
 KERNELS.update({f"additive_bwd_rerun<bf16, {rows}>": (None, 0) for rows in RERUN_PASSES})
+KERNELS["sdpa_bwd_dq_scan"] = (None, 0)  # the SDPA rerun's scan of dq_acc, unflagged
 KERNELS.update({f"additive_{op}<{dt}>": ("additive", cuda_backend.MAX_ADDITIVE_VALUE_DIM)
                 for op in ("fwd", "bwd") for dt in DTYPES.values()})
 # KV-cache decoding (decode.cu): the split kernel per value columns per thread (1: Ev <= 128,
@@ -86,6 +87,7 @@ _ADDITIVE = re.compile(r"additive_(fwd|bwd)_kernelI(6__half|13__nv_bfloat16)E")
 _DELTA = re.compile(r"sdpa_bwd_delta_kernelI(6__half|13__nv_bfloat16)E")
 _RERUN = re.compile(r"sdpa_bwd_rerun_kernelI13__nv_bfloat16Lb([01])ELb([01])E")
 _ADDITIVE_RERUN = re.compile(r"additive_bwd_rerun_kernelI13__nv_bfloat16Lb([01])E")
+_DQ_SCAN = re.compile(r"sdpa_bwd_dq_scan_kernel")
 _KVCACHE = re.compile(
     r"kvcache_(split|merge)_kernelI(6__half|13__nv_bfloat16)(?:Li(\d+)E)?Lb([01])E")
 _USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
@@ -127,6 +129,8 @@ def kernel_name(symbol: str) -> str:
         return f"sdpa_bwd_rerun<bf16{SDPA_VARIANTS[m[1]]}, {RERUN_PASSES[int(m[2])]}>"
     if m := _ADDITIVE_RERUN.search(symbol):
         return f"additive_bwd_rerun<bf16, {RERUN_PASSES[int(m[1])]}>"
+    if _DQ_SCAN.search(symbol):
+        return "sdpa_bwd_dq_scan"
     if m := _KVCACHE.search(symbol):
         return (f"kvcache_{m[1]}<{DTYPES[m[2]]}" + (f", {m[3]}" if m[3] else "")
                 + f"{KVCACHE_VARIANTS[m[1]][m[4]]}>")

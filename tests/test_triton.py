@@ -970,13 +970,14 @@ def test_sdpa_backward_keys_near_the_dtype_max(dtype):
 
 @near_max
 @pytest.mark.parametrize("dtype", [f32, bf16])
-@pytest.mark.parametrize("hq", [1, 2])
-def test_sdpa_backward_grad_out_near_the_dtype_max(dtype, hq):
+@pytest.mark.parametrize("hq,v_std", [(1, 1.0), (2, 1.0), (2, 1e-3)])
+def test_sdpa_backward_grad_out_near_the_dtype_max(dtype, hq, v_std):
     """dO near the dtype's largest (3e38, 2^-7 spread), its sign flipping every 16 queries, over
-    3 keys with P ~ 1/3: dP and D overflow (the flag), and dv = sum_i P_ij dO_i passes float32's
-    largest in the dK/dV kernel's sums (16 queries of one sign already do) where the true dv
-    fits: NaN or inf unless the rerun writes dv again. Every gradient is linear in dO: held to
-    twice the error of the call on dO / 2^64, scaled back. hq = 2: GQA (dv over both heads)."""
+    3 keys with P ~ 1/3: dv = sum_i P_ij dO_i passes float32's largest in the dK/dV kernel's sums
+    (16 queries of one sign already do) where the true dv fits: NaN or inf unless the rerun
+    writes dv again. v ~ 1: dP and D overflow too; v ~ 1e-3: they do not, dv alone sets the
+    flag. Every gradient is linear in dO: held to twice the error of the call on dO / 2^64,
+    scaled back. hq = 2: GQA (dv over both heads)."""
     gen = torch.Generator().manual_seed(13)
     lq, lk, e = 64, 3, 16
     f64 = torch.float64
@@ -984,7 +985,7 @@ def test_sdpa_backward_grad_out_near_the_dtype_max(dtype, hq):
     def normal(shape, std):
         return (std * torch.randn(shape, generator=gen, dtype=f64)).to(DEVICE, dtype)
 
-    q, k, v = normal((1, hq, lq, e), 1e-3), normal((1, 1, lk, e), 1e-3), normal((1, 1, lk, e), 1.0)
+    q, k, v = normal((1, hq, lq, e), 1e-3), normal((1, 1, lk, e), 1e-3), normal((1, 1, lk, e), v_std)
     sign = 1.0 - 2.0 * (torch.arange(lq, dtype=f64) // 16 % 2).view(lq, 1)
     spread = torch.rand((1, hq, lq, e), generator=gen, dtype=f64) / 128
     do = (3.0e38 * sign * (1 + spread)).to(DEVICE, dtype)
@@ -1128,9 +1129,12 @@ def _narrowed(X, Y, N: tl.constexpr):
 def test_the_reruns_round_float64_to_bfloat16_to_nearest_even():
     """sdpa_bwd_rerun._narrow (both reruns' stores): float64 to bf16 rounded to nearest, ties to
     even, inf past the largest, NaN kept: the GPU's cast, where the interpreter's truncates."""
+    # NaN: the interpreter's and the GPU's (0x7fffffff, all ones, and its negative)
+    gpu_nans = torch.tensor([0x7FFFFFFF, -1], dtype=torch.int32).view(torch.float32).double()
     x = torch.tensor([1 + 2**-8 + 2**-12, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 3 * 2**-9), 3.4e38,
-                      -3.4e38, 3.0e38, float("nan"), 1e-30, 0.0, -2.5, 7.0e37, 1.0, 2.0, 3.0,
-                      4.0], dtype=torch.float64)
+                      -3.4e38, 3.0e38, float("nan"), 1e-30, 0.0, -2.5, 7.0e37, 1.0, 2.0, 0.0,
+                      0.0], dtype=torch.float64)
+    x[-2:] = gpu_nans
     y = torch.empty(16, dtype=bf16, device=DEVICE)
     _narrowed[(1,)](x.to(DEVICE), y, 16)
     want = x.to(bf16)  # torch rounds to nearest even
@@ -1218,12 +1222,14 @@ def test_additive_backward_near_the_dtype_max(dtype, mods):
 
 @near_max
 @pytest.mark.parametrize("dtype", [f32, bf16])
-def test_additive_backward_grad_out_near_the_dtype_max(dtype):
+@pytest.mark.parametrize("value_std", [1.0, 1e-3])
+def test_additive_backward_grad_out_near_the_dtype_max(dtype, value_std):
     """dO near the dtype's largest (3e38, 2^-7 spread), its sign flipping every 16 queries, over
-    3 keys with P ~ 1/3 (q, k, w small): dPd and delta overflow (the flag), and dvalue =
-    sum_i P_ij dO_i passes float32's largest in the dK kernel's sums where the true dvalue fits:
-    NaN or inf unless the rerun writes dvalue again. Every gradient is linear in dO: held to
-    twice the error of the call on dO / 2^64, scaled back."""
+    3 keys with P ~ 1/3 (q, k, w small): dvalue = sum_i P_ij dO_i passes float32's largest in
+    the dK kernel's sums where the true dvalue fits: NaN or inf unless the rerun writes dvalue
+    again. value ~ 1: dPd and delta overflow too; value ~ 1e-3: they do not, dvalue alone sets
+    the flag. Every gradient is linear in dO: held to twice the error of the call on dO / 2^64,
+    scaled back."""
     gen = torch.Generator().manual_seed(14)
     lq, lk, a, ev = 64, 3, 16, 16
     f64 = torch.float64
@@ -1232,7 +1238,7 @@ def test_additive_backward_grad_out_near_the_dtype_max(dtype):
         return (std * torch.randn(shape, generator=gen, dtype=f64)).to(DEVICE, dtype)
 
     q, k, w = normal((1, 2, lq, a), 1e-3), normal((1, 2, lk, a), 1e-3), normal((2, a), 1e-3)
-    value = normal((1, 2, lk, ev), 1.0)
+    value = normal((1, 2, lk, ev), value_std)
     sign = 1.0 - 2.0 * (torch.arange(lq, dtype=f64) // 16 % 2).view(lq, 1)
     spread = torch.rand((1, 2, lq, ev), generator=gen, dtype=f64) / 128
     do = (3.0e38 * sign * (1 + spread)).to(DEVICE, dtype)

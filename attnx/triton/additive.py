@@ -259,6 +259,7 @@ def _dk_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DK, DVAL, DW, DM,
              dval.to(DVAL.dtype.element_ty), mask=val_mask)
     if VAL.dtype.element_ty != tl.float16:  # fp16 cannot overflow (additive_bwd_rerun)
         _flag_scratch(FLAG, dk_rows, offs_n, Lk, A, BLOCK_A)
+        flag_nonfinite(FLAG, dval)  # (a dO near the largest overflows it where dS may not)
 
 
 @triton.jit

@@ -22,8 +22,8 @@ dq or dk rows are summed in a (RERUN_BLOCK, A) float64 scratch its program owns,
 over the first results (as the mask's gradient is); dw sums in the program's (H, A) float64 slot,
 which the host puts in place where FLAG is set (torch.where over (H, A), no synchronisation).
 Unflagged, a backward pays two launches, small scratch and that (H, A) pass, nothing the size of
-the call. dvalue = P^T dO does not involve the values, but a dO near the largest, which sets
-FLAG through dPd and delta, overflows its float32 sums too: the key pass writes it again. fp16
+the call. dvalue = P^T dO does not involve the values, but a dO near the largest overflows its
+float32 sums (the dK kernel flags a non-finite dvalue too): the key pass writes it again. fp16
 cannot overflow: no check, no rerun (sdpa_bwd_rerun.applies).
 """
 

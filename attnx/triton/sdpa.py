@@ -695,9 +695,13 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM, FLAG,
             window_lo, window_hi, inv_keep, cap, slope, shift, True, MASK_KIND, DROPOUT, MASK_GRAD,
             SOFTCAP, ALIBI, VARLEN, DOT_PREC, PAD_D, BLOCK_M, BLOCK_D2, BLOCK_DV2)
     if V.dtype.element_ty != tl.float16:  # fp16 cannot overflow (sdpa_bwd_rerun.applies)
+        # (dV: a dO near the largest overflows its sums where dP and D may not)
         flag_nonfinite(FLAG, dk)
+        flag_nonfinite(FLAG, dv)
         if BLOCK_D2 > 0:
             flag_nonfinite(FLAG, dk2)
+        if BLOCK_DV2 > 0:
+            flag_nonfinite(FLAG, dv2)
     # dK and dV (or their slices' partial sums) are contiguous: (programs' heads, Lk, E); VARLEN:
     # (total_k, Hkv * SPLIT, E), rows of Hkv * SPLIT heads.
     base = prog.to(tl.int64) * Lk + n

@@ -4,7 +4,7 @@ bf16 and fp32 values near their largest (3.4e38) overflow the backward's float32
 D = rowsum(dO * O) to inf, and dS = P (dP - D) comes out inf - inf or 0 * inf: NaN, where the
 true dQ and dK, sums of dS ~ P * 1e39 over attention spread across keys, mostly fit. As the
 forward reruns its overflowed rows (sdpa._rerun), the dK/dV and dQ kernels keep their loops and
-only check, after them, their dK or dQ accumulator (a non-finite dS always reaches it: inf and
+only check, after them, their dK, dV or dQ accumulator (a non-finite dS always reaches it: inf and
 NaN propagate through the sums): one holding inf or NaN sets FLAG, one int32 on the device, so
 the backward never waits on the host. The two kernels here, launched after them on a fixed grid
 of common.multiprocessors() programs, load FLAG first and do nothing unless it is set (their
@@ -14,7 +14,7 @@ probabilities the backward kernels form (scale, softcap, ALiBi, band, masks, the
 sinks through the lse), each row's divided by their float64 sum r_i (as the first pass does on
 huge-lse rows only, common.HUGE_LSE), and write them over the first results, rounded to the
 output dtype (inf where the true value exceeds it). dV = P^T dO does not involve V, but a dO
-near the largest, which sets the flag through dP and D, overflows its float32 sums too. fp16
+near the largest overflows its float32 sums (the dK/dV kernel flags a non-finite dV too). fp16
 values (< 65504) cannot overflow: its backward has no check and no rerun (`applies`).
 
 Two launches, because dK needs every query row's 1 / r_i and D_i / r_i: _rows_kernel (a program
@@ -166,12 +166,13 @@ def _narrow(x, ptr):
     """x (float64) in ptr's element type, through float32 (Triton's interpreter casts float64 to
     bfloat16 as 0, 3.8; bf16's range is within float32's). To bfloat16 rounded to nearest even
     on the bits (+ 0x7fff + the kept lowest bit; inf past the largest), which the GPU's cast
-    does too but the interpreter's truncates."""
+    does too but the interpreter's truncates; NaN as it is (the GPU's 0x7fffffff would carry
+    into the sign and exponent: -0)."""
     y = x.to(tl.float32)
     if ptr.dtype.element_ty == tl.bfloat16:
         bits = y.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        y = bits.to(tl.float32, bitcast=True)
+        y = tl.where(y == y, bits.to(tl.float32, bitcast=True), y)
     return y.to(ptr.dtype.element_ty)
 
 

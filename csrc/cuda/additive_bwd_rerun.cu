@@ -2,14 +2,13 @@
 // sdpa_bwd_rerun.cu is the SDPA one's: there dPd = dO value^T and delta = rowsum(dO O) pass
 // float32's largest and dS = P (dPd z - delta) comes out NaN, though dS itself usually fits.
 // A non-finite dS reaches v's gradient (its CTA's partial sum of dS tanh), which the host sums
-// anyway; it turns "every element finite" into the device flag p.overflowed (no
-// synchronisation) and launches the two passes below, which return at once while the flag says
-// so. Otherwise they compute in float64, a warp a row, every dq row, v's gradient and dmask
+// anyway; it turns "every element of it and of dvalue finite" into the device flag
+// p.overflowed (no synchronisation) and launches the two passes below, which return at once
+// while the flag says so. Otherwise they compute in float64, a warp a row, every dq row, v's gradient and dmask
 // (queries), then every dk and dvalue row (keys, from the queries' R and delta). Scores and P
 // are formed as additive.cu forms them (tanh of q + k summed with v in float, the band and
 // mask, exp(s - lse) / R, dropout's hash). dvalue = (P z)^T dO does not involve the values,
-// but a dO near the largest, which sets the flag through dPd and delta, overflows its float32
-// sums too.
+// but a dO near the largest overflows its float32 sums (and mostly dPd and delta too).
 #include "float64_rerun.cuh"
 
 namespace attnx {

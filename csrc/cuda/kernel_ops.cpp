@@ -308,7 +308,7 @@ Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout
   };
   Grads g;
   Tensor delta = target.empty(rows, f32);
-  // The overflow flag of the bf16 backward (launch.h) and dq_acc 16 bytes on (its pair atomics
+  // The overflow flags of the bf16 backward (launch.h) and dq_acc 16 bytes on (its pair atomics
   // need 8-byte alignment; its end stays at the harness's guard page): zeroed by one fill.
   const std::vector<int64_t> dq_shape = with(rows, p.E);
   const Tensor flag_and_dq = target.zeros({4 + c10::multiply_integers(dq_shape)}, f32);
@@ -328,6 +328,7 @@ Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout
   p.dv = g.dv.data_ptr();
   p.dmask = want_dmask ? g.dmask.data_ptr() : nullptr;
   p.overflowed = overflowed.data_ptr<float>();
+  p.dq_nonfinite = p.overflowed + 1;
   const bool bf16 = p.dtype == DType::BFloat16;
   const Tensor rerun_inv_r = bf16 ? target.empty(rows, f32) : Tensor();
   const Tensor rerun_delta = bf16 ? target.empty(rows, f32.dtype(at::kDouble)) : Tensor();
@@ -595,9 +596,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
   // The CTAs' partial sums, added up here rather than by atomics on v's H x A addresses.
   Tensor dv = dv_parts.sum(0);
   if (p.dtype == DType::BFloat16) {
-    // Values near bf16's largest: a dS that overflowed reaches v's gradient; then dq, dk, dv and
-    // dmask again in float64 (additive_bwd_rerun.cu). The flag stays on the device.
-    const Tensor overflowed = target.input(at::logical_not(at::isfinite(dv).all()));
+    // Values near bf16's largest: a dS that overflowed reaches v's gradient, a dO near the
+    // largest dvalue's sums; then dq, dk, dvalue, dv and dmask again in float64
+    // (additive_bwd_rerun.cu). The flag stays on the device.
+    const Tensor overflowed = target.input(
+        at::logical_not(at::logical_and(at::isfinite(dv).all(), at::isfinite(dvalue).all())));
     const Tensor o = target.input(out.to(in.q.scalar_type()).contiguous());
     Tensor glse;
     if (grad_lse.has_value()) glse = target.input(grad_lse->to(at::kFloat).contiguous());

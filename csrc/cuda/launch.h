@@ -76,10 +76,12 @@ struct SdpaParams {
   float* dq_acc;
   void *dk, *dv, *dmask;
   float* delta;
-  // bf16 backward: one float, zeroed; the key-block kernels set it to 1 where a dK came out
-  // non-finite, and sdpa_bwd_rerun then computes dq_acc, dk, dmask and delta again in float64
-  // (unset, the dq_acc rows that came out non-finite).
+  // bf16 backward: one float, zeroed; the key-block kernels set it to 1 where a dK or dV came
+  // out non-finite, and sdpa_bwd_rerun then computes dq_acc, dk, dv, dmask and delta again in
+  // float64. Unset, sdpa_bwd_rerun's scan sets dq_nonfinite (one float, zeroed) where dq_acc
+  // holds inf or NaN, and its query pass redoes those rows.
   float* overflowed = nullptr;
+  float* dq_nonfinite = nullptr;
   // With it, where the sinks' gradient is asked for: (Hq) float64, zeroed; the rerun adds each
   // row's term -P_sink,i delta_i there (delta may pass float's range), or null.
   double* dsinks = nullptr;

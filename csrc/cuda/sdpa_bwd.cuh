@@ -491,8 +491,9 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
     }
   }
 
-  // bf16: a non-finite dK (any dS that overflowed reaches its key's dK) sends the backward to
-  // its float64 rerun (sdpa_bwd_rerun.cu), tested here after the loop, where it costs nothing.
+  // bf16: a non-finite dK (any dS that overflowed reaches its key's dK) or dV (a dO near the
+  // largest overflows its sums where dP and delta may not) sends the backward to its float64
+  // rerun (sdpa_bwd_rerun.cu), tested here after the loop, where it costs nothing.
   if constexpr (std::is_same<T, __nv_bfloat16>::value) {
     bool finite = true;
 #pragma unroll
@@ -500,7 +501,9 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
 #pragma unroll
       for (int n = 0; n < ND; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) finite &= fabsf(dk[kt][n][e]) <= 3.402823466e38f;
+        for (int e = 0; e < 4; ++e)
+          finite &= (fabsf(dk[kt][n][e]) <= 3.402823466e38f) &
+                    (fabsf(dv[kt][n][e]) <= 3.402823466e38f);  // (NaN: false)
     if (!finite) *p.overflowed = 1.f;
   }
 

@@ -2,23 +2,22 @@
 // dO V^T and delta = rowsum(dO O) pass float32's largest in sdpa_bwd.cuh's fp32 accumulators,
 // and dS = P (dP z - delta) comes out inf - inf = NaN (or 0 * inf), though dS itself, P times a
 // difference, is usually far inside the range: with attention spread over a few hundred keys,
-// dQ and dK fit. The key-block kernels flag a non-finite dK (every non-finite dS reaches the dK
-// of its key: NaN and inf survive the sums) in p.overflowed, after their loop, where the test
-// costs nothing; the two launches here, on a small grid, read the flag. When it is set, every
-// dQ row (with dmask, delta and the sinks' gradient: the query pass) and then every dK and dV
-// row (the key pass, from the rows' R and delta the query pass kept) is computed again, one
-// warp a row, in float64, where the products of bf16 values (at most 3.39e38^2 each, 256 of
-// them) cannot overflow. dV = P^T dO does not involve V, but a dO near the largest, which sets
-// the flag through dP and delta, overflows its float32 sums too. When the flag is 0 the key
-// pass returns at once and the query pass reads dq_acc (one pass over it, what converting it to
-// bf16 reads next) and computes again the rows holding a non-finite value: with dS finite, dQ =
-// scale sum_j dS_ij k_j still passes float32's largest where keys near bf16's largest share a
-// large common part (sum_j dS_ij = 0 cancels it in the true sum, not in the kernels' float32
-// partial sums and atomics: inf - inf = NaN). Scores and P are formed as the key-block kernels
-// form them (scaled, modified, admitted, dropped; rows of huge lse divided by their row sum,
-// here of this pass's own scores), so only the sums change. A result past the dtype's range is
-// inf, as it would be for any backend. fp16 (at most 65504) cannot overflow: its kernels
-// neither flag nor launch this.
+// dQ and dK fit. dV = P^T dO does not involve V, but a dO near the largest overflows its sums.
+// The key-block kernels flag a non-finite dK or dV (every non-finite dS reaches the dK of its
+// key: NaN and inf survive the sums) in p.overflowed, after their loop, where the test costs
+// nothing. Set, the launches here compute every dQ row (with dmask, delta and the sinks'
+// gradient: the query pass) and then every dK and dV row (the key pass, from the rows' R and
+// delta the query pass kept) again, one warp a row, in float64, where the products of bf16
+// values (at most 3.39e38^2 each, 256 of them) cannot overflow. Unset, a full-grid scan of
+// dq_acc (one read, at memory speed) sets p.dq_nonfinite where it holds inf or NaN, and the
+// query pass redoes those rows: with dS finite, dQ = scale sum_j dS_ij k_j still passes
+// float32's largest where keys near bf16's largest share a large common part (sum_j dS_ij = 0
+// cancels it in the true sum, not in the kernels' float32 partial sums and atomics: inf - inf
+// = NaN); the passes return at once when neither flag is set. Scores and P are formed as the
+// key-block kernels form them (scaled, modified, admitted, dropped; rows of huge lse divided by
+// their row sum, here of this pass's own scores), so only the sums change. A result past the
+// dtype's range is inf, as it would be for any backend. fp16 (at most 65504) cannot overflow:
+// its kernels neither flag nor launch this.
 #include "float64_rerun.cuh"
 
 namespace attnx {
@@ -183,6 +182,18 @@ __device__ __forceinline__ void rerun_key_row(const SdpaParams& p, const SeqView
   }
 }
 
+// Sets *p.dq_nonfinite where the n floats of dq_acc hold inf or NaN (nothing when the backward
+// is flagged: the query pass redoes every row then). Threads read consecutive floats
+// (coalesced), a grid-stride loop.
+__global__ void sdpa_bwd_dq_scan_kernel(const SdpaParams p, int64_t n) {
+  if (*p.overflowed != 0.f) return;
+  bool finite = true;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    finite &= fabsf(p.dq_acc[i]) <= 3.402823466e38f;  // (NaN: false)
+  if (!finite) *p.dq_nonfinite = 1.f;
+}
+
 // Whether dq_acc's query row i of head h holds only finite values (the same in every lane).
 __device__ __forceinline__ bool dq_row_finite(const SdpaParams& p, const SeqView& seq, int b,
                                               int h, int i, int lane) {
@@ -195,11 +206,12 @@ __device__ __forceinline__ bool dq_row_finite(const SdpaParams& p, const SeqView
 // kKeys: the key pass (after the query pass, whose 1 / R and delta it reads). Tasks: the
 // B Hq Lq query rows or the B Hkv Lk key rows, taken by the grid's warps in turn (rows past a
 // packed sequence's lengths are skipped). Unflagged, the query pass redoes the rows whose dQ
-// came out non-finite, and the key pass nothing (dK was finite: no dS overflowed).
+// came out non-finite where the scan found some, and the key pass nothing (dK and dV were
+// finite: no dS overflowed).
 template <typename T, bool kMods, bool kKeys>
 __global__ void __launch_bounds__(32 * kRerunWarps, 1) sdpa_bwd_rerun_kernel(const SdpaParams p) {
   const bool flagged = *p.overflowed != 0.f;
-  if (kKeys && !flagged) return;
+  if (!flagged && (kKeys || *p.dq_nonfinite == 0.f)) return;
   const int lane = threadIdx.x % 32, L = kKeys ? p.Lk : p.Lq, H = kKeys ? p.Hkv : p.Hq;
   const int64_t tasks = int64_t(p.B) * H * L, warps = int64_t(gridDim.x) * kRerunWarps;
   for (int64_t t = blockIdx.x * kRerunWarps + threadIdx.x / 32; t < tasks; t += warps) {
@@ -219,6 +231,12 @@ __global__ void __launch_bounds__(32 * kRerunWarps, 1) sdpa_bwd_rerun_kernel(con
 cudaError_t sdpa_bwd_rerun(const SdpaParams& p, cudaStream_t stream) {
   if (p.dtype != DType::BFloat16 || p.B == 0 || p.Hq == 0 || p.Lq == 0 || p.Lk == 0)
     return cudaSuccess;
+  // dq_acc's rows: B Hq Lq, or the packed total in Lq's place (query_rows)
+  const int64_t n = int64_t(p.Hq) * p.E * (p.cu_q != nullptr ? p.total_q : int64_t(p.B) * p.Lq);
+  const int64_t scan_blocks = std::min<int64_t>((n + 1023) / 1024, 1024);
+  cudaError_t err = launch_kernel(sdpa_bwd_dq_scan_kernel, dim3(unsigned(scan_blocks)),
+                                  dim3(256), 0, stream, p, n);
+  if (err != cudaSuccess) return err;
   return launch_on_flag(p.mods.any(), [&](auto mods) {
     constexpr bool kMods = decltype(mods)::value;
     const dim3 block(32 * kRerunWarps);
