@@ -19,10 +19,10 @@ dPd = dO . value_j (+ the weights' gradient), D_i = sum_j (P_ij / r_i) z dO . va
 Plain float64 elementwise products and sums (no tl.dot: sdpa_bwd_rerun's `_wide`), in tiles of
 RERUN_BLOCK rows x RERUN_BLOCK keys x a chunk of A (or of Ev); speed is not the aim. A block's
 dq or dk rows are summed in a (RERUN_BLOCK, A) float64 scratch its program owns, then written
-over the first results (as the mask's gradient is); dw sums in the program's (H, A) float64 slot,
-which the host puts in place where FLAG is set (torch.where over (H, A), no synchronisation).
-Unflagged, a backward pays two launches, small scratch and that (H, A) pass, nothing the size of
-the call. dvalue = P^T dO does not involve the values, but a dO near the largest overflows its
+over the first results (as the mask's gradient is); dw sums by float64 atomics in a zeroed
+(H, A) buffer, which the host puts in place where FLAG is set (torch.where over (H, A), no
+synchronisation). Unflagged, a backward pays two launches, small scratch and that (H, A) pass,
+nothing the size of the call. dvalue = P^T dO does not involve the values, but a dO near the largest overflows its
 float32 sums (the dK kernel flags a non-finite dvalue too): the key pass writes it again. fp16
 cannot overflow: no check, no rerun (sdpa_bwd_rerun.applies).
 """
@@ -151,7 +151,7 @@ def _item(item, L, H, Q, K, VAL, W, M, DO, sqb, sqh, skb, skh, svb, svh, swh, sm
 
 
 @triton.jit
-def _rows_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, GLSE, LSE, RNG, ROWS, SCRATCH, DWS, DQ, DM,
+def _rows_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, GLSE, LSE, RNG, ROWS, SCRATCH, DW, DQ, DM,
                  sqb, sqh, sqm, sqa, skb, skh, skn, ska, svb, svh, svn, svd, swh, swa,
                  smb, smh, smm, smn, sdb, sdh, sdm, sdd,
                  ITEMS, H, Lq, Lk, A, Ev, window_lo, window_hi, inv_keep,
@@ -161,16 +161,13 @@ def _rows_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, GLSE, LSE, RNG, ROWS, SCRA
     """Each query block of each head in turn (ITEMS: B x H x blocks of Lq). A first pass over
     its keys sums r_i = sum_j P_ij and sum_j P_ij z dO . value_j, for D_i, stored as 1 / r_i and
     D_i / r_i (ROWS, (B, H, Lq, 2)); a second sums dq in the program's (RERUN_BLOCK, A) float64
-    SCRATCH, then written over DQ (the backward's (B, H, Lq, A) result), and dw in the program's
-    (H, A) float64 slot of DWS, and, with MASK_GRAD, writes the float mask's gradient (DM,
+    SCRATCH, then written over DQ (the backward's (B, H, Lq, A) result), and adds dw into DW
+    ((H, A) float64, zeroed; atomics), and, with MASK_GRAD, writes the float mask's gradient (DM,
     (B, H, Lq, Lk)) over every key: past the band its zeros replace the first pass's."""
     rows = tl.arange(0, RERUN_BLOCK)
-    flagged = tl.load(FLAG) != 0
     scratch = SCRATCH + tl.program_id(0).to(tl.int64) * RERUN_BLOCK * A
-    dws = DWS + tl.program_id(0).to(tl.int64) * H * A
-    for h0 in range(0, tl.where(flagged, H, 0), RERUN_BLOCK):
-        _zero_rows(dws, h0 + rows, H, A, BLOCK_A)
-    for item in range(tl.program_id(0), tl.where(flagged, ITEMS, 0), tl.num_programs(0)):
+    items = tl.where(tl.load(FLAG) != 0, ITEMS, 0)  # none unless flagged
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
         m0, bh, h, q_base, k_base, val_base, w_base, m_base, do_base = _item(
             item, Lq, H, Q, K, VAL, W, M, DO, sqb, sqh, skb, skh, svb, svh, swh, smb, smh, sdb,
             sdh)
@@ -200,9 +197,8 @@ def _rows_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, GLSE, LSE, RNG, ROWS, SCRA
         dlt = d / r
         tl.store(ROWS + 2 * (bh * Lq + offs_m), rinv, mask=row_ok)
         tl.store(ROWS + 2 * (bh * Lq + offs_m) + 1, dlt, mask=row_ok)
-        dw_slot = dws + h * A
         _zero_rows(scratch, rows, RERUN_BLOCK, A, BLOCK_A)
-        tl.debug_barrier()  # the loop below reads what these stored
+        tl.debug_barrier()  # the loop below reads what this stored
         if MASK_GRAD:
             start, end = 0, Lk
         for n0 in range(start, end, RERUN_BLOCK):
@@ -225,8 +221,7 @@ def _rows_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, GLSE, LSE, RNG, ROWS, SCRA
                 dq = tl.load(ptrs, mask=a_ok[None, :], other=0.0)
                 tl.store(ptrs, dq + tl.sum(ds[:, :, None] - g * t, 1) * wa[None, :],
                          mask=a_ok[None, :])
-                dw = tl.load(dw_slot + offs_a, mask=a_ok, other=0.0)
-                tl.store(dw_slot + offs_a, dw + tl.sum(tl.sum(g, 0), 0), mask=a_ok)
+                tl.atomic_add(DW + h * A + offs_a, tl.sum(tl.sum(g, 0), 0), mask=a_ok)
                 tl.debug_barrier()  # the next pass reads what this one stored
         _write_rows(DQ + bh * Lq * A, scratch, offs_m, Lq, A, BLOCK_A)
 
@@ -314,16 +309,16 @@ def launch(flag: torch.Tensor, inputs: tuple, strides: tuple, sizes: tuple, band
     rows = lse.new_empty((b, h, lq, 2), dtype=torch.float64)  # 1 / r_i, D_i / r_i
     scratch = q.new_empty((programs, RERUN_BLOCK.value, a), dtype=torch.float64)
     scratch_v = q.new_empty((programs, RERUN_BLOCK.value, ev), dtype=torch.float64)
-    dws = q.new_empty((programs, h, a), dtype=torch.float64)
+    dw = q.new_zeros((h, a), dtype=torch.float64)
     consts = dict(MASK_KIND=mask_kind, DROPOUT=dropout, HAS_DWEIGHTS=dweights is not None,
                   **_chunk_sizes(a, ev), **_OPTIONS)
     dweights = q if dweights is None else dweights
     common.launcher(_rows_kernel)[(programs,)](
         flag, q, k, value, w, m, do, dweights, q if glse is None else glse, lse, rng, rows,
-        scratch, dws, dq, dmask, *strides, b * h * blocks(lq), h, lq, lk, a, ev, window_lo,
+        scratch, dw, dq, dmask, *strides, b * h * blocks(lq), h, lq, lk, a, ev, window_lo,
         window_hi, inv_keep, MASK_GRAD=mask_grad, HAS_GLSE=glse is not None, **consts)
     common.launcher(_keys_kernel)[(programs,)](
         flag, q, k, value, w, m, do, dweights, lse, rng, rows, scratch, scratch_v, dk, dvalue,
         *strides,
         b * h * blocks(lk), h, lq, lk, a, ev, window_lo, window_hi, inv_keep, **consts)
-    return dws.sum(0)
+    return dw
