@@ -167,7 +167,7 @@ __device__ __forceinline__ void rerun_key_row(const SdpaParams& p, const SeqView
       for (int u = 0; u < kRerunCols; ++u) {
         const int c = lane + 32 * u;
         if (c < p.E) dk[u] += ds * double(to_float(r.q[c]));
-        if (c < p.Ev) dv[u] += pz * double(to_float(r.dout[c]));
+        if (c < p.Ev && pz != 0.0) dv[u] += pz * double(to_float(r.dout[c]));
       }
     }
   }
