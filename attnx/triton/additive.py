@@ -48,14 +48,16 @@ def _tanh(x):
 
 
 @triton.jit
-def _chunk(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A, sqm, sqa, skn, ska, swa):
-    """tanh(q[i, a] + k[j, a]) as (BLOCK_M, BLOCK_N, BLOCK_A) and w[a], both fp32 (0 past A)."""
+def _chunk(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A, sqm, sqa, skn, ska, swa,
+           DTYPE: tl.constexpr):
+    """tanh(q[i, a] + k[j, a]) as (rows, keys, BLOCK_A) and w[a], both in DTYPE (fp32 here,
+    float64 in additive_bwd_rerun; 0 past A)."""
     a_ok = offs_a < A
     qa = tl.load(q_base + offsets(offs_m, offs_a, sqm, sqa),
-                 mask=(offs_m[:, None] < Lq) & a_ok[None, :], other=0.0).to(tl.float32)
+                 mask=(offs_m[:, None] < Lq) & a_ok[None, :], other=0.0).to(DTYPE)
     ka = tl.load(k_base + offsets(offs_n, offs_a, skn, ska),
-                 mask=(offs_n[:, None] < Lk) & a_ok[None, :], other=0.0).to(tl.float32)
-    wa = tl.load(w_base + offs_a.to(tl.int64) * swa, mask=a_ok, other=0.0).to(tl.float32)
+                 mask=(offs_n[:, None] < Lk) & a_ok[None, :], other=0.0).to(DTYPE)
+    wa = tl.load(w_base + offs_a.to(tl.int64) * swa, mask=a_ok, other=0.0).to(DTYPE)
     return _tanh(qa[:, None, :] + ka[None, :, :]), wa
 
 
@@ -65,7 +67,7 @@ def _scores(q_base, k_base, w_base, offs_m, offs_n, Lq, Lk, A, sqm, sqa, skn, sk
     s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for a0 in range(0, A, BLOCK_A):
         t, wa = _chunk(q_base, k_base, w_base, offs_m, offs_n, a0 + tl.arange(0, BLOCK_A),
-                       Lq, Lk, A, sqm, sqa, skn, ska, swa)
+                       Lq, Lk, A, sqm, sqa, skn, ska, swa, tl.float32)
         s += tl.sum(t * wa[None, None, :], 2)
     return s
 
@@ -246,7 +248,7 @@ def _dk_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DK, DVAL, DW, DM,
         for a0 in range(0, A, BLOCK_A):
             offs_a = a0 + tl.arange(0, BLOCK_A)
             t, wa = _chunk(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A,
-                           sqm, sqa, skn, ska, swa)
+                           sqm, sqa, skn, ska, swa, tl.float32)
             g = ds[:, :, None] * t
             ptrs = dk_rows + offs_a[None, :]
             ok = (offs_n[:, None] < Lk) & (offs_a[None, :] < A)
@@ -302,7 +304,7 @@ def _dq_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DQ, FLAG,
         for a0 in range(0, A, BLOCK_A):
             offs_a = a0 + tl.arange(0, BLOCK_A)
             t, wa = _chunk(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A,
-                           sqm, sqa, skn, ska, swa)
+                           sqm, sqa, skn, ska, swa, tl.float32)
             ptrs = dq_rows + offs_a[None, :]
             ok = row_ok[:, None] & (offs_a[None, :] < A)
             dq = tl.load(ptrs, mask=ok, other=0.0)

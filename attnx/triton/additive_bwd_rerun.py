@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import common
-from .additive import _tanh
+from .additive import _chunk
 from .common import admit, key_range, offsets, query_range, split_tile
 from .rng import keep, row_keys
 from .sdpa_bwd_rerun import _dropped, _narrow, applies  # noqa: F401 (applies: the additive backward's)
@@ -52,26 +52,14 @@ def _chunk_sizes(a: int, ev: int) -> dict:
 
 
 @triton.jit
-def _chunk64(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A, sqm, sqa, skn, ska, swa):
-    """tanh(q[i, a] + k[j, a]) (RERUN_BLOCK, RERUN_BLOCK, BLOCK_A) and w[a], float64 (0 past A)."""
-    a_ok = offs_a < A
-    qa = tl.load(q_base + offsets(offs_m, offs_a, sqm, sqa),
-                 mask=(offs_m[:, None] < Lq) & a_ok[None, :], other=0.0).to(tl.float64)
-    ka = tl.load(k_base + offsets(offs_n, offs_a, skn, ska),
-                 mask=(offs_n[:, None] < Lk) & a_ok[None, :], other=0.0).to(tl.float64)
-    wa = tl.load(w_base + offs_a.to(tl.int64) * swa, mask=a_ok, other=0.0).to(tl.float64)
-    return _tanh(qa[:, None, :] + ka[None, :, :]), wa
-
-
-@triton.jit
 def _probs64(q_base, k_base, w_base, m_base, lse, offs_m, offs_n, Lq, Lk, A, sqm, sqa, skn, ska,
              swa, smm, smn, window_lo, window_hi, MASK_KIND: tl.constexpr,
              BLOCK_A: tl.constexpr):
     """exp(min(s - lse, 0)) of a tile in float64 (lse +inf on empty and padded rows: 0 there)."""
     s = tl.zeros([RERUN_BLOCK, RERUN_BLOCK], tl.float64)
     for a0 in range(0, A, BLOCK_A):
-        t, wa = _chunk64(q_base, k_base, w_base, offs_m, offs_n, a0 + tl.arange(0, BLOCK_A),
-                         Lq, Lk, A, sqm, sqa, skn, ska, swa)
+        t, wa = _chunk(q_base, k_base, w_base, offs_m, offs_n, a0 + tl.arange(0, BLOCK_A),
+                       Lq, Lk, A, sqm, sqa, skn, ska, swa, tl.float64)
         s += tl.sum(t * wa[None, None, :], 2)
     s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
     return tl.exp(tl.minimum(s - lse[:, None], 0.0))
@@ -213,8 +201,8 @@ def _rows_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, GLSE, LSE, RNG, ROWS, SCRA
                          _narrow(ds, DM), mask=row_ok[:, None] & (offs_n[None, :] < Lk))
             for a0 in range(0, A, BLOCK_A):
                 offs_a = a0 + tl.arange(0, BLOCK_A)
-                t, wa = _chunk64(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A,
-                                 sqm, sqa, skn, ska, swa)
+                t, wa = _chunk(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A,
+                               sqm, sqa, skn, ska, swa, tl.float64)
                 g = ds[:, :, None] * t
                 ptrs = scratch + rows.to(tl.int64)[:, None] * A + offs_a[None, :]
                 a_ok = offs_a < A
@@ -278,8 +266,8 @@ def _keys_kernel(FLAG, Q, K, VAL, W, M, DO, DWEIGHTS, LSE, RNG, ROWS, SCRATCH, S
                 tl.debug_barrier()  # the next pass reads what this one stored
             for a0 in range(0, A, BLOCK_A):
                 offs_a = a0 + tl.arange(0, BLOCK_A)
-                t, wa = _chunk64(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A,
-                                 sqm, sqa, skn, ska, swa)
+                t, wa = _chunk(q_base, k_base, w_base, offs_m, offs_n, offs_a, Lq, Lk, A,
+                               sqm, sqa, skn, ska, swa, tl.float64)
                 ptrs = scratch + rows.to(tl.int64)[:, None] * A + offs_a[None, :]
                 a_ok = offs_a[None, :] < A
                 dk = tl.load(ptrs, mask=a_ok, other=0.0)
