@@ -15,6 +15,11 @@ limit for T threads is T times that. Efficiency = B Lq Lk A / forward time / lim
 
     python benchmarks/cpu_additive_targets.py [--reps 7] [--threads 1,2] [--out PATH]
 
+Whether an output's pages are fresh (a page fault each, on both sides) depends on glibc's heap,
+which the other provider's allocations move: B64 L32's 2 MiB output faults its 512 pages on
+some runs. `MALLOC_TRIM_THRESHOLD_=268435456 MALLOC_MMAP_THRESHOLD_=268435456` keeps freed pages
+in the process (the results file records such settings under allocator_env).
+
 Writes benchmarks/results/cpu-additive-<date>-<n>.json (the first free n) and prints a table.
 """
 
@@ -178,6 +183,10 @@ def main() -> None:
         "attnx": attnx.__version__, "commit": git_commit(),
         "machine": {**machine(), "ATTNX_CPU_AVX512": os.environ.get("ATTNX_CPU_AVX512"),
                     "note": "shared with other jobs: compare ratios, not times"},
+        # glibc's and torch's allocator settings: whether an output's pages are fresh (page
+        # faults, page_faults_per_call) depends on them (glibc's trim threshold in particular)
+        "allocator_env": {k: v for k, v in os.environ.items()
+                          if k.startswith("MALLOC_") or k == "THP_MEM_ALLOC_ENABLE"},
         "config": {"shapes_BLA": SHAPES, "Ev": EV, "H": 1, "dtype": "float32", "reps": args.reps,
                    "baseline": "torch.compile(naive, dynamic=False)"},
         "targets": {"speedup": TARGET_SPEEDUP, "forward_term_efficiency": TARGET_EFFICIENCY,

@@ -322,6 +322,37 @@ def test_thread_counts_and_determinism(threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_many_heads_take_a_head_a_task(threads, dtype):
+    """B H >= 8 heads a thread: the float32 forward takes a head a task and makes that head's
+    e^{2q}, e^{2k} rows itself (csrc/cpu/additive_cpu.cpp per_head_tasks). Against the
+    reference, and bitwise against the same rows one batch element a call (2 heads: the rows made
+    in one pass beforehand, a row group a task)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        b = 9 * threads
+        sizes = dict(b=b, h=2, lq=6, lk=11, a=40, ev=5, v_heads=True)
+        inputs = make_inputs(**sizes)
+        kw = dict(attn_mask=padding_mask(b, 11), window=(4, 1))
+        xs = [t.to(dtype) for t in inputs]
+        with torch.no_grad():
+            # (other inputs first: their rows, left in the buffer the rows are made in, must
+            # not stand in for these)
+            attnx.additive_attention(*[t.to(dtype) for t in make_inputs(**sizes, seed=1)],
+                                     backend="cpu", **kw)
+            whole = attnx.additive_attention(*xs, backend="cpu", **kw)
+            for n in range(b):
+                one = attnx.additive_attention(xs[0][n:n + 1], xs[1][n:n + 1], xs[2][n:n + 1],
+                                               xs[3], backend="cpu", window=(4, 1),
+                                               attn_mask=kw["attn_mask"][n:n + 1])
+                assert torch.equal(whole[n:n + 1], one), f"batch element {n}"
+        check_case(dtype, inputs, **kw)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _op_args(seed_p=0.25, return_weights=False, mask_kind="float"):
     g = torch.Generator().manual_seed(1)
     b, h, lq, lk, a, ev = 2, 2, 5, 6, 4, 3

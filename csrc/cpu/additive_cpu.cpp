@@ -101,6 +101,19 @@ at::Tensor in_type(const at::Tensor& x, at::ScalarType acc) {
   return x.scalar_type() == acc && x.is_contiguous() ? x : x.to(acc).contiguous();
 }
 
+// One head's rows in the exponential form (float32; additive_terms.h): e^{2q} of its query
+// row i at eq + i ap, e^{2k} of its key j at ek + j ap, and whether those rows take the exact
+// tanh (xq, xk). Empty (eq null: every pair exact) for float64.
+struct HeadRows {
+  const float *eq = nullptr, *ek = nullptr;
+  const bool *xq = nullptr, *xk = nullptr;
+  int64_t ap = 0;
+  bool exact_q(int64_t i) const { return eq == nullptr || xq[i]; }
+  bool exact_k(int64_t j) const { return xk[j]; }
+  const float* q_row(int64_t i) const { return eq + i * ap; }
+  const float* k_row(int64_t j) const { return ek + j * ap; }
+};
+
 // What both passes read: contiguous accumulation-type copies of the inputs and the problem.
 template <typename acc_t>
 struct Problem {
@@ -110,9 +123,13 @@ struct Problem {
   MaskView mask;
   Dropout drop;
 
+  // exp_rows_now: every head's e^{2q}, e^{2k} rows made here (one parallel region), for
+  // head_rows; false makes none: the task that takes a head makes its own (make_head_rows,
+  // per_head_tasks).
   Problem(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& value_,
           const at::Tensor& v_, const std::optional<at::Tensor>& mask_, int64_t window_lo,
-          int64_t window_hi, double dropout_p, const std::optional<at::Tensor>& seed)
+          int64_t window_hi, double dropout_p, const std::optional<at::Tensor>& seed,
+          bool exp_rows_now = true)
       : mask(mask_), drop(dropout_p, seed) {
     const auto acc = c10::CppTypeToScalarType<acc_t>::value;
     q = in_type(q_, acc);
@@ -142,32 +159,49 @@ struct Problem {
         for (int64_t a = 0; a < A; ++a) sum += vpad[h * ap + a] = v_p[h * A + a];
         vsum[h] = static_cast<float>(sum);
       }
-      // e^{2q}, e^{2k} and the guard's flags in one pass over the rows (one parallel region:
-      // on a shared machine each region may wait for a descheduled thread)
-      const int64_t nq = B * H * Lq, nk = B * H * Lk;
-      // in the kept buffer (kept_buffer.h): fresh pages every call, faulted in by both threads
-      // at once, cost 15% of the forward at B = 64, L = 32, A = 256 (2 threads)
-      e_rows = std::make_unique<KeptBuffer>(static_cast<size_t>((nq + nk) * ap));
-      exact_flags = std::make_unique<bool[]>(static_cast<size_t>(nq + nk));
-      float *e_q = e_rows->data(), *e_k = e_q + nq * ap;
-      bool *x_q = exact_flags.get(), *x_k = x_q + nq;
-      const float *q_p = q.data_ptr<float>(), *k_p = k.data_ptr<float>();
-      at::parallel_for(0, nq + nk, std::max<int64_t>(1, 16384 / ap), [&](int64_t b0, int64_t b1) {
-        for (int64_t r = b0; r < b1; ++r) {
-          if (r < nq) {
-            x_q[r] = additive::exp2x_row(q_p + r * A, A, ap, e_q + r * ap);
-          } else {
-            x_k[r - nq] = additive::exp2x_row(k_p + (r - nq) * A, A, ap, e_k + (r - nq) * ap);
-          }
-        }
-      });
-      eq_p = e_q;
-      ek_p = e_k;
       vpad_p = vpad.data();
       vsum_p = vsum.data();
-      exact_q_p = x_q;
-      exact_k_p = x_k;
+      if (exp_rows_now) {
+        // e^{2q}, e^{2k} and the guard's flags of every row, in one pass over the rows (one
+        // parallel region: on a shared machine each region may wait for a descheduled thread)
+        const int64_t nq = B * H * Lq, nk = B * H * Lk;
+        // in the kept buffer (kept_buffer.h): fresh pages every call, faulted in by both
+        // threads at once, cost 15% of the forward at B = 64, L = 32, A = 256 (2 threads)
+        e_rows = std::make_unique<KeptBuffer>(static_cast<size_t>((nq + nk) * ap));
+        exact_flags = std::make_unique<bool[]>(static_cast<size_t>(nq + nk));
+        float *e_q = e_rows->data(), *e_k = e_q + nq * ap;
+        bool *x_q = exact_flags.get(), *x_k = x_q + nq;
+        const float *q_p = q.data_ptr<float>(), *k_p = k.data_ptr<float>();
+        at::parallel_for(0, nq + nk, std::max<int64_t>(1, 16384 / ap), [&](int64_t b0, int64_t b1) {
+          for (int64_t r = b0; r < b1; ++r) {
+            if (r < nq) {
+              x_q[r] = additive::exp2x_row(q_p + r * A, A, ap, e_q + r * ap);
+            } else {
+              x_k[r - nq] = additive::exp2x_row(k_p + (r - nq) * A, A, ap, e_k + (r - nq) * ap);
+            }
+          }
+        });
+        eq_p = e_q;
+        ek_p = e_k;
+        exact_q_p = x_q;
+        exact_k_p = x_k;
+      }
     }
+  }
+
+  // Head bh's rows as made by the constructor (exp_rows_now; float64: empty).
+  HeadRows head_rows(int64_t bh) const {
+    if (eq_p == nullptr) return {};
+    return {eq_p + bh * Lq * ap, ek_p + bh * Lk * ap, exact_q_p + bh * Lq, exact_k_p + bh * Lk,
+            ap};
+  }
+  // Head bh's rows made into e ((Lq + Lk) ap floats) and x (Lq + Lk flags): float32.
+  HeadRows make_head_rows(int64_t bh, float* e, bool* x) const {
+    const float *q_p = q.data_ptr<float>() + bh * Lq * A, *k_p = k.data_ptr<float>() + bh * Lk * A;
+    for (int64_t i = 0; i < Lq; ++i) x[i] = additive::exp2x_row(q_p + i * A, A, ap, e + i * ap);
+    for (int64_t j = 0; j < Lk; ++j)
+      x[Lq + j] = additive::exp2x_row(k_p + j * A, A, ap, e + (Lq + j) * ap);
+    return {e, e + Lq * ap, x, x + Lq, ap};
   }
 
   // The exponential form (float32 only; additive_terms.h): rows of ap values. Raw pointers, as
@@ -178,10 +212,6 @@ struct Problem {
   std::vector<float> vpad, vsum;
   const float *eq_p = nullptr, *ek_p = nullptr, *vpad_p = nullptr, *vsum_p = nullptr;
   const bool *exact_q_p = nullptr, *exact_k_p = nullptr;
-  bool exact_q(int64_t bh, int64_t i) const { return exact_q_p == nullptr || exact_q_p[bh * Lq + i]; }
-  bool exact_k(int64_t bh, int64_t j) const { return exact_k_p[bh * Lk + j]; }
-  const float* eq_row(int64_t bh, int64_t i) const { return eq_p + (bh * Lq + i) * ap; }
-  const float* ek_row(int64_t bh, int64_t j) const { return ek_p + (bh * Lk + j) * ap; }
   const float* vpad_row(int64_t bh) const { return vpad_p + (bh % H) * ap; }
   float v_sum(int64_t bh) const { return vsum_p[bh % H]; }
 
@@ -235,20 +265,20 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
 // s[j] += the score of row i against key j, for the keys in [j0, j1) that s does not already
 // mask out with -inf. tmp: Lk values of scratch.
 template <typename acc_t>
-void add_scores(const Problem<acc_t>& pb, int64_t bh, int64_t i, int64_t j0, int64_t j1,
-                acc_t* s, acc_t* tmp) {
-  const bool fast = !pb.exact_q(bh, i);
+void add_scores(const Problem<acc_t>& pb, const HeadRows& er, int64_t bh, int64_t i, int64_t j0,
+                int64_t j1, acc_t* s, acc_t* tmp) {
+  const bool fast = !er.exact_q(i);
   if constexpr (std::is_same_v<acc_t, float>) {
     if (fast && j1 > j0) {
-      additive::exp_scores(pb.eq_row(bh, i), pb.ek_row(bh, j0), pb.vpad_row(bh), pb.v_sum(bh),
-                           pb.ap, j1 - j0, tmp + j0);
+      additive::exp_scores(er.q_row(i), er.k_row(j0), pb.vpad_row(bh), pb.v_sum(bh), pb.ap,
+                           j1 - j0, tmp + j0);
     }
   }
   const acc_t* qi = pb.q_row(bh, i);
   const acc_t* v = pb.v_row(bh);
   for (int64_t j = j0; j < j1; ++j) {
     if (s[j] == -std::numeric_limits<acc_t>::infinity()) continue;
-    s[j] += fast && !pb.exact_k(bh, j) ? tmp[j] : tanh_dot(qi, pb.k_row(bh, j), v, pb.A);
+    s[j] += fast && !er.exact_k(j) ? tmp[j] : tanh_dot(qi, pb.k_row(bh, j), v, pb.A);
   }
 }
 
@@ -260,19 +290,27 @@ void add_scores(const Problem<acc_t>& pb, int64_t bh, int64_t i, int64_t j0, int
 // load of a value row (additive_terms.h), over the keys any of them admits, each row's
 // probabilities zero outside its own (and a zero probability adds nothing, even times a
 // non-finite value). Fewer rows a task where that would leave threads without tasks.
+// per_head (float32, a Problem made without its exponential rows): a task is one head (b, h),
+// all its row groups, after the task has made the head's e^{2q}, e^{2k} rows in a buffer of its
+// thread (make_head_rows), where they stay in L2 (per_head_tasks).
 template <typename scalar_t, typename acc_t>
-bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weights) {
+bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weights,
+             bool per_head = false) {
   constexpr acc_t ninf = -std::numeric_limits<acc_t>::infinity();
   const int64_t rows = pb.B * pb.H * pb.Lq;
-  const int64_t G = std::clamp<int64_t>(rows / (4 * at::get_num_threads()), 1, additive::kSumRows);
+  const int64_t G = per_head ? additive::kSumRows
+                             : std::clamp<int64_t>(rows / (4 * at::get_num_threads()), 1,
+                                                   additive::kSumRows);
   const int64_t groups = (pb.Lq + G - 1) / G;
   std::atomic<bool> non_finite{false};
-  parallel_tasks(pb.B * pb.H * groups, [&](Tasks& tasks) {
+  parallel_tasks(pb.B * pb.H * (per_head ? 1 : groups), [&](Tasks& tasks) {
     // acc: the sums before they are rounded to scalar_t (float32 writes them into out)
     constexpr bool in_place = std::is_same_v<scalar_t, float>;
     std::vector<acc_t> s(G * pb.Lk), tmp(pb.Lk), acc(in_place ? 0 : G * pb.Ev);
-    for (int64_t task; tasks.next(task);) {
-      const int64_t bh = task / groups, i0 = task % groups * G, i1 = std::min(pb.Lq, i0 + G);
+    std::vector<float> head_e(per_head ? (pb.Lq + pb.Lk) * pb.ap : 0);
+    std::unique_ptr<bool[]> head_x(per_head ? new bool[pb.Lq + pb.Lk] : nullptr);
+    // rows [i0, i1) of head bh
+    const auto group = [&](const HeadRows& er, int64_t bh, int64_t i0, int64_t i1) {
       const int64_t b = bh / pb.H, h = bh % pb.H;
       int64_t u0 = pb.Lk, u1 = 0;  // the keys some row of the group admits: [u0, u1)
       bool bad = false;
@@ -281,7 +319,7 @@ bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weig
         acc_t* p = s.data() + (i - i0) * pb.Lk;
         const auto [j0, j1] = pb.band(i);
         pb.mask.fill(b, h, i, j0, j1, p);
-        add_scores(pb, bh, i, j0, j1, p, tmp.data());
+        add_scores(pb, er, bh, i, j0, j1, p, tmp.data());
         const acc_t m = row_max(p + j0, j1 - j0);
         if (m == ninf) {  // no admissible key: zero probabilities, a zero output row
           std::fill(p + j0, p + j1, acc_t(0));
@@ -337,9 +375,30 @@ bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weig
         bad |= zero != 0.0f;
       }
       if (bad) non_finite.store(true, std::memory_order_relaxed);
+    };
+    for (int64_t task; tasks.next(task);) {
+      if (!per_head) {
+        const int64_t bh = task / groups, i0 = task % groups * G;
+        group(pb.head_rows(bh), bh, i0, std::min(pb.Lq, i0 + G));
+        continue;
+      }
+      if constexpr (std::is_same_v<acc_t, float>) {
+        const HeadRows er = pb.make_head_rows(task, head_e.data(), head_x.get());
+        for (int64_t i0 = 0; i0 < pb.Lq; i0 += G) group(er, task, i0, std::min(pb.Lq, i0 + G));
+      }
     }
   });
   return non_finite.load();
+}
+
+// Whether the float32 forward takes a head a task (forward's per_head): with many heads (8 a
+// thread at least, so the queue still balances them) whose rows' e^{2q} and e^{2k}, (Lq + Lk) A
+// floats, stay in L2 between being made and read (at most 256 KiB: a quarter of the smallest L2
+// of the CPUs measured). Made per head in a thread's buffer, those rows never leave L2; made in
+// one pass beforehand, a call's (B H (Lq + Lk) A floats, 4 MiB at B = 64, L = 32, A = 256) went
+// to memory and came back.
+bool per_head_tasks(int64_t B, int64_t H, int64_t Lq, int64_t Lk, int64_t A) {
+  return B * H >= 8 * at::get_num_threads() && (Lq + Lk) * A * 4 <= (256 << 10);
 }
 
 // --------------------------------------------------------------------------------- backward
@@ -395,6 +454,7 @@ void backward_rows(const Problem<acc_t>& pb, const Upstream<acc_t>& up, int64_t 
   constexpr acc_t ninf = -std::numeric_limits<acc_t>::infinity();
   const float* lse = up.lse;
   const int64_t b = bh / pb.H, h = bh % pb.H;
+  const HeadRows er = pb.head_rows(bh);
   acc_t* s = w.s.data();
   acc_t* ds = w.ds.data();
   for (int64_t i = i0; i < i1; ++i) {
@@ -406,7 +466,7 @@ void backward_rows(const Problem<acc_t>& pb, const Upstream<acc_t>& up, int64_t 
     }
     const auto [j0, j1] = pb.band(i);
     pb.mask.fill(b, h, i, j0, j1, s);
-    add_scores(pb, bh, i, j0, j1, s, w.tmp.data());
+    add_scores(pb, er, bh, i, j0, j1, s, w.tmp.data());
     const acc_t* doi = up.dout + r * pb.Ev;
     const acc_t* dwi = up.dweights != nullptr ? up.dweights + r * pb.Lk : nullptr;
     const auto row_key = pb.drop.row_key(bh, i);
@@ -454,16 +514,16 @@ void backward_rows(const Problem<acc_t>& pb, const Upstream<acc_t>& up, int64_t 
     std::fill(w.dvr.begin(), w.dvr.end(), acc_t(0));
     const acc_t* qi = pb.q_row(bh, i);
     const acc_t* v = pb.v_row(bh);
-    const bool fast = !pb.exact_q(bh, i);
+    const bool fast = !er.exact_q(i);
     for (int64_t j = j0; j < j1; ++j) {
-      if (ds[j] == acc_t(0) || (fast && !pb.exact_k(bh, j))) continue;
+      if (ds[j] == acc_t(0) || (fast && !er.exact_k(j))) continue;
       tanh_dot_keep(qi, pb.k_row(bh, j), v, w.t.data(), pb.A);
       grad_terms(w.t.data(), ds[j], dqi, dk + j * pb.ap, dvr, pb.A);
       ds[j] = 0;
     }
     if constexpr (std::is_same_v<acc_t, float>) {
       if (fast && j1 > j0) {
-        additive::exp_grads(pb.eq_row(bh, i), pb.ek_row(bh, j0), ds + j0, pb.ap, j1 - j0, dqi,
+        additive::exp_grads(er.q_row(i), er.k_row(j0), ds + j0, pb.ap, j1 - j0, dqi,
                             dk + j0 * pb.ap, dvr);
       }
     }
@@ -557,9 +617,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> additive_fwd(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnx_additive_fwd",
                                   [&] {
     using acc_t = acc_type<scalar_t>;
-    const Problem<acc_t> pb(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed);
+    const bool per_head = std::is_same_v<acc_t, float> && per_head_tasks(B, H, Lq, Lk, q.size(3));
+    const Problem<acc_t> pb(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed,
+                            !per_head);
     non_finite = forward<scalar_t, acc_t>(pb, out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
-                             return_weights ? weights.data_ptr<scalar_t>() : nullptr);
+                             return_weights ? weights.data_ptr<scalar_t>() : nullptr, per_head);
   });
   if (q.scalar_type() != at::kDouble && overflowed(v, non_finite) &&
       finite_inputs({q, k, value, v}, mask)) {
