@@ -9,7 +9,7 @@ are timed interleaved, median of --reps runs, so a machine shared with other wor
 alike: quote the ratios.
 
 The term's vector limit: attnx._C.additive_term_seconds runs the forward's per-term instruction
-sequence (csrc/cpu/additive_rows.cpp: one FMA for e^{2q} e^{2k} + 1, a reciprocal refined by
+sequence (csrc/cpu/additive_terms.cpp: one FMA for e^{2q} e^{2k} + 1, a reciprocal refined by
 one Newton step, one FMA into the sum) on registers only, in the same process, one thread; the
 limit for T threads is T times that. Efficiency = B Lq Lk A / forward time / limit.
 
@@ -17,8 +17,11 @@ limit for T threads is T times that. Efficiency = B Lq Lk A / forward time / lim
 
 Whether an output's pages are fresh (a page fault each, on both sides) depends on glibc's heap,
 which the other provider's allocations move: B64 L32's 2 MiB output faults its 512 pages on
-some runs. `MALLOC_TRIM_THRESHOLD_=268435456 MALLOC_MMAP_THRESHOLD_=268435456` keeps freed pages
-in the process (the results file records such settings under allocator_env).
+some runs, and torch.compile(naive)'s forward+backward (its B x Lq x Lk x A tensor) tens of
+thousands a call. `MALLOC_TRIM_THRESHOLD_=268435456 MALLOC_MMAP_THRESHOLD_=268435456` keeps
+freed pages in the process: no faults on either side, the peer's forward+backward about twice
+as fast, so runs with and without it do not compare (the results file records such settings,
+and any allocator preloaded, under allocator_env).
 
 Writes benchmarks/results/cpu-additive-<date>-<n>.json (the first free n) and prints a table.
 """
@@ -186,7 +189,8 @@ def main() -> None:
         # glibc's and torch's allocator settings: whether an output's pages are fresh (page
         # faults, page_faults_per_call) depends on them (glibc's trim threshold in particular)
         "allocator_env": {k: v for k, v in os.environ.items()
-                          if k.startswith("MALLOC_") or k == "THP_MEM_ALLOC_ENABLE"},
+                          if k.startswith("MALLOC_")
+                          or k in ("THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES", "LD_PRELOAD")},
         "config": {"shapes_BLA": SHAPES, "Ev": EV, "H": 1, "dtype": "float32", "reps": args.reps,
                    "baseline": "torch.compile(naive, dynamic=False)"},
         "targets": {"speedup": TARGET_SPEEDUP, "forward_term_efficiency": TARGET_EFFICIENCY,

@@ -4,13 +4,14 @@
 // row buffer of Lk values (the tanh terms are summed over A as they are made, never stored),
 // then softmax, dropout and the value sum. So the working memory is O(Lk + Ev) per row and
 // no (Lq, Lk, A) or (Lq, Lk) tensor exists unless the weights are asked for. The forward's
-// tasks are up to kSumRows consecutive rows of one (b, h), whose value sums share each value
-// load, taken from a shared queue (task_queue.h).
+// tasks, taken from a shared queue (task_queue.h), are up to kSumRows consecutive rows of one
+// (b, h), whose value sums share each value load, or with many small heads one whole head
+// (per_head_tasks).
 //
-// float32 terms come from e^{2q} and e^{2k}, computed once per row of q and k before the
-// kernels run (additive_terms.h: a reciprocal per term, no tanh); a row of q or k holding a
-// value past kExpLimit, where the product could overflow, takes the exact tanh loops
-// (additive_rows.h) for its pairs, as float64 does for all.
+// float32 terms come from e^{2q} and e^{2k}, computed once per row of q and k (additive_terms.h:
+// a reciprocal per term, no tanh): for the whole call before the kernels run, or by the task
+// that takes a head; a row of q or k holding a value past kExpLimit, where the product could
+// overflow, takes the exact tanh loops (additive_rows.h) for its pairs, as float64 does for all.
 //
 // The backward pass recomputes the row's scores, gets P from the saved lse and
 // D_i = dO_i . out_i (= sum_j P_ij dP_ij, also with dropout; for float64, the 16-bit types and
@@ -46,6 +47,7 @@
 #include "float64_rerun.h"
 #include "huge_lse.h"
 #include "kept_buffer.h"
+#include "line_vector.h"
 #include "sdpa_tile.h"
 #include "task_queue.h"
 
@@ -302,12 +304,13 @@ bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weig
                              : std::clamp<int64_t>(rows / (4 * at::get_num_threads()), 1,
                                                    additive::kSumRows);
   const int64_t groups = (pb.Lq + G - 1) / G;
+  TORCH_INTERNAL_ASSERT(!per_head || (std::is_same_v<acc_t, float>), "per-head tasks are float32's");
   std::atomic<bool> non_finite{false};
   parallel_tasks(pb.B * pb.H * (per_head ? 1 : groups), [&](Tasks& tasks) {
     // acc: the sums before they are rounded to scalar_t (float32 writes them into out)
     constexpr bool in_place = std::is_same_v<scalar_t, float>;
     std::vector<acc_t> s(G * pb.Lk), tmp(pb.Lk), acc(in_place ? 0 : G * pb.Ev);
-    std::vector<float> head_e(per_head ? (pb.Lq + pb.Lk) * pb.ap : 0);
+    line_vector<float> head_e(per_head ? (pb.Lq + pb.Lk) * pb.ap : 0);
     std::unique_ptr<bool[]> head_x(per_head ? new bool[pb.Lq + pb.Lk] : nullptr);
     // rows [i0, i1) of head bh
     const auto group = [&](const HeadRows& er, int64_t bh, int64_t i0, int64_t i1) {
@@ -392,13 +395,15 @@ bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weig
 }
 
 // Whether the float32 forward takes a head a task (forward's per_head): with many heads (8 a
-// thread at least, so the queue still balances them) whose rows' e^{2q} and e^{2k}, (Lq + Lk) A
-// floats, stay in L2 between being made and read (at most 256 KiB: a quarter of the smallest L2
-// of the CPUs measured). Made per head in a thread's buffer, those rows never leave L2; made in
-// one pass beforehand, a call's (B H (Lq + Lk) A floats, 4 MiB at B = 64, L = 32, A = 256) went
-// to memory and came back.
+// thread at least, so the queue still balances them) whose rows' e^{2q} and e^{2k}, (Lq + Lk)
+// rows of A padded to kPad floats, stay in L2 between being made and read (at most 256 KiB: a
+// quarter of the smallest L2 of the CPUs measured). Made per head in a thread's buffer, those
+// rows never leave L2; made in one pass beforehand, a call's (4 MiB at B = 64, L = 32, A = 256)
+// went to memory and came back (after a 256 MiB read between calls, 2 threads, Zen 5: the
+// per-head tasks took 0.905-0.945x the time, interleaved in one process; the same warm).
 bool per_head_tasks(int64_t B, int64_t H, int64_t Lq, int64_t Lk, int64_t A) {
-  return B * H >= 8 * at::get_num_threads() && (Lq + Lk) * A * 4 <= (256 << 10);
+  const int64_t ap = (A + additive::kPad - 1) / additive::kPad * additive::kPad;
+  return B * H >= 8 * at::get_num_threads() && (Lq + Lk) * ap * 4 <= (256 << 10);
 }
 
 // --------------------------------------------------------------------------------- backward
