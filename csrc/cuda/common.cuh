@@ -16,6 +16,10 @@ namespace cuda {
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// Whether x is finite: |x| at most float's largest (NaN compares false). One compare, where
+// isfinite costs more; the bf16 backward's overflow tests (sdpa_bwd.cuh, sdpa_bwd_rerun.cu).
+__device__ __forceinline__ bool finite_float(float x) { return fabsf(x) <= 3.402823466e38f; }
+
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
 template <>

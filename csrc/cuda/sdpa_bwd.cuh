@@ -502,8 +502,7 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
       for (int n = 0; n < ND; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          finite &= (fabsf(dk[kt][n][e]) <= 3.402823466e38f) &
-                    (fabsf(dv[kt][n][e]) <= 3.402823466e38f);  // (NaN: false)
+          finite &= finite_float(dk[kt][n][e]) & finite_float(dv[kt][n][e]);
     if (!finite) *p.overflowed = 1.f;
   }
 

@@ -190,7 +190,7 @@ __global__ void sdpa_bwd_dq_scan_kernel(const SdpaParams p, int64_t n) {
   bool finite = true;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    finite &= fabsf(p.dq_acc[i]) <= 3.402823466e38f;  // (NaN: false)
+    finite &= finite_float(p.dq_acc[i]);
   if (!finite) *p.dq_nonfinite = 1.f;
 }
 
@@ -199,7 +199,7 @@ __device__ __forceinline__ bool dq_row_finite(const SdpaParams& p, const SeqView
                                               int h, int i, int lane) {
   const float* row = p.dq_acc + (query_rows(p, seq, b, h) + i) * p.E;
   bool finite = true;
-  for (int c = lane; c < p.E; c += 32) finite &= fabsf(row[c]) <= 3.402823466e38f;
+  for (int c = lane; c < p.E; c += 32) finite &= finite_float(row[c]);
   return !__any_sync(0xffffffffu, !finite);
 }
 
