@@ -34,7 +34,7 @@ from _compare import assert_within, max_err  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 SEED = 1234
-f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+f32, f16, bf16, f64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 
 
 def _randn(shape, dtype, gen):
@@ -562,7 +562,7 @@ def test_grids_stay_within_cudas_axis_caps():
         out, lse, _ = ta.additive_fwd(q, k, v, w, None, -2, 2, 0.0, None, True)
         ta.additive_bwd(q, q, k, v, w, None, out, lse, -2, 2, 0.0, None, False, None,
                         torch.zeros(b, 1, 2, 2))
-    assert len(launches) == 15  # (float32: the SDPA and additive backwards' reruns too)
+    assert len(launches) == 16  # (the SDPA forward's rerun; float32: the backwards' reruns)
     for launch in launches:
         grid = launch.grid
         if callable(grid):  # an autotuned kernel: its grid for each config
@@ -691,9 +691,12 @@ def test_kvcache(dtype, paged, lq, is_causal, window):
 # (bf16: 0.55-0.65% here, with P rounded to bf16 for P V; fp32: 1e-6, the shifted exponent's
 # rounding, 2^-18 at 64, included), and its lse as if nothing had been shifted.
 NEAR_MAX_TOL = {f32: 1e-5, bf16: 2e-2}
-# The interpreter's numpy warns of the first pass's overflow, which the kernels then redo.
+# The interpreter's numpy warns of the first pass's overflow (and its NaN rows), which the
+# kernels then redo.
 near_max = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
-                                      "ignore:invalid value encountered:RuntimeWarning")
+                                      "ignore:invalid value encountered:RuntimeWarning",
+                                      "ignore:All-NaN slice encountered:RuntimeWarning",
+                                      "ignore:divide by zero encountered:RuntimeWarning")
 
 
 def _near_max(shape, dtype, gen, signed=False):
@@ -737,21 +740,197 @@ def test_sdpa_values_near_the_dtype_max(dtype, signed, mods):
     _assert_lse(lse, gold_lse)
 
 
-@pytest.mark.xfail(strict=True, reason="a known gap (README's matrix): scores past float32's "
-                   "range give zero outputs in the Triton SDPA kernels")
+# Scores past float32's range from finite inputs (|q| |k| ~ 1e19 in bf16 and fp32, or a scale
+# near its bound): the forward flags the rows and sdpa_fwd_rerun redoes them in float64; the
+# backward's pre-pass flags their lse and sdpa_bwd_rerun redoes the call with float64 row maxima.
+PAST_RANGE_MODS = {"plain": {}, "causal": dict(is_causal=True), "window": dict(window=(3, 2)),
+                   "softcap": dict(softcap=5.0), "sinks": dict(sinks=[0.5, -1.0, 2.0, 0.0]),
+                   "alibi": dict(alibi_slopes=[0.5, 0.25, 1.0, 2.0]), "dropout": dict(dropout_p=0.3),
+                   "bool-mask": {}, "float-mask": {}}
+
+
+def _past_range_call(mods, dtype, gen, lq, lk):
+    """Keyword arguments and mask of a PAST_RANGE_MODS entry (4 query heads, 2 kv heads)."""
+    kw = {k: torch.tensor(x, device=DEVICE) if isinstance(x, list) else x
+          for k, x in PAST_RANGE_MODS[mods].items()}
+    mask = None
+    if mods == "bool-mask":
+        mask = torch.rand((1, 4, lq, lk), generator=gen).to(DEVICE) > 0.3
+        mask[..., 0] = True  # no row left empty
+    elif mods == "float-mask":
+        mask = _randn((1, 4, lq, lk), dtype, gen)
+        mask[..., 1, :] = -3.0e38  # a row of large biases that the scores push past the range
+    return kw, mask
+
+
+def _past_range_grads(q, k, v, do, mask, kw, dtype):
+    """(out, lse, dq, dk, dv) of out . do: the triton backend in the inputs' dtype (dtype None),
+    or the reference in float64."""
+    backend = "triton" if dtype is None else "reference"
+    cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))  # noqa: E731
+    leaves = [cast(t).detach().requires_grad_() for t in (q, k, v)]
+    mask = cast(mask) if _is_float_mask(mask) else mask
+    torch.manual_seed(SEED)  # the same dropout mask
+    out, lse = attnx.scaled_dot_product_attention(*leaves, attn_mask=mask, backend=backend,
+                                                  enable_gqa=True, return_lse=True, **kw)
+    return (out, lse, *torch.autograd.grad(out, leaves, cast(do)))
+
+
+def _assert_past_range(got, gold, q, k, v, do, scale):
+    """Output within NEAR_MAX_TOL of max|v|; the lse as float32 rounds the golden one (+inf past
+    its largest, its lowest past that); dv within it of max|dO| times the keys (dv_j = sum_i P_ij
+    dO_i); dq and dk within it of the largest their terms can be, dS = P (dP - D) <= 2 max|dO|
+    max|v| times max|k| (or |q|) |scale| the query rows or keys: their true values are 0 where a
+    row's softmax is one key's, as at these sizes it mostly is (the first passes gave 1e20)."""
+    out, lse, dq, dk, dv = got
+    dtype = out.dtype
+    _assert_near(out, gold[0], v.double().abs().max(), dtype)
+    # The reference's float32 lse rounds past float32's lowest to -inf; the kernels saturate
+    # there (-inf marks a row that admits no key, and these tests have none).
+    want = gold[1].where(gold[1] > -float("inf"), torch.finfo(f32).min)
+    torch.testing.assert_close(lse, want, rtol=1e-5, atol=1e-4)
+    big = lambda t: t.double().abs().max()  # noqa: E731
+    ds = 2 * big(do) * big(v) * abs(scale)
+    _assert_near(dv, gold[4], big(do) * q.shape[2] * q.shape[1], dtype, "dv")
+    _assert_near(dq, gold[2], ds * big(k) * k.shape[2], dtype, "dq")
+    _assert_near(dk, gold[3], ds * big(q) * q.shape[2] * q.shape[1], dtype, "dk")
+
+
+@near_max
 @pytest.mark.parametrize("dtype", [f32, bf16])
-def test_sdpa_scores_past_float32s_range(dtype):
-    """q . k near 1e40 from finite inputs of ~1.5e19: the softmax is (all but) one key's. The
-    CPU backend reruns such calls in float64; the Triton kernels' float32 scores overflow."""
+@pytest.mark.parametrize("mods", list(PAST_RANGE_MODS))
+def test_sdpa_scores_past_float32s_range(dtype, mods):
+    """q . k near 1e40 from finite inputs of ~1.5e19: most rows' softmax is one key's, some
+    rows' lse passes float32's range. 40 keys: in-band blocks (16 here) and an edge block."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, n, 64, generator=gen, dtype=torch.float64) for n in (5, 7, 7))
-    q, k, v = (t.to(dtype) for t in (q * 1.5e19, k * 1.5e19, v))
-    out = attnx.scaled_dot_product_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE),
-                                             backend="triton")
-    gold = attnx.scaled_dot_product_attention(q.double(), k.double(), v.double(),
-                                              backend="reference")
-    assert torch.isfinite(out).all(), "non-finite output"
-    torch.testing.assert_close(out.double().cpu(), gold, atol=2e-2, rtol=2e-2)
+    q, k = (_randn((1, h, n, 64), f64, gen) * 1.5e19 for h, n in ((4, 9), (2, 40)))
+    q, k, v = q.to(dtype), k.to(dtype), _randn((1, 2, 40, 64), dtype, gen)
+    do = _randn((1, 4, 9, 64), dtype, gen)
+    kw, mask = _past_range_call(mods, dtype, gen, 9, 40)
+    got = _past_range_grads(q, k, v, do, mask, kw, None)
+    _assert_past_range(got, _past_range_grads(q, k, v, do, mask, kw, f64), q, k, v, do, 1 / 8)
+
+
+@near_max
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_sdpa_every_score_past_float32s_lowest(dtype):
+    """Every score of every row under float32's lowest (-4.5e38 to -1.8e39 scaled), each row's
+    largest on key 0: float32 takes every score as -inf, rows as empty (zeros, lse -inf) unless
+    caught. 40 keys, in-band blocks and an edge block; causal too (its edge blocks mask)."""
+    gen = torch.Generator().manual_seed(1)
+    a = (1.0 + torch.arange(9, dtype=f64) / 8)[:, None] * 6e19
+    b = (1.0 + torch.arange(40, dtype=f64) / 40)[:, None] * 6e19
+    u = torch.full((64,), 0.125, dtype=f64)  # |u| = 1: scores -a b / 8
+    q = (a * u).expand(1, 2, 9, 64).to(DEVICE, dtype)
+    k = (-b * u).expand(1, 2, 40, 64).to(DEVICE, dtype)
+    v, do = _randn((1, 2, 40, 64), dtype, gen), _randn((1, 2, 9, 64), dtype, gen)
+    for kw in ({}, dict(is_causal=True)):
+        got = _past_range_grads(q, k, v, do, None, kw, None)
+        gold = _past_range_grads(q, k, v, do, None, kw, f64)
+        _assert_past_range(got, gold, q, k, v, do, 1 / 8)
+        torch.testing.assert_close(got[0][..., -1, :].double(), v[:, :, 0].double(),
+                                   atol=0, rtol=0)  # key 0's value, exactly
+        assert (got[1] == torch.finfo(f32).min).all(), "lse: not saturated at float32's lowest"
+
+
+@near_max
+def test_varlen_scores_past_float32s_range():
+    """Packed sequences of 9 and 5 queries, 40 and 17 keys, bf16 inputs of ~1.5e19: as
+    SDPA's, each sequence against the reference backend's."""
+    gen = torch.Generator().manual_seed(3)
+    q = (_randn((14, 4, 64), f64, gen) * 1.5e19).to(bf16)
+    k = (_randn((57, 2, 64), f64, gen) * 1.5e19).to(bf16)
+    v, do = _randn((57, 2, 64), bf16, gen), _randn((14, 4, 64), bf16, gen)
+    cu_q = torch.tensor([0, 9, 14], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 40, 57], dtype=torch.int32, device=DEVICE)
+
+    def run(backend, dtype):
+        leaves = [t.to(dtype).detach().requires_grad_() for t in (q, k, v)]
+        out, lse = attnx.varlen_attention(*leaves, cu_q, cu_k, is_causal=True, backend=backend,
+                                          return_lse=True)
+        return (out, lse, *torch.autograd.grad(out, leaves, do.to(dtype)))
+
+    got, gold = run("triton", bf16), run("reference", f64)
+    # as SDPA's, per sequence: (B, H, L, D) views of the packed rows
+    for (q0, q1), (k0, k1) in (((0, 9), (0, 40)), ((9, 14), (40, 57))):
+        part = lambda t, a, c: t[a:c].transpose(0, 1)[None]  # noqa: E731
+        mine = [part(got[0], q0, q1), got[1][:, q0:q1][None], part(got[2], q0, q1),
+                part(got[3], k0, k1), part(got[4], k0, k1)]
+        want = [part(gold[0], q0, q1), gold[1][:, q0:q1][None], part(gold[2], q0, q1),
+                part(gold[3], k0, k1), part(gold[4], k0, k1)]
+        _assert_past_range(mine, want, part(q, q0, q1), part(k, k0, k1), part(v, k0, k1),
+                           part(do, q0, q1), 1 / 8)
+
+
+@near_max
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("mods", ["plain", "window", "softcap", "alibi", "sinks"])
+def test_kvcache_scores_past_float32s_range(paged, mods):
+    """Decoding 3 query rows against caches of 50 and 31 keys (two splits here), bf16 inputs of
+    ~1.5e19: rows flagged by the split kernel, redone by decode_rerun, against the reference."""
+    gen = torch.Generator().manual_seed(5)
+    q = (_randn((2, 4, 3, 64), f64, gen) * 1.5e19).to(bf16)
+    k = (_randn((2, 2, 64, 64), f64, gen) * 1.5e19).to(bf16)
+    v = _randn((2, 2, 64, 64), bf16, gen)
+    lens = torch.tensor([50, 31], dtype=torch.int32, device=DEVICE)
+    kw = {"plain": {}, "window": dict(window=(10, 0)), "softcap": dict(softcap=5.0),
+          "alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25, 1.0, 2.0], device=DEVICE)),
+          "sinks": dict(sinks=torch.tensor([0.5, 1.0, -1.0, 2.0], device=DEVICE))}[mods]
+    want, want_lse = attnx.attention_with_kvcache(q.double(), k.double(), v.double(), lens,
+                                                  backend="reference", return_lse=True, **kw)
+    if paged:  # blocks of 16 positions, shuffled over a pool
+        table = torch.randperm(10, generator=gen)[:8].view(2, 4).to(DEVICE, torch.int32)
+        pool_k = torch.zeros((10, 2, 16, 64), dtype=bf16, device=DEVICE)
+        pool_v = torch.zeros_like(pool_k)
+        for n in range(2):
+            for blk in range(4):
+                pool_k[table[n, blk]] = k[n, :, 16 * blk:16 * blk + 16]
+                pool_v[table[n, blk]] = v[n, :, 16 * blk:16 * blk + 16]
+        k, v, kw = pool_k, pool_v, dict(kw, block_table=table)
+    out, lse = attnx.attention_with_kvcache(q, k, v, lens, backend="triton", return_lse=True,
+                                            **kw)
+    _assert_near(out, want, v.double().abs().max(), bf16)
+    torch.testing.assert_close(lse, want_lse.where(want_lse > -float("inf"), torch.finfo(f32).min),
+                               rtol=1e-5, atol=1e-4)
+
+
+@near_max
+def test_sdpa_fp16_scale_past_float32s_range():
+    """fp16 inputs with a scale near its bound (1e38, scores up to ~3e39): the forward as in
+    bf16; the backward's pre-pass flags the lse past the range (sdpa_bwd_rerun.applies takes
+    fp16 at such scales) and dv comes from the rerun, not 0."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (_randn((1, 2, n, 64), f16, gen) for n in (9, 40, 40))
+    do = _randn((1, 2, 9, 64), f16, gen)
+    got = _past_range_grads(q, k, v, do, None, dict(scale=1e38), None)
+    gold = _past_range_grads(q, k, v, do, None, dict(scale=1e38), f64)
+    assert torch.isinf(got[1]).any(), "no row past the range: the case is not tested"
+    _assert_near(got[0], gold[0], v.double().abs().max(), bf16)
+    _assert_near(got[4], gold[4], do.double().abs().max() * 9, bf16, "dv")
+
+
+def test_an_ordinary_forward_is_not_rerun(monkeypatch):
+    """Ordinary values leave the forward's flag at 0, Hugging Face's float32 masks too (float32's
+    lowest on padded keys and on whole rows): no row takes sdpa_fwd_rerun's float64 path."""
+    from attnx.triton import sdpa_fwd_rerun
+
+    real, flags = sdpa_fwd_rerun.launch, []
+
+    def spied(out, lse, flag, *args, **kw):
+        real(out, lse, flag, *args, **kw)
+        flags.append(int(flag.item()))
+
+    monkeypatch.setattr(sdpa_fwd_rerun, "launch", spied)
+    gen = torch.Generator().manual_seed(11)
+    low = torch.finfo(f32).min
+    for dtype in (f32, bf16, f16):
+        q, k, v = (_randn((1, 2, n, 32), dtype, gen) for n in (20, 40, 40))
+        mask = torch.zeros((1, 1, 20, 40), device=DEVICE)
+        mask[..., 30:] = low
+        mask[..., 3, :] = low
+        attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(dtype), backend="triton")
+        attnx.scaled_dot_product_attention(q, k, v, is_causal=True, backend="triton")
+    assert flags == [0] * 6
 
 
 @near_max
@@ -1040,8 +1219,9 @@ def test_varlen_backward_near_the_dtype_max(dtype):
 
 def test_an_ordinary_backward_is_not_rerun(monkeypatch):
     """Ordinary values leave the backward's flag at 0: the rerun's kernels run no tile, and the
-    gradients are those of the same call without them, bit for bit (masks, dropout, sinks,
-    GQA, bf16 and fp32; fp16 has neither the check nor the rerun)."""
+    gradients are those of the same call without them, bit for bit (masks, a row under the
+    dtype's lowest bias, dropout, sinks, GQA, bf16 and fp32; fp16 at such scales and a mask of
+    its own type has neither the check nor the rerun)."""
     from attnx.triton import sdpa_bwd_rerun
 
     real, flags = sdpa_bwd_rerun.launch, []
@@ -1058,10 +1238,11 @@ def test_an_ordinary_backward_is_not_rerun(monkeypatch):
         do = _randn((1, 4, 20, 32), dtype, gen)
         kw = dict(dropout_p=0.2, sinks=torch.tensor([1.0, 0.0, -1.0, 2.0], device=DEVICE))
         mask = _randn((1, 4, 20, 40), dtype, gen)
+        mask[..., 3, :] = torch.finfo(dtype).min  # a row under Hugging Face's padding bias
         monkeypatch.setattr(sdpa_bwd_rerun, "launch", spied)
         grads = _sdpa_grads(q, k, v, do, mask, kw, None)
         monkeypatch.setattr(sdpa_bwd_rerun, "launch",
-                            lambda flag, inputs, *a, **k: inputs[6].double())
+                            lambda flag, inputs, *a, **k: (inputs[6].double(),) * 2)
         plain = _sdpa_grads(q, k, v, do, mask, kw, None)
         assert all(torch.equal(a, b) for a, b in zip(grads, plain))
     assert flags == [0, 0]  # fp16: not launched

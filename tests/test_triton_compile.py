@@ -28,7 +28,9 @@ ROOT = TESTS.parent
 KERNELS = {"sdpa._fwd_kernel", "sdpa._prep_kernel", "sdpa._dkdv_kernel", "sdpa._dq_kernel",
            "additive._fwd_kernel", "additive._weights_kernel", "additive._row_sums_kernel",
            "additive._dk_kernel", "additive._dq_kernel", "decode._split_kernel",
-           "sdpa_bwd_rerun._rows_kernel", "sdpa_bwd_rerun._keys_kernel",
+           "decode_rerun._rerun_kernel",
+           "sdpa_fwd_rerun._forward_kernel", "sdpa_bwd_rerun._rows_kernel",
+           "sdpa_bwd_rerun._keys_kernel",
            "additive_bwd_rerun._rows_kernel", "additive_bwd_rerun._keys_kernel"}
 
 

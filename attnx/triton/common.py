@@ -429,6 +429,42 @@ OVERFLOW_SHIFT = tl.constexpr(64.0)
 # (tests/test_triton_compile.py: forwards +25-75 registers on sm_80/sm_90, new spills).
 RERUN_BLOCK_N = tl.constexpr(16)
 
+# Finite inputs make scores past float32's range (|q . k * scale| > 3.4e38: |q| |k| ~ 1e19 in
+# bf16 or fp32, a scale near its bound, a float32 mask's bias near its largest). The float32
+# online softmax gives NaN there (inf - inf), or, where every admitted score of a row overflowed
+# downward, a row that looks empty. The SDPA forward flags such rows (`scores_overflowed`) and
+# sdpa_fwd_rerun.py computes them in float64, which holds every product and sum of float32
+# values.
+
+
+# The backward's kernels take scores and the lse times log2(e) (exp2): past float32's largest over
+# log2(e) they overflow, and probabilities come out 0 with no NaN to flag. Its pre-pass flags rows
+# whose |lse| passes this (+inf included), and sdpa_bwd_rerun redoes the call in float64.
+LSE_LIMIT = tl.constexpr(2.35e38)
+
+
+@triton.jit
+def admitted(s):
+    """Scores of admitted pairs with +-inf as NaN, which reaches the row's sum (flagged): from
+    finite inputs an admitted inf is an overflow (a refusing float mask's -inf is applied
+    after), of the true score or of a dot's partial sum only (inf stays inf in a sum); taken as
+    it is, a row whose admitted scores all overflowed downward would look empty, and a softcap
+    would saturate it. (A bias of float32's lowest, as Hugging Face's masks hold, plus a score
+    under 1e31 in size rounds to that lowest, not to -inf.) The SDPA forward's in-band loop
+    without mask or modifier takes no such per-score test, for speed: there a tile of only -inf
+    scores gives NaN, and +inf does, but a -inf beside finite scores takes probability 0, wrong
+    only where a partial sum passed -3.4e38 and the true score is the row's largest (inputs
+    near 1e19)."""
+    return tl.where(tl.abs(s) == float("inf"), float("nan"), s)
+
+
+@triton.jit
+def scores_overflowed(m_i, l_i, row_ok):
+    """The rows (of those row_ok) whose scores passed float32's range, from the online softmax's
+    row max m_i and sum l_i: l NaN (an inf score against the max, inf - inf in a dot, an
+    admitted -inf) or max +inf."""
+    return ((l_i != l_i) | (m_i == float("inf"))) & row_ok
+
 
 @triton.jit
 def overflowed(acc, row_ok):

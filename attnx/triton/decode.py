@@ -11,7 +11,9 @@ normalised as it goes (acc = sum_j P_j v_j / l: a convex combination of values, 
 overflow where the unnormalised sum of bf16 or fp32 values near their largest over a few keys
 passed fp32's range) and writes them and their lse (fp32); `merge` combines the splits by their
 lse. Softcap and ALiBi
-change each split's scores; a sink joins the denominator once, in the merge.
+change each split's scores; a sink joins the denominator once, in the merge. Rows whose scores
+pass float32's range (finite inputs near 1e19) get a NaN partial lse, which the merge carries to
+the row, and decode_rerun.py computes them in float64.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import common
+from . import common, decode_rerun
 from .._ops import same_device
 
 MAX_ROWS = 64  # BLOCK_M cap: query rows (G * Lq) beyond it take more row tiles
@@ -30,7 +32,7 @@ PROGRAMS = 264  # what the splits aim at: two waves of an H100's 132 SMs
 
 
 @triton.jit
-def _split_kernel(Q, K, V, LENS, TABLE, O_PART, LSE_PART, SLOPES,
+def _split_kernel(Q, K, V, LENS, TABLE, O_PART, LSE_PART, SLOPES, FLAG,
                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, stb, stn, sab, sah,
                   Hkv, Lq, E, Ev, page, scale, window_lo, window_hi, split_len, splits, cap,
                   GROUP: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -82,8 +84,11 @@ def _split_kernel(Q, K, V, LENS, TABLE, O_PART, LSE_PART, SLOPES,
         k = tl.load(K + g * skh + k_base[None, :] + offs_d[:, None] * skd,
                     mask=valid[None, :] & (offs_d[:, None] < E), other=0.0)
         diff = j[None, :] - (i[:, None] + d)
-        s, _ = common.modified(common.dot(q, k, DOT_PREC) * scale, cap, slope, diff, 0, SOFTCAP,
-                               ALIBI)
+        # +-inf scores (past float32's range) as NaN: flagged below, not taken as they are
+        s, _ = common.modified(common.admitted(common.dot(q, k, DOT_PREC) * scale), cap, slope,
+                               diff, 0, SOFTCAP, ALIBI)
+        if ALIBI:
+            s = common.admitted(s)
         ok = valid[None, :] & row_ok[:, None] & (diff >= window_lo) & (diff <= window_hi)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -101,11 +106,16 @@ def _split_kernel(Q, K, V, LENS, TABLE, O_PART, LSE_PART, SLOPES,
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
+    lse = tl.where(has, m_i + tl.log(l_safe), float("-inf"))
+    redo = common.scores_overflowed(m_i, l_i, row_ok)  # a NaN lse: decode_rerun redoes the row
+    if tl.max(redo.to(tl.int32), 0) > 0:
+        tl.store(FLAG, 1)
+        lse = tl.where(redo, float("nan"), lse)
     # partials: O_PART (B, Hq, Lq, splits, Ev), LSE_PART (B, Hq, Lq, splits), contiguous
     part = ((b * Hkv * GROUP + h) * Lq + i) * splits + split64
     tl.store(O_PART + part[:, None] * Ev + offs_dv[None, :], acc,
              mask=row_ok[:, None] & (offs_dv[None, :] < Ev))
-    tl.store(LSE_PART + part, tl.where(has, m_i + tl.log(l_safe), float("-inf")), mask=row_ok)
+    tl.store(LSE_PART + part, lse, mask=row_ok)
 
 
 def merge(o_part: torch.Tensor, lse_part: torch.Tensor, dtype: torch.dtype,
@@ -173,15 +183,20 @@ def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lse_part = q.new_empty((b, hq, lq, splits), dtype=torch.float32)
     table = block_table if paged else seqlens  # any int32 tensor: not read unless PAGED
     slopes = q if alibi is None else alibi  # not read without ALIBI
+    flag = q.new_zeros((1,), dtype=torch.int32)  # set where scores passed float32's range
     common.launcher(_split_kernel)[(programs, splits)](
-        q, k_cache, v_cache, seqlens, table, o_part, lse_part, slopes, *q.stride(),
+        q, k_cache, v_cache, seqlens, table, o_part, lse_part, slopes, flag, *q.stride(),
         *k_cache.stride(), *v_cache.stride(), *(table.stride() if paged else (0, 0)),
         *(alibi.stride() if alibi is not None else (0, 0)), hkv, lq, e, ev, page, scale,
         window_lo, window_hi, split_len, splits, 1.0 if softcap is None else softcap,
         GROUP=group, PAGED=paged, SOFTCAP=softcap is not None, ALIBI=alibi is not None,
         DOT_PREC=common.dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4, num_stages=2)
-    return merge(o_part, lse_part, q.dtype, sinks)
+    out, lse = merge(o_part, lse_part, q.dtype, sinks)
+    decode_rerun.launch(out, lse, flag, q, k_cache, v_cache, seqlens, table, page, slopes, sinks,
+                        scale, window_lo, window_hi, 1.0 if softcap is None else softcap,
+                        paged=paged, softcap=softcap is not None, alibi=alibi is not None)
+    return out, lse
 
 
 @kvcache_fwd.register_fake

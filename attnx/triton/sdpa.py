@@ -11,6 +11,9 @@ float-mask gradient; a third kernel per query block accumulates dQ.
 The constexpr VARLEN mode serves packed sequences (varlen.py): the batch index is a sequence
 whose rows, lengths and bottom-right band the kernels read from cu_seqlens (CU_Q, CU_K; lse
 (Hq, TOTAL_Q)); the ops here pass q, q, 0 for those three, never read.
+Slow paths, launched every call and returning at once unless a device-side flag is set: the
+forward's rows whose scores passed float32's range (sdpa_fwd_rerun.py) and the backward's
+overflows (sdpa_bwd_rerun.py), both in float64.
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ import triton.language as tl
 
 from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device
 from . import common
-from .common import (LN2, LOG2E, OVERFLOW_SHIFT, RERUN_BLOCK_N, admit, dot, dot_acc,
-                     flag_nonfinite, huge_rows, inner_range, key_range, load_tile, modified,
-                     offsets, overflowed, query_range, second_chunk, shift_exponent,
-                     softmax_start, store_out, store_rows, tile_and_head)
+from .common import (LN2, LOG2E, LSE_LIMIT, OVERFLOW_SHIFT, RERUN_BLOCK_N, admit, admitted, dot,
+                     dot_acc, flag_nonfinite, huge_rows, inner_range, key_range, load_tile,
+                     modified, offsets, overflowed, query_range, scores_overflowed, second_chunk,
+                     shift_exponent, softmax_start, store_out, store_rows, tile_and_head)
 from .rng import keep, keep_t, mix32, rng_words, row_keys
 
 # Pruned per launch by common.pruner; the small configs are what fits wide fp32 heads on
@@ -223,11 +226,14 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
         else:
             ok = row_ok[:, None]  # only read by the mask loads
         if (MASK_KIND == 2 or SOFTCAP) or ALIBI:  # natural units (Triton takes no a or b or c)
-            s, _ = modified(qk * sc, cap, slope, offs_m[:, None] + shift, offs_n[None, :],
-                            SOFTCAP, ALIBI)
-            if MASK_KIND == 2:
-                s += tl.load(m_base + offsets(offs_m, offs_n, smm, smn), mask=ok,
-                             other=0.0).to(tl.float32)
+            s, _ = modified(admitted(qk * sc), cap, slope, offs_m[:, None] + shift,
+                            offs_n[None, :], SOFTCAP, ALIBI)
+            if MASK_KIND == 2:  # -inf biases refuse; a finite one's sum stays admitted
+                bias = tl.load(m_base + offsets(offs_m, offs_n, smm, smn), mask=ok,
+                               other=0.0).to(tl.float32)
+                s = tl.where(bias == float("-inf"), bias, admitted(s + bias))
+            else:
+                s = admitted(s)
             if MASK_KIND == 1:
                 ok = ok & (tl.load(m_base + offsets(offs_m, offs_n, smm, smn), mask=ok,
                                    other=0) != 0)
@@ -244,7 +250,7 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
                 ok = ok & (tl.load(m_base + offsets(offs_m, offs_n, smm, smn), mask=ok,
                                    other=0) != 0)
             if EDGE or MASK_KIND == 1:
-                t = tl.where(ok, qk * qk_scale, float("-inf"))
+                t = tl.where(ok, admitted(qk * qk_scale), float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(t, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 p = tl.math.exp2(shift_exponent(t - m_safe[:, None], p_shift))
@@ -309,7 +315,7 @@ def _rerun(q, q2, k_base, v_base, m_base, start, end, bad, offs_m, row_ok, offs_
 @triton.autotune(configs=_FWD, key=_KEY,
                  prune_configs_by={"early_config_prune": common.pruner(_fwd_tiles)})
 @_JIT
-def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS,
+def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS, FLAG,
                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                 smb, smh, smm, smn, sob, soh, som, sod, sab, sah,
                 H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep, cap,
@@ -378,16 +384,21 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS,
         window_hi, key_row, threshold, inv_keep, cap, slope, shift, None, True, MASK_KIND,
         DROPOUT, SOFTCAP,
         ALIBI, DOT_PREC, PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
+    # Rows whose scores passed float32's range (common.scores_overflowed): sdpa_fwd_rerun redoes
+    # them.
+    redo = scores_overflowed(m_i, l_i, row_ok)
     if V.dtype.element_ty != tl.float16:  # rows whose P V overflowed (common.OVERFLOW_SHIFT)
-        bad = overflowed(acc, row_ok)
+        bad = overflowed(acc, row_ok) & ~redo
         if BLOCK_DV2 > 0:
-            bad = bad | overflowed(acc2, row_ok)
+            bad = bad | (overflowed(acc2, row_ok) & ~redo)
         if tl.max(bad.to(tl.int32), 0) > 0:
             acc, acc2, l_i, m_i = _rerun(
                 q, q2, k_base, v_base, m_base, start, end, bad, offs_m, row_ok, offs_d,
                 offs_d2, offs_dv, offs_dv2, Lk, E, Ev, skn, skd, svn, svd, smm, smn, sc,
                 window_lo, window_hi, key_row, threshold, inv_keep, cap, slope, shift, MASK_KIND,
                 DROPOUT, SOFTCAP, ALIBI, DOT_PREC, PAD_D, BLOCK_M, BLOCK_DV, BLOCK_D2, BLOCK_DV2)
+            # (its edge blocks take every admitted inf as NaN, which the in-band loop did not)
+            redo = redo | scores_overflowed(m_i, l_i, row_ok)
     if (MASK_KIND != 2 and not SOFTCAP) and not ALIBI:
         m_i = m_i * LN2  # back to natural units (-inf stays -inf)
     if HAS_SINKS:  # the sink's term joins the denominator (and the lse), nothing the output
@@ -401,6 +412,12 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS,
         acc = acc * alpha[:, None]
         acc2 = acc2 * alpha[:, None]
         m_i = m_new
+    if tl.max(redo.to(tl.int32), 0) > 0:  # NaN rows and lse mark them for the rerun
+        tl.store(FLAG, 1)
+        m_i = tl.where(redo, float("nan"), m_i)
+        l_i = tl.where(redo, 1.0, l_i)
+        acc = tl.where(redo[:, None], float("nan"), acc)
+        acc2 = tl.where(redo[:, None], float("nan"), acc2)
     o_base = O + b * sob + h * soh + m * som
     lse_base = LSE + bh.to(tl.int64) * Lq + m0
     if VARLEN:  # lse (Hq, total_q)
@@ -421,7 +438,9 @@ def _probs(qk, ok, m_ptrs, lse, sc, cap, slope, offs_i, offs_j, EDGE: tl.constex
     modifier one FMA per score feeds exp2; otherwise scores stay in natural units (see
     _fwd_blocks). Exponents are clamped at 0 (P <= 1, as exactly): at scaled scores of 3e8 and
     more a recomputed score's rounding moves them by hundreds, and exp2 overflowed to inf, NaN
-    in every gradient; the pre-pass's row sums take the same clamp."""
+    in every gradient; the pre-pass's row sums take the same clamp. The clamp keeps NaN (a score
+    past float32's range, inf - inf in a dot: fmin's 0 would give P = 1), so that the gradients
+    come out NaN and sdpa_bwd_rerun redoes them."""
     t = qk
     if (MASK_KIND == 2 or SOFTCAP) or ALIBI:
         s, t = modified(qk * sc, cap, slope, offs_i, offs_j, SOFTCAP, ALIBI)
@@ -431,14 +450,14 @@ def _probs(qk, ok, m_ptrs, lse, sc, cap, slope, offs_i, offs_j, EDGE: tl.constex
             ok = ok & (tl.load(m_ptrs, mask=ok, other=0) != 0)
         if EDGE or MASK_KIND == 1:
             s = tl.where(ok, s, float("-inf"))
-        p = tl.math.exp2(tl.minimum((s - lse) * LOG2E, 0.0))
+        p = tl.math.exp2(tl.minimum((s - lse) * LOG2E, 0.0, propagate_nan=tl.PropagateNan.ALL))
     else:
         t = qk * (sc * LOG2E)
         if MASK_KIND == 1:
             ok = ok & (tl.load(m_ptrs, mask=ok, other=0) != 0)
         if EDGE or MASK_KIND == 1:
             t = tl.where(ok, t, float("-inf"))
-        p = tl.math.exp2(tl.minimum(t - lse * LOG2E, 0.0))
+        p = tl.math.exp2(tl.minimum(t - lse * LOG2E, 0.0, propagate_nan=tl.PropagateNan.ALL))
     return p, t
 
 
@@ -462,20 +481,24 @@ def _row_stats(lse_base, delta_base, offs_m, row_ok):
                                      "GROUPS", "SOFTCAP", "ALIBI", "VARLEN"],
                  prune_configs_by={"early_config_prune": common.pruner(_prep_tiles)})
 @_JIT
-def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS,
+def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS, FLAG,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, smb, smh, smm, smn,
                  sob, soh, som, sod, sdb, sdh, sdm, sdd, sab, sah,
                  H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, huge_lse, cap,
                  CU_Q, CU_K, TOTAL_Q, LQ_BUCKET, LK_BUCKET,
                  MASK_KIND: tl.constexpr, HAS_GLSE: tl.constexpr, SOFTCAP: tl.constexpr,
                  ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, VARLEN: tl.constexpr,
-                 DOT_PREC: tl.constexpr,
+                 FLAGGED: tl.constexpr, DOT_PREC: tl.constexpr,
                  PAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The backward's one pre-pass over the query rows: DELTA = (rowsum(dO * O) - grad_lse) / r
     and DOS = dO / r in dO's dtype (contiguous), r = sum_j exp(s_ij - lse_i) on rows of huge
     |lse| (common.HUGE_LSE), 1 elsewhere (the sink's exp(sink - lse_i) included); programs
-    without such rows read no keys. VARLEN: DELTA as lse (Hq, total_q), DOS (Hq, total_q, Ev)."""
+    without such rows read no keys. VARLEN: DELTA as lse (Hq, total_q), DOS (Hq, total_q, Ev).
+    FLAGGED: rows of lse past common.LSE_LIMIT (+inf: scores past float32's range,
+    sdpa_fwd_rerun), or under its negative in log2 units, set FLAG, for sdpa_bwd_rerun. (In
+    natural units an lse near float32's lowest, a row under a bias of float32's lowest as Hugging
+    Face's masks hold, is no overflow.)"""
     m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
     if VARLEN:  # as in the forward
         q0, k0, Lq, Lk, window_lo, window_hi = _sequence(CU_Q, CU_K, b, window_lo, window_hi)
@@ -491,6 +514,13 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS,
         rows = h * TOTAL_Q + q0 + offs_m
         Qb, Ob, DOb = Q + q0 * sqm, O + q0 * som, DO + q0 * sdm
     lse = tl.load(LSE + rows, mask=row_ok, other=float("inf"))  # not huge, no sink term
+    if FLAGGED:  # rows whose exp2 arguments may pass float32's range (common.LSE_LIMIT)
+        past = lse > LSE_LIMIT
+        if (MASK_KIND != 2 and not SOFTCAP) and not ALIBI:  # log2 units: lse * log2(e) too
+            past = past | ((lse < -LSE_LIMIT) & (lse != float("-inf")))
+        past = past & row_ok
+        if tl.max(past.to(tl.int32), 0) > 0:
+            tl.store(FLAG, 1)
     huge = huge_rows(lse, huge_lse)
     k_base, _, m_base = _head_bases(K, K, M, b, h, hk, skb, skh, skb, skh, smb, smh)
     if VARLEN:
@@ -908,11 +938,18 @@ def sdpa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[t
     slopes, sink, a_strides, cap, flags = _modifier_args(q, softcap, alibi, sinks)
     out = q.new_empty((b, h, lq, ev))
     lse = q.new_empty((b, h, lq), dtype=torch.float32)
+    flag = q.new_zeros((1,), dtype=torch.int32)  # set where scores passed float32's range
     grid = lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)  # noqa: E731
     common.launcher(_fwd_kernel)[grid](
-        q, k, v, m, out, lse, rng, slopes, sink, *strides, *out.stride(), *a_strides,
+        q, k, v, m, out, lse, rng, slopes, sink, flag, *strides, *out.stride(), *a_strides,
         h, lq, lk, e, ev, h // hkv, scale, window_lo, window_hi, inv_keep, cap, q, q, 0,
         HAS_SINKS=sinks is not None, VARLEN=False, **flags, **consts)
+    from . import sdpa_fwd_rerun  # (it imports this module's jit functions)
+    sdpa_fwd_rerun.launch(
+        out, lse, flag, (q, k, v, m, rng, slopes, sink), (*strides, *out.stride(), *a_strides),
+        (b, h, hkv, lq, lk, e, ev), (scale, window_lo, window_hi, inv_keep, cap), (q, q, 0),
+        mask_kind=consts["MASK_KIND"], dropout=dropout_p > 0, softcap=softcap is not None,
+        alibi=alibi is not None, has_sinks=sinks is not None, varlen=False)
     return out, lse
 
 
@@ -935,18 +972,21 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     # dO / r (common.HUGE_LSE), in dO's dtype: what the dK/dV and dQ kernels read as dO.
     dos = grad_out.new_empty((b, h, lq, ev))
     glse = grad_lse.float().contiguous() if grad_lse is not None else lse
+    from . import sdpa_bwd_rerun  # (it imports this module's jit functions)
+    # Set where scores passed float32's range (the pre-pass) or dP or D overflowed (bf16, fp32):
+    # sdpa_bwd_rerun's kernels then redo dQ, dK and dV.
+    flag = (q.new_zeros((1,), dtype=torch.int32)
+            if sdpa_bwd_rerun.applies(q.dtype, scale, e) else None)
     common.launcher(_prep_kernel)[lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)](
-        q, k, m, out, grad_out, glse, lse, delta, dos, slopes, sink, *strides[:8], *strides[12:],
+        q, k, m, out, grad_out, glse, lse, delta, dos, slopes, sink, q if flag is None else flag,
+        *strides[:8], *strides[12:],
         *out.stride(), *grad_out.stride(), *a_strides, h, lq, lk, e, ev, h // hkv, scale,
         window_lo, window_hi, common.HUGE_LSE, cap, q, q, 0, consts["LQ_BUCKET"],
         consts["LK_BUCKET"], MASK_KIND=consts["MASK_KIND"], HAS_GLSE=grad_lse is not None,
-        **flags, HAS_SINKS=sinks is not None, VARLEN=False,
+        **flags, HAS_SINKS=sinks is not None, VARLEN=False, FLAGGED=flag is not None,
         DOT_PREC=consts["DOT_PREC"], PAD_D=common.head_block(e) != e or common.head_block(ev) != ev,
         BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    from . import sdpa_bwd_rerun  # (it imports this module's jit functions)
-    # Set where dP or D overflowed (bf16, fp32): sdpa_bwd_rerun's kernels then redo dQ and dK.
-    flag = q.new_zeros((1,), dtype=torch.int32) if sdpa_bwd_rerun.applies(q.dtype) else None
     split = _gqa_split(h // hkv, lk, b * hkv, _one_head_per_program(q, e, ev))
     if split == 1:
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
@@ -973,16 +1013,16 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         q, k, v, m, dos, lse, delta, rng, dq, q if flag is None else flag, *strides,
         *dos.stride(), h, *sizes, *band, q, q, 0, VARLEN=False, **consts)
     if flag is not None:
-        delta64 = sdpa_bwd_rerun.launch(
+        rows64 = sdpa_bwd_rerun.launch(
             flag, (q, k, v, m, grad_out, glse, lse, rng, slopes, sink), (dq, dk, dv, dmask),
             (*strides, *grad_out.stride(), *a_strides), (*dq.stride(), *dk.stride(), *dv.stride()),
             (b, h, hkv, lq, lk, e, ev), (scale, window_lo, window_hi, inv_keep, cap), (q, q, 0),
             mask_kind=consts["MASK_KIND"], dropout=dropout_p > 0, mask_grad=mask_grad,
             softcap=softcap is not None, alibi=alibi is not None, has_sinks=sinks is not None,
             has_glse=grad_lse is not None, varlen=False)
-        if sinks is not None and delta64 is not None:  # D_i / r_i overflowed too where flagged
-            dsinks = torch.where(flag.bool(), common.sink_grad(sinks, lse, delta64, (1, h, 1),
-                                                               (0, 2)), dsinks)
+        if sinks is not None and rows64 is not None:  # D_i / r_i overflowed too where flagged
+            dsinks = torch.where(flag.bool(), common.sink_grad(sinks, *rows64, (1, h, 1), (0, 2)),
+                                 dsinks)
     return dq, dk, dv, dmask, dsinks
 
 

@@ -15,7 +15,13 @@ sinks through the lse), each row's divided by their float64 sum r_i (as the firs
 huge-lse rows only, common.HUGE_LSE), and write them over the first results, rounded to the
 output dtype (inf where the true value exceeds it). dV = P^T dO does not involve V, but a dO
 near the largest overflows its float32 sums (the dK/dV kernel flags a non-finite dV too). fp16
-values (< 65504) cannot overflow: its backward has no check and no rerun (`applies`).
+values (< 65504) cannot overflow: its dK/dV and dQ kernels have no check (`applies`).
+
+The forward's float64 rerun (sdpa_fwd_rerun) saves lse +inf on rows whose scores passed float32's
+range, and lse past float32's largest over log2(e) make the first kernels' exp2 arguments
+overflow with no NaN to show it (their probabilities come out 0): the pre-pass
+(sdpa._prep_kernel) sets FLAG on such rows (common.LSE_LIMIT). The kernels here never read the
+saved lse (_rows_kernel).
 
 Two launches, because dK needs every query row's 1 / r_i and D_i / r_i: _rows_kernel (a program
 per query block in turn) writes them to ROWS (float64) with dQ and the mask gradient;
@@ -25,12 +31,14 @@ float64 products on the tensor cores (DMMA, sm_80 and up); speed is not the aim.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from . import common
-from .common import (admit, dot, key_range, load_tile, modified, offsets, query_range,
+from .common import (LSE_LIMIT, admit, dot, key_range, load_tile, modified, offsets, query_range,
                      second_chunk, split_tile)
 from .rng import keep, row_keys
 from .sdpa import _alibi, _sequence, _varlen_row_keys
@@ -39,10 +47,14 @@ RERUN_BLOCK = tl.constexpr(16)  # rows and keys of a float64 tile: tl.dot's leas
 _OPTIONS = dict(num_warps=4, num_stages=1, maxnreg=common.MAX_REGISTERS)
 
 
-def applies(dtype: torch.dtype) -> bool:
-    """Whether a backward in `dtype` may overflow float32 (bf16, fp32) and so takes the check
-    and the rerun; fp16's values keep dO V^T and rowsum(dO * O) far inside float32."""
-    return dtype != torch.float16
+def applies(dtype: torch.dtype, scale: float, e: int) -> bool:
+    """Whether a backward in `dtype` may need the rerun: bf16 and fp32 always (values near
+    float32's largest overflow dP and D). fp16's values keep dO V^T and rowsum(dO * O) far inside
+    float32, and its scores too, but for a scale past common.LSE_LIMIT / (65504^2 E): there lse
+    pass common.LSE_LIMIT (+inf where the scores passed float32's range, sdpa_fwd_rerun), which
+    the pre-pass flags. (Not taken for fp16: float32 biases, ALiBi slopes or sinks near float32's
+    largest, which would cost every fp16 backward with them the rerun's launches.)"""
+    return dtype != torch.float16 or abs(scale) * 65504.0 ** 2 * e > LSE_LIMIT.value
 
 
 @triton.jit
@@ -108,16 +120,46 @@ def _dot2(a, a2, b, b2, BLOCK2: tl.constexpr):
 
 
 @triton.jit
+def _scores(q, q2, kt, kt2, m_base, offs_m, offs_n, Lq, Lk, smm, smn, scale, window_lo,
+            window_hi, cap, slope, shift, MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
+            ALIBI: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """(scores s and the softcap's tanh, float64) of query rows q and keys kt (transposed), as
+    the first passes form them: -inf past the band, the keys, the rows and a bool mask."""
+    s, t = modified(_dot2(q, q2, kt, kt2, BLOCK_D2) * scale, cap, slope, offs_m[:, None] + shift,
+                    offs_n[None, :], SOFTCAP, ALIBI)
+    return admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
+                 MASK_KIND), t
+
+
+@triton.jit
 def _probs(q, q2, kt, kt2, lse, m_base, offs_m, offs_n, Lq, Lk, smm, smn, scale, window_lo,
            window_hi, cap, slope, shift, MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
            ALIBI: tl.constexpr, BLOCK_D2: tl.constexpr):
-    """(P = exp(min(s - lse, 0)) and the softcap's tanh, float64) of query rows q and keys kt
-    (transposed), as sdpa._probs forms them: clamped at 1, 0 past the band, the keys, the rows
-    and a bool mask; lse +inf on empty rows."""
-    s, t = modified(_dot2(q, q2, kt, kt2, BLOCK_D2) * scale, cap, slope, offs_m[:, None] + shift,
-                    offs_n[None, :], SOFTCAP, ALIBI)
-    s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
+    """(P = exp(min(s - lse, 0)) and the softcap's tanh, float64) of a tile (_scores), as
+    sdpa._probs forms them: clamped at 1, 0 where s is -inf; lse +inf on empty rows."""
+    s, t = _scores(q, q2, kt, kt2, m_base, offs_m, offs_n, Lq, Lk, smm, smn, scale, window_lo,
+                   window_hi, cap, slope, shift, MASK_KIND, SOFTCAP, ALIBI, BLOCK_D2)
     return tl.exp(tl.minimum(s - lse[:, None], 0.0)), t
+
+
+@triton.jit
+def _row_max(q, q2, k_base, m_base, offs_m, start, end, offs_d, offs_d2, skn, skd, Lq, Lk, E,
+             smm, smn, scale, window_lo, window_hi, cap, slope, shift, SINKS, h,
+             MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+             HAS_SINKS: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """Each of query rows q's float64 max of its admitted scores (_scores) over keys [start,
+    end) and of head h's sink logit: -inf where there is none."""
+    rows = tl.arange(0, RERUN_BLOCK)
+    row_max = tl.full([RERUN_BLOCK], float("-inf"), tl.float64)
+    for n0 in range(start, end, RERUN_BLOCK):
+        offs_n = n0 + rows
+        kt, kt2 = _chunks(k_base, offs_n, offs_d, offs_d2, skn, skd, Lk, E, True, BLOCK_D2)
+        s = _scores(q, q2, kt, kt2, m_base, offs_m, offs_n, Lq, Lk, smm, smn, scale, window_lo,
+                    window_hi, cap, slope, shift, MASK_KIND, SOFTCAP, ALIBI, BLOCK_D2)[0]
+        row_max = tl.maximum(row_max, tl.max(s, 1))
+    if HAS_SINKS:
+        row_max = tl.maximum(row_max, tl.load(SINKS + h).to(tl.float64))
+    return row_max
 
 
 @triton.jit
@@ -210,7 +252,7 @@ def _item(item, L, H, Lq, Lk, window_lo, window_hi, CU_Q, CU_K, VARLEN: tl.const
 
 
 @triton.jit
-def _rows_kernel(FLAG, Q, K, V, M, DO, GLSE, LSE, RNG, SLOPES, SINKS, ROWS, DQ, DM,
+def _rows_kernel(FLAG, Q, K, V, M, DO, GLSE, RNG, SLOPES, SINKS, ROWS, DQ, DM,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn,
                  sdb, sdh, sdm, sdd, sgb, sgh, sgm, sgd, sab, sah,
                  ITEMS, H, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep, cap,
@@ -220,12 +262,15 @@ def _rows_kernel(FLAG, Q, K, V, M, DO, GLSE, LSE, RNG, SLOPES, SINKS, ROWS, DQ, 
                  HAS_GLSE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DV2: tl.constexpr):
     """Each query block of each head in turn (ITEMS: B x Hq x blocks of Lq). A first pass over
-    its keys sums r_i = sum_j P_ij (the sink's exp(sink - lse_i) included) and sum_j P_ij z dP_ij,
-    for D_i = sum_j (P_ij / r_i) z dP_ij - grad_lse_i, stored as 1 / r_i and D_i / r_i (ROWS,
-    (rows of LSE, 2)). Every row is divided by its r_i: P / r is the softmax whatever the
-    rounding of the saved lse (the first pass does so on huge-lse rows only,
-    sdpa._prep_kernel), and D from it is the float64 rowsum(dO * O) without O's rounding (that
-    of the forward's shifted rerun, sdpa._rerun, 2^-18 in fp32). A second pass gives dQ (DQ,
+    its keys finds each row's float64 max (the sink's logit included), which stands in for the
+    lse: P_ij = exp(s_ij - max_i). The saved lse will not do: float32 rounds an lse of 3e38 by
+    1e31 (and saves +inf where the scores passed float32's range, sdpa_fwd_rerun), and exp of
+    such a difference is 0 or 1 for every key. A second pass sums r_i = sum_j P_ij (the sink's
+    exp(sink - max_i) included) and sum_j P_ij z dP_ij, for D_i = sum_j (P_ij / r_i) z dP_ij -
+    grad_lse_i, stored as 1 / r_i and D_i / r_i with the max (ROWS, (rows of LSE, 3)). P / r is
+    the softmax (the first pass divides by r on huge-lse rows only, sdpa._prep_kernel), and D
+    from it is the float64 rowsum(dO * O) without O's rounding (that of the forward's shifted
+    rerun, sdpa._rerun, 2^-18 in fp32). A third pass gives dQ (DQ,
     strides sg*) and, with MASK_GRAD, the float mask's gradient (DM, (B, Hq, Lq, Lk)) over
     every key: past the band its zeros replace what the first pass left there."""
     rows, offs_d, offs_d2, offs_dv, offs_dv2 = _aranges(BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_DV2)
@@ -244,11 +289,13 @@ def _rows_kernel(FLAG, Q, K, V, M, DO, GLSE, LSE, RNG, SLOPES, SINKS, ROWS, DQ, 
             do, do2 = _chunks(DO + b * sdb + h * sdh + q0 * sdm, offs_m, offs_dv, offs_dv2, sdm,
                               sdd, lq, Ev, False, BLOCK_DV2)
             lse_rows = _lse_rows(b, h, H, Lq, q0, offs_m, TOTAL_Q, VARLEN)
-            lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf")).to(tl.float64)
-            lse = tl.where(lse == float("-inf"), float("inf"), lse)  # empty rows: P = 0
             slope, shift = _alibi(SLOPES, b, h, sab, sah, lq, lk, ALIBI, VARLEN)
             key_row, threshold = _dropout_keys(RNG, b, h, bh, offs_m, DROPOUT, VARLEN)
             start, end = key_range(m0, lq, lk, lo, hi, RERUN_BLOCK, RERUN_BLOCK)
+            lse = _row_max(q, q2, k_base, m_base, offs_m, start, end, offs_d, offs_d2, skn, skd,
+                           lq, lk, E, smm, smn, scale, lo, hi, cap, slope, shift, SINKS, h,
+                           MASK_KIND, SOFTCAP, ALIBI, HAS_SINKS, BLOCK_D2)
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)  # empty rows: P = 0
             r = tl.zeros([RERUN_BLOCK], tl.float64)
             if HAS_SINKS:
                 r += tl.exp(tl.load(SINKS + h).to(tl.float64) - lse)
@@ -270,8 +317,9 @@ def _rows_kernel(FLAG, Q, K, V, M, DO, GLSE, LSE, RNG, SLOPES, SINKS, ROWS, DQ, 
                 d -= tl.load(GLSE + lse_rows, mask=row_ok, other=0.0).to(tl.float64)
             rinv = 1.0 / r
             dlt = d / r
-            tl.store(ROWS + 2 * lse_rows, rinv, mask=row_ok)
-            tl.store(ROWS + 2 * lse_rows + 1, dlt, mask=row_ok)
+            tl.store(ROWS + 3 * lse_rows, rinv, mask=row_ok)
+            tl.store(ROWS + 3 * lse_rows + 1, dlt, mask=row_ok)
+            tl.store(ROWS + 3 * lse_rows + 2, lse, mask=row_ok)
             if MASK_GRAD:
                 start, end = 0, lk
             dq = tl.zeros([RERUN_BLOCK, BLOCK_D], tl.float64)
@@ -298,7 +346,7 @@ def _rows_kernel(FLAG, Q, K, V, M, DO, GLSE, LSE, RNG, SLOPES, SINKS, ROWS, DQ, 
 
 
 @triton.jit
-def _keys_kernel(FLAG, Q, K, V, M, DO, LSE, RNG, SLOPES, ROWS, OUT,
+def _keys_kernel(FLAG, Q, K, V, M, DO, RNG, SLOPES, ROWS, OUT,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, smh, smm, smn,
                  sdb, sdh, sdm, sdd, sgb, sgh, sgm, sgd, sab, sah,
                  ITEMS, H, Hkv, Lq, Lk, E, Ev, GROUPS, scale, window_lo, window_hi, inv_keep,
@@ -344,9 +392,8 @@ def _keys_kernel(FLAG, Q, K, V, M, DO, LSE, RNG, SLOPES, ROWS, OUT,
                     do, do2 = _chunks(DO + b * sdb + h * sdh + q0 * sdm, offs_m, offs_dv,
                                       offs_dv2, sdm, sdd, lq, Ev, False, BLOCK_DV2)
                     lse_rows = _lse_rows(b, h, H, Lq, q0, offs_m, TOTAL_Q, VARLEN)
-                    lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf"))
-                    lse = tl.where(lse == float("-inf"), float("inf"), lse).to(tl.float64)
-                    rinv = tl.load(ROWS + 2 * lse_rows, mask=row_ok, other=1.0)
+                    lse = tl.load(ROWS + 3 * lse_rows + 2, mask=row_ok, other=float("inf"))
+                    rinv = tl.load(ROWS + 3 * lse_rows, mask=row_ok, other=1.0)
                     key_row, threshold = _dropout_keys(RNG, b, h, b * H + h, offs_m, DROPOUT,
                                                        VARLEN)
                     if VALUES:
@@ -359,7 +406,7 @@ def _keys_kernel(FLAG, Q, K, V, M, DO, LSE, RNG, SLOPES, ROWS, OUT,
                         if BLOCK_DV2 > 0:
                             acc2 += dot(pzt, do2, "ieee")
                     else:
-                        dlt = tl.load(ROWS + 2 * lse_rows + 1, mask=row_ok, other=0.0)
+                        dlt = tl.load(ROWS + 3 * lse_rows + 1, mask=row_ok, other=0.0)
                         dsct = tl.trans(_dscores(
                             q, q2, do, do2, kt, kt2, vt, vt2, lse, rinv, dlt, m_base, offs_m,
                             offs_n, lq, lk, smm, smn, scale, lo, hi, cap, slope, shift, key_row,
@@ -403,35 +450,37 @@ def fits(e: int, ev: int) -> bool:
 def launch(flag: torch.Tensor, inputs: tuple, outputs: tuple, strides: tuple, out_strides: tuple,
            sizes: tuple, band: tuple, cu: tuple, *, mask_kind: int, dropout: bool,
            mask_grad: bool, softcap: bool, alibi: bool, has_sinks: bool, has_glse: bool,
-           varlen: bool) -> torch.Tensor:
+           varlen: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Launches the two kernels after the backward's others (they do nothing unless `flag` is
     set). inputs: q, k, v, mask, dO (the caller's, not divided by r), grad_lse, lse, rng words,
     slopes, sinks (the kernels' dummies where absent); outputs: dq, the final dk and dv (after a
     GQA split's sum), dmask; strides: q, k, v, mask, dO (4 each) and the slopes' 2; out_strides:
     dq's, dk's and dv's 4 each; sizes: B (sequences under varlen), Hq, Hkv, Lq, Lk, E, Ev (the longest
     lengths under varlen); band: scale, window, inv_keep, softcap; cu: cu_seqlens_q, cu_seqlens_k,
-    total_q. Returns D_i / r_i (float64, lse's shape; only where flag is set) for dsinks, or None
-    where the device does not hold the kernels (`fits`: nothing launched)."""
+    total_q. Returns (the float64 row max that stood in for each row's lse, D_i / r_i), float64
+    of lse's shape, meaningful only where flag is set, for dsinks (common.sink_grad: exp(sink -
+    max_i) / r_i is the sink's probability); None where the device does not hold the kernels
+    (`fits`: nothing launched)."""
     q, k, v, m, do, glse, lse, rng, slopes, sinks = inputs
     dq, dk, dv, dmask = outputs
     b, h, hkv, lq, lk, e, ev = sizes
     if not fits(e, ev):
         return None
     scale, window_lo, window_hi, inv_keep, cap = band
-    rows = lse.new_empty((*lse.shape, 2), dtype=torch.float64)  # 1 / r_i, D_i / r_i
+    rows = lse.new_empty((*lse.shape, 3), dtype=torch.float64)  # 1 / r_i, D_i / r_i, lse_i
     (d1, d2), (dv1, dv2) = _head_chunks(e), _head_chunks(ev)
     consts = dict(MASK_KIND=mask_kind, DROPOUT=dropout, SOFTCAP=softcap, ALIBI=alibi,
                   VARLEN=varlen, BLOCK_D=d1, BLOCK_D2=d2, BLOCK_DV=dv1, BLOCK_DV2=dv2)
     grid = (common.multiprocessors(),)
     blocks = lambda n: triton.cdiv(n, RERUN_BLOCK.value)  # noqa: E731
     common.launcher(_rows_kernel)[grid](
-        flag, q, k, v, m, do, glse, lse, rng, slopes, sinks, rows, dq, dmask, *strides[:20],
+        flag, q, k, v, m, do, glse, rng, slopes, sinks, rows, dq, dmask, *strides[:20],
         *out_strides[:4], *strides[20:], b * h * blocks(lq), h, lq, lk, e, ev, h // hkv, scale,
         window_lo, window_hi, inv_keep, cap, *cu, MASK_GRAD=mask_grad, HAS_SINKS=has_sinks,
         HAS_GLSE=has_glse, **consts, **_OPTIONS)
     for values, out, out_stride in ((False, dk, out_strides[4:8]), (True, dv, out_strides[8:])):
         common.launcher(_keys_kernel)[grid](
-            flag, q, k, v, m, do, lse, rng, slopes, rows, out, *strides[:20], *out_stride,
+            flag, q, k, v, m, do, rng, slopes, rows, out, *strides[:20], *out_stride,
             *strides[20:], b * hkv * blocks(lk), h, hkv, lq, lk, e, ev, h // hkv, scale,
             window_lo, window_hi, inv_keep, cap, *cu, VALUES=values, **consts, **_OPTIONS)
-    return rows[..., 1]
+    return rows[..., 2], rows[..., 1]

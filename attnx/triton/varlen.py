@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .._ops import no_double_backward, or_zeros, same_device
-from . import common, sdpa, sdpa_bwd_rerun
+from . import common, sdpa, sdpa_bwd_rerun, sdpa_fwd_rerun
 from .rng import rng_words
 
 def _strides(t: torch.Tensor) -> tuple:
@@ -58,11 +58,19 @@ def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     hkv, ev, n = k.shape[1], v.shape[-1], cu_seqlens_q.shape[0] - 1
     out = q.new_empty((tq, h, ev))
     lse = q.new_empty((h, tq), dtype=torch.float32)
+    flag = q.new_zeros((1,), dtype=torch.int32)  # as sdpa_fwd's
     grid = lambda meta: common.tiles_grid(max_seqlen_q, meta["BLOCK_M"], n * h)  # noqa: E731
+    inv_keep = 1.0 / (1.0 - dropout_p)
     common.launcher(sdpa._fwd_kernel)[grid](
-        q, k, v, q, out, lse, rng, slopes, sink, *strides, *_strides(out), *a_strides,
-        h, max_seqlen_q, max_seqlen_k, e, ev, h // hkv, scale, lo, hi, 1.0 / (1.0 - dropout_p),
+        q, k, v, q, out, lse, rng, slopes, sink, flag, *strides, *_strides(out), *a_strides,
+        h, max_seqlen_q, max_seqlen_k, e, ev, h // hkv, scale, lo, hi, inv_keep,
         cap, cu_seqlens_q, cu_seqlens_k, tq, HAS_SINKS=sinks is not None, **consts)
+    sdpa_fwd_rerun.launch(
+        out, lse, flag, (q, k, v, q, rng, slopes, sink), (*strides, *_strides(out), *a_strides),
+        (n, h, hkv, max_seqlen_q, max_seqlen_k, e, ev), (scale, lo, hi, inv_keep, cap),
+        (cu_seqlens_q, cu_seqlens_k, tq), mask_kind=common.MASK_NONE, dropout=dropout_p > 0,
+        softcap=softcap is not None, alibi=alibi is not None, has_sinks=sinks is not None,
+        varlen=True)
     return out, lse
 
 
@@ -87,18 +95,20 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dos_strides = (0, *dos.stride())
     glse = grad_lse.float().contiguous() if grad_lse is not None else lse
     lengths = (max_seqlen_q, max_seqlen_k, e, ev, h // hkv)
+    # Set as in sdpa_bwd: sdpa_bwd_rerun's kernels then redo dQ, dK and dV.
+    flag = (q.new_zeros((1,), dtype=torch.int32)
+            if sdpa_bwd_rerun.applies(q.dtype, scale, e) else None)
     common.launcher(sdpa._prep_kernel)[
         lambda meta: common.tiles_grid(max_seqlen_q, meta["BLOCK_M"], n * h)](
-        q, k, q, out, grad_out, glse, lse, delta, dos, slopes, sink, *strides[:8],
+        q, k, q, out, grad_out, glse, lse, delta, dos, slopes, sink, q if flag is None else flag,
+        *strides[:8],
         *strides[12:], *_strides(out), *_strides(grad_out), *a_strides, h, *lengths, scale, lo,
         hi, common.HUGE_LSE, cap, *cu, consts["LQ_BUCKET"], consts["LK_BUCKET"],
         MASK_KIND=common.MASK_NONE, HAS_GLSE=grad_lse is not None, SOFTCAP=consts["SOFTCAP"],
         ALIBI=consts["ALIBI"], HAS_SINKS=sinks is not None, VARLEN=True,
-        DOT_PREC=consts["DOT_PREC"],
+        FLAGGED=flag is not None, DOT_PREC=consts["DOT_PREC"],
         PAD_D=common.head_block(e) != e or common.head_block(ev) != ev,
         BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
-    # Set where dP or D overflowed (sdpa_bwd): sdpa_bwd_rerun's kernels then redo dQ and dK.
-    flag = q.new_zeros((1,), dtype=torch.int32) if sdpa_bwd_rerun.applies(q.dtype) else None
     split = sdpa._gqa_split(h // hkv, max_seqlen_k, n * hkv,
                             sdpa._one_head_per_program(q, e, ev))
     if split == 1:
@@ -122,7 +132,7 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         q, k, v, q, dos, lse, delta, rng, dq, q if flag is None else flag, *strides, *dos_strides,
         h, *lengths, *band, *cu, **consts)
     if flag is not None:
-        delta64 = sdpa_bwd_rerun.launch(
+        rows64 = sdpa_bwd_rerun.launch(
             flag, (q, k, v, q, grad_out, glse, lse, rng, slopes, sink), (dq, dk, dv, q),
             (*strides, *_strides(grad_out), *a_strides),
             (*_strides(dq), *_strides(dk), *_strides(dv)),
@@ -130,9 +140,8 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             mask_kind=common.MASK_NONE, dropout=dropout_p > 0, mask_grad=False,
             softcap=softcap is not None, alibi=alibi is not None, has_sinks=sinks is not None,
             has_glse=grad_lse is not None, varlen=True)
-        if sinks is not None and delta64 is not None:  # as sdpa_bwd's
-            dsinks = torch.where(flag.bool(), common.sink_grad(sinks, lse, delta64, (h, 1), 1),
-                                 dsinks)
+        if sinks is not None and rows64 is not None:  # as sdpa_bwd's
+            dsinks = torch.where(flag.bool(), common.sink_grad(sinks, *rows64, (h, 1), 1), dsinks)
     return dq, dk, dv, dsinks
 
 

@@ -43,6 +43,12 @@ SLOW_PATHS: dict[str, str] = {
         "whole head dims (up to 128 a chunk), 16-row tiles replicated across the warps; it runs "
         "only where dP or D overflowed"
     for kernel in ("_rows_kernel", "_keys_kernel")}
+SLOW_PATHS["sdpa_fwd_rerun._forward_kernel"] = (
+    "the SDPA forward's float64 rerun (attnx/triton/sdpa_fwd_rerun.py): the backward rerun's "
+    "tiles; it runs only where scores passed float32's range")
+SLOW_PATHS["decode_rerun._rerun_kernel"] = (
+    "decoding's float64 rerun (attnx/triton/decode_rerun.py): the SDPA reruns' tiles; it runs "
+    "only where scores passed float32's range")
 SLOW_PATHS.update({
     f"additive_bwd_rerun.{kernel}":
         "the additive backward's float64 rerun (attnx/triton/additive_bwd_rerun.py): float64 "
@@ -178,8 +184,8 @@ def failures(rows: list[dict]) -> list[str]:
             out.append(f"{what}: pruning estimate {estimate} B against shared {r['shared']} B, "
                        f"limit {SHARED_LIMIT[r['arch']]} B")
         dtype, dim = _dtype_and_dim(r)
-        # The SDPA rerun's launch decides by this bound whether a device holds it (fits).
-        if (r["kernel"].startswith("sdpa_bwd_rerun.")
+        # The SDPA reruns' launches decide by this bound whether a device holds them (fits).
+        if (r["kernel"].startswith(("sdpa_bwd_rerun.", "sdpa_fwd_rerun.", "decode_rerun."))
                 and r["shared"] > sdpa_bwd_rerun.shared_bytes(dim, dim)):
             out.append(f"{what}: shared {r['shared']} B > sdpa_bwd_rerun.shared_bytes "
                        f"{sdpa_bwd_rerun.shared_bytes(dim, dim)} B")
