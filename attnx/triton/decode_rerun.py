@@ -94,7 +94,7 @@ def _rerun_kernel(FLAG, Q, K, V, LENS, TABLE, OUT, LSE, SLOPES, SINKS,
             if BLOCK_D2 > 0:
                 q2 = _wide(tl.load(q_base + offs_d2[None, :] * sqd,
                                    mask=row_ok & (offs_d2[None, :] < E), other=0.0))
-            n = tl.load(LENS + b)
+            n = tl.load(LENS + b).to(tl.int64)  # (n + the band's reach may pass int32)
             d = n - Lq  # bottom-right: query i's diagonal is key i + d
             lo = tl.maximum(d + i0 + window_lo, 0) // RERUN_BLOCK * RERUN_BLOCK
             hi = tl.minimum(n, d + i0 + RERUN_BLOCK + window_hi)
