@@ -764,16 +764,9 @@ def _past_range_call(mods, dtype, gen, lq, lk):
 
 
 def _past_range_grads(q, k, v, do, mask, kw, dtype):
-    """(out, lse, dq, dk, dv) of out . do: the triton backend in the inputs' dtype (dtype None),
-    or the reference in float64."""
-    backend = "triton" if dtype is None else "reference"
-    cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))  # noqa: E731
-    leaves = [cast(t).detach().requires_grad_() for t in (q, k, v)]
-    mask = cast(mask) if _is_float_mask(mask) else mask
-    torch.manual_seed(SEED)  # the same dropout mask
-    out, lse = attnx.scaled_dot_product_attention(*leaves, attn_mask=mask, backend=backend,
-                                                  enable_gqa=True, return_lse=True, **kw)
-    return (out, lse, *torch.autograd.grad(out, leaves, cast(do)))
+    """(out, lse, dq, dk, dv) of out . do (_sdpa_run)."""
+    out, lse, grads = _sdpa_run(q, k, v, do, mask, kw, dtype)
+    return (out, lse, *grads[:3])
 
 
 def _assert_past_range(got, gold, q, k, v, do, scale):
@@ -1085,9 +1078,9 @@ def _assert_grads_as_scaled_down(grads_of, v, names):
     _assert_as_scaled_down(names, grads, scaled, gold, GRAD_SCALE, "dv")
 
 
-def _sdpa_grads(q, k, v, do, mask, kw, dtype):
-    """dq, dk, dv (dmask with a float mask, dsinks with sinks) of out . do, in `dtype` (None:
-    the inputs' own, the triton backend; float64: the reference)."""
+def _sdpa_run(q, k, v, do, mask, kw, dtype):
+    """(out, lse, grads: dq, dk, dv, then dmask with a float mask and dsinks with sinks) of
+    out . do, in `dtype` (None: the inputs' own, the triton backend; float64: the reference)."""
     backend = "triton" if dtype is None else "reference"
     cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))  # noqa: E731
     leaves = [cast(t).detach().requires_grad_() for t in (q, k, v)]
@@ -1100,9 +1093,14 @@ def _sdpa_grads(q, k, v, do, mask, kw, dtype):
         kw["sinks"] = kw["sinks"].detach().requires_grad_()
         leaves.append(kw["sinks"])
     torch.manual_seed(SEED)  # the same dropout mask
-    out = attnx.scaled_dot_product_attention(*leaves[:3], attn_mask=mask, backend=backend,
-                                             enable_gqa=True, **kw)
-    return torch.autograd.grad(out, leaves, cast(do))
+    out, lse = attnx.scaled_dot_product_attention(*leaves[:3], attn_mask=mask, backend=backend,
+                                                  enable_gqa=True, return_lse=True, **kw)
+    return out, lse, torch.autograd.grad(out, leaves, cast(do))
+
+
+def _sdpa_grads(q, k, v, do, mask, kw, dtype):
+    """The gradients of _sdpa_run."""
+    return _sdpa_run(q, k, v, do, mask, kw, dtype)[2]
 
 
 NEAR_MAX_BACKWARDS = ["plain", "causal", "window", "bool-mask", "float-mask", "dropout",

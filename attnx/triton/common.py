@@ -432,14 +432,12 @@ RERUN_BLOCK_N = tl.constexpr(16)
 # Finite inputs make scores past float32's range (|q . k * scale| > 3.4e38: |q| |k| ~ 1e19 in
 # bf16 or fp32, a scale near its bound, a float32 mask's bias near its largest). The float32
 # online softmax gives NaN there (inf - inf), or, where every admitted score of a row overflowed
-# downward, a row that looks empty. The SDPA forward flags such rows (`scores_overflowed`) and
-# sdpa_fwd_rerun.py computes them in float64, which holds every product and sum of float32
-# values.
-
-
-# The backward's kernels take scores and the lse times log2(e) (exp2): past float32's largest over
-# log2(e) they overflow, and probabilities come out 0 with no NaN to flag. Its pre-pass flags rows
-# whose |lse| passes this (+inf included), and sdpa_bwd_rerun redoes the call in float64.
+# downward, a row that looks empty. The SDPA forward and decoding flag such rows
+# (`admitted`, `scores_overflowed`) and sdpa_fwd_rerun.py and decode_rerun.py compute them in
+# float64, which holds every product and sum of float32 values. The backward's kernels take
+# scores and the lse times log2(e) (exp2): past LSE_LIMIT (float32's largest over log2(e)) they
+# overflow, and probabilities come out 0 with no NaN to flag; its pre-pass flags such rows, and
+# sdpa_bwd_rerun redoes the call in float64.
 LSE_LIMIT = tl.constexpr(2.35e38)
 
 
