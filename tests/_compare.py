@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+import attnx
+
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.numel() == 0:
@@ -23,3 +25,12 @@ def assert_within(actual: torch.Tensor, golden: torch.Tensor, baseline: torch.Te
     err, base = max_err(actual, golden), max_err(baseline, golden)
     bound = max(floor, factor * base)
     assert err <= bound, f"{what}: max error {err:.3g} > bound {bound:.3g} (PyTorch's own: {base:.3g})"
+
+
+def causal_varlen_run(q, k, v, do, cu_q, cu_k, backend, dtype):
+    """(out, lse, dq, dk, dv) of a causal `attnx.varlen_attention` on `backend`, its inputs and
+    grad_out cast to dtype: the packed past-range tests of test_cuda.py and test_triton.py."""
+    leaves = [t.to(dtype).detach().requires_grad_() for t in (q, k, v)]
+    out, lse = attnx.varlen_attention(*leaves, cu_q, cu_k, is_causal=True, backend=backend,
+                                      return_lse=True)
+    return (out, lse, *torch.autograd.grad(out, leaves, do.to(dtype)))

@@ -22,7 +22,7 @@ from torch.nn.attention.bias import CausalBias
 import attnx
 from attnx import _ops
 from attnx._backends import reference
-from tests._compare import assert_within
+from tests._compare import assert_within, causal_varlen_run
 
 from attnx._backends import cuda as cuda_backend
 
@@ -307,19 +307,210 @@ def test_sdpa_huge_scaled_scores_backward_stays_finite(dtype, scale):
         assert torch.isfinite(g).all(), f"d{name}: non-finite values"
 
 
-@pytest.mark.xfail(strict=True, reason="a known gap (README's matrix): scores past float32's "
-                   "range give NaN in the cuda SDPA kernels")
-def test_sdpa_scores_past_float32s_range():
-    """q . k near 1e40 from finite bf16 inputs of ~1.5e19: the softmax is (all but) one key's.
-    The CPU backend reruns such calls in float64; the cuda kernels' float32 scores overflow."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, n, 64, generator=gen, dtype=torch.float64) for n in (5, 7, 7))
-    q, k, v = (t.to(torch.bfloat16) for t in (q * 1.5e19, k * 1.5e19, v))
-    out = attnx.scaled_dot_product_attention(q.to(DEV), k.to(DEV), v.to(DEV), backend="cuda")
-    gold = attnx.scaled_dot_product_attention(q.double(), k.double(), v.double(),
-                                              backend="reference")
-    assert torch.isfinite(out).all(), "non-finite output"
-    torch.testing.assert_close(out.double().cpu(), gold, atol=2e-2, rtol=2e-2)
+# Scores past float32's range from finite inputs (|q| |k| ~ 1e19 in bf16, or fp16 with a scale
+# near its bound): the forward's rows are redone in float64 (sdpa_fwd.cuh past_range, rerun_row;
+# decode.cu rerun_row), the bf16 backward's by sdpa_bwd_rerun.cu from float64 scores.
+PAST_RANGE_MODS = {"plain": {}, "causal": dict(is_causal=True), "window": dict(window=(3, 2)),
+                   "softcap": dict(softcap=5.0), "sinks": dict(sinks=[0.5, -1.0, 2.0, 0.0]),
+                   "alibi": dict(alibi_slopes=[0.5, 0.25, 1.0, 2.0]), "dropout": dict(dropout_p=0.3),
+                   "bool-mask": {}, "float-mask": {}}
+LOWEST = torch.finfo(torch.float32).min
+
+
+def past_range_run(q, k, v, do, mask, kw, backend):
+    """(out, lse, dq, dk, dv) of out . do on `backend`: the inputs' dtype for cuda, float64 for
+    the reference (the same dropout seed)."""
+    cast = (lambda t: t) if backend == "cuda" else (lambda t: t.double())  # noqa: E731
+    leaves = [cast(t).detach().requires_grad_() for t in (q, k, v)]
+    if mask is not None and mask.dtype != torch.bool:
+        mask = cast(mask)
+    out, lse = seeded(attnx.scaled_dot_product_attention, 5, *leaves, attn_mask=mask,
+                      backend=backend, enable_gqa=True, return_lse=True, **kw)
+    return (out, lse, *torch.autograd.grad(out, leaves, cast(do)))
+
+
+def assert_past_range(got, gold, q, k, v, do, scale, grads=True):
+    """The output within 2% of max|v|; the lse as float32 rounds the golden one (+inf past its
+    largest, its lowest past that: -inf marks a row without keys, and these have none); dv
+    within 2% of max|dO| times the rows; dq and dk within 2% of the largest their terms can be,
+    dS = P (dP - D) <= 2 max|dO| max|v| times max|k| (or |q|) |scale| the rows or keys: their
+    true values are 0 where a row's softmax is one key's, as at these sizes it mostly is."""
+    big = lambda t: t.double().abs().max()  # noqa: E731
+
+    def near(x, want, bound, what):
+        assert torch.isfinite(x).all(), f"{what}: non-finite values"
+        err = (x.double() - want.double()).abs().max() / bound
+        assert err <= 2e-2, f"{what}: max error {err:.3g} of its bound"
+
+    near(got[0], gold[0], big(v), "out")
+    want = gold[1].float().where(gold[1] > -float("inf"), LOWEST)
+    torch.testing.assert_close(got[1], want, rtol=1e-5, atol=1e-4)
+    if not grads:
+        return
+    ds = 2 * big(do) * big(v) * abs(scale)
+    near(got[4], gold[4], big(do) * q.shape[2] * q.shape[1], "dv")
+    near(got[2], gold[2], ds * big(k) * k.shape[2], "dq")
+    near(got[3], gold[3], ds * big(q) * q.shape[2] * q.shape[1], "dk")
+
+
+def past_range_inputs(seed, hq=4, lq=9, hkv=2, lk=150):
+    """bf16 q and k of ~1.5e19 (scores up to ~1e40), ordinary v and dO."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = ((torch.randn(1, h, n, 64, generator=gen, dtype=torch.float64) * 1.5e19)
+            for h, n in ((hq, lq), (hkv, lk)))
+    v = torch.randn(1, hkv, lk, 64, generator=gen)
+    do = torch.randn(1, hq, lq, 64, generator=gen)
+    return [t.to(DEV, torch.bfloat16) for t in (q, k, v, do)], gen
+
+
+@pytest.mark.parametrize("mods", list(PAST_RANGE_MODS))
+def test_sdpa_scores_past_float32s_range(mods):
+    """Most rows' softmax is (all but) one key's, some rows' lse passes float32's range. 150
+    keys: interior tiles (no per-score test) and an edge tile; GQA; the modifier kernels."""
+    (q, k, v, do), gen = past_range_inputs(0)
+    kw = {name: torch.tensor(x, device=DEV) if isinstance(x, list) else x
+          for name, x in PAST_RANGE_MODS[mods].items()}
+    mask = None
+    if mods == "bool-mask":
+        mask = (torch.rand((1, 4, 9, 150), generator=gen) > 0.3).to(DEV)
+        mask[..., 0] = True  # no row left empty
+    elif mods == "float-mask":
+        mask = torch.randn((1, 4, 9, 150), generator=gen).to(DEV, torch.bfloat16)
+        mask[..., 1, :] = -3.0e38  # a row of large biases that the scores push past the range
+    got = past_range_run(q, k, v, do, mask, kw, "cuda")
+    gold = past_range_run(q, k, v, do, mask, kw, "reference")
+    assert_past_range(got, gold, q, k, v, do, 1 / 8)
+
+
+LOWEST_CASES = ["interior", "causal", "bool-mask", "sinks", "float-mask"]
+
+
+@pytest.mark.parametrize("case", LOWEST_CASES)
+def test_sdpa_every_score_past_float32s_lowest(case):
+    """Every score of every row under float32's lowest, each row's largest on key 0: float32
+    takes every score as -inf, a row as empty (zeros, lse -inf) unless caught. Unmasked tiles
+    catch it by l = 0 on a non-empty band (interior, causal, sinks: -4.5e38 to -2e39 scaled);
+    masked tiles by NaN (an all-true bool mask; float-mask: scores of -1e38 to -3e38 at scale 1
+    whose sums with a bias of -3e38 overflow). With sinks the sink takes all: zeros, lse the
+    sink. The backward's row sums of such a row are 0: its P come out NaN, which flags the
+    rerun."""
+    scale = 1.0 if case == "float-mask" else 1 / 8
+    x = 1e19 if case == "float-mask" else 6e19
+    a = (1.0 + torch.arange(9, dtype=torch.float64) / 16)[:, None] * x
+    b = (1.0 + torch.arange(150, dtype=torch.float64) / 150)[:, None] * x
+    u = torch.full((64,), 0.125, dtype=torch.float64)  # |u| = 1: scores -a b scale
+    q = (a * u).expand(1, 2, 9, 64).to(DEV, torch.bfloat16)
+    k = (-b * u).expand(1, 2, 150, 64).to(DEV, torch.bfloat16)
+    (_, _, v, do), _ = past_range_inputs(1, hq=2)
+    mask, kw = None, dict(scale=scale, is_causal=case == "causal")
+    if case == "bool-mask":
+        mask = torch.ones(1, 2, 9, 150, dtype=torch.bool, device=DEV)
+    elif case == "float-mask":
+        mask = torch.full((1, 2, 9, 150), -3e38, dtype=torch.bfloat16, device=DEV)
+    elif case == "sinks":
+        kw["sinks"] = torch.tensor([0.5, -1.0], device=DEV)
+    got = past_range_run(q, k, v, do, mask, kw, "cuda")
+    gold = past_range_run(q, k, v, do, mask, kw, "reference")
+    assert_past_range(got, gold, q, k, v, do, scale)
+    if case == "sinks":
+        assert (got[0] == 0).all(), "out: not the sink's zeros"
+        assert (got[1] == kw["sinks"].view(1, 2, 1)).all(), "lse: not the sink"
+    else:
+        torch.testing.assert_close(got[0][..., -1, :], v[:, :, 0], atol=0, rtol=0)  # key 0's
+        assert (got[1] == LOWEST).all(), "lse: not saturated at float32's lowest"
+
+
+@pytest.mark.parametrize("kw", [{}, dict(is_causal=True)], ids=["plain", "causal"])
+def test_sdpa_tied_scores_past_float32s_range(kw):
+    """q and k of 2^64 e_0 (bf16): every score 2^128 / 8, past float32's range in the raw
+    product. The softmax is uniform over each row's keys, so dV (the mean of dO over the rows
+    that see a key) and dK (scale 2^64 sum_i dS_ij in column 0) are far from 0 and held to 2%
+    of their largest, where the one-key softmax of the other tests leaves them near 0."""
+    q = torch.zeros(1, 4, 9, 64, dtype=torch.float64)
+    k = torch.zeros(1, 2, 150, 64, dtype=torch.float64)
+    q[..., 0] = k[..., 0] = 2.0 ** 64
+    (_, _, v, do), _ = past_range_inputs(2)
+    q, k = q.to(DEV, torch.bfloat16), k.to(DEV, torch.bfloat16)
+    got = past_range_run(q, k, v, do, None, kw, "cuda")
+    gold = past_range_run(q, k, v, do, None, kw, "reference")
+    assert_past_range(got, gold, q, k, v, do, 1 / 8)
+    for name, g, w in (("out", got[0], gold[0]), ("dk", got[3], gold[3]), ("dv", got[4], gold[4])):
+        err = (g.double() - w).abs().max() / w.abs().max()
+        assert err <= 2e-2, f"{name}: max error {err:.3g} of its largest"
+
+
+@pytest.mark.parametrize("case", ["folded", "folded-negative", "float-mask"])
+def test_sdpa_fp16_scale_past_float32s_range(case):
+    """fp16 inputs with a scale near its bound (1e38, scores up to ~3e39). Unmasked, the forward
+    folds the scale into the exponent, which takes score differences: no row is redone, and a
+    row's lse is +inf past float32's largest, its lowest past that (folded-negative: every
+    score negative; -inf there read as a row without keys gave zero gradients). With a float
+    mask it scales each score first, which overflows: those rows are redone in float64. The
+    backward reruns in float64 at such scales (kernel_ops.cpp), as for bf16: its float32 scores
+    and P came out NaN."""
+    gen = torch.Generator().manual_seed(4)
+    q, do, k, v, mask = (torch.randn(1, 2, n, m, generator=gen).to(DEV, torch.float16)
+                         for n, m in ((9, 64), (9, 64), (150, 64), (150, 64), (9, 150)))
+    if case == "folded-negative":
+        q, k = q.abs(), -k.abs()
+    mask = mask if case == "float-mask" else None
+    got = past_range_run(q, k, v, do, mask, dict(scale=1e38), "cuda")
+    gold = past_range_run(q, k, v, do, mask, dict(scale=1e38), "reference")
+    assert (got[1].abs() > 3e38).all(), "a row inside the range: the case is not tested"
+    assert_past_range(got, gold, q, k, v, do, 1e38)
+
+
+def test_varlen_scores_past_float32s_range():
+    """Packed sequences of 9 and 5 queries, 150 and 17 keys, causal: as SDPA's, each sequence
+    against the reference backend's."""
+    gen = torch.Generator().manual_seed(3)
+    q, k = ((torch.randn(n, h, 64, generator=gen, dtype=torch.float64) * 1.5e19)
+            .to(DEV, torch.bfloat16) for n, h in ((14, 4), (167, 2)))
+    v = torch.randn(167, 2, 64, generator=gen).to(DEV, torch.bfloat16)
+    do = torch.randn(14, 4, 64, generator=gen).to(DEV, torch.bfloat16)
+    cu_q = torch.tensor([0, 9, 14], dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0, 150, 167], dtype=torch.int32, device=DEV)
+    got = causal_varlen_run(q, k, v, do, cu_q, cu_k, "cuda", torch.bfloat16)
+    gold = causal_varlen_run(q, k, v, do, cu_q, cu_k, "reference", torch.float64)
+    for (q0, q1), (k0, k1) in (((0, 9), (0, 150)), ((9, 14), (150, 167))):
+        part = lambda t, a, c: t[a:c].transpose(0, 1)[None]  # noqa: E731
+        each = lambda r: [part(r[0], q0, q1), r[1][:, q0:q1][None], part(r[2], q0, q1),  # noqa
+                          part(r[3], k0, k1), part(r[4], k0, k1)]
+        assert_past_range(each(got), each(gold), part(q, q0, q1), part(k, k0, k1),
+                          part(v, k0, k1), part(do, q0, q1), 1 / 8)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("capacity", [64, 32], ids=["two-splits", "one-split"])
+@pytest.mark.parametrize("mods", ["plain", "window", "softcap", "alibi", "sinks"])
+def test_kvcache_scores_past_float32s_range(paged, capacity, mods):
+    """Decoding 3 query rows against caches of `capacity` and 9 keys fewer, bf16 inputs of
+    ~1.5e19: rows redone by the merge (two splits) or the split kernel (one), against the
+    reference."""
+    gen = torch.Generator().manual_seed(5)
+    q = (torch.randn(2, 4, 3, 64, generator=gen, dtype=torch.float64) * 1.5e19)
+    k = (torch.randn(2, 2, capacity, 64, generator=gen, dtype=torch.float64) * 1.5e19)
+    q, k = q.to(DEV, torch.bfloat16), k.to(DEV, torch.bfloat16)
+    v = torch.randn(2, 2, capacity, 64, generator=gen).to(DEV, torch.bfloat16)
+    lens = torch.tensor([capacity, capacity - 9], dtype=torch.int32, device=DEV)
+    kw = {"plain": {}, "window": dict(window=(10, 0)), "softcap": dict(softcap=5.0),
+          "alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25, 1.0, 2.0], device=DEV)),
+          "sinks": dict(sinks=torch.tensor([0.5, 1.0, -1.0, 2.0], device=DEV))}[mods]
+    gold = attnx.attention_with_kvcache(q.double(), k.double(), v.double(), lens,
+                                        backend="reference", return_lse=True, **kw)
+    if paged:  # blocks of 16 positions, shuffled over a pool
+        nb = capacity // 16
+        table = torch.randperm(2 * nb + 2, generator=gen)[:2 * nb].view(2, nb)
+        table = table.to(DEV, torch.int32)
+        pool_k = torch.zeros((2 * nb + 2, 2, 16, 64), dtype=torch.bfloat16, device=DEV)
+        pool_v = torch.zeros_like(pool_k)
+        for n in range(2):
+            for blk in range(nb):
+                pool_k[table[n, blk]] = k[n, :, 16 * blk:16 * blk + 16]
+                pool_v[table[n, blk]] = v[n, :, 16 * blk:16 * blk + 16]
+        k, v, kw = pool_k, pool_v, dict(kw, block_table=table)
+    got = attnx.attention_with_kvcache(q, k, v, lens, backend="cuda", return_lse=True, **kw)
+    assert_past_range(got, gold, q, k, v, None, 1 / 8, grads=False)
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -667,7 +858,7 @@ def assert_as_scaled_down(call, values, golden_call, what="out"):
 ])
 def test_sdpa_values_near_the_bf16_max(e, lq, kw):
     """Several 64-key tiles of such values, GQA, through the plain and the modifier kernels: the
-    rows whose O overflowed are rerun with P scaled down (sdpa_fwd.cuh rerun_row)."""
+    rows whose O overflowed are redone in float64 (sdpa_fwd.cuh rerun_row)."""
     torch.manual_seed(40)
     hq, hkv, lk = 4, 2, 300
     q = rand(1, hq, lq, e, dtype=torch.bfloat16, grad=False)

@@ -30,7 +30,7 @@ from attnx.triton.sdpa_bwd_rerun import _narrow  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from _compare import assert_within, max_err  # noqa: E402
+from _compare import assert_within, causal_varlen_run, max_err  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 SEED = 1234
@@ -836,14 +836,8 @@ def test_varlen_scores_past_float32s_range():
     v, do = _randn((57, 2, 64), bf16, gen), _randn((14, 4, 64), bf16, gen)
     cu_q = torch.tensor([0, 9, 14], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 40, 57], dtype=torch.int32, device=DEVICE)
-
-    def run(backend, dtype):
-        leaves = [t.to(dtype).detach().requires_grad_() for t in (q, k, v)]
-        out, lse = attnx.varlen_attention(*leaves, cu_q, cu_k, is_causal=True, backend=backend,
-                                          return_lse=True)
-        return (out, lse, *torch.autograd.grad(out, leaves, do.to(dtype)))
-
-    got, gold = run("triton", bf16), run("reference", f64)
+    got = causal_varlen_run(q, k, v, do, cu_q, cu_k, "triton", bf16)
+    gold = causal_varlen_run(q, k, v, do, cu_q, cu_k, "reference", f64)
     # as SDPA's, per sequence: (B, H, L, D) views of the packed rows
     for (q0, q1), (k0, k1) in (((0, 9), (0, 40)), ((9, 14), (40, 57))):
         part = lambda t, a, c: t[a:c].transpose(0, 1)[None]  # noqa: E731

@@ -57,15 +57,28 @@ __device__ __forceinline__ int64_t mask_offset(const MaskView& m, int b, int h, 
   return b * m.b + h * m.h + i * m.i + j * m.j;
 }
 
+// An admitted score as the forward carries it: finite inputs give an infinite float32 score
+// only by overflow (|q . k scale| past 3.4e38), which is NaN here rather than a masked key's
+// -inf (P = 0: a masked row of such scores would read as empty) or a max of +inf: the NaN
+// reaches the row's sum, where the past-range test (sdpa_fwd.cuh) sends the row to a float64
+// rerun. (The backward needs no such test: a score past the range gives it P of NaN, or the
+// forward's lse, saturated at float's lowest, gives it a row sum of 0, and either flags its
+// rerun; a saved lse of +inf is flagged by sdpa_bwd_rerun.cu's scan.)
+__device__ __forceinline__ float overflow_as_nan(float s) {
+  return fabsf(s) == INFINITY ? NAN : s;
+}
+
 // The score of (b, h, i, j) after the band and the mask of kind K: `s` plus the additive mask,
-// or -inf when the key is not admissible (out of range, out of the band, or masked out).
+// or -inf when the key is not admissible (out of range, out of the band, or masked out); with
+// kNanOverflow (the forward), an admitted infinite `s` is NaN (overflow_as_nan).
 // Without a branch: the mask element is read by a predicated load, so a caller's unrolled loop
 // over its scores (under one branch on the kind) stays one basic block and its loads overlap.
 // Bool masks are read as bytes: a byte other than 0 or 1 read through bool* is undefined.
-template <typename T, MaskKind K>
+template <typename T, MaskKind K, bool kNanOverflow = false>
 __device__ __forceinline__ float admit_as(float s, const MaskView& m, int64_t lo, int64_t hi,
                                           int b, int h, int i, int j, int Lq, int Lk) {
   const bool ok = in_band(lo, hi, i, j, Lq, Lk);
+  if constexpr (kNanOverflow) s = overflow_as_nan(s);
   if constexpr (K == MaskKind::None) {
     return ok ? s : -INFINITY;
   } else if constexpr (K == MaskKind::Bool) {
@@ -73,6 +86,11 @@ __device__ __forceinline__ float admit_as(float s, const MaskView& m, int64_t lo
     return (ok ? mask[mask_offset(m, b, h, i, j)] : uint8_t(0)) != 0 ? s : -INFINITY;
   } else {
     const T* mask = static_cast<const T*>(m.ptr);
+    if constexpr (kNanOverflow) {  // a finite score and bias whose sum overflowed: NaN
+      const float bias = ok ? to_float(mask[mask_offset(m, b, h, i, j)]) : 0.f;
+      const float x = s + bias;
+      return ok ? (fabsf(x) == INFINITY && fabsf(bias) != INFINITY ? NAN : x) : -INFINITY;
+    }
     return ok ? s + to_float(mask[mask_offset(m, b, h, i, j)]) : -INFINITY;
   }
 }
@@ -86,20 +104,21 @@ __device__ __forceinline__ int after(int x, uint32_t dep) {
   return x;
 }
 
-// The same with a branch per score, on any kind: for kernels that test a few scores a thread
-// outside such a loop, where the predicated form's registers would not fit (the additive
-// backward's 128).
-template <typename T>
-__device__ __forceinline__ float admit(float s, const MaskView& m, int64_t lo, int64_t hi,
-                                       int b, int h, int i, int j, int Lq, int Lk) {
+// The same with a branch per score, on any kind and in float or float64 (S; the reruns' scores,
+// which float32 may not hold): for kernels that test a few scores a thread outside such a loop,
+// where the predicated form's registers would not fit (the additive backward's 128). Scores
+// here are bounded (additive) or float64: no overflow to tell from a masked key.
+template <typename T, typename S = float>
+__device__ __forceinline__ S admit(S s, const MaskView& m, int64_t lo, int64_t hi, int b, int h,
+                                   int i, int j, int Lq, int Lk) {
   // in_band written out: in this form the additive backward fits its 128 registers
   const int64_t d = int64_t(j) - int64_t(i);
   if (i >= Lq || j >= Lk || d < lo || d > hi) return -INFINITY;
   if (m.kind == MaskKind::None) return s;
   const int64_t off = mask_offset(m, b, h, i, j);
   if (m.kind == MaskKind::Bool) return static_cast<const uint8_t*>(m.ptr)[off] != 0 ? s : -INFINITY;
-  if (m.kind == MaskKind::Additive32) return s + static_cast<const float*>(m.ptr)[off];
-  return s + to_float(static_cast<const T*>(m.ptr)[off]);
+  if (m.kind == MaskKind::Additive32) return s + S(static_cast<const float*>(m.ptr)[off]);
+  return s + S(to_float(static_cast<const T*>(m.ptr)[off]));
 }
 
 // Element idx of a float mask's gradient dmask (contiguous, the mask's dtype: kind).
@@ -109,6 +128,11 @@ __device__ __forceinline__ void store_mask_grad(void* dmask, MaskKind kind, int6
     static_cast<float*>(dmask)[idx] = g;
   else
     static_cast<T*>(dmask)[idx] = from_float<T>(g);
+}
+
+// tanh(t) in float32 of a float64 t (NaN kept).
+__device__ __forceinline__ float softcap_tanh(double t) {
+  return tanhf(float(t < -20.0 ? -20.0 : t > 20.0 ? 20.0 : t));
 }
 
 // The scaled score x of a query and a key `dist` = |i - j| apart (SDPA; the KV cache: from the
@@ -123,6 +147,15 @@ __device__ __forceinline__ float modified_score(float x, const ScoreMods& m, flo
     x = m.softcap * tc;
   }
   return x - slope * dist;
+}
+
+// The same in float64, for the reruns of scores past float32's range. The tanh takes float32
+// (as the kernels' own; its argument clamped to +-20, where it is +-1 in float32): float64's
+// tanh is a long sequence whose registers spilled the decode kernel.
+__device__ __forceinline__ double modified_score_f64(double x, const ScoreMods& m, float slope,
+                                                     double dist) {
+  if (m.softcap > 0.f) x = double(m.softcap) * double(softcap_tanh(x / double(m.softcap)));
+  return x - double(slope) * dist;
 }
 
 // The ALiBi slope of head bh = b * Hq + h (0 without ALiBi).

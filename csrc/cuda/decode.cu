@@ -22,11 +22,17 @@
 // sink joins each row once, where its lse is final: in the split kernel with one split, else in
 // the merge.
 //
+// Scores past float32's range (|q . k scale| past 3.4e38 from finite inputs): an admitted score
+// that overflowed is NaN (overflow_as_nan), which reaches the row's lse; the kernel that writes
+// the row's final output (the split kernel with one split, else the merge) redoes such rows in
+// float64 (rerun_row), a warp a row.
+//
 // A direct caller's bad lengths or block ids read nothing out of bounds: n is clamped to the
 // cache's capacity and keys in blocks outside [0, num_blocks) are skipped (attnx's functions
 // check both before any kernel runs).
 #include "common.cuh"
 #include "decode.h"
+#include "float64_rerun.cuh"
 
 namespace attnx {
 namespace cuda {
@@ -100,6 +106,90 @@ __device__ __forceinline__ float sink_log2(const ScoreMods& m, int h) {
   return m.sinks != nullptr ? m.sinks[h] * kLog2e : -INFINITY;
 }
 
+// Where key `pos` of sequence b, kv head kvh lies in the cache (through the block table when
+// paged): its K and V offsets, -1 for a block outside [0, num_blocks).
+__device__ __forceinline__ void key_offsets(const KvcacheParams& p, int b, int kvh, int64_t pos,
+                                            int64_t* ko, int64_t* vo) {
+  int64_t blk = b, slot = pos;
+  if (p.block_size > 0) {
+    blk = p.table[b * p.table_stride + pos / p.block_size];
+    slot = pos % p.block_size;
+  }
+  *ko = *vo = -1;
+  if (blk >= 0 && (p.block_size == 0 || blk < p.num_blocks)) {
+    *ko = blk * p.sk.b + kvh * p.sk.h + slot * p.sk.l;
+    *vo = blk * p.sv.b + kvh * p.sv.h + slot * p.sv.l;
+  }
+}
+
+// Row (b, h, i) of out and lse (`row`, flattened) again, by one warp, from float64 scores:
+// the row's max in a first pass, then per 64 columns (lanes over them) P = exp(s - max) and
+// P V summed, the sink joining the sum. The exponentials take float32 (their arguments are <=
+// 0 and their sums at most the keys), the keys are walked without a division, and (b, h, i)
+// come from the caller: the split kernel stays within 128 registers without spills (96-107,
+// was 72-107 without this path; an online softmax in float64, whose exp and log are long
+// sequences, spilled at 128). For rows whose scores passed float32's range, whose lse came out
+// NaN.
+template <typename T>
+__device__ __forceinline__ void rerun_row(const KvcacheParams& p, int b, int h, int i,
+                                          int64_t row, int lane) {
+  const int kvh = h / (p.Hq / p.Hkv);
+  const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h + i * p.sq.l;
+  const int64_t n = min(max(int64_t(p.seqlens[b]), int64_t(0)), p.capacity);
+  const int64_t diag = n - p.Lq + i;  // the query's diagonal key
+  const int64_t j_lo = max(int64_t(0), diag + p.window_lo);
+  const int64_t j_hi = min(n - 1, diag + p.window_hi);
+  const float slope = alibi_slope(p.mods, int64_t(b) * p.Hq + h);
+  const float sink = p.mods.sinks != nullptr ? p.mods.sinks[h] : -INFINITY;
+  // f(score, value row) over the band's keys in the cache, in order
+  auto each_key = [&](auto f) {
+    const int64_t bs = p.block_size > 0 ? p.block_size : INT64_MAX;
+    int64_t page = j_lo / bs, slot = j_lo % bs;
+#pragma unroll 1
+    for (int64_t j = j_lo; j <= j_hi; ++j) {
+      const int64_t blk = p.block_size > 0 ? p.table[b * p.table_stride + page] : b;
+      if (blk >= 0 && (p.block_size == 0 || blk < p.num_blocks)) {
+        const T* k = static_cast<const T*>(p.k) + blk * p.sk.b + kvh * p.sk.h + slot * p.sk.l;
+        double x = 0.0;
+#pragma unroll 1
+        for (int c = lane; c < p.E; c += 32) x += double(to_float(q[c])) * double(to_float(k[c]));
+#pragma unroll
+        for (int w = 16; w >= 1; w /= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
+        x = modified_score_f64(x * double(p.scale), p.mods, slope, fabs(double(j - diag)));
+        f(x, static_cast<const T*>(p.v) + blk * p.sv.b + kvh * p.sv.h + slot * p.sv.l);
+      }
+      if (++slot == bs) slot = 0, ++page;
+    }
+  };
+  double m = sink;
+  each_key([&](double x, const T*) { m = fmax(m, x); });
+  // exp(x - m) in float32 (0 below -1e4; NaN kept)
+  auto weight = [&](double x) { return expf(float(x - m < -1e4 ? -1e4 : x - m)); };
+  int c0 = 0;
+  do {
+    float l = sink != -INFINITY ? weight(sink) : 0.f;
+    double o[2] = {0.0, 0.0};  // columns c0 + lane, c0 + 32 + lane
+    each_key([&](double x, const T* v) {
+      const float w = weight(x);
+      l += w;
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int c = c0 + lane + 32 * u;
+        if (c < p.Ev) o[u] += double(w) * double(to_float(v[c]));
+      }
+    });
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int c = c0 + lane + 32 * u;
+      if (c < p.Ev)
+        static_cast<T*>(p.out)[row * p.Ev + c] =
+            from_float<T>(l != 0.f ? saturated(o[u] / l) : 0.f);
+    }
+    if (c0 == 0 && lane == 0)
+      p.lse[row] = l != 0.f ? lse_as_float(m + double(logf(l))) : -INFINITY;
+  } while ((c0 += 64) < p.Ev);
+}
+
 // NC: value columns per thread (tid + kThreads * w), ceil(Ev / kThreads). kMods: the score
 // modifiers are applied.
 template <typename T, int NC, bool kMods>
@@ -164,17 +254,7 @@ __global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcachePa
     if (tid < kKeys) {
       const int64_t pos = t0 + tid;
       int64_t ko = -1, vo = -1;
-      if (pos < end) {
-        int64_t blk = b, slot = pos;
-        if (p.block_size > 0) {
-          blk = p.table[b * p.table_stride + pos / p.block_size];
-          slot = pos % p.block_size;
-        }
-        if (blk >= 0 && (p.block_size == 0 || blk < p.num_blocks)) {
-          ko = blk * p.sk.b + kvh * p.sk.h + slot * p.sk.l;
-          vo = blk * p.sv.b + kvh * p.sv.h + slot * p.sv.l;
-        }
-      }
+      if (pos < end) key_offsets(p, b, kvh, pos, &ko, &vo);
       koff[tid] = ko;
       voff[tid] = vo;
     }
@@ -199,7 +279,7 @@ __global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcachePa
       const int r = warp + kWarps * u;
       const int64_t rel = pos - (diag + (r0 + r) % p.Lq);
       const bool ok = key_ok && r < rows && rel >= p.window_lo && rel <= p.window_hi;
-      float x = ok ? s[u] : -INFINITY;
+      float x = ok ? overflow_as_nan(s[u]) : -INFINITY;
       if constexpr (kMods) {
         if (ok) {  // natural units for the modifiers, back to log2
           const int h = kvh * G + (r0 + r) / p.Lq;
@@ -238,6 +318,7 @@ __global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcachePa
   // key), its lse (natural log) out (-inf for rows with no key).
   __syncthreads();  // the last tile's alpha is consumed
   const int64_t row0 = (int64_t(b) * p.Hkv + kvh) * R + r0;  // (b, h, i) of row r0, flattened
+  bool past_range = false;  // some row's lse is NaN (one split: this CTA redoes it)
 #pragma unroll
   for (int u = 0; u < kRowsPerWarp; ++u) {
     const int r = warp + kWarps * u;
@@ -255,9 +336,10 @@ __global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcachePa
     }
     alpha_s[r] = l[u] > 0.f ? l_keys * scale_out / l[u] : 0.f;
     if (r >= rows) continue;
-    const float lse = l[u] > 0.f ? (m[u] + log2f(l[u])) * kLn2 : -INFINITY;
+    const float lse = l[u] != 0.f ? (m[u] + log2f(l[u])) * kLn2 : -INFINITY;  // (NaN kept)
     if (p.splits == 1) {
       p.lse[row0 + r] = lse;
+      past_range = past_range || lse != lse;
     } else {
       p.lse_part[(row0 + r) * p.splits + split] = lse;
     }
@@ -278,13 +360,18 @@ __global__ void __launch_bounds__(kThreads) kvcache_split_kernel(const KvcachePa
       }
     }
   }
+  if (__syncthreads_or(past_range)) {  // (the lse and out writes above land first)
+    for (int r = warp; r < rows; r += kWarps)
+      if (p.lse[row0 + r] != p.lse[row0 + r])
+        rerun_row<T>(p, b, kvh * G + (r0 + r) / p.Lq, (r0 + r) % p.Lq, row0 + r, lane);
+  }
 }
 
 // out and lse of each row from its splits' partials: weights exp(lse_s - lse), normalised before
 // the sum, which stays a convex combination (no overflow). kSinks: the sink joins as one more
 // part of no value.
 template <typename T, bool kSinks>
-__global__ void __launch_bounds__(kThreads) kvcache_merge_kernel(const KvcacheParams p) {
+__global__ void __launch_bounds__(kThreads, 1) kvcache_merge_kernel(const KvcacheParams p) {
   const int64_t rows = int64_t(p.B) * p.Hq * p.Lq;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const float* lse_s = p.lse_part + row * p.splits;
@@ -294,6 +381,12 @@ __global__ void __launch_bounds__(kThreads) kvcache_merge_kernel(const KvcachePa
     const float top_use = top == -INFINITY ? 0.f : top;
     float total = kSinks ? expf(sink - top_use) : 0.f;
     for (int s = 0; s < p.splits; ++s) total += expf(lse_s[s] - top_use);
+    if (total != total) {  // a split's lse is NaN: its scores passed float32's range
+      if (threadIdx.x < 32)
+        rerun_row<T>(p, int(row / p.Lq / p.Hq), int(row / p.Lq % p.Hq), int(row % p.Lq), row,
+                     threadIdx.x);
+      continue;  // (every thread took the same branch: total is the same in all)
+    }
     const float inv = total > 0.f ? 1.f / total : 0.f;
     for (int c = threadIdx.x; c < p.Ev; c += kThreads) {
       float x = 0.f;

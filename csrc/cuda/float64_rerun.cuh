@@ -1,6 +1,7 @@
-// What the backwards' float64 reruns share (sdpa_bwd_rerun.cu, additive_bwd_rerun.cu): slow
-// paths, a warp a row, for bf16 values near the dtype's largest, where the fast kernels' float32
-// sums passed float's range. A lane holds up to kRerunCols columns of the warp's row.
+// What the float64 reruns share (sdpa_fwd.cuh rerun_row, decode.cu, sdpa_bwd_rerun.cu,
+// additive_bwd_rerun.cu): slow paths, a warp a row, for rows whose float32 scores or sums passed
+// float's range (scores past it, bf16 values near the dtype's largest). A lane holds up to
+// kRerunCols columns of the warp's row.
 #pragma once
 
 #include <algorithm>
@@ -29,6 +30,34 @@ __device__ __forceinline__ float saturated(double x) {
   if (fabs(x) <= 3.4028234663852886e38) return float(x);
   return x > 0 ? INFINITY : x < 0 ? -INFINITY : NAN;
 }
+
+// A row's lse as the kernels return it: +inf past float's largest, and float's lowest (not
+// -inf, which stands for a row that admits no key: the backward then takes its probabilities as
+// 0) past that. Triton's sdpa_fwd_rerun.py saturates alike.
+__device__ __forceinline__ float lse_as_float(double x) {
+  if (x > 3.4028234663852886e38) return INFINITY;
+  return x < -3.4028234663852886e38 ? -3.4028234663852886e38f : float(x);
+}
+
+// A row's online softmax in float64, score by score (a warp's lanes hold the same values): the
+// running max m and sum l of exp(s - m).
+struct RowSoftmax64 {
+  double m = -INFINITY, l = 0.0;
+  // Takes an admitted score x (not -inf: skip those); returns its weight exp(x - m) against the
+  // new max, and in *a the rescale of the terms before it (0 for the first).
+  __device__ __forceinline__ double add(double x, double* a) {
+    const double m_new = fmax(m, x);
+    *a = exp(m - m_new);
+    const double w = exp(x - m_new);
+    l = l * *a + w;
+    m = m_new;
+    return w;
+  }
+  // -inf for a row that admitted no score (NaN kept).
+  __device__ __forceinline__ float lse() const {
+    return l != 0.0 ? lse_as_float(m + log(l)) : -INFINITY;
+  }
+};
 
 // sum_c a[c] b[c] over c < n, lanes over c, in float (as the fast kernels' scores) or float64.
 template <typename T>

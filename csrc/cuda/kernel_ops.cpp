@@ -329,12 +329,18 @@ Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout
   p.dmask = want_dmask ? g.dmask.data_ptr() : nullptr;
   p.overflowed = overflowed.data_ptr<float>();
   p.dq_nonfinite = p.overflowed + 1;
-  const bool bf16 = p.dtype == DType::BFloat16;
-  const Tensor rerun_inv_r = bf16 ? target.empty(rows, f32) : Tensor();
-  const Tensor rerun_delta = bf16 ? target.empty(rows, f32.dtype(at::kDouble)) : Tensor();
-  p.rerun_inv_r = bf16 ? rerun_inv_r.data_ptr<float>() : nullptr;
-  p.rerun_delta = bf16 ? rerun_delta.data_ptr<double>() : nullptr;
-  const bool rerun_sinks = sinks32.defined() && bf16;
+  // The float64 rerun (sdpa_bwd_rerun.cu) applies to bf16, whose values and scores may pass
+  // float's range, and to fp16 where its scores may: |scale| 65504^2 E past half float's
+  // largest (Triton's sdpa_bwd_rerun.applies alike).
+  const bool rerun = p.dtype == DType::BFloat16 ||
+                     std::fabs(double(p.scale)) * 65504.0 * 65504.0 * p.E > 1.7e38;
+  // the rerun's rows' max, 1 / sum and delta (launch.h), one after the other
+  const int64_t n_rows = c10::multiply_integers(rows);
+  const Tensor rerun_rows = rerun ? target.empty({3 * n_rows}, f32.dtype(at::kDouble)) : Tensor();
+  p.rerun_max = rerun ? rerun_rows.data_ptr<double>() : nullptr;
+  p.rerun_inv_r = rerun ? p.rerun_max + n_rows : nullptr;
+  p.rerun_delta = rerun ? p.rerun_inv_r + n_rows : nullptr;
+  const bool rerun_sinks = sinks32.defined() && rerun;
   const Tensor dsinks64 = rerun_sinks ? target.zeros({p.Hq}, f32.dtype(at::kDouble)) : Tensor();
   p.dsinks = rerun_sinks ? dsinks64.data_ptr<double>() : nullptr;
   target.check(sdpa_bwd_delta(p, target.stream()));
@@ -352,7 +358,7 @@ Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout
     const Tensor sink = sinks32.view(view);
     const Tensor p_sink = at::where(sink == -INFINITY, 0.0, at::exp(sink - lse32));
     g.dsinks = (-(p_sink / row_sums * delta)).sum(at::IntArrayRef(dims));
-    // after the bf16 rerun (the flag set, read on the device: no synchronisation), its float64 sums
+    // after the rerun (the flag set, read on the device: no synchronisation), its float64 sums
     if (rerun_sinks)
       g.dsinks = at::where(overflowed != 0, dsinks64.to(at::kFloat), g.dsinks);
   }

@@ -76,17 +76,19 @@ struct SdpaParams {
   float* dq_acc;
   void *dk, *dv, *dmask;
   float* delta;
-  // bf16 backward: one float, zeroed; the key-block kernels set it to 1 where a dK or dV came
-  // out non-finite, and sdpa_bwd_rerun then computes dq_acc, dk, dv, dmask and delta again in
-  // float64. Unset, sdpa_bwd_rerun's scan sets dq_nonfinite (one float, zeroed) where dq_acc
-  // holds inf or NaN, and its query pass redoes those rows.
+  // One float, zeroed; the key-block kernels set it to 1 where a dK or dV came out non-finite,
+  // and sdpa_bwd_rerun (where it applies: rerun_max set) then computes dq_acc, dk, dv, dmask and
+  // delta again in float64. Unset, sdpa_bwd_rerun's scan sets dq_nonfinite (one float, zeroed)
+  // where dq_acc holds inf or NaN, and its query pass redoes those rows.
   float* overflowed = nullptr;
   float* dq_nonfinite = nullptr;
   // With it, where the sinks' gradient is asked for: (Hq) float64, zeroed; the rerun adds each
   // row's term -P_sink,i delta_i there (delta may pass float's range), or null.
   double* dsinks = nullptr;
-  // The rerun's rows (as delta): 1 / R and delta in float64, from its query pass to its key pass.
-  float* rerun_inv_r = nullptr;
+  // The rerun's rows (as delta), from its query pass to its key pass, in float64: the scores'
+  // max, 1 / the sum of exp(s - max), and delta; null where the rerun does not apply.
+  double* rerun_max = nullptr;
+  double* rerun_inv_r = nullptr;
   double* rerun_delta = nullptr;
   // Packed variable-length batches (varlen_attention), when cu_q is set: batch index b is
   // sequence n = b of B, whose queries are rows cu_q[n]..cu_q[n+1] - 1 of q (a (1, Hq, total_q,
@@ -154,8 +156,8 @@ cudaError_t sdpa_bwd_family(const SdpaParams& p, cudaStream_t stream);
 // The backward's pre-pass: p.delta from p.dout, p.out and p.grad_lse.
 cudaError_t sdpa_bwd_delta(const SdpaParams& p, cudaStream_t stream);
 // The backward's slow path, after the key-block kernels, for bf16 values near the dtype's
-// largest (sdpa_bwd_rerun.cu): everything where they set *p.overflowed, else the non-finite
-// rows of dq_acc.
+// largest and scores past float's range (sdpa_bwd_rerun.cu): everything where they set
+// *p.overflowed, else the non-finite rows of dq_acc; nothing without p.rerun_max.
 cudaError_t sdpa_bwd_rerun(const SdpaParams& p, cudaStream_t stream);
 // The additive backward's (additive_bwd_rerun.cu): nothing unless *p.overflowed.
 cudaError_t additive_bwd_rerun(const AdditiveParams& p, cudaStream_t stream);

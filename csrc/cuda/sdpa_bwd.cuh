@@ -491,10 +491,11 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
     }
   }
 
-  // bf16: a non-finite dK (any dS that overflowed reaches its key's dK) or dV (a dO near the
-  // largest overflows its sums where dP and delta may not) sends the backward to its float64
-  // rerun (sdpa_bwd_rerun.cu), tested here after the loop, where it costs nothing.
-  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+  // A non-finite dK (any dS that overflowed, or a score past float's range, reaches its key's
+  // dK) or dV (a bf16 dO near the largest overflows its sums where dP and delta may not) sends
+  // the backward to its float64 rerun (sdpa_bwd_rerun.cu: bf16, and fp16 at scales where its
+  // scores may pass float's range), tested here after the loop, where it costs nothing.
+  {
     bool finite = true;
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt)

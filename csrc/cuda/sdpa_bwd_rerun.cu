@@ -13,25 +13,29 @@
 // query pass redoes those rows: with dS finite, dQ = scale sum_j dS_ij k_j still passes
 // float32's largest where keys near bf16's largest share a large common part (sum_j dS_ij = 0
 // cancels it in the true sum, not in the kernels' float32 partial sums and atomics: inf - inf
-// = NaN); the passes return at once when neither flag is set. Scores and P are formed as the
-// key-block kernels form them (scaled, modified, admitted, dropped; rows of huge lse divided by
-// their row sum, here of this pass's own scores), so only the sums change. A result past the
-// dtype's range is inf, as it would be for any backend. fp16 (at most 65504) cannot overflow:
-// its kernels neither flag nor launch this.
+// = NaN); the passes return at once when neither flag is set. Scores are formed as the
+// key-block kernels form them (scaled, modified, admitted, dropped), but in float64, and P from
+// each row's own float64 max and sum (the sink's term included), not from the saved lse: rows
+// whose scores passed float32's range (|q . k scale| past 3.4e38: the key-block kernels' NaN
+// scores flag them, and the scan flags a saved lse of +inf) get their softmax from scores
+// float32 could not hold, and a float32 lse near 3e38 is rounded by ~1e31, which exp(s - lse)
+// would turn into P of 0 or 1. A result past the dtype's range is inf, as it would be for any
+// backend. fp16 values (at most 65504) cannot overflow the sums; its scores pass the range only
+// at scales near the bound (|scale| 65504^2 E past 3.4e38: kernel_ops.cpp), where this runs for
+// fp16 too.
 #include "float64_rerun.cuh"
 
 namespace attnx {
 namespace cuda {
 namespace {
 
-// What a pair (i, j) of head h needs of its query row i: q, dO and the row values (lse, +inf
-// for rows without probabilities; 1 / R; delta in float64).
+// What a pair (i, j) of head h needs of its query row i: q, dO and the row values in float64
+// (its scores' max, +inf for rows without probabilities; 1 / the sum of exp(s - max); delta).
 template <typename T>
 struct QueryRow {
   const T *q, *dout;
   int64_t row;  // in the buffers indexed by query row
-  float lse, inv_r;
-  double delta;
+  double max, inv_r, delta;
 };
 
 template <typename T>
@@ -41,22 +45,22 @@ __device__ __forceinline__ QueryRow<T> query_row(const SdpaParams& p, const SeqV
   r.row = query_rows(p, seq, b, h) + i;
   r.q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h + (seq.q0 + i) * p.sq.l;
   r.dout = static_cast<const T*>(p.dout) + r.row * p.Ev;
-  const float lse = p.lse[r.row];
-  r.lse = lse == -INFINITY ? INFINITY : lse;
   return r;
 }
 
-// The score of pair (i, j) as the key-block kernels form it: scaled, modified, admitted (-inf
-// outside the band and the mask); tc: tanh(score / softcap) with a softcap.
+// The score of pair (i, j) as the key-block kernels form it, in float64: scaled, modified,
+// admitted (-inf outside the band and the mask); *tc: tanh(score / softcap) with a softcap.
 template <typename T, bool kMods>
-__device__ __forceinline__ float pair_score(const SdpaParams& p, const SeqView& seq, int b, int h,
-                                            int i, int j, const T* q_row, const T* k_row,
-                                            int lane, float* tc) {
-  float x = warp_dot_f(q_row, k_row, p.E, lane) * p.scale;
-  if constexpr (kMods)
-    x = modified_score(x, p.mods, alibi_slope(p.mods, int64_t(b) * p.Hq + h),
-                       fabsf(float(i + seq.diag - j)), *tc);
-  return admit<T>(x, p.mask, seq.lo, seq.hi, b, h, i, j, seq.Lq, seq.Lk);
+__device__ __forceinline__ double pair_score(const SdpaParams& p, const SeqView& seq, int b,
+                                             int h, int i, int j, const T* q_row, const T* k_row,
+                                             int lane, double* tc) {
+  double x = warp_dot_d(q_row, k_row, p.E, lane) * double(p.scale);
+  if constexpr (kMods) {
+    if (p.mods.softcap > 0.f) *tc = softcap_tanh(x / double(p.mods.softcap));
+    x = modified_score_f64(x, p.mods, alibi_slope(p.mods, int64_t(b) * p.Hq + h),
+                           fabs(double(i + seq.diag - j)));
+  }
+  return admit<T, double>(x, p.mask, seq.lo, seq.hi, b, h, i, j, seq.Lq, seq.Lk);
 }
 
 // dS_ij (after the softcap's derivative) in float64; dmask_ij, dS before that derivative, in
@@ -66,26 +70,25 @@ template <typename T, bool kMods>
 __device__ __forceinline__ double pair_ds(const SdpaParams& p, const SeqView& seq, int b, int h,
                                           int i, int j, const QueryRow<T>& r, const T* k_row,
                                           const T* v_row, int lane, double* ds_mask, double* pz) {
-  float tc = 0.f;
-  const float x = pair_score<T, kMods>(p, seq, b, h, i, j, r.q, k_row, lane, &tc);
-  const float prob = fast_exp(x - r.lse) * r.inv_r;
+  double tc = 0.0;
+  const double x = pair_score<T, kMods>(p, seq, b, h, i, j, r.q, k_row, lane, &tc);
+  const double prob = exp(x - r.max) * r.inv_r;
   double ds = 0.0;
   *pz = 0.0;
-  if (prob != 0.f) {  // (a warp-uniform branch: every lane holds the same sums)
+  if (prob != 0.0) {  // (a warp-uniform branch: every lane holds the same sums)
     const double z = dropout_factor(p.drop, sdpa_dropout_key(p, b, h), i, j);
-    ds = double(prob) * (warp_dot_d(r.dout, v_row, p.Ev, lane) * z - r.delta);
-    *pz = double(prob) * z;
+    ds = prob * (warp_dot_d(r.dout, v_row, p.Ev, lane) * z - r.delta);
+    *pz = prob * z;
   }
   *ds_mask = ds;
-  if (kMods && p.mods.softcap > 0.f) ds *= 1.0 - double(tc) * double(tc);
+  if (kMods && p.mods.softcap > 0.f) ds *= 1.0 - tc * tc;
   return ds;
 }
 
-// Query row i of head h: its delta in float64 and, on a row of huge lse, R = sum_j exp(s_j -
-// lse) (the sink's term included) from this pass's own scores (the key-block kernels' R came from
-// scores rounded in another order, and exp(s - lse) is what that rounding moves there: common.cuh
-// huge_lse), both kept for the key pass; dQ_i = scale sum_j dS_ij k_j over the band, written over
-// dq_acc; its dmask row; delta (float, inf past the range) and the sink's gradient.
+// Query row i of head h: its delta, its scores' max and 1 / sum_j exp(s_j - max) (the sink's
+// term included), in float64, kept for the key pass; dQ_i = scale sum_j dS_ij k_j over the
+// band, written over dq_acc; its dmask row; delta (float, inf past the range) and the sink's
+// gradient.
 template <typename T, bool kMods>
 __device__ __forceinline__ void rerun_query_row(const SdpaParams& p, const SeqView& seq, int b,
                                                 int h, int i, int lane) {
@@ -97,16 +100,19 @@ __device__ __forceinline__ void rerun_query_row(const SdpaParams& p, const SeqVi
             (p.grad_lse != nullptr ? double(p.grad_lse[r.row]) : 0.0);
   const int64_t j_lo = max(int64_t(0), i + seq.lo), j_hi = min(int64_t(seq.Lk) - 1, i + seq.hi);
   const float sink = p.mods.sinks != nullptr ? p.mods.sinks[h] : -INFINITY;
-  float R = 1.f;
-  if (huge_lse(r.lse)) {
-    R = sink != -INFINITY ? fast_exp(sink - r.lse) : 0.f;
-    for (int j = int(j_lo); j <= j_hi; ++j) {
-      float tc;
-      R += fast_exp(pair_score<T, kMods>(p, seq, b, h, i, j, r.q, k + j * p.sk.l, lane, &tc) -
-                    r.lse);
-    }
+  RowSoftmax64 sm;
+  for (int j = int(j_lo); j <= j_hi; ++j) {
+    double tc, a;
+    const double x = pair_score<T, kMods>(p, seq, b, h, i, j, r.q, k + j * p.sk.l, lane, &tc);
+    if (x != -INFINITY) sm.add(x, &a);
   }
-  r.inv_r = 1.f / R;
+  if (sink != -INFINITY) {
+    double a;
+    sm.add(sink, &a);
+  }
+  // a row without probabilities: P = exp(s - inf) = 0
+  r.max = sm.l != 0.0 ? sm.m : INFINITY;
+  r.inv_r = sm.l != 0.0 ? 1.0 / sm.l : 0.0;
   T* dmask = p.dmask == nullptr
                  ? nullptr
                  : static_cast<T*>(p.dmask) + ((int64_t(b) * p.Hq + h) * p.Lq + i) * p.Lk;
@@ -133,13 +139,14 @@ __device__ __forceinline__ void rerun_query_row(const SdpaParams& p, const SeqVi
     for (int j = lane; j < seq.Lk; j += 32)
       if (j < j_lo || j > j_hi) dmask[j] = from_float<T>(0.f);
   if (lane == 0) {
+    p.rerun_max[r.row] = r.max;
     p.rerun_inv_r[r.row] = r.inv_r;
     p.rerun_delta[r.row] = r.delta;
     p.delta[r.row] = saturated(r.delta);
     // the sink's gradient from this row (kernel_ops.cpp computes it from delta otherwise): its
-    // probability exp(sink - lse) / R times (0 - delta)
+    // probability exp(sink - max) / sum times (0 - delta)
     if (p.dsinks != nullptr && sink != -INFINITY)
-      atomicAdd(p.dsinks + h, -exp(double(sink) - double(r.lse)) * r.inv_r * r.delta);
+      atomicAdd(p.dsinks + h, -exp(double(sink) - r.max) * r.inv_r * r.delta);
   }
 }
 
@@ -158,6 +165,7 @@ __device__ __forceinline__ void rerun_key_row(const SdpaParams& p, const SeqView
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
     for (int i = int(i_lo); i <= i_hi; ++i) {
       QueryRow<T> r = query_row<T>(p, seq, b, h, i);
+      r.max = p.rerun_max[r.row];
       r.inv_r = p.rerun_inv_r[r.row];
       r.delta = p.rerun_delta[r.row];
       double ds_mask, pz;
@@ -182,16 +190,21 @@ __device__ __forceinline__ void rerun_key_row(const SdpaParams& p, const SeqView
   }
 }
 
-// Sets *p.dq_nonfinite where the n floats of dq_acc hold inf or NaN (nothing when the backward
-// is flagged: the query pass redoes every row then). Threads read consecutive floats
+// Sets *p.dq_nonfinite where the n floats of dq_acc hold inf or NaN, and *p.overflowed where
+// one of the `rows` saved lse is +inf: such a row's scores passed float32's range, and the
+// key-block kernels took its P = exp(s - inf) as 0 wherever s came out finite (nothing when the
+// backward is flagged: the passes redo every row then). Threads read consecutive floats
 // (coalesced), a grid-stride loop.
-__global__ void sdpa_bwd_dq_scan_kernel(const SdpaParams p, int64_t n) {
+__global__ void sdpa_bwd_dq_scan_kernel(const SdpaParams p, int64_t n, int64_t rows) {
   if (*p.overflowed != 0.f) return;
-  bool finite = true;
+  bool finite = true, past_range = false;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     finite &= finite_float(p.dq_acc[i]);
+    if (i < rows) past_range |= p.lse[i] == INFINITY;
+  }
   if (!finite) *p.dq_nonfinite = 1.f;
+  if (past_range) *p.overflowed = 1.f;
 }
 
 // Whether dq_acc's query row i of head h holds only finite values (the same in every lane).
@@ -226,27 +239,33 @@ __global__ void __launch_bounds__(32 * kRerunWarps, 1) sdpa_bwd_rerun_kernel(con
   }
 }
 
+template <typename T>
+cudaError_t launch_rerun(const SdpaParams& p, cudaStream_t stream) {
+  return launch_on_flag(p.mods.any(), [&](auto mods) {
+    constexpr bool kMods = decltype(mods)::value;
+    const dim3 block(32 * kRerunWarps);
+    const cudaError_t err = launch_kernel(sdpa_bwd_rerun_kernel<T, kMods, false>,
+                                          rerun_grid(int64_t(p.B) * p.Hq * p.Lq), block, 0,
+                                          stream, p);
+    if (err != cudaSuccess) return err;
+    return launch_kernel(sdpa_bwd_rerun_kernel<T, kMods, true>,
+                         rerun_grid(int64_t(p.B) * p.Hkv * p.Lk), block, 0, stream, p);
+  });
+}
+
 }  // namespace
 
 cudaError_t sdpa_bwd_rerun(const SdpaParams& p, cudaStream_t stream) {
-  if (p.dtype != DType::BFloat16 || p.B == 0 || p.Hq == 0 || p.Lq == 0 || p.Lk == 0)
+  if (p.rerun_max == nullptr || p.B == 0 || p.Hq == 0 || p.Lq == 0 || p.Lk == 0)
     return cudaSuccess;
   // dq_acc's rows: B Hq Lq, or the packed total in Lq's place (query_rows)
   const int64_t n = int64_t(p.Hq) * p.E * (p.cu_q != nullptr ? p.total_q : int64_t(p.B) * p.Lq);
   const int64_t scan_blocks = std::min<int64_t>((n + 1023) / 1024, 1024);
   cudaError_t err = launch_kernel(sdpa_bwd_dq_scan_kernel, dim3(unsigned(scan_blocks)),
-                                  dim3(256), 0, stream, p, n);
+                                  dim3(256), 0, stream, p, n, n / std::max(p.E, 1));
   if (err != cudaSuccess) return err;
-  return launch_on_flag(p.mods.any(), [&](auto mods) {
-    constexpr bool kMods = decltype(mods)::value;
-    const dim3 block(32 * kRerunWarps);
-    const cudaError_t err = launch_kernel(sdpa_bwd_rerun_kernel<__nv_bfloat16, kMods, false>,
-                                          rerun_grid(int64_t(p.B) * p.Hq * p.Lq), block, 0,
-                                          stream, p);
-    if (err != cudaSuccess) return err;
-    return launch_kernel(sdpa_bwd_rerun_kernel<__nv_bfloat16, kMods, true>,
-                         rerun_grid(int64_t(p.B) * p.Hkv * p.Lk), block, 0, stream, p);
-  });
+  return p.dtype == DType::Half ? launch_rerun<__half>(p, stream)
+                                : launch_rerun<__nv_bfloat16>(p, stream);
 }
 
 }  // namespace cuda

@@ -37,8 +37,9 @@
 // without P V, ending with R_i = sum_j exp(s_ij - lse_i) = l exp(m - lse_i) against the saved
 // lse for rows of huge lse; query tiles with no such row write R = 1 and stop at once.
 //
-// Overflowed rows (bf16): a row whose O came out non-finite (values near bf16's largest) is
-// written by rerun_row, once the tiles are done, from its final max and sum with P scaled down.
+// Rows redone in float64 (rerun_row, once the tiles are done): rows whose scores passed
+// float32's range (|q . k scale| past 3.4e38 from finite inputs; past_range), and bf16 rows
+// whose O came out non-finite (values near bf16's largest).
 //
 // Score modifiers (p.mods, API.md; the kMods instantiation only, so the plain kernels keep their
 // code and registers): each score is scaled, soft-capped (softcap tanh(s / softcap)) and ALiBi's
@@ -56,6 +57,7 @@
 #include <algorithm>
 
 #include "common.cuh"
+#include "float64_rerun.cuh"
 #include "mma.cuh"
 #include "tile_copy.cuh"
 
@@ -141,58 +143,77 @@ __device__ __forceinline__ void exp_scores(float (&s)[NB][4], const float (&mu)[
     }
 }
 
-// Rows whose O overflowed: O = sum_j P_j v_j with P <= 1 passes float32's largest for bf16 values
-// near theirs (3.4e38) over a few keys (inf out, or NaN after a rescale). Their output is
-// computed again (rerun_row) with P scaled by kRerunScale = 2^-64: L max|v| 2^-64, even times
-// dropout's 1 / (1 - p) up to 2^32, stays finite for any L below 2^32, and terms P v under 2^-62
-// flush. fp16 values (at most 65504) cannot overflow O: its kernels have none of this code.
-constexpr float kRerunScale = 5.421010862427522e-20f;  // 2^-64
+// bf16 rows whose O overflowed: O = sum_j P_j v_j with P <= 1 passes float32's largest for bf16
+// values near theirs (3.4e38) over a few keys (inf out, or NaN after a rescale). fp16 values
+// (at most 65504) cannot overflow O: its kernels skip the test.
 template <typename T>
 constexpr bool kMayOverflowO = std::is_same<T, __nv_bfloat16>::value;
 
-// Row i's output again, by one warp: O = sum_j P_ij v_j with P scaled by kRerunScale, from the
-// row's final max m (the scaled scores', natural units) and sum l, then O / l scaled back. Key by
-// key, lanes over the columns (scores reduced across the warp): a slow path with few registers,
-// after the tiles' loop, which keeps its code and registers (a second pass through that loop
-// spilled in the bf16 D = 64..256 kernels, ptxas 13.0). The score is the tiles' unfolded one:
-// scaled, modified, admitted (band and mask of any kind) and dropped alike.
+// Whether a row's float32 scores passed float's range, from its final (quad-reduced) max m and
+// sum l, before the sink: an overflowed score is +inf (m), or NaN (overflow_as_nan on the
+// masked tiles; inf - inf in an MMA's sum) whose exponential reaches l. Unmasked tiles keep a
+// -inf score as it is (no test per score): a row whose every score overflowed to -inf ends with
+// l = 0 though its band (without a mask, all it admits by) holds keys.
+__device__ __forceinline__ bool past_range(float m, float l, const SdpaParams& p,
+                                           const SeqView& seq, int i) {
+  if (!(l >= 0.f) || m == INFINITY) return true;
+  if (l != 0.f || p.mask.kind != MaskKind::None) return false;
+  return max(int64_t(0), i + seq.lo) <= min(int64_t(seq.Lk) - 1, i + seq.hi);
+}
+
+// Row i's output and lse again, by one warp, in float64 (float64_rerun.cuh): each score as the
+// tiles form it (scaled, modified, admitted by band and mask of any kind), an online softmax,
+// dropout's factor on P V, the sink at the end. Key by key, lanes over the columns (scores
+// reduced across the warp): a slow path with few registers, after the tiles' loop, which keeps
+// its code and registers (a second pass through that loop spilled in the bf16 D = 64..256
+// kernels, ptxas 13.0). Products of values up to 65504^2 or 3.4e38^2, scaled by up to 2.4e38,
+// stay within float64's range.
 template <typename T, int D, bool kMods>
 __device__ __forceinline__ void rerun_row(const SdpaParams& p, const SeqView& seq, int b, int h,
-                                       const T* q_row, const T* k, const T* v, T* out, int i,
-                                       float m, float l, float slope, uint32_t key_bh) {
+                                          const T* q_row, const T* k, const T* v, int64_t row,
+                                          int i, float slope, uint32_t key_bh) {
   constexpr int U = D / 32;  // columns a lane: every family is a multiple of 32
   const int lane = threadIdx.x % 32;
-  float q[U], o[U];
+  float q[U];
+  double o[U];
 #pragma unroll
-  for (int u = 0; u < U; ++u) q[u] = to_float(q_row[lane + 32 * u]), o[u] = 0.f;  // 0 past E
+  for (int u = 0; u < U; ++u) q[u] = to_float(q_row[lane + 32 * u]), o[u] = 0.0;  // 0 past E
+  RowSoftmax64 sm;
   const int64_t j_lo = max(int64_t(0), i + seq.lo), j_hi = min(int64_t(seq.Lk) - 1, i + seq.hi);
   for (int j = int(j_lo); j <= j_hi; ++j) {
-    float x = 0.f;
+    double x = 0.0;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = lane + 32 * u;
-      if (c < p.E) x += q[u] * to_float(k[j * p.sk.l + c]);
+      if (c < p.E) x += double(q[u]) * double(to_float(k[j * p.sk.l + c]));
     }
 #pragma unroll
     for (int w = 16; w >= 1; w /= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
-    x *= p.scale;
-    if constexpr (kMods) {
-      float tc;
-      x = modified_score(x, p.mods, slope, fabsf(float(i + seq.diag - j)), tc);
-    }
-    x = admit<T>(x, p.mask, seq.lo, seq.hi, b, h, i, j, seq.Lq, seq.Lk);
-    const float pj = fast_exp(x - m) * kRerunScale * dropout_factor(p.drop, key_bh, i, j);
+    x *= double(p.scale);
+    if constexpr (kMods) x = modified_score_f64(x, p.mods, slope, fabs(double(i + seq.diag - j)));
+    x = admit<T, double>(x, p.mask, seq.lo, seq.hi, b, h, i, j, seq.Lq, seq.Lk);
+    if (x == -INFINITY) continue;  // warp-uniform: every lane holds the sum
+    double a;
+    const double w = sm.add(x, &a) * dropout_factor(p.drop, key_bh, i, j);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = lane + 32 * u;
-      if (c < p.Ev) o[u] += pj * to_float(v[j * p.sv.l + c]);
+      if (c < p.Ev) o[u] = o[u] * a + w * double(to_float(v[j * p.sv.l + c]));
     }
   }
+  if (kMods && p.mods.sinks != nullptr && p.mods.sinks[h] != -INFINITY) {
+    double a;
+    sm.add(p.mods.sinks[h], &a);  // one more score, of no value
+#pragma unroll
+    for (int u = 0; u < U; ++u) o[u] *= a;
+  }
+  T* out = static_cast<T*>(p.out) + row * p.Ev;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int c = lane + 32 * u;
-    if (c < p.Ev) out[c] = from_float<T>(o[u] / l / kRerunScale);
+    if (c < p.Ev) out[c] = from_float<T>(sm.l != 0.0 ? saturated(o[u] / sm.l) : 0.f);
   }
+  if (lane == 0) p.lse[row] = sm.lse();
 }
 
 // kMods: the score modifiers (p.mods) are applied; the plain instantiation has none of their
@@ -397,8 +418,8 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
       } else if (!interior) {  // a mask: its elements by predicated loads (admit_as)
         auto masked = [&](auto kind) {
           each_in_turn([&](float v, int i, int j) {
-            return admit_as<T, decltype(kind)::value>(v, p.mask, seq.lo, seq.hi, b, h, i, j,
-                                                      seq.Lq, seq.Lk);
+            return admit_as<T, decltype(kind)::value, true>(v, p.mask, seq.lo, seq.hi, b, h, i,
+                                                            j, seq.Lq, seq.Lk);
           });
         };
         if (p.mask.kind == MaskKind::Bool)
@@ -487,24 +508,30 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
     __syncthreads();  // this stage is read by all before the next iteration's loads refill it
   }
 
-  uint32_t overflowed = 0;  // bit 2 mt + r: row g + 8 r of tile mt has a non-finite O (bf16)
+  // bit 2 mt + r: row g + 8 r of tile mt is redone in float64 (rerun_row): its scores passed
+  // float's range, or its O is non-finite (bf16). Never in the row-sums mode, which writes no
+  // output (the backward's rerun redoes such rows: sdpa_bwd_rerun.cu).
+  uint32_t redo = 0;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 1);
       l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 2);
+      const int i = row_of(mt, 2 * r);
+      bool bad = !sums && past_range(m[mt][r], l[mt][r], p, seq, i);
       if constexpr (kMayOverflowO<T>) {  // the row's O lies across the lane quad
-        int bad = 0;
+        int nonfinite = 0;
 #pragma unroll
         for (int db = 0; db < DB; ++db)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) bad |= !(fabsf(o[mt][db][2 * r + e]) < INFINITY);
-        bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
-        bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
-        // (rows past Lq admit every key of the interior tiles: never written, never rerun)
-        if (bad && row_of(mt, 2 * r) < seq.Lq) overflowed |= 1u << (2 * mt + r);
+          for (int e = 0; e < 2; ++e) nonfinite |= !(fabsf(o[mt][db][2 * r + e]) < INFINITY);
+        nonfinite |= __shfl_xor_sync(0xffffffffu, nonfinite, 1);
+        nonfinite |= __shfl_xor_sync(0xffffffffu, nonfinite, 2);
+        bad = bad || nonfinite;
       }
+      // (rows past Lq admit every key of the interior tiles: never written, never redone)
+      if (bad && i < seq.Lq) redo |= 1u << (2 * mt + r);
     }
     if constexpr (kMods) {
       // The sink joins the denominator (and the lse, and the row sums R) as one more score, of
@@ -537,46 +564,41 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
           p.row_sums[rows + i] = huge_lse(lse) ? l[mt][r] * fast_exp(m[mt][r] - lse) : 1.f;
         continue;
       }
+      if (redo >> (2 * mt + r) & 1) continue;  // rerun_row writes it
       const float inv_l = l[mt][r] > 0.f ? 1.f / l[mt][r] : 0.f;
       T* out = static_cast<T*>(p.out) + (rows + i) * p.Ev;
-      if (!(overflowed >> (2 * mt + r) & 1)) {  // (else rerun_row writes it)
 #pragma unroll
-        for (int db = 0; db < DB; ++db)
+      for (int db = 0; db < DB; ++db)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int col = db * 8 + 2 * t + e;
-            if (col < p.Ev) out[col] = from_float<T>(o[mt][db][2 * r + e] * inv_l);
-          }
-      }
+        for (int e = 0; e < 2; ++e) {
+          const int col = db * 8 + 2 * t + e;
+          if (col < p.Ev) out[col] = from_float<T>(o[mt][db][2 * r + e] * inv_l);
+        }
       const float m_nat = fold ? m[mt][r] * p.scale : m[mt][r];  // the scaled scores' row max
-      if (t == 0) p.lse[rows + i] = l[mt][r] > 0.f ? m_nat + logf(l[mt][r]) : -INFINITY;
+      // (saturated at float's lowest as rerun_row's: a folded row's raw max times a huge scale
+      // may pass it, and -inf would tell the backward the row has no key, P = 0 unflagged)
+      if (t == 0)
+        p.lse[rows + i] = l[mt][r] > 0.f ? fmaxf(m_nat + logf(l[mt][r]), -3.402823466e38f)
+                                         : -INFINITY;
     }
   }
 
-  if constexpr (kMayOverflowO<T>) {
-    if (__syncthreads_or(overflowed != 0)) {
-      // The overflowed rows' max and sum through shared memory (the key tiles' stages are
-      // free), l = 0 for the others; then each warp reruns rows of the tile, one at a time.
-      float* const row_m = reinterpret_cast<float*>(Ks);
-      float* const row_l = row_m + kBM;
-      for (int r = threadIdx.x; r < kBM; r += kThreads) row_l[r] = 0.f;
-      __syncthreads();
+  if (__syncthreads_or(redo != 0)) {
+    // The rows to redo through shared memory (the key tiles' stages are free); then each warp
+    // reruns rows of the tile, one at a time.
+    int* const row_redo = reinterpret_cast<int*>(Ks);
+    for (int r = threadIdx.x; r < kBM; r += kThreads) row_redo[r] = 0;
+    __syncthreads();
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
-          if (t == 0 && (overflowed >> (2 * mt + r) & 1)) {
-            const int x = row_of(mt, 2 * r) - i0;
-            row_m[x] = fold ? m[mt][r] * p.scale : m[mt][r];
-            row_l[x] = l[mt][r];
-          }
-      __syncthreads();
-      for (int x = warp; x < kBM; x += C::kWarps)
-        if (row_l[x] > 0.f)
-          rerun_row<T, D, kMods>(p, seq, b, h, Qs + x * LD, k, v,
-                                 static_cast<T*>(p.out) + (rows + i0 + x) * p.Ev, i0 + x, row_m[x],
-                                 row_l[x], slope, key_bh);
-    }
+      for (int r = 0; r < 2; ++r)
+        if (t == 0 && (redo >> (2 * mt + r) & 1)) row_redo[row_of(mt, 2 * r) - i0] = 1;
+    __syncthreads();
+    for (int x = warp; x < kBM; x += C::kWarps)
+      if (row_redo[x])
+        rerun_row<T, D, kMods>(p, seq, b, h, Qs + x * LD, k, v, rows + i0 + x, i0 + x, slope,
+                               key_bh);
   }
 }
 
