@@ -318,13 +318,17 @@ LOWEST = torch.finfo(torch.float32).min
 
 
 def past_range_run(q, k, v, do, mask, kw, backend):
-    """(out, lse, dq, dk, dv) of out . do on `backend`: the inputs' dtype for cuda, float64 for
-    the reference (the same dropout seed)."""
+    """(out, lse, dq, dk, dv, then dsinks with sinks) of out . do on `backend`: the inputs'
+    dtype for cuda, float64 for the reference (the same dropout seed)."""
     cast = (lambda t: t) if backend == "cuda" else (lambda t: t.double())  # noqa: E731
     leaves = [cast(t).detach().requires_grad_() for t in (q, k, v)]
     if mask is not None and mask.dtype != torch.bool:
         mask = cast(mask)
-    out, lse = seeded(attnx.scaled_dot_product_attention, 5, *leaves, attn_mask=mask,
+    kw = dict(kw)
+    if "sinks" in kw:
+        kw["sinks"] = cast(kw["sinks"]).detach().requires_grad_()
+        leaves.append(kw["sinks"])
+    out, lse = seeded(attnx.scaled_dot_product_attention, 5, *leaves[:3], attn_mask=mask,
                       backend=backend, enable_gqa=True, return_lse=True, **kw)
     return (out, lse, *torch.autograd.grad(out, leaves, cast(do)))
 
@@ -420,23 +424,33 @@ def test_sdpa_every_score_past_float32s_lowest(case):
         assert (got[1] == LOWEST).all(), "lse: not saturated at float32's lowest"
 
 
-@pytest.mark.parametrize("kw", [{}, dict(is_causal=True)], ids=["plain", "causal"])
-def test_sdpa_tied_scores_past_float32s_range(kw):
-    """q and k of 2^64 e_0 (bf16): every score 2^128 / 8, past float32's range in the raw
-    product. The softmax is uniform over each row's keys, so dV (the mean of dO over the rows
-    that see a key) and dK (scale 2^64 sum_i dS_ij in column 0) are far from 0 and held to 2%
-    of their largest, where the one-key softmax of the other tests leaves them near 0."""
+@pytest.mark.parametrize("case", ["plain", "causal", "sinks", "alibi"])
+def test_sdpa_tied_scores_past_float32s_range(case):
+    """q and k of 2^64 e_0 (bf16): every score 2^128 / 8 = 2^125, past float32's range in the
+    raw product. The softmax is uniform over each row's keys, so dV (the mean of dO over the
+    rows that see a key) and dK (scale 2^64 sum_i dS_ij in column 0) are far from 0 and held
+    to 2% of their largest, where the one-key softmax of the other tests leaves them near 0.
+    sinks: each of 2^125 (float32, exact), one more tied score: its share and gradient are
+    not 0 either. alibi: slopes of 2^119 make each row's diagonal key the only one that counts
+    (out = its value), where a rerun without them would average."""
     q = torch.zeros(1, 4, 9, 64, dtype=torch.float64)
     k = torch.zeros(1, 2, 150, 64, dtype=torch.float64)
     q[..., 0] = k[..., 0] = 2.0 ** 64
     (_, _, v, do), _ = past_range_inputs(2)
     q, k = q.to(DEV, torch.bfloat16), k.to(DEV, torch.bfloat16)
+    kw = {"plain": {}, "causal": dict(is_causal=True),
+          "sinks": dict(sinks=torch.full((4,), 2.0 ** 125, device=DEV)),
+          "alibi": dict(alibi_slopes=torch.full((4,), 2.0 ** 119, device=DEV))}[case]
     got = past_range_run(q, k, v, do, None, kw, "cuda")
     gold = past_range_run(q, k, v, do, None, kw, "reference")
     assert_past_range(got, gold, q, k, v, do, 1 / 8)
-    for name, g, w in (("out", got[0], gold[0]), ("dk", got[3], gold[3]), ("dv", got[4], gold[4])):
-        err = (g.double() - w).abs().max() / w.abs().max()
+    checked = [("out", 0), ("dv", 4)] + ([] if case == "alibi" else [("dk", 3)])
+    checked += [("dsinks", 5)] if case == "sinks" else []
+    for name, x in checked:
+        err = (got[x].double() - gold[x]).abs().max() / gold[x].abs().max()
         assert err <= 2e-2, f"{name}: max error {err:.3g} of its largest"
+    if case == "alibi":
+        torch.testing.assert_close(got[0], v[:, [0, 0, 1, 1], :9], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("case", ["folded", "folded-negative", "float-mask"])
