@@ -809,7 +809,10 @@ def test_sdpa_scores_past_float32s_range(dtype, mods):
 def test_sdpa_every_score_past_float32s_lowest(dtype):
     """Every score of every row under float32's lowest (-4.5e38 to -1.8e39 scaled), each row's
     largest on key 0: float32 takes every score as -inf, rows as empty (zeros, lse -inf) unless
-    caught. 40 keys, in-band blocks and an edge block; causal too (its edge blocks mask)."""
+    caught. 40 keys, in-band blocks and an edge block; causal too (its edge blocks mask). With
+    a (zero) float mask or ALiBi the backward works in natural units, where the saturated lse
+    looks like a Hugging Face row's: its pre-pass flags the rows whose terms all came out 0 (it
+    gave dv = 0 unflagged)."""
     gen = torch.Generator().manual_seed(1)
     a = (1.0 + torch.arange(9, dtype=f64) / 8)[:, None] * 6e19
     b = (1.0 + torch.arange(40, dtype=f64) / 40)[:, None] * 6e19
@@ -817,9 +820,11 @@ def test_sdpa_every_score_past_float32s_lowest(dtype):
     q = (a * u).expand(1, 2, 9, 64).to(DEVICE, dtype)
     k = (-b * u).expand(1, 2, 40, 64).to(DEVICE, dtype)
     v, do = _randn((1, 2, 40, 64), dtype, gen), _randn((1, 2, 9, 64), dtype, gen)
-    for kw in ({}, dict(is_causal=True)):
-        got = _past_range_grads(q, k, v, do, None, kw, None)
-        gold = _past_range_grads(q, k, v, do, None, kw, f64)
+    zeros = torch.zeros((1, 2, 9, 40), dtype=dtype, device=DEVICE)
+    alibi = dict(alibi_slopes=torch.tensor([1e-3, 2e-3], device=DEVICE))
+    for mask, kw in ((None, {}), (None, dict(is_causal=True)), (zeros, {}), (None, alibi)):
+        got = _past_range_grads(q, k, v, do, mask, kw, None)
+        gold = _past_range_grads(q, k, v, do, mask, kw, f64)
         _assert_past_range(got, gold, q, k, v, do, 1 / 8)
         torch.testing.assert_close(got[0][..., -1, :].double(), v[:, :, 0].double(),
                                    atol=0, rtol=0)  # key 0's value, exactly

@@ -498,7 +498,7 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS, FLAG,
     FLAGGED: rows of lse past common.LSE_LIMIT (+inf: scores past float32's range,
     sdpa_fwd_rerun), or under its negative in log2 units, set FLAG, for sdpa_bwd_rerun. (In
     natural units an lse near float32's lowest, a row under a bias of float32's lowest as Hugging
-    Face's masks hold, is no overflow.)"""
+    Face's masks hold, is no overflow; a huge row whose r came out 0 is, and sets FLAG too.)"""
     m0, bh, b, h, hk = _query_program(H, Lq, GROUPS, BLOCK_M)
     if VARLEN:  # as in the forward
         q0, k0, Lq, Lk, window_lo, window_hi = _sequence(CU_Q, CU_K, b, window_lo, window_hi)
@@ -541,6 +541,14 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS, FLAG,
                      offs_n[None, :], SOFTCAP, ALIBI)[0]
         s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
         total += tl.sum(tl.math.exp2(tl.minimum((s - lse[:, None]) * LOG2E, 0.0)), 1)
+    if FLAGGED:
+        # A huge row whose every term came out 0 has scores under float32's lowest (-inf here),
+        # its lse saturated there (sdpa_fwd_rerun): in natural units (a float mask, softcap,
+        # ALiBi) the test on lse above cannot tell it from a row under Hugging Face's lowest
+        # bias, whose largest score is within log(Lk) of its lse (a term of 1 / Lk at least).
+        lost = huge & (total == 0.0) & row_ok
+        if tl.max(lost.to(tl.int32), 0) > 0:
+            tl.store(FLAG, 1)
     r = tl.where(huge & (total > 0.0), total, 1.0)
     o = load_tile(Ob + b * sob + h * soh + offsets(offs_m, offs_dv, som, sod), offs_m, offs_dv,
                   Lq, Ev, True, PAD_D).to(tl.float32)
