@@ -106,20 +106,26 @@ __device__ __forceinline__ float sink_log2(const ScoreMods& m, int h) {
   return m.sinks != nullptr ? m.sinks[h] * kLog2e : -INFINITY;
 }
 
-// Where key `pos` of sequence b, kv head kvh lies in the cache (through the block table when
-// paged): its K and V offsets, -1 for a block outside [0, num_blocks).
-__device__ __forceinline__ void key_offsets(const KvcacheParams& p, int b, int kvh, int64_t pos,
-                                            int64_t* ko, int64_t* vo) {
-  int64_t blk = b, slot = pos;
-  if (p.block_size > 0) {
-    blk = p.table[b * p.table_stride + pos / p.block_size];
-    slot = pos % p.block_size;
-  }
+// Where slot `slot` of cache block (or sequence) `blk`, kv head kvh, lies: its K and V offsets,
+// -1 for a block outside [0, num_blocks) (a paged cache's table may hold any int).
+__device__ __forceinline__ void slot_offsets(const KvcacheParams& p, int64_t blk, int kvh,
+                                             int64_t slot, int64_t* ko, int64_t* vo) {
   *ko = *vo = -1;
   if (blk >= 0 && (p.block_size == 0 || blk < p.num_blocks)) {
     *ko = blk * p.sk.b + kvh * p.sk.h + slot * p.sk.l;
     *vo = blk * p.sv.b + kvh * p.sv.h + slot * p.sv.l;
   }
+}
+
+// Where key `pos` of sequence b, kv head kvh lies in the cache (through the block table when
+// paged).
+__device__ __forceinline__ void key_offsets(const KvcacheParams& p, int b, int kvh, int64_t pos,
+                                            int64_t* ko, int64_t* vo) {
+  if (p.block_size > 0)
+    slot_offsets(p, p.table[b * p.table_stride + pos / p.block_size], kvh, pos % p.block_size,
+                 ko, vo);
+  else
+    slot_offsets(p, b, kvh, pos, ko, vo);
 }
 
 // Row (b, h, i) of out and lse (`row`, flattened) again, by one warp, from float64 scores:
@@ -147,16 +153,13 @@ __device__ __forceinline__ void rerun_row(const KvcacheParams& p, int b, int h, 
     int64_t page = j_lo / bs, slot = j_lo % bs;
 #pragma unroll 1
     for (int64_t j = j_lo; j <= j_hi; ++j) {
-      const int64_t blk = p.block_size > 0 ? p.table[b * p.table_stride + page] : b;
-      if (blk >= 0 && (p.block_size == 0 || blk < p.num_blocks)) {
-        const T* k = static_cast<const T*>(p.k) + blk * p.sk.b + kvh * p.sk.h + slot * p.sk.l;
-        double x = 0.0;
-#pragma unroll 1
-        for (int c = lane; c < p.E; c += 32) x += double(to_float(q[c])) * double(to_float(k[c]));
-#pragma unroll
-        for (int w = 16; w >= 1; w /= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
-        x = modified_score_f64(x * double(p.scale), p.mods, slope, fabs(double(j - diag)));
-        f(x, static_cast<const T*>(p.v) + blk * p.sv.b + kvh * p.sv.h + slot * p.sv.l);
+      int64_t ko, vo;
+      slot_offsets(p, p.block_size > 0 ? p.table[b * p.table_stride + page] : b, kvh, slot, &ko,
+                   &vo);
+      if (ko >= 0) {
+        const double x = warp_dot_d(q, static_cast<const T*>(p.k) + ko, p.E, lane);
+        f(modified_score_f64(x * double(p.scale), p.mods, slope, fabs(double(j - diag))),
+          static_cast<const T*>(p.v) + vo);
       }
       if (++slot == bs) slot = 0, ++page;
     }

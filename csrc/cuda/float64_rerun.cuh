@@ -71,6 +71,9 @@ __device__ __forceinline__ float warp_dot_f(const T* a, const T* b, int n, int l
 template <typename T>
 __device__ __forceinline__ double warp_dot_d(const T* a, const T* b, int n, int lane) {
   double x = 0.0;
+  // not unrolled: the callers are rare rerun paths, and the KV-cache split kernel must keep its
+  // registers (an unrolled float64 loop there spilled)
+#pragma unroll 1
   for (int c = lane; c < n; c += 32) x += double(to_float(a[c])) * double(to_float(b[c]));
 #pragma unroll
   for (int w = 16; w >= 1; w /= 2) x += __shfl_xor_sync(0xffffffffu, x, w);

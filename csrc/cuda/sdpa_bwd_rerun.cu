@@ -258,11 +258,12 @@ cudaError_t launch_rerun(const SdpaParams& p, cudaStream_t stream) {
 cudaError_t sdpa_bwd_rerun(const SdpaParams& p, cudaStream_t stream) {
   if (p.rerun_max == nullptr || p.B == 0 || p.Hq == 0 || p.Lq == 0 || p.Lk == 0)
     return cudaSuccess;
-  // dq_acc's rows: B Hq Lq, or the packed total in Lq's place (query_rows)
-  const int64_t n = int64_t(p.Hq) * p.E * (p.cu_q != nullptr ? p.total_q : int64_t(p.B) * p.Lq);
+  // dq_acc's rows: B Hq Lq, or the packed total in Lq's place (query_rows); E values each
+  const int64_t rows = int64_t(p.Hq) * (p.cu_q != nullptr ? p.total_q : int64_t(p.B) * p.Lq);
+  const int64_t n = rows * p.E;
   const int64_t scan_blocks = std::min<int64_t>((n + 1023) / 1024, 1024);
   cudaError_t err = launch_kernel(sdpa_bwd_dq_scan_kernel, dim3(unsigned(scan_blocks)),
-                                  dim3(256), 0, stream, p, n, n / std::max(p.E, 1));
+                                  dim3(256), 0, stream, p, n, rows);
   if (err != cudaSuccess) return err;
   return p.dtype == DType::Half ? launch_rerun<__half>(p, stream)
                                 : launch_rerun<__nv_bfloat16>(p, stream);
