@@ -103,7 +103,8 @@ def _check_modifiers(softcap, alibi_slopes, sinks, q: torch.Tensor, b: int, hq: 
             raise TypeError(f"sinks: expected None or a torch.Tensor, got {_type_name(sinks)}")
         _check_dense("sinks", sinks)
         if sinks.dtype not in (torch.float32, q.dtype):
-            raise TypeError(f"sinks: expected dtype torch.float32 or {q.dtype} (that of the query), got {sinks.dtype}")
+            also = "" if q.dtype == torch.float32 else f" or {q.dtype} (that of the query)"
+            raise TypeError(f"sinks: expected dtype torch.float32{also}, got {sinks.dtype}")
         if sinks.device != q.device:
             raise TypeError(f"sinks: expected device {q.device} (that of the query), got {sinks.device}")
         if tuple(sinks.shape) != (hq,):

@@ -80,6 +80,11 @@ SDPA_CASES = [
     (dict(query=Q.to_sparse()), TypeError, ["query", "dense", "sparse_coo"]),
     (dict(attn_mask=torch.ones(8, 10).to_sparse()), TypeError, ["attn_mask", "dense", "sparse_coo"]),
     (dict(attn_mask=torch.ones(2, 1, 1, 8, 10)), ValueError, ["attn_mask", "(2, 4, 8, 10)"]),
+    # float32 queries: one dtype named, not "float32 or torch.float32"
+    (dict(sinks=torch.zeros(4, dtype=torch.float64)), TypeError,
+     ["sinks: expected dtype torch.float32, got torch.float64"]),
+    (dict(query=Q.half(), key=K.half(), value=V.half(), sinks=torch.zeros(4, dtype=torch.float64)),
+     TypeError, ["sinks: expected dtype torch.float32 or torch.float16 (that of the query)"]),
 ]
 
 
