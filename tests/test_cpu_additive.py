@@ -150,12 +150,50 @@ def test_large_operands_take_the_exact_path(dtype, kw):
     check_case(dtype, large_operands(), **kw)
 
 
+def small_operands(b, ordinary_rows, seed=0):
+    """q and k rows whose entries are ~1e-4 (tanh in its linear part) against a large v, with
+    or without ordinary rows beside them: the exponential form's error is absolute, ~eps
+    sum_a |v_a| a score, where torch's tanh errs by ~eps |q + k| |v_a| a term (~1000x less
+    here), so pairs of two small rows take the exact path (csrc/cpu/additive_terms.h
+    kSmallRms); a small row against an ordinary one stays on the form (tanh of an ordinary
+    value)."""
+    q, k, value, v = make_inputs(b=b, h=2, lq=9, lk=13, a=40, ev=5, v_heads=True, seed=seed)
+    q[:, :, 1 if ordinary_rows else 0:] *= 1e-4  # row 0 of each head ordinary, or none
+    k[:, :, :-2 if ordinary_rows else None] *= 1e-4  # the last two keys ordinary, or none
+    q[:, 1, 4] *= 500.0  # RMS ~0.05: small still
+    return [q, k, value, v * 30.0]
+
+
+@pytest.mark.parametrize("heads", ["rows_beforehand", "a_head_a_task"])
+@pytest.mark.parametrize("ordinary_rows", [True, False], ids=["mixed", "all_small"])
+@pytest.mark.parametrize("kw", [{}, {"is_causal": True}], ids=["full", "causal"])
+def test_small_operands_keep_float32s_precision(heads, ordinary_rows, kw):
+    """Against torch's float32 error on the same formula: out was 50-560x it, and dv, summed
+    as sum ds - 2 sum ds r, lost t's precision where every pair is small. Both ways the rows'
+    flags are made: beforehand for the call (few heads) and by the task that takes a head
+    (B H >= 8 heads a thread)."""
+    b = 2 if heads == "rows_beforehand" else 8 * torch.get_num_threads()
+    inputs = small_operands(b, ordinary_rows)
+    golden = run("reference", inputs, torch.float64, **kw)
+    baseline = run("reference", inputs, torch.float32, **kw)
+    actual = run("cpu", inputs, torch.float32, **kw)
+    for name, a, g, base in zip(NAMES, actual, golden, baseline):
+        # (check_case's absolute floor of 1e-5 would pass 100x torch's error on out here; this
+        # one is a few ulp of the largest value.) dvalue: the backward's P = exp(s - lse) errs
+        # by ~eps |lse|, as flash-attention's does, where torch's softmax errs by ~eps; the
+        # ordinary rows' scores reach ~20 against this v: 8-10x torch's error there.
+        floor = 2 * torch.finfo(torch.float32).eps * g.abs().max().item()
+        assert_within(a, g, base, factor=12.0 if name == "dvalue" else 4.0, floor=floor,
+                      what=name)
+
+
 def test_avx2_bodies_match_reference():
     """ATTNX_CPU_AVX512=0 runs the 8-lane AVX2 term kernels, what CPUs without AVX-512 get, on a
     CPU that has it: the same reference checks pass there."""
     skip_unless_avx512()
     rerun_under("ATTNX_CPU_AVX512", __file__,
-                "(matches_reference and float32) or large_operands or thread_counts or fully_masked"
+                "(matches_reference and float32) or large_operands or small_operands or thread_counts"
+                " or fully_masked"
                 " or non_finite or (many_heads and float32)",
                 probe="cpu_vector", expect=("avx2", "baseline"))
 

@@ -11,7 +11,9 @@
 // float32 terms come from e^{2q} and e^{2k}, computed once per row of q and k (additive_terms.h:
 // a reciprocal per term, no tanh): for the whole call before the kernels run, or by the task
 // that takes a head; a row of q or k holding a value past kExpLimit, where the product could
-// overflow, takes the exact tanh loops (additive_rows.h) for its pairs, as float64 does for all.
+// overflow, takes the exact tanh loops (additive_rows.h) for its pairs, as float64 does for all;
+// so does a pair of two rows of small RMS (additive_terms.h kSmallRms), where the form's
+// absolute error would be large against tanh's small values.
 //
 // The backward pass recomputes the row's scores, gets P from the saved lse and
 // D_i = dO_i . out_i (= sum_j P_ij dP_ij, also with dropout; for float64, the 16-bit types and
@@ -104,14 +106,19 @@ at::Tensor in_type(const at::Tensor& x, at::ScalarType acc) {
 }
 
 // One head's rows in the exponential form (float32; additive_terms.h): e^{2q} of its query
-// row i at eq + i ap, e^{2k} of its key j at ek + j ap, and whether those rows take the exact
-// tanh (xq, xk). Empty (eq null: every pair exact) for float64.
+// row i at eq + i ap, e^{2k} of its key j at ek + j ap, and those rows' flags (xq, xk:
+// additive::RowFlags). Empty (eq null: every pair exact) for float64.
 struct HeadRows {
   const float *eq = nullptr, *ek = nullptr;
-  const bool *xq = nullptr, *xk = nullptr;
+  const uint8_t *xq = nullptr, *xk = nullptr;
   int64_t ap = 0;
-  bool exact_q(int64_t i) const { return eq == nullptr || xq[i]; }
-  bool exact_k(int64_t j) const { return xk[j]; }
+  // every pair of query row i takes the exact tanh
+  bool exact_q(int64_t i) const { return eq == nullptr || (xq[i] & additive::kLarge); }
+  bool small_q(int64_t i) const { return eq != nullptr && (xq[i] & additive::kSmall); }
+  // pair (i, j) takes the exact tanh, for a row i with !exact_q(i) and small_i = small_q(i)
+  bool exact_pair(bool small_i, int64_t j) const {
+    return (xk[j] & additive::kLarge) || (small_i && (xk[j] & additive::kSmall));
+  }
   const float* q_row(int64_t i) const { return eq + i * ap; }
   const float* k_row(int64_t j) const { return ek + j * ap; }
 };
@@ -170,9 +177,9 @@ struct Problem {
         // in the kept buffer (kept_buffer.h): fresh pages every call, faulted in by both
         // threads at once, cost 15% of the forward at B = 64, L = 32, A = 256 (2 threads)
         e_rows = std::make_unique<KeptBuffer>(static_cast<size_t>((nq + nk) * ap));
-        exact_flags = std::make_unique<bool[]>(static_cast<size_t>(nq + nk));
+        exact_flags = std::make_unique<uint8_t[]>(static_cast<size_t>(nq + nk));
         float *e_q = e_rows->data(), *e_k = e_q + nq * ap;
-        bool *x_q = exact_flags.get(), *x_k = x_q + nq;
+        uint8_t *x_q = exact_flags.get(), *x_k = x_q + nq;
         const float *q_p = q.data_ptr<float>(), *k_p = k.data_ptr<float>();
         at::parallel_for(0, nq + nk, std::max<int64_t>(1, 16384 / ap), [&](int64_t b0, int64_t b1) {
           for (int64_t r = b0; r < b1; ++r) {
@@ -198,7 +205,7 @@ struct Problem {
             ap};
   }
   // Head bh's rows made into e ((Lq + Lk) ap floats) and x (Lq + Lk flags): float32.
-  HeadRows make_head_rows(int64_t bh, float* e, bool* x) const {
+  HeadRows make_head_rows(int64_t bh, float* e, uint8_t* x) const {
     const float *q_p = q.data_ptr<float>() + bh * Lq * A, *k_p = k.data_ptr<float>() + bh * Lk * A;
     for (int64_t i = 0; i < Lq; ++i) x[i] = additive::exp2x_row(q_p + i * A, A, ap, e + i * ap);
     for (int64_t j = 0; j < Lk; ++j)
@@ -210,10 +217,10 @@ struct Problem {
   // the kernels read them per row and per key.
   int64_t ap;
   std::unique_ptr<KeptBuffer> e_rows;  // e^{2q} rows, then e^{2k} rows
-  std::unique_ptr<bool[]> exact_flags;  // rows of q, then of k, that take the exact tanh
+  std::unique_ptr<uint8_t[]> exact_flags;  // rows of q, then of k: additive::RowFlags
   std::vector<float> vpad, vsum;
   const float *eq_p = nullptr, *ek_p = nullptr, *vpad_p = nullptr, *vsum_p = nullptr;
-  const bool *exact_q_p = nullptr, *exact_k_p = nullptr;
+  const uint8_t *exact_q_p = nullptr, *exact_k_p = nullptr;
   const float* vpad_row(int64_t bh) const { return vpad_p + (bh % H) * ap; }
   float v_sum(int64_t bh) const { return vsum_p[bh % H]; }
 
@@ -269,7 +276,7 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
 template <typename acc_t>
 void add_scores(const Problem<acc_t>& pb, const HeadRows& er, int64_t bh, int64_t i, int64_t j0,
                 int64_t j1, acc_t* s, acc_t* tmp) {
-  const bool fast = !er.exact_q(i);
+  const bool fast = !er.exact_q(i), small = er.small_q(i);
   if constexpr (std::is_same_v<acc_t, float>) {
     if (fast && j1 > j0) {
       additive::exp_scores(er.q_row(i), er.k_row(j0), pb.vpad_row(bh), pb.v_sum(bh), pb.ap,
@@ -280,7 +287,7 @@ void add_scores(const Problem<acc_t>& pb, const HeadRows& er, int64_t bh, int64_
   const acc_t* v = pb.v_row(bh);
   for (int64_t j = j0; j < j1; ++j) {
     if (s[j] == -std::numeric_limits<acc_t>::infinity()) continue;
-    s[j] += fast && !er.exact_k(j) ? tmp[j] : tanh_dot(qi, pb.k_row(bh, j), v, pb.A);
+    s[j] += fast && !er.exact_pair(small, j) ? tmp[j] : tanh_dot(qi, pb.k_row(bh, j), v, pb.A);
   }
 }
 
@@ -311,7 +318,7 @@ bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weig
     constexpr bool in_place = std::is_same_v<scalar_t, float>;
     std::vector<acc_t> s(G * pb.Lk), tmp(pb.Lk), acc(in_place ? 0 : G * pb.Ev);
     line_vector<float> head_e(per_head ? (pb.Lq + pb.Lk) * pb.ap : 0);
-    std::unique_ptr<bool[]> head_x(per_head ? new bool[pb.Lq + pb.Lk] : nullptr);
+    std::unique_ptr<uint8_t[]> head_x(per_head ? new uint8_t[pb.Lq + pb.Lk] : nullptr);
     // rows [i0, i1) of head bh
     const auto group = [&](const HeadRows& er, int64_t bh, int64_t i0, int64_t i1) {
       const int64_t b = bh / pb.H, h = bh % pb.H;
@@ -446,8 +453,8 @@ struct Upstream {
 // Per-thread scratch of the backward: row buffers of Lk and ap values.
 template <typename acc_t>
 struct RowScratch {
-  std::vector<acc_t> s, tmp, ds, t, dvr;
-  RowScratch(int64_t Lk, int64_t ap) : s(Lk), tmp(Lk), ds(Lk), t(ap), dvr(ap) {}
+  std::vector<acc_t> s, tmp, ds, t, dvr, dvt;
+  RowScratch(int64_t Lk, int64_t ap) : s(Lk), tmp(Lk), ds(Lk), t(ap), dvr(ap), dvt(ap) {}
 };
 
 // dk (rows of ap values) and dq hold sums of ds u (additive_terms.h): the factor 4 v[a] is
@@ -499,7 +506,6 @@ void backward_rows(const Problem<acc_t>& pb, const Upstream<acc_t>& up, int64_t 
     }
     // grad_lse carries the weights' part of D too (csrc/ops.cpp)
     if (up.grad_lse != nullptr) D -= up.grad_lse[r];
-    acc_t ds_sum = 0;
     for (int64_t j = j0; j < j1; ++j) {
       ds[j] = 0;
       if (s[j] == ninf) continue;
@@ -509,30 +515,33 @@ void backward_rows(const Problem<acc_t>& pb, const Upstream<acc_t>& up, int64_t 
       const acc_t dp =
           dot(doi, pb.value_row(bh, j), pb.Ev) + (dwi != nullptr ? dwi[j] : acc_t(0));
       ds[j] = p * (keep * dp - D);
-      ds_sum += ds[j];
       if (pd != acc_t(0)) axpy(pd, doi, dvalue + j * pb.Ev, pb.Ev);
       if (g.dmask) g.dmask[r * pb.Lk + j] = ds[j];
     }
-    // the terms' gradients: exact pairs first (their ds then cleared), the rest at once
+    // the terms' gradients: exact pairs first (their ds then cleared; dv's part summed as
+    // ds t in dvt), the rest at once (dv's part sum ds - 2 sum ds r, from dvr)
     acc_t* dqi = g.dq + r * pb.ap;
-    acc_t* dvr = w.dvr.data();
+    acc_t *dvr = w.dvr.data(), *dvt = w.dvt.data();
     std::fill(w.dvr.begin(), w.dvr.end(), acc_t(0));
+    std::fill(w.dvt.begin(), w.dvt.end(), acc_t(0));
     const acc_t* qi = pb.q_row(bh, i);
     const acc_t* v = pb.v_row(bh);
-    const bool fast = !er.exact_q(i);
+    const bool fast = !er.exact_q(i), small = er.small_q(i);
     for (int64_t j = j0; j < j1; ++j) {
-      if (ds[j] == acc_t(0) || (fast && !er.exact_k(j))) continue;
+      if (ds[j] == acc_t(0) || (fast && !er.exact_pair(small, j))) continue;
       tanh_dot_keep(qi, pb.k_row(bh, j), v, w.t.data(), pb.A);
-      grad_terms(w.t.data(), ds[j], dqi, dk + j * pb.ap, dvr, pb.A);
+      grad_terms(w.t.data(), ds[j], dqi, dk + j * pb.ap, dvt, pb.A);
       ds[j] = 0;
     }
+    acc_t ds_sum = 0;  // of the pairs left to the exponential form
+    for (int64_t j = j0; j < j1; ++j) ds_sum += ds[j];
     if constexpr (std::is_same_v<acc_t, float>) {
       if (fast && j1 > j0) {
         additive::exp_grads(er.q_row(i), er.k_row(j0), ds + j0, pb.ap, j1 - j0, dqi,
                             dk + j0 * pb.ap, dvr);
       }
     }
-    for (int64_t a = 0; a < pb.A; ++a) dv[a] += ds_sum - 2 * dvr[a];
+    for (int64_t a = 0; a < pb.A; ++a) dv[a] += ds_sum - 2 * dvr[a] + dvt[a];
   }
 }
 

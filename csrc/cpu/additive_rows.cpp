@@ -107,7 +107,7 @@ ATTNX_CLONES float tanh_dot_keep(const float* q, const float* k, const float* v,
   return s;
 }
 
-ATTNX_CLONES void grad_terms(const float* t, float ds, float* dq, float* dk, float* dvr,
+ATTNX_CLONES void grad_terms(const float* t, float ds, float* dq, float* dk, float* dvt,
                              int64_t n) {
   int64_t a = 0;
   for (; a + kLanes <= n; a += kLanes) {
@@ -115,13 +115,13 @@ ATTNX_CLONES void grad_terms(const float* t, float ds, float* dq, float* dk, flo
     const vfloat g = (0.25f * ds) * ((1.0f - th) * (1.0f + th));
     store(dq + a, load(dq + a) + g);
     store(dk + a, load(dk + a) + g);
-    store(dvr + a, load(dvr + a) + (0.5f * ds) * (1.0f - th));
+    store(dvt + a, load(dvt + a) + ds * th);
   }
   for (; a < n; ++a) {
     const float g = 0.25f * ds * ((1.0f - t[a]) * (1.0f + t[a]));
     dq[a] += g;
     dk[a] += g;
-    dvr[a] += 0.5f * ds * (1.0f - t[a]);
+    dvt[a] += ds * t[a];
   }
 }
 
@@ -158,12 +158,12 @@ double tanh_dot_keep(const double* q, const double* k, const double* v, double* 
   return s;
 }
 
-void grad_terms(const double* t, double ds, double* dq, double* dk, double* dvr, int64_t n) {
+void grad_terms(const double* t, double ds, double* dq, double* dk, double* dvt, int64_t n) {
   for (int64_t a = 0; a < n; ++a) {
     const double g = 0.25 * ds * ((1.0 - t[a]) * (1.0 + t[a]));
     dq[a] += g;
     dk[a] += g;
-    dvr[a] += 0.5 * ds * (1.0 - t[a]);
+    dvt[a] += ds * t[a];
   }
 }
 

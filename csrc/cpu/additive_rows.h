@@ -15,11 +15,12 @@ double tanh_dot(const double* q, const double* k, const double* v, int64_t n);
 float tanh_dot_keep(const float* q, const float* k, const float* v, float* t, int64_t n);
 double tanh_dot_keep(const double* q, const double* k, const double* v, double* t, int64_t n);
 
-// The gradient of one score s = sum_a v[a] t[a] with d(loss)/ds = ds, in the units of
-// exp_grads (additive_terms.h): with r = (1 - t) / 2 and u = (1 - t^2) / 4,
-// dq[a] += ds u, dk[a] += ds u, dvr[a] += ds r.
-void grad_terms(const float* t, float ds, float* dq, float* dk, float* dvr, int64_t n);
-void grad_terms(const double* t, double ds, double* dq, double* dk, double* dvr, int64_t n);
+// The gradient of one score s = sum_a v[a] t[a] with d(loss)/ds = ds: with u = (1 - t^2) / 4,
+// dq[a] += ds u, dk[a] += ds u (the units of exp_grads, additive_terms.h), dvt[a] += ds t (v's
+// gradient itself: not exp_grads' ds r, whose sum - 2 sum ds r loses t's precision where
+// |t| is small).
+void grad_terms(const float* t, float ds, float* dq, float* dk, float* dvt, int64_t n);
+void grad_terms(const double* t, double ds, double* dq, double* dk, double* dvt, int64_t n);
 
 // y[a] += alpha * x[a].
 void axpy(float alpha, const float* x, float* y, int64_t n);

@@ -74,7 +74,7 @@ ATTNX_BODY vf<W> exp_body(vf<W> y) {
 }
 
 template <int W>
-ATTNX_BODY bool exp2x_row_body(const float* x, int64_t n, int64_t ap, float* e) {
+ATTNX_BODY uint8_t exp2x_row_body(const float* x, int64_t n, int64_t ap, float* e) {
   // |x| > kExpLimit or NaN without a comparison (GCC compiled the vector compares here lane by
   // lane, 32 scalar compares a vector: half the forward's time at B = 64, L = 32): |x|'s bits
   // plus 0x7FFFFFFF - kExpLimit's bits carry into the top bit exactly there (NaN's bits are the
@@ -83,10 +83,12 @@ ATTNX_BODY bool exp2x_row_body(const float* x, int64_t n, int64_t ap, float* e) 
   std::memcpy(&limit_bits, &kExpLimit, sizeof(limit_bits));
   const vu<W> magnitude = vu<W>{} + 0x7FFFFFFFu, bias = vu<W>{} + (0x7FFFFFFFu - limit_bits);
   vu<W> over{};  // top bit set where some |x| > kExpLimit
+  vf<W> squares{};
   int64_t a = 0;
   for (; a + W <= n; a += W) {
     const vf<W> v = load<W>(x + a);
     over |= (((vu<W>)v) & magnitude) + bias;
+    squares += v * v;
     store<W>(e + a, exp_body<W>(v + v));
   }
   bool exact = false;
@@ -95,11 +97,16 @@ ATTNX_BODY bool exp2x_row_body(const float* x, int64_t n, int64_t ap, float* e) 
     vf<W> v = vf<W>{};
     std::memcpy(&v, x + a, (n - a) * sizeof(float));
     for (int64_t l = 0; l < n - a; ++l) exact |= !(std::abs(x[a + l]) <= kExpLimit);
+    squares += v * v;  // (zeros past n)
     const vf<W> ev = exp_body<W>(v + v);
     std::memcpy(e + a, &ev, (n - a) * sizeof(float));
   }
   for (a = n; a < ap; ++a) e[a] = 1.0f;
-  return exact;
+  float sum = 0.0f;
+  for (int l = 0; l < W; ++l) sum += squares[l];
+  // (a NaN sum is not small; such a row is kLarge anyway)
+  const bool small = n > 0 && sum < kSmallRms * kSmallRms * static_cast<float>(n);
+  return (exact ? kLarge : 0) | (small ? kSmall : 0);
 }
 
 template <int W, bool kRcp>
@@ -280,10 +287,10 @@ ATTNX_AVX2 void weighted_sums_avx2(const float* p, int64_t ps, int64_t g, const 
                                    int64_t n, int64_t ev, float* out, int64_t os) {
   weighted_sums_any<8>(p, ps, g, rows, n, ev, out, os);
 }
-ATTNX_AVX512 bool exp2x_row_avx512(const float* x, int64_t n, int64_t ap, float* e) {
+ATTNX_AVX512 uint8_t exp2x_row_avx512(const float* x, int64_t n, int64_t ap, float* e) {
   return exp2x_row_body<16>(x, n, ap, e);
 }
-ATTNX_AVX2 bool exp2x_row_avx2(const float* x, int64_t n, int64_t ap, float* e) {
+ATTNX_AVX2 uint8_t exp2x_row_avx2(const float* x, int64_t n, int64_t ap, float* e) {
   return exp2x_row_body<8>(x, n, ap, e);
 }
 ATTNX_AVX512 double term_seconds_avx512(int64_t terms) {
@@ -310,7 +317,7 @@ int width() {
 
 }  // namespace
 
-bool exp2x_row(const float* x, int64_t n, int64_t ap, float* e) {
+uint8_t exp2x_row(const float* x, int64_t n, int64_t ap, float* e) {
   ATTNX_PICK(exp2x_row, x, n, ap, e);
   return exp2x_row_body<8>(x, n, ap, e);
 }
