@@ -440,10 +440,13 @@ def _probs(qk, ok, m_ptrs, lse, sc, cap, slope, offs_i, offs_j, EDGE: tl.constex
     more a recomputed score's rounding moves them by hundreds, and exp2 overflowed to inf, NaN
     in every gradient; the pre-pass's row sums take the same clamp. The clamp keeps NaN (a score
     past float32's range, inf - inf in a dot: fmin's 0 would give P = 1), so that the gradients
-    come out NaN and sdpa_bwd_rerun redoes them."""
+    come out NaN and sdpa_bwd_rerun redoes them. On the modifier and float-mask path an inf score
+    is NaN too (common.admitted, as in the forward): the softcap would take it as +-cap, finite,
+    whatever the sign of the true score, where a dot's partial sums overflowed (the lse is then
+    ordinary, and nothing else flags the row)."""
     t = qk
     if (MASK_KIND == 2 or SOFTCAP) or ALIBI:
-        s, t = modified(qk * sc, cap, slope, offs_i, offs_j, SOFTCAP, ALIBI)
+        s, t = modified(admitted(qk * sc), cap, slope, offs_i, offs_j, SOFTCAP, ALIBI)
         if MASK_KIND == 2:
             s += tl.load(m_ptrs, mask=ok, other=0.0).to(tl.float32)
         if MASK_KIND == 1:
