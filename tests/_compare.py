@@ -34,3 +34,19 @@ def causal_varlen_run(q, k, v, do, cu_q, cu_k, backend, dtype):
     out, lse = attnx.varlen_attention(*leaves, cu_q, cu_k, is_causal=True, backend=backend,
                                       return_lse=True)
     return (out, lse, *torch.autograd.grad(out, leaves, do.to(dtype)))
+
+
+def wrong_sign_qk(hq, lq, hkv, lk, e=128):
+    """float64 q, k whose dot overflows float32 with the wrong sign where summed in order:
+    the first 16 products, 1e38 each, pass float32's largest (+inf, a k16 MMA chunk's or a
+    sum's in order), the other e - 16, -2e37 each (-3.2e38 a chunk of 16: finite), bring the
+    true score to -6.4e38 at e = 128. Key 0 is ordinary (~1e-19 entries): its score ~10.
+    Under a softcap every such score is -cap; float32's +inf makes it +cap, finite, unflagged
+    (the lse stays ordinary) where not taken as an overflow. (The golden is the reference in
+    float64, with these values cast to the tested dtype first.)"""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.full((1, hq, lq, e), 1e19, dtype=torch.float64)
+    k = torch.full((1, hkv, lk, e), -2e18, dtype=torch.float64)
+    k[..., :16] = 1e19
+    k[:, :, 0] = torch.randn(hkv, e, generator=gen, dtype=torch.float64) * 1e-19
+    return q, k

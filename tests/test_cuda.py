@@ -22,7 +22,7 @@ from torch.nn.attention.bias import CausalBias
 import attnx
 from attnx import _ops
 from attnx._backends import reference
-from tests._compare import assert_within, causal_varlen_run
+from tests._compare import assert_within, causal_varlen_run, wrong_sign_qk
 
 from attnx._backends import cuda as cuda_backend
 
@@ -422,6 +422,20 @@ def test_sdpa_every_score_past_float32s_lowest(case):
     else:
         torch.testing.assert_close(got[0][..., -1, :], v[:, :, 0], atol=0, rtol=0)  # key 0's
         assert (got[1] == LOWEST).all(), "lse: not saturated at float32's lowest"
+
+
+def test_sdpa_softcap_of_an_overflow_whose_sign_is_wrong():
+    """A softcap over scores whose float32 dot overflowed to +inf while the true score is
+    -6.4e38 (_compare.wrong_sign_qk): the cap took +inf as +5 (out and dV wrong, finite, the
+    lse ordinary: nothing flagged it); now an inf score under a softcap is NaN (common.cuh
+    modified_score), which the forward's rerun and the backward's flag catch. 40 keys:
+    interior tiles and an edge tile."""
+    gen = torch.Generator().manual_seed(4)
+    q, k = (t.to(DEV, torch.bfloat16) for t in wrong_sign_qk(2, 9, 2, 40))
+    v, do = (torch.randn(1, 2, n, 128, generator=gen).to(DEV, torch.bfloat16) for n in (40, 9))
+    kw = dict(softcap=5.0, scale=1.0)
+    got = past_range_run(q, k, v, do, None, kw, "cuda")
+    assert_past_range(got, past_range_run(q, k, v, do, None, kw, "reference"), q, k, v, do, 1.0)
 
 
 @pytest.mark.parametrize("case", ["plain", "causal", "sinks", "alibi"])

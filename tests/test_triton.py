@@ -30,7 +30,7 @@ from attnx.triton.sdpa_bwd_rerun import _narrow  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from _compare import assert_within, causal_varlen_run, max_err  # noqa: E402
+from _compare import assert_within, causal_varlen_run, max_err, wrong_sign_qk  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 SEED = 1234
@@ -802,6 +802,22 @@ def test_sdpa_scores_past_float32s_range(dtype, mods):
     kw, mask = _past_range_call(mods, dtype, gen, 9, 40)
     got = _past_range_grads(q, k, v, do, mask, kw, None)
     _assert_past_range(got, _past_range_grads(q, k, v, do, mask, kw, f64), q, k, v, do, 1 / 8)
+
+
+@near_max
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_sdpa_softcap_of_an_overflow_whose_sign_is_wrong(dtype):
+    """A softcap over scores whose float32 dot may overflow to +inf while the true score is
+    -6.4e38 (_compare.wrong_sign_qk; whether it does depends on the dot's summation order, the
+    interpreter's numpy BLAS's here): the backward took such an inf as +cap, finite (dV wrong,
+    unflagged, the lse ordinary); now an inf score on the modifier path is NaN there as in the
+    forward (common.admitted), which flags the float64 rerun."""
+    q, k = (t.to(dtype) for t in wrong_sign_qk(2, 9, 2, 40))
+    gen = torch.Generator().manual_seed(4)
+    v, do = _randn((1, 2, 40, 128), dtype, gen), _randn((1, 2, 9, 128), dtype, gen)
+    kw = dict(softcap=5.0, scale=1.0)
+    got = _past_range_grads(q, k, v, do, None, kw, None)
+    _assert_past_range(got, _past_range_grads(q, k, v, do, None, kw, f64), q, k, v, do, 1.0)
 
 
 @near_max
