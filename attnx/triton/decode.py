@@ -86,7 +86,7 @@ def _split_kernel(Q, K, V, LENS, TABLE, O_PART, LSE_PART, SLOPES, FLAG,
         diff = j[None, :] - (i[:, None] + d)
         # +-inf scores (past float32's range) as NaN: flagged below, not taken as they are
         s, _ = common.modified(common.admitted(common.dot(q, k, DOT_PREC) * scale), cap, slope,
-                               diff, 0, SOFTCAP, ALIBI)
+                               diff, 0, SOFTCAP, ALIBI, DOT_PREC == common.FP32_DOT)
         if ALIBI:
             s = common.admitted(s)
         ok = valid[None, :] & row_ok[:, None] & (diff >= window_lo) & (diff <= window_hi)

@@ -56,7 +56,8 @@ def _scores(q, q2, K, b, g, i, d, j, valid, offs_d, offs_d2, TABLE, stb, stn, pa
         kt2 = _cache_tile(K, b, g, j, valid, offs_d2, TABLE, stb, stn, page, skb, skh, skn, skd,
                           E, PAGED, True)
     diff = j[None, :] - (i[:, None] + d)
-    s, _ = modified(_dot2(q, q2, kt, kt2, BLOCK_D2) * scale, cap, slope, diff, 0, SOFTCAP, ALIBI)
+    s, _ = modified(_dot2(q, q2, kt, kt2, BLOCK_D2) * scale, cap, slope, diff, 0, SOFTCAP, ALIBI,
+                    False)  # (float64: the exp form's 1e-16 suffices)
     ok = valid[None, :] & (i[:, None] < Lq) & (diff >= window_lo) & (diff <= window_hi)
     return tl.where(ok, s, float("-inf"))
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device
 from . import common
-from .common import (LN2, LOG2E, LSE_LIMIT, OVERFLOW_SHIFT, RERUN_BLOCK_N, admit, admitted, dot,
+from .common import (FP32_DOT, LN2, LOG2E, LSE_LIMIT, OVERFLOW_SHIFT, RERUN_BLOCK_N, admit, admitted, dot,
                      dot_acc, flag_nonfinite, huge_rows, inner_range, key_range, load_tile,
                      modified, offsets, overflowed, query_range, scores_overflowed, second_chunk,
                      shift_exponent, softmax_start, store_out, store_rows, tile_and_head)
@@ -227,7 +227,7 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
             ok = row_ok[:, None]  # only read by the mask loads
         if (MASK_KIND == 2 or SOFTCAP) or ALIBI:  # natural units (Triton takes no a or b or c)
             s, _ = modified(admitted(qk * sc), cap, slope, offs_m[:, None] + shift,
-                            offs_n[None, :], SOFTCAP, ALIBI)
+                            offs_n[None, :], SOFTCAP, ALIBI, DOT_PREC == FP32_DOT)
             if MASK_KIND == 2:  # -inf biases refuse; a finite one's sum stays admitted
                 bias = tl.load(m_base + offsets(offs_m, offs_n, smm, smn), mask=ok,
                                other=0.0).to(tl.float32)
@@ -429,7 +429,8 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS, FLAG,
 
 @triton.jit
 def _probs(qk, ok, m_ptrs, lse, sc, cap, slope, offs_i, offs_j, EDGE: tl.constexpr,
-           MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+           MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+           FP32_INPUTS: tl.constexpr):
     """(probabilities of a score tile qk (q . k, unscaled) from the saved lse, broadcast to the
     tile's shape (+inf on empty rows, so they come out 0); the softcap's tanh, common.modified).
     ok: admissible pairs on EDGE tiles, else where the mask may be read; offs_i, offs_j: the
@@ -446,7 +447,8 @@ def _probs(qk, ok, m_ptrs, lse, sc, cap, slope, offs_i, offs_j, EDGE: tl.constex
     ordinary, and nothing else flags the row)."""
     t = qk
     if (MASK_KIND == 2 or SOFTCAP) or ALIBI:
-        s, t = modified(admitted(qk * sc), cap, slope, offs_i, offs_j, SOFTCAP, ALIBI)
+        s, t = modified(admitted(qk * sc), cap, slope, offs_i, offs_j, SOFTCAP, ALIBI,
+                        FP32_INPUTS)
         if MASK_KIND == 2:
             s += tl.load(m_ptrs, mask=ok, other=0.0).to(tl.float32)
         if MASK_KIND == 1:
@@ -541,7 +543,7 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS, FLAG,
         kt = load_tile(k_base + offsets(offs_d, offs_n, skd, skn), offs_d, offs_n, E, Lk, PAD_D,
                        True)
         s = modified(dot(q, kt, DOT_PREC) * scale, cap, slope, offs_m[:, None] + shift,
-                     offs_n[None, :], SOFTCAP, ALIBI)[0]
+                     offs_n[None, :], SOFTCAP, ALIBI, DOT_PREC == FP32_DOT)[0]
         s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
         total += tl.sum(tl.math.exp2(tl.minimum((s - lse[:, None]) * LOG2E, 0.0)), 1)
     if FLAGGED:
@@ -607,7 +609,7 @@ def _dkdv_blocks(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_bas
             ok = col_ok[:, None]  # only read by the mask loads
         pt, tt = _probs(qkt, ok, m_base + offsets(offs_n, offs_m, smn, smm), lse[None, :], sc,
                         cap, slope, offs_m[None, :] + shift, offs_n[:, None], EDGE, MASK_KIND,
-                        SOFTCAP, ALIBI)
+                        SOFTCAP, ALIBI, DOT_PREC == FP32_DOT)
         if DROPOUT:
             if VARLEN:
                 key_row, threshold = _varlen_row_keys(RNG, seq, bh, offs_m)
@@ -798,7 +800,7 @@ def _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, lo, 
             ok = row_ok[:, None]
         p, t = _probs(qk, ok, m_base + offsets(offs_m, offs_n, smm, smn), lse[:, None], sc, cap,
                       slope, offs_m[:, None] + shift, offs_n[None, :], EDGE, MASK_KIND, SOFTCAP,
-                      ALIBI)
+                      ALIBI, DOT_PREC == FP32_DOT)
         if DROPOUT:
             dp = tl.where(keep(key_row, offs_n, threshold), dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])

@@ -126,7 +126,7 @@ def _scores(q, q2, kt, kt2, m_base, offs_m, offs_n, Lq, Lk, smm, smn, scale, win
     """(scores s and the softcap's tanh, float64) of query rows q and keys kt (transposed), as
     the first passes form them: -inf past the band, the keys, the rows and a bool mask."""
     s, t = modified(_dot2(q, q2, kt, kt2, BLOCK_D2) * scale, cap, slope, offs_m[:, None] + shift,
-                    offs_n[None, :], SOFTCAP, ALIBI)
+                    offs_n[None, :], SOFTCAP, ALIBI, False)  # (float64: the exp form suffices)
     return admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi,
                  MASK_KIND), t
 
