@@ -438,6 +438,30 @@ def test_sdpa_softcap_of_an_overflow_whose_sign_is_wrong():
     assert_past_range(got, past_range_run(q, k, v, do, None, kw, "reference"), q, k, v, do, 1.0)
 
 
+def test_sdpa_backward_of_a_row_whose_lse_passed_float32s_range():
+    """A saved lse of +inf (the forward's float64 rerun saturates a row whose scores passed
+    float32's range): the backward's scan (sdpa_bwd_rerun.cu sdpa_bwd_dq_scan_kernel) flags the
+    call, and the float64 passes redo every row from its own max and sum. Unflagged, that row's
+    P = exp(s - inf) is 0 wherever its float32 scores are finite: its dQ 0, its share of dK and
+    dV lost. The lse is planted on ordinary bf16 inputs, so the redone gradients must match the
+    ones of the true lse."""
+    gen = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(1, 2, 17, 64, generator=gen).to(DEV, torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 2, 23, 64, generator=gen).to(DEV, torch.bfloat16) for _ in range(2))
+    window = (-4096, 4096)
+    out, lse = OPS.sdpa_fwd(q, k, v, None, 0.125, *window, 0.0, None)
+    planted = lse.clone()
+    planted[0, 1, 5] = float("inf")
+    want = OPS.sdpa_bwd(do, q, k, v, None, out, lse, 0.125, *window, 0.0, None, False, None)
+    got = OPS.sdpa_bwd(do, q, k, v, None, out, planted, 0.125, *window, 0.0, None, False, None)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert torch.isfinite(g).all(), name
+        # both within bf16's rounding of the true gradient (float32 sums against float64 ones)
+        err = (g.double() - w.double()).abs().max() / w.double().abs().max()
+        assert err <= 2e-2, f"{name}: {err:.3g} of its largest"
+    assert got[0][0, 1, 5].double().abs().max() > 0.1  # the planted row's dQ is not dropped
+
+
 @pytest.mark.parametrize("case", ["plain", "causal", "sinks", "alibi"])
 def test_sdpa_tied_scores_past_float32s_range(case):
     """q and k of 2^64 e_0 (bf16): every score 2^128 / 8 = 2^125, past float32's range in the
