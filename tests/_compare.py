@@ -36,6 +36,29 @@ def causal_varlen_run(q, k, v, do, cu_q, cu_k, backend, dtype):
     return (out, lse, *torch.autograd.grad(out, leaves, do.to(dtype)))
 
 
+def fp16_ds_past_its_range(rows, keys, heads=2, e=16):
+    """float64 q, k, v, dO (packed: (rows, heads, e)) whose fp16 backward forms dS past 65504
+    though every gradient is ~100: q, k ~1e-3 (near-uniform attention over a few keys), values
+    of +-3e4 alternating by key, dO of ones, so dP = dO . v = +-4.8e5 and dS = P (dP - D) ~1e5
+    over 2-3 keys. The fp16 kernels cast dS to half for the dS K and dS^T Q products: inf, and
+    dQ and dK came out NaN; the gradients must match the float64 ones (the call's float64 rerun
+    redoes them)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, heads, e, generator=gen, dtype=torch.float64) * 1e-3
+    k = torch.randn(keys, heads, e, generator=gen, dtype=torch.float64) * 1e-3
+    sign = 1.0 - 2.0 * (torch.arange(keys, dtype=torch.float64) % 2)
+    v = (3e4 * sign).view(keys, 1, 1).expand(keys, heads, e).clone()
+    return q, k, v, torch.ones(rows, heads, e, dtype=torch.float64)
+
+
+def assert_grads_near(got, want, names, bound=2e-2):
+    """Each of got within `bound` of want's largest magnitude, finite."""
+    for name, g, w in zip(names, got, want):
+        assert torch.isfinite(g).all(), f"{name}: non-finite values"
+        err = (g.double() - w.double()).abs().max() / w.double().abs().max()
+        assert err <= bound, f"{name}: max error {err:.3g} of its largest"
+
+
 def wrong_sign_qk(hq, lq, hkv, lk, e=128):
     """float64 q, k whose dot overflows float32 with the wrong sign where summed in order:
     the first 16 products, 1e38 each, pass float32's largest (+inf, a k16 MMA chunk's or a

@@ -30,7 +30,8 @@ from attnx.triton.sdpa_bwd_rerun import _narrow  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from _compare import assert_within, causal_varlen_run, max_err, wrong_sign_qk  # noqa: E402
+from _compare import (assert_grads_near, assert_within, causal_varlen_run,  # noqa: E402
+                      fp16_ds_past_its_range, max_err, wrong_sign_qk)
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 SEED = 1234
@@ -864,6 +865,32 @@ def test_sdpa_every_score_past_float32s_lowest(dtype):
 
 
 @near_max
+@pytest.mark.parametrize("keys", [2, 3])
+def test_sdpa_fp16_ds_past_its_range(keys):
+    """_compare.fp16_ds_past_its_range: dQ and dK were NaN (dS cast to half, past 65504); now
+    the dK/dV and dQ accumulators flag it for fp16 too, and the float64 rerun redoes them."""
+    q, k, v, do = (t.transpose(0, 1)[None] for t in fp16_ds_past_its_range(5, keys))
+    leaves = [t.to(DEVICE, torch.float16).requires_grad_() for t in (q, k, v)]
+    out = attnx.scaled_dot_product_attention(*leaves, backend="triton")
+    got = torch.autograd.grad(out, leaves, do.to(DEVICE, torch.float16))
+    gold = [t.double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(attnx.scaled_dot_product_attention(*gold, backend="reference"),
+                               gold, do)
+    assert_grads_near([t.cpu() for t in got], want, ("dq", "dk", "dv"))
+
+
+def test_varlen_fp16_ds_past_its_range():
+    """The same through the packed kernels: causal sequences of 3 keys each (row 1 of each sees
+    two keys at P = 1/2: dS 2.4e5)."""
+    q, k, v, do = fp16_ds_past_its_range(6, 6)
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32, device=DEVICE)
+    got = causal_varlen_run(*(t.to(DEVICE) for t in (q, k, v, do)), cu, cu, "triton",
+                            torch.float16)
+    want = causal_varlen_run(q, k, v, do, cu.cpu(), cu.cpu(), "reference", torch.float64)
+    assert_grads_near([t.cpu() for t in got[2:]], want[2:], ("dq", "dk", "dv"))
+
+
+@near_max
 def test_varlen_scores_past_float32s_range():
     """Packed sequences of 9 and 5 queries, 40 and 17 keys, bf16 inputs of ~1.5e19: as
     SDPA's, each sequence against the reference backend's."""
@@ -921,8 +948,8 @@ def test_kvcache_scores_past_float32s_range(paged, mods):
 @near_max
 def test_sdpa_fp16_scale_past_float32s_range():
     """fp16 inputs with a scale near its bound (1e38, scores up to ~3e39): the forward as in
-    bf16; the backward's pre-pass flags the lse past the range (sdpa_bwd_rerun.applies takes
-    fp16 at such scales) and dv comes from the rerun, not 0."""
+    bf16; the backward's pre-pass flags the lse past the range and dv comes from the rerun,
+    not 0."""
     gen = torch.Generator().manual_seed(4)
     q, k, v = (_randn((1, 2, n, 64), f16, gen) for n in (9, 40, 40))
     do = _randn((1, 2, 9, 64), f16, gen)
@@ -1266,8 +1293,8 @@ def test_varlen_backward_near_the_dtype_max(dtype):
 def test_an_ordinary_backward_is_not_rerun(monkeypatch):
     """Ordinary values leave the backward's flag at 0: the rerun's kernels run no tile, and the
     gradients are those of the same call without them, bit for bit (masks, a row under the
-    dtype's lowest bias, dropout, sinks, GQA, bf16 and fp32; fp16 at such scales and a mask of
-    its own type has neither the check nor the rerun)."""
+    dtype's lowest bias, dropout, sinks, GQA; bf16, fp32 and fp16, whose dS may pass its range:
+    test_sdpa_fp16_ds_past_its_range)."""
     from attnx.triton import sdpa_bwd_rerun
 
     real, flags = sdpa_bwd_rerun.launch, []
@@ -1291,7 +1318,7 @@ def test_an_ordinary_backward_is_not_rerun(monkeypatch):
                             lambda flag, inputs, *a, **k: (inputs[6].double(),) * 2)
         plain = _sdpa_grads(q, k, v, do, mask, kw, None)
         assert all(torch.equal(a, b) for a, b in zip(grads, plain))
-    assert flags == [0, 0]  # fp16: not launched
+    assert flags == [0, 0, 0]
 
 
 @near_max
@@ -1521,4 +1548,4 @@ def test_an_ordinary_additive_backward_is_not_rerun(monkeypatch):
         monkeypatch.setattr(additive_bwd_rerun, "launch", skipped)
         plain = _additive_grads(q, k, value, w, do, mask, kw, None, None)
         assert all(torch.equal(a, b) for a, b in zip(grads, plain))
-    assert flags == [0, 0]  # fp16: not launched
+    assert flags == [0, 0, 0]

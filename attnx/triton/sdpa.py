@@ -493,14 +493,14 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS, FLAG,
                  CU_Q, CU_K, TOTAL_Q, LQ_BUCKET, LK_BUCKET,
                  MASK_KIND: tl.constexpr, HAS_GLSE: tl.constexpr, SOFTCAP: tl.constexpr,
                  ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, VARLEN: tl.constexpr,
-                 FLAGGED: tl.constexpr, DOT_PREC: tl.constexpr,
+                 DOT_PREC: tl.constexpr,
                  PAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The backward's one pre-pass over the query rows: DELTA = (rowsum(dO * O) - grad_lse) / r
     and DOS = dO / r in dO's dtype (contiguous), r = sum_j exp(s_ij - lse_i) on rows of huge
     |lse| (common.HUGE_LSE), 1 elsewhere (the sink's exp(sink - lse_i) included); programs
     without such rows read no keys. VARLEN: DELTA as lse (Hq, total_q), DOS (Hq, total_q, Ev).
-    FLAGGED: rows of lse past common.LSE_LIMIT (+inf: scores past float32's range,
+    Rows of lse past common.LSE_LIMIT (+inf: scores past float32's range,
     sdpa_fwd_rerun), or under its negative in log2 units, set FLAG, for sdpa_bwd_rerun. (In
     natural units an lse near float32's lowest, a row under a bias of float32's lowest as Hugging
     Face's masks hold, is no overflow; a huge row whose r came out 0 is, and sets FLAG too.)"""
@@ -519,13 +519,13 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS, FLAG,
         rows = h * TOTAL_Q + q0 + offs_m
         Qb, Ob, DOb = Q + q0 * sqm, O + q0 * som, DO + q0 * sdm
     lse = tl.load(LSE + rows, mask=row_ok, other=float("inf"))  # not huge, no sink term
-    if FLAGGED:  # rows whose exp2 arguments may pass float32's range (common.LSE_LIMIT)
-        past = lse > LSE_LIMIT
-        if (MASK_KIND != 2 and not SOFTCAP) and not ALIBI:  # log2 units: lse * log2(e) too
-            past = past | ((lse < -LSE_LIMIT) & (lse != float("-inf")))
-        past = past & row_ok
-        if tl.max(past.to(tl.int32), 0) > 0:
-            tl.store(FLAG, 1)
+    # rows whose exp2 arguments may pass float32's range (common.LSE_LIMIT)
+    past = lse > LSE_LIMIT
+    if (MASK_KIND != 2 and not SOFTCAP) and not ALIBI:  # log2 units: lse * log2(e) too
+        past = past | ((lse < -LSE_LIMIT) & (lse != float("-inf")))
+    past = past & row_ok
+    if tl.max(past.to(tl.int32), 0) > 0:
+        tl.store(FLAG, 1)
     huge = huge_rows(lse, huge_lse)
     k_base, _, m_base = _head_bases(K, K, M, b, h, hk, skb, skh, skb, skh, smb, smh)
     if VARLEN:
@@ -546,14 +546,13 @@ def _prep_kernel(Q, K, M, O, DO, GLSE, LSE, DELTA, DOS, SLOPES, SINKS, FLAG,
                      offs_n[None, :], SOFTCAP, ALIBI, DOT_PREC == FP32_DOT)[0]
         s = admit(s, m_base, offs_m, offs_n, Lq, Lk, smm, smn, window_lo, window_hi, MASK_KIND)
         total += tl.sum(tl.math.exp2(tl.minimum((s - lse[:, None]) * LOG2E, 0.0)), 1)
-    if FLAGGED:
-        # A huge row whose every term came out 0 has scores under float32's lowest (-inf here),
-        # its lse saturated there (sdpa_fwd_rerun): in natural units (a float mask, softcap,
-        # ALiBi) the test on lse above cannot tell it from a row under Hugging Face's lowest
-        # bias, whose largest score is within log(Lk) of its lse (a term of 1 / Lk at least).
-        lost = huge & (total == 0.0) & row_ok
-        if tl.max(lost.to(tl.int32), 0) > 0:
-            tl.store(FLAG, 1)
+    # A huge row whose every term came out 0 has scores under float32's lowest (-inf here),
+    # its lse saturated there (sdpa_fwd_rerun): in natural units (a float mask, softcap,
+    # ALiBi) the test on lse above cannot tell it from a row under Hugging Face's lowest
+    # bias, whose largest score is within log(Lk) of its lse (a term of 1 / Lk at least).
+    lost = huge & (total == 0.0) & row_ok
+    if tl.max(lost.to(tl.int32), 0) > 0:
+        tl.store(FLAG, 1)
     r = tl.where(huge & (total > 0.0), total, 1.0)
     o = load_tile(Ob + b * sob + h * soh + offsets(offs_m, offs_dv, som, sod), offs_m, offs_dv,
                   Lq, Ev, True, PAD_D).to(tl.float32)
@@ -654,8 +653,8 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM, FLAG,
     PER = GROUPS / SPLIT query heads in turn (an argument, so that Triton compiles PER = 1 without
     the loop). SPLIT > 1 (_gqa_split) writes fp32 partial sums, one per slice, that the host adds
     up: no atomics, deterministic. VARLEN: b is the sequence; dK, dV (total_k, Hkv, SPLIT, E).
-    bf16/fp32: a dK accumulator holding inf or NaN (an overflowed dP or D) sets FLAG
-    (sdpa_bwd_rerun)."""
+    A dK accumulator holding inf or NaN (an overflowed dP or D in bf16/fp32, a dS past fp16's
+    range) sets FLAG (sdpa_bwd_rerun)."""
     n0, prog = tile_and_head(Lk, BLOCK_N)
     part = prog % SPLIT
     bhk = prog // SPLIT
@@ -737,14 +736,14 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM, FLAG,
             smm, smn, sc,
             window_lo, window_hi, inv_keep, cap, slope, shift, True, MASK_KIND, DROPOUT, MASK_GRAD,
             SOFTCAP, ALIBI, VARLEN, DOT_PREC, PAD_D, BLOCK_M, BLOCK_D2, BLOCK_DV2)
-    if V.dtype.element_ty != tl.float16:  # fp16 cannot overflow (sdpa_bwd_rerun.applies)
-        # (dV: a dO near the largest overflows its sums where dP and D may not)
-        flag_nonfinite(FLAG, dk)
-        flag_nonfinite(FLAG, dv)
-        if BLOCK_D2 > 0:
-            flag_nonfinite(FLAG, dk2)
-        if BLOCK_DV2 > 0:
-            flag_nonfinite(FLAG, dv2)
+    # (dV: a dO near the largest overflows its sums where dP and D may not; fp16's dK: a dS
+    # past 65504, sdpa_bwd_rerun)
+    flag_nonfinite(FLAG, dk)
+    flag_nonfinite(FLAG, dv)
+    if BLOCK_D2 > 0:
+        flag_nonfinite(FLAG, dk2)
+    if BLOCK_DV2 > 0:
+        flag_nonfinite(FLAG, dv2)
     # dK and dV (or their slices' partial sums) are contiguous: (programs' heads, Lk, E); VARLEN:
     # (total_k, Hkv * SPLIT, E), rows of Hkv * SPLIT heads.
     base = prog.to(tl.int64) * Lk + n
@@ -896,10 +895,9 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ, FLAG,
                          inv_keep, cap, slope, shift, True, MASK_KIND, DROPOUT, SOFTCAP, ALIBI,
                          DOT_PREC,
                          PAD_D, BLOCK_N, BLOCK_D2, BLOCK_DV2)
-    if V.dtype.element_ty != tl.float16:  # as _dkdv_kernel's
-        flag_nonfinite(FLAG, dq)
-        if BLOCK_D2 > 0:
-            flag_nonfinite(FLAG, dq2)
+    flag_nonfinite(FLAG, dq)  # as _dkdv_kernel's
+    if BLOCK_D2 > 0:
+        flag_nonfinite(FLAG, dq2)
     out = DQ + (bh64 * Lq + m) * E
     stride = E
     if VARLEN:
@@ -986,17 +984,16 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dos = grad_out.new_empty((b, h, lq, ev))
     glse = grad_lse.float().contiguous() if grad_lse is not None else lse
     from . import sdpa_bwd_rerun  # (it imports this module's jit functions)
-    # Set where scores passed float32's range (the pre-pass) or dP or D overflowed (bf16, fp32):
-    # sdpa_bwd_rerun's kernels then redo dQ, dK and dV.
-    flag = (q.new_zeros((1,), dtype=torch.int32)
-            if sdpa_bwd_rerun.applies(q.dtype, scale, e) else None)
+    # Set where scores passed float32's range (the pre-pass), dP or D overflowed (bf16, fp32) or
+    # dS passed fp16's range: sdpa_bwd_rerun's kernels then redo dQ, dK and dV.
+    flag = q.new_zeros((1,), dtype=torch.int32)
     common.launcher(_prep_kernel)[lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)](
-        q, k, m, out, grad_out, glse, lse, delta, dos, slopes, sink, q if flag is None else flag,
+        q, k, m, out, grad_out, glse, lse, delta, dos, slopes, sink, flag,
         *strides[:8], *strides[12:],
         *out.stride(), *grad_out.stride(), *a_strides, h, lq, lk, e, ev, h // hkv, scale,
         window_lo, window_hi, common.HUGE_LSE, cap, q, q, 0, consts["LQ_BUCKET"],
         consts["LK_BUCKET"], MASK_KIND=consts["MASK_KIND"], HAS_GLSE=grad_lse is not None,
-        **flags, HAS_SINKS=sinks is not None, VARLEN=False, FLAGGED=flag is not None,
+        **flags, HAS_SINKS=sinks is not None, VARLEN=False,
         DOT_PREC=consts["DOT_PREC"], PAD_D=common.head_block(e) != e or common.head_block(ev) != ev,
         BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -1013,7 +1010,7 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     band = (scale, window_lo, window_hi, inv_keep, slopes, *a_strides, cap)
     common.launcher(_dkdv_kernel)[
         lambda meta: common.tiles_grid(lk, meta["BLOCK_N"], b * hkv * split)](
-        q, k, v, m, dos, lse, delta, rng, dk, dv, dmask, q if flag is None else flag, *strides,
+        q, k, v, m, dos, lse, delta, rng, dk, dv, dmask, flag, *strides,
         *dos.stride(),
         h, hkv, *sizes, split, h // hkv // split, *band, q, q, 0, MASK_GRAD=mask_grad,
         VARLEN=False, **consts)
@@ -1023,19 +1020,18 @@ def sdpa_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                                                                         (1, h, 1), (0, 2))
     common.launcher(_dq_kernel)[
         lambda meta: common.tiles_grid(lq, meta["BLOCK_M"], b * h)](
-        q, k, v, m, dos, lse, delta, rng, dq, q if flag is None else flag, *strides,
+        q, k, v, m, dos, lse, delta, rng, dq, flag, *strides,
         *dos.stride(), h, *sizes, *band, q, q, 0, VARLEN=False, **consts)
-    if flag is not None:
-        rows64 = sdpa_bwd_rerun.launch(
-            flag, (q, k, v, m, grad_out, glse, lse, rng, slopes, sink), (dq, dk, dv, dmask),
-            (*strides, *grad_out.stride(), *a_strides), (*dq.stride(), *dk.stride(), *dv.stride()),
-            (b, h, hkv, lq, lk, e, ev), (scale, window_lo, window_hi, inv_keep, cap), (q, q, 0),
-            mask_kind=consts["MASK_KIND"], dropout=dropout_p > 0, mask_grad=mask_grad,
-            softcap=softcap is not None, alibi=alibi is not None, has_sinks=sinks is not None,
-            has_glse=grad_lse is not None, varlen=False)
-        if sinks is not None and rows64 is not None:  # D_i / r_i overflowed too where flagged
-            dsinks = torch.where(flag.bool(), common.sink_grad(sinks, *rows64, (1, h, 1), (0, 2)),
-                                 dsinks)
+    rows64 = sdpa_bwd_rerun.launch(
+        flag, (q, k, v, m, grad_out, glse, lse, rng, slopes, sink), (dq, dk, dv, dmask),
+        (*strides, *grad_out.stride(), *a_strides), (*dq.stride(), *dk.stride(), *dv.stride()),
+        (b, h, hkv, lq, lk, e, ev), (scale, window_lo, window_hi, inv_keep, cap), (q, q, 0),
+        mask_kind=consts["MASK_KIND"], dropout=dropout_p > 0, mask_grad=mask_grad,
+        softcap=softcap is not None, alibi=alibi is not None, has_sinks=sinks is not None,
+        has_glse=grad_lse is not None, varlen=False)
+    if sinks is not None and rows64 is not None:  # D_i / r_i overflowed too where flagged
+        dsinks = torch.where(flag.bool(), common.sink_grad(sinks, *rows64, (1, h, 1), (0, 2)),
+                             dsinks)
     return dq, dk, dv, dmask, dsinks
 
 

@@ -15,7 +15,9 @@ sinks through the lse), each row's divided by their float64 sum r_i (as the firs
 huge-lse rows only, common.HUGE_LSE), and write them over the first results, rounded to the
 output dtype (inf where the true value exceeds it). dV = P^T dO does not involve V, but a dO
 near the largest overflows its float32 sums (the dK/dV kernel flags a non-finite dV too). fp16
-values (< 65504) cannot overflow: its dK/dV and dQ kernels have no check (`applies`).
+values (< 65504) keep dP and D inside float32, but the dK/dV and dQ kernels cast dS to fp16 for
+their products: dS past 65504 (values ~3e4, |dP - D| ~1e5 at P ~ 1/2) was inf there, and dQ and
+dK came out NaN where their true values were ~200. So every dtype takes the check.
 
 The forward's float64 rerun (sdpa_fwd_rerun) saves lse +inf on rows whose scores passed float32's
 range, and lse past float32's largest over log2(e) make the first kernels' exp2 arguments
@@ -45,16 +47,6 @@ from .sdpa import _alibi, _sequence, _varlen_row_keys
 
 RERUN_BLOCK = tl.constexpr(16)  # rows and keys of a float64 tile: tl.dot's least
 _OPTIONS = dict(num_warps=4, num_stages=1, maxnreg=common.MAX_REGISTERS)
-
-
-def applies(dtype: torch.dtype, scale: float, e: int) -> bool:
-    """Whether a backward in `dtype` may need the rerun: bf16 and fp32 always (values near
-    float32's largest overflow dP and D). fp16's values keep dO V^T and rowsum(dO * O) far inside
-    float32, and its scores too, but for a scale past common.LSE_LIMIT / (65504^2 E): there lse
-    pass common.LSE_LIMIT (+inf where the scores passed float32's range, sdpa_fwd_rerun), which
-    the pre-pass flags. (Not taken for fp16: float32 biases, ALiBi slopes or sinks near float32's
-    largest, which would cost every fp16 backward with them the rerun's launches.)"""
-    return dtype != torch.float16 or abs(scale) * 65504.0 ** 2 * e > LSE_LIMIT.value
 
 
 @triton.jit

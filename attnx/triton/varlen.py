@@ -96,17 +96,16 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     glse = grad_lse.float().contiguous() if grad_lse is not None else lse
     lengths = (max_seqlen_q, max_seqlen_k, e, ev, h // hkv)
     # Set as in sdpa_bwd: sdpa_bwd_rerun's kernels then redo dQ, dK and dV.
-    flag = (q.new_zeros((1,), dtype=torch.int32)
-            if sdpa_bwd_rerun.applies(q.dtype, scale, e) else None)
+    flag = q.new_zeros((1,), dtype=torch.int32)
     common.launcher(sdpa._prep_kernel)[
         lambda meta: common.tiles_grid(max_seqlen_q, meta["BLOCK_M"], n * h)](
-        q, k, q, out, grad_out, glse, lse, delta, dos, slopes, sink, q if flag is None else flag,
+        q, k, q, out, grad_out, glse, lse, delta, dos, slopes, sink, flag,
         *strides[:8],
         *strides[12:], *_strides(out), *_strides(grad_out), *a_strides, h, *lengths, scale, lo,
         hi, common.HUGE_LSE, cap, *cu, consts["LQ_BUCKET"], consts["LK_BUCKET"],
         MASK_KIND=common.MASK_NONE, HAS_GLSE=grad_lse is not None, SOFTCAP=consts["SOFTCAP"],
         ALIBI=consts["ALIBI"], HAS_SINKS=sinks is not None, VARLEN=True,
-        FLAGGED=flag is not None, DOT_PREC=consts["DOT_PREC"],
+        DOT_PREC=consts["DOT_PREC"],
         PAD_D=common.head_block(e) != e or common.head_block(ev) != ev,
         BLOCK_D=common.head_block(e), BLOCK_DV=common.head_block(ev))
     split = sdpa._gqa_split(h // hkv, max_seqlen_k, n * hkv,
@@ -120,7 +119,7 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     band = (scale, lo, hi, 1.0 / (1.0 - dropout_p), slopes, *a_strides, cap)
     common.launcher(sdpa._dkdv_kernel)[
         lambda meta: common.tiles_grid(max_seqlen_k, meta["BLOCK_N"], n * hkv * split)](
-        q, k, v, q, dos, lse, delta, rng, dk, dv, q, q if flag is None else flag, *strides,
+        q, k, v, q, dos, lse, delta, rng, dk, dv, q, flag, *strides,
         *dos_strides,
         h, hkv, *lengths, split, h // hkv // split, *band, *cu, MASK_GRAD=False, **consts)
     if split > 1:
@@ -129,19 +128,18 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     common.launcher(sdpa._dq_kernel)[
         lambda meta: common.tiles_grid(max_seqlen_q, meta["BLOCK_M"], n * h)](
-        q, k, v, q, dos, lse, delta, rng, dq, q if flag is None else flag, *strides, *dos_strides,
+        q, k, v, q, dos, lse, delta, rng, dq, flag, *strides, *dos_strides,
         h, *lengths, *band, *cu, **consts)
-    if flag is not None:
-        rows64 = sdpa_bwd_rerun.launch(
-            flag, (q, k, v, q, grad_out, glse, lse, rng, slopes, sink), (dq, dk, dv, q),
-            (*strides, *_strides(grad_out), *a_strides),
-            (*_strides(dq), *_strides(dk), *_strides(dv)),
-            (n, h, hkv, max_seqlen_q, max_seqlen_k, e, ev), band[:4] + (cap,), cu,
-            mask_kind=common.MASK_NONE, dropout=dropout_p > 0, mask_grad=False,
-            softcap=softcap is not None, alibi=alibi is not None, has_sinks=sinks is not None,
-            has_glse=grad_lse is not None, varlen=True)
-        if sinks is not None and rows64 is not None:  # as sdpa_bwd's
-            dsinks = torch.where(flag.bool(), common.sink_grad(sinks, *rows64, (h, 1), 1), dsinks)
+    rows64 = sdpa_bwd_rerun.launch(
+        flag, (q, k, v, q, grad_out, glse, lse, rng, slopes, sink), (dq, dk, dv, q),
+        (*strides, *_strides(grad_out), *a_strides),
+        (*_strides(dq), *_strides(dk), *_strides(dv)),
+        (n, h, hkv, max_seqlen_q, max_seqlen_k, e, ev), band[:4] + (cap,), cu,
+        mask_kind=common.MASK_NONE, dropout=dropout_p > 0, mask_grad=False,
+        softcap=softcap is not None, alibi=alibi is not None, has_sinks=sinks is not None,
+        has_glse=grad_lse is not None, varlen=True)
+    if sinks is not None and rows64 is not None:  # as sdpa_bwd's
+        dsinks = torch.where(flag.bool(), common.sink_grad(sinks, *rows64, (h, 1), 1), dsinks)
     return dq, dk, dv, dsinks
 
 

@@ -329,18 +329,16 @@ Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout
   p.dmask = want_dmask ? g.dmask.data_ptr() : nullptr;
   p.overflowed = overflowed.data_ptr<float>();
   p.dq_nonfinite = p.overflowed + 1;
-  // The float64 rerun (sdpa_bwd_rerun.cu) applies to bf16, whose values and scores may pass
-  // float's range, and to fp16 where its scores may: |scale| 65504^2 E past half float's
-  // largest (Triton's sdpa_bwd_rerun.applies alike).
-  const bool rerun = p.dtype == DType::BFloat16 ||
-                     std::fabs(double(p.scale)) * 65504.0 * 65504.0 * p.E > 1.7e38;
-  // the rerun's rows' max, 1 / sum and delta (launch.h), one after the other
+  // The float64 rerun (sdpa_bwd_rerun.cu) stands by for every dtype: bf16's values and scores
+  // may pass float's range, fp16's scores at scales near the bound, and fp16's dS, cast to half
+  // for the dS K and dS^T Q products, past 65504 (values ~3e4: dQ and dK NaN where ~200).
+  // Its rows' max, 1 / sum and delta (launch.h), one after the other:
   const int64_t n_rows = c10::multiply_integers(rows);
-  const Tensor rerun_rows = rerun ? target.empty({3 * n_rows}, f32.dtype(at::kDouble)) : Tensor();
-  p.rerun_max = rerun ? rerun_rows.data_ptr<double>() : nullptr;
-  p.rerun_inv_r = rerun ? p.rerun_max + n_rows : nullptr;
-  p.rerun_delta = rerun ? p.rerun_inv_r + n_rows : nullptr;
-  const bool rerun_sinks = sinks32.defined() && rerun;
+  const Tensor rerun_rows = target.empty({3 * n_rows}, f32.dtype(at::kDouble));
+  p.rerun_max = rerun_rows.data_ptr<double>();
+  p.rerun_inv_r = p.rerun_max + n_rows;
+  p.rerun_delta = p.rerun_inv_r + n_rows;
+  const bool rerun_sinks = sinks32.defined();
   const Tensor dsinks64 = rerun_sinks ? target.zeros({p.Hq}, f32.dtype(at::kDouble)) : Tensor();
   p.dsinks = rerun_sinks ? dsinks64.data_ptr<double>() : nullptr;
   target.check(sdpa_bwd_delta(p, target.stream()));

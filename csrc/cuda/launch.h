@@ -77,7 +77,7 @@ struct SdpaParams {
   void *dk, *dv, *dmask;
   float* delta;
   // One float, zeroed; the key-block kernels set it to 1 where a dK or dV came out non-finite,
-  // and sdpa_bwd_rerun (where it applies: rerun_max set) then computes dq_acc, dk, dv, dmask and
+  // and sdpa_bwd_rerun (given rerun_max, as kernel_ops.cpp always gives) then computes dq_acc, dk, dv, dmask and
   // delta again in float64. Unset, sdpa_bwd_rerun's scan sets dq_nonfinite (one float, zeroed)
   // where dq_acc holds inf or NaN, and its query pass redoes those rows.
   float* overflowed = nullptr;
@@ -86,7 +86,7 @@ struct SdpaParams {
   // row's term -P_sink,i delta_i there (delta may pass float's range), or null.
   double* dsinks = nullptr;
   // The rerun's rows (as delta), from its query pass to its key pass, in float64: the scores'
-  // max, 1 / the sum of exp(s - max), and delta; null where the rerun does not apply.
+  // max, 1 / the sum of exp(s - max), and delta; null: no rerun.
   double* rerun_max = nullptr;
   double* rerun_inv_r = nullptr;
   double* rerun_delta = nullptr;
@@ -156,7 +156,7 @@ cudaError_t sdpa_bwd_family(const SdpaParams& p, cudaStream_t stream);
 // The backward's pre-pass: p.delta from p.dout, p.out and p.grad_lse.
 cudaError_t sdpa_bwd_delta(const SdpaParams& p, cudaStream_t stream);
 // The backward's slow path, after the key-block kernels, for bf16 values near the dtype's
-// largest and scores past float's range (sdpa_bwd_rerun.cu): everything where they set
+// largest, scores past float's range and fp16 dS past 65504 (sdpa_bwd_rerun.cu): everything where they set
 // *p.overflowed, else the non-finite rows of dq_acc; nothing without p.rerun_max.
 cudaError_t sdpa_bwd_rerun(const SdpaParams& p, cudaStream_t stream);
 // The additive backward's (additive_bwd_rerun.cu): nothing unless *p.overflowed.

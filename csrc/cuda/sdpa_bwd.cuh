@@ -491,10 +491,10 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
     }
   }
 
-  // A non-finite dK (any dS that overflowed, or a score past float's range, reaches its key's
-  // dK) or dV (a bf16 dO near the largest overflows its sums where dP and delta may not) sends
-  // the backward to its float64 rerun (sdpa_bwd_rerun.cu: bf16, and fp16 at scales where its
-  // scores may pass float's range), tested here after the loop, where it costs nothing.
+  // A non-finite dK (any dS that overflowed, float's or fp16's as it is cast for the products,
+  // or a score past float's range, reaches its key's dK) or dV (a bf16 dO near the largest
+  // overflows its sums where dP and delta may not) sends the backward to its float64 rerun
+  // (sdpa_bwd_rerun.cu), tested here after the loop, where it costs nothing.
   {
     bool finite = true;
 #pragma unroll

@@ -20,9 +20,11 @@
 // scores flag them, and the scan flags a saved lse of +inf) get their softmax from scores
 // float32 could not hold, and a float32 lse near 3e38 is rounded by ~1e31, which exp(s - lse)
 // would turn into P of 0 or 1. A result past the dtype's range is inf, as it would be for any
-// backend. fp16 values (at most 65504) cannot overflow the sums; its scores pass the range only
-// at scales near the bound (|scale| 65504^2 E past 3.4e38: kernel_ops.cpp), where this runs for
-// fp16 too.
+// backend. fp16 values (at most 65504) cannot overflow the float sums, and its scores pass the
+// range only at scales near the bound (|scale| 65504^2 E past 3.4e38), but the key-block kernels
+// cast dS to half for the dS K and dS^T Q products: past 65504 (values ~3e4, |dP - delta| ~1e5)
+// it is inf there, and dQ and dK came out NaN where their true values were ~200. So this runs
+// for fp16 as for bf16.
 #include "float64_rerun.cuh"
 
 namespace attnx {
