@@ -22,8 +22,8 @@ from torch.nn.attention.bias import CausalBias
 import attnx
 from attnx import _ops
 from attnx._backends import reference
-from tests._compare import (assert_grads_near, assert_within, causal_varlen_run,
-                            fp16_ds_past_its_range, wrong_sign_qk)
+from tests._compare import (assert_within, causal_varlen_run,
+                            check_fp16_ds_past_its_range, wrong_sign_qk)
 
 from attnx._backends import cuda as cuda_backend
 
@@ -441,27 +441,11 @@ def test_sdpa_softcap_of_an_overflow_whose_sign_is_wrong():
 
 @pytest.mark.parametrize("keys", [2, 3])
 def test_sdpa_fp16_ds_past_its_range(keys):
-    """_compare.fp16_ds_past_its_range: dQ and dK were NaN (dS cast to half, past 65504); now
-    the dK/dV and dQ accumulators flag it for fp16 too, and the float64 rerun redoes them."""
-    q, k, v, do = (t.transpose(0, 1)[None] for t in fp16_ds_past_its_range(5, keys))
-    leaves = [t.to(DEV, torch.float16).requires_grad_() for t in (q, k, v)]
-    out = attnx.scaled_dot_product_attention(*leaves, backend="cuda")
-    got = torch.autograd.grad(out, leaves, do.to(DEV, torch.float16))
-    gold = [t.double().requires_grad_() for t in (q, k, v)]
-    want = torch.autograd.grad(attnx.scaled_dot_product_attention(*gold, backend="reference"),
-                               gold, do)
-    assert_grads_near([t.cpu() for t in got], want, ("dq", "dk", "dv"))
+    check_fp16_ds_past_its_range("cuda", DEV, keys)
 
 
 def test_varlen_fp16_ds_past_its_range():
-    """The same through the packed kernels: causal sequences of 3 keys each (row 1 of each sees
-    two keys at P = 1/2: dS 2.4e5)."""
-    q, k, v, do = fp16_ds_past_its_range(6, 6)
-    cu = torch.tensor([0, 3, 6], dtype=torch.int32, device=DEV)
-    got = causal_varlen_run(*(t.to(DEV) for t in (q, k, v, do)), cu, cu, "cuda",
-                            torch.float16)
-    want = causal_varlen_run(q, k, v, do, cu.cpu(), cu.cpu(), "reference", torch.float64)
-    assert_grads_near([t.cpu() for t in got[2:]], want[2:], ("dq", "dk", "dv"))
+    check_fp16_ds_past_its_range("cuda", DEV)
 
 
 def test_sdpa_backward_of_a_row_whose_lse_passed_float32s_range():
