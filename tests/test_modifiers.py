@@ -179,7 +179,8 @@ def _least(floor, dtype, golden) -> float:
 def check(backend, dtype, q, k, v, dout, mask=None, mods=None, dlse=None, factor=3.0,
           floor=None, **kw):
     """The backend in `dtype` against the float64 formula, bounded by the formula's own error
-    in `dtype` (at least `floor`: _least's); returns the backend's (out, lse, dq, dk, dv, dmask, dsinks)."""
+    in `dtype` (at least `floor`: _least's); returns the backend's (out, lse, dq, dk, dv, dmask,
+    dsinks)."""
     mods = mods or {}
     seed = 11
     golden = _golden(torch.float64, q, k, v, dout, mask, mods, kw, dlse, seed)

@@ -26,10 +26,11 @@ import triton.language as tl
 
 from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device
 from . import common
-from .common import (FP32_DOT, LN2, LOG2E, LSE_LIMIT, OVERFLOW_SHIFT, RERUN_BLOCK_N, admit, admitted, dot,
-                     dot_acc, flag_nonfinite, huge_rows, inner_range, key_range, load_tile,
-                     modified, offsets, overflowed, query_range, scores_overflowed, second_chunk,
-                     shift_exponent, softmax_start, store_out, store_rows, tile_and_head)
+from .common import (FP32_DOT, LN2, LOG2E, LSE_LIMIT, OVERFLOW_SHIFT, RERUN_BLOCK_N, admit,
+                     admitted, dot, dot_acc, flag_nonfinite, huge_rows, inner_range, key_range,
+                     load_tile, modified, offsets, overflowed, query_range, scores_overflowed,
+                     second_chunk, shift_exponent, softmax_start, store_out, store_rows,
+                     tile_and_head)
 from .rng import keep, keep_t, mix32, rng_words, row_keys
 
 # Pruned per launch by common.pruner; the small configs are what fits wide fp32 heads on

@@ -77,9 +77,9 @@ struct SdpaParams {
   void *dk, *dv, *dmask;
   float* delta;
   // One float, zeroed; the key-block kernels set it to 1 where a dK or dV came out non-finite,
-  // and sdpa_bwd_rerun (given rerun_max, as kernel_ops.cpp always gives) then computes dq_acc, dk, dv, dmask and
-  // delta again in float64. Unset, sdpa_bwd_rerun's scan sets dq_nonfinite (one float, zeroed)
-  // where dq_acc holds inf or NaN, and its query pass redoes those rows.
+  // and sdpa_bwd_rerun (given rerun_max, as kernel_ops.cpp always gives) then computes dq_acc,
+  // dk, dv, dmask and delta again in float64. Unset, sdpa_bwd_rerun's scan sets dq_nonfinite
+  // (one float, zeroed) where dq_acc holds inf or NaN, and its query pass redoes those rows.
   float* overflowed = nullptr;
   float* dq_nonfinite = nullptr;
   // With it, where the sinks' gradient is asked for: (Hq) float64, zeroed; the rerun adds each
@@ -156,8 +156,9 @@ cudaError_t sdpa_bwd_family(const SdpaParams& p, cudaStream_t stream);
 // The backward's pre-pass: p.delta from p.dout, p.out and p.grad_lse.
 cudaError_t sdpa_bwd_delta(const SdpaParams& p, cudaStream_t stream);
 // The backward's slow path, after the key-block kernels, for bf16 values near the dtype's
-// largest, scores past float's range and fp16 dS past 65504 (sdpa_bwd_rerun.cu): everything where they set
-// *p.overflowed, else the non-finite rows of dq_acc; nothing without p.rerun_max.
+// largest, scores past float's range and fp16 dS past 65504 (sdpa_bwd_rerun.cu): everything
+// where they set *p.overflowed, else the non-finite rows of dq_acc; nothing without
+// p.rerun_max.
 cudaError_t sdpa_bwd_rerun(const SdpaParams& p, cudaStream_t stream);
 // The additive backward's (additive_bwd_rerun.cu): nothing unless *p.overflowed.
 cudaError_t additive_bwd_rerun(const AdditiveParams& p, cudaStream_t stream);
