@@ -24,7 +24,7 @@ import torch
 import attnx
 from attnx import _dispatch, _ops, _rng, _validate
 from tests._backends import ON_GPU, cuda_reason, device
-from tests._compare import assert_within
+from tests._compare import assert_within, ulp_floor
 from tests._rerun import rerun_under, skip_unless_avx512
 
 HAS_CPU_KERNELS = _ops.has_kernel("sdpa_mod_fwd", "CPU") and _ops.has_kernel("kvcache_mod_fwd", "CPU")
@@ -172,7 +172,7 @@ def _actual(backend, dtype, q, k, v, dout, mask, mods, kw, dlse, seed):
 def _least(floor, dtype, golden) -> float:
     """An error bound's floor: FLOORS' for None, 4 ulp of the golden's largest for "ulps"."""
     if floor == "ulps":
-        return 4 * torch.finfo(dtype).eps * golden.abs().max().item()
+        return ulp_floor(golden, dtype)
     return FLOORS[dtype] if floor is None else floor
 
 

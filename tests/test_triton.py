@@ -31,7 +31,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from _compare import (assert_within, causal_varlen_run,  # noqa: E402
-                      check_fp16_ds_past_its_range, max_err, wrong_sign_qk)
+                      check_fp16_ds_past_its_range, max_err, ulp_floor, wrong_sign_qk)
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 SEED = 1234
@@ -340,7 +340,7 @@ def check_additive(dtype, b, h, lq, lk, a, ev, w_shape=None, mask_shape=None, ma
                          wgrad)
     base = _run_additive("naive", q, k, value, w, mask, kwargs, grad, wgrad)
     def least(golden):
-        return 4 * torch.finfo(f32).eps * golden.abs().max().item() if floor == "ulps" else floor
+        return ulp_floor(golden, f32) if floor == "ulps" else floor
 
     assert_within(out, gold[0], base[0], floor=least(gold[0]))
     assert_within(weights, gold[1], base[1], floor=least(gold[1]), what="weights")
