@@ -88,6 +88,50 @@ def check_fp16_ds_past_its_range(backend, device, keys=None):
         assert_near_largest(name, g, w)
 
 
+FP16_MAX = 65504.0
+
+
+def check_fp16_out_past_its_range(kind, backend, device):
+    """An fp16 output past 65504 is saved as inf: values ~2e4 over 3 keys under dropout 0.99
+    (a kept probability times 100). delta = rowsum(dO * O) from it is inf and dS NaN: the GPU
+    backends' float64 rerun took delta from O too (NaN gradients). It now sums P dP. Every
+    gradient must be NaN-free, within 1% of the golden's largest where the golden fits fp16,
+    and inf with the golden's sign where it passes fp16's range by more than a rounding.
+    kind: "sdpa" or "additive"; the golden is the reference backend in float64 on the same
+    fp16 values and dropout (one seed: every backend draws the same hash)."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (4, 8, 3, 32)
+    qk_scale = 0.1 if kind == "sdpa" else 0.5
+    q, k = (torch.randn(shape, generator=gen, dtype=torch.float64) * qk_scale for _ in range(2))
+    v = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2e4).clamp(-6e4, 6e4)
+    do = torch.randn(shape, generator=gen, dtype=torch.float64)
+    inputs = [q, k, v] + ([torch.randn(8, 32, generator=gen, dtype=torch.float64)]
+                          if kind == "additive" else [])
+    inputs = [t.half().double() for t in inputs]  # the golden's inputs: the fp16 values
+
+    def run(tensors, backend, grad_out):
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        fn = attnx.scaled_dot_product_attention if kind == "sdpa" else attnx.additive_attention
+        with torch.random.fork_rng():
+            torch.manual_seed(5)  # the dropout seed: one draw, the same for both runs
+            out = fn(*leaves, dropout_p=0.99, backend=backend)
+        return out, torch.autograd.grad(out, leaves, grad_out)
+
+    out, got = run([t.to(device, torch.float16) for t in inputs], backend,
+                   do.to(device, torch.float16))
+    gold_out, want = run(inputs, "reference", do)
+    assert (gold_out.abs() > 2 * FP16_MAX).any() and not out.isnan().any()  # the case's premise
+    for name, g, w in zip(("dq", "dk", "dv", "dw"), got, want):
+        g = g.cpu().double()
+        assert not g.isnan().any(), f"{name}: NaN"
+        fits, past = w.abs() < FP16_MAX * 0.999, w.abs() > 65520 * 1.001  # 65520 rounds to inf
+        assert fits.any()
+        assert g[fits].isfinite().all(), f"{name}: inf where the golden fits fp16"
+        err = (g[fits] - w[fits]).abs().max() / w[fits].abs().max()
+        assert err <= 1e-2, f"{name}: max error {err:.3g} of its largest"
+        assert (g[past] == w[past].sign() * float("inf")).all(), f"{name}: finite past the range"
+
+
 def wrong_sign_qk(hq, lq, hkv, lk, e=128):
     """float64 q, k whose dot overflows float32 with the wrong sign where summed in order:
     the first 16 products, 1e38 each, pass float32's largest (+inf, a k16 MMA chunk's or a

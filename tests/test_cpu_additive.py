@@ -13,7 +13,7 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 
 import attnx
-from _compare import assert_within
+from _compare import assert_within, check_fp16_out_past_its_range
 from _rerun import rerun_under, skip_unless_avx512
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -235,6 +235,11 @@ def test_float32_overflow_reruns_in_float64(kind, dtype):
             rtol, frac = (1e-4, 1e-6) if dtype == torch.float32 else (2e-2, 1e-3)
             atol = frac * g.abs().max().item() + (noise if name.startswith("d") else 0)
             assert torch.allclose(a.double(), g.to(dtype).double(), rtol=rtol, atol=atol), name
+
+
+def test_fp16_out_past_its_range():
+    """An fp16 output saved as inf (_compare.check_fp16_out_past_its_range)."""
+    check_fp16_out_past_its_range("additive", "cpu", "cpu")
 
 
 def test_strided_inputs():

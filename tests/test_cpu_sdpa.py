@@ -15,7 +15,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 import attnx
 from attnx import _ops, _validate
 from attnx._backends import reference
-from tests._compare import assert_within, max_err
+from tests._compare import assert_within, check_fp16_out_past_its_range, max_err
 from tests._rerun import rerun_under, skip_unless_avx512
 
 pytestmark = pytest.mark.skipif(_ops.has_kernel("sdpa_fwd", "CPU") is False,
@@ -333,6 +333,12 @@ def test_value_sum_overflow_reruns_in_float64(mode):
         if a is not None:  # float32 sums of terms up to ~1e39: errors relative to those
             _close(name, a, gd, 1e-5, atol=1e-6 * gd.abs().max().item())
     assert torch.isfinite(out).all()
+
+
+def test_fp16_out_past_its_range():
+    """An fp16 output saved as inf: the float32 gradients flag it and the float64 rerun
+    recomputes the output (_compare.check_fp16_out_past_its_range)."""
+    check_fp16_out_past_its_range("sdpa", "cpu", "cpu")
 
 
 def _t(rows):

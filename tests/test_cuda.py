@@ -23,7 +23,8 @@ import attnx
 from attnx import _ops
 from attnx._backends import reference
 from tests._compare import (assert_near_largest, assert_within, causal_varlen_run,
-                            check_fp16_ds_past_its_range, wrong_sign_qk)
+                            check_fp16_ds_past_its_range, check_fp16_out_past_its_range,
+                            wrong_sign_qk)
 
 from attnx._backends import cuda as cuda_backend
 
@@ -446,6 +447,11 @@ def test_sdpa_fp16_ds_past_its_range(keys):
 
 def test_varlen_fp16_ds_past_its_range():
     check_fp16_ds_past_its_range("cuda", DEV)
+
+
+@pytest.mark.parametrize("kind", ["sdpa", "additive"])
+def test_fp16_out_past_its_range(kind):
+    check_fp16_out_past_its_range(kind, "cuda", DEV)
 
 
 def test_sdpa_backward_of_a_row_whose_lse_passed_float32s_range():

@@ -63,12 +63,13 @@ KERNELS.update({f"sdpa_bwd<{dt}, {d}{mods}, KT=2>": ("sdpa_bwd_kt2", d)
                 for dt in DTYPES.values() for d in SDPA_BWD_FAMILIES
                 for mods in SDPA_VARIANTS.values() if (96 if mods else 64) <= d <= 128})
 KERNELS.update({f"sdpa_bwd_delta<{dt}>": (None, 0) for dt in DTYPES.values()})
-# The backwards' float64 reruns, each a query pass and a key pass (sdpa_bwd_rerun.cu: fp16 and
-# bf16, plain and with the modifiers; additive_bwd_rerun.cu: bf16).
+# The backwards' float64 reruns, each a query pass and a key pass, fp16 and bf16
+# (sdpa_bwd_rerun.cu: plain and with the modifiers; additive_bwd_rerun.cu).
 RERUN_PASSES = ("queries", "keys")
 KERNELS.update({f"sdpa_bwd_rerun<{dt}{mods}, {rows}>": (None, 0) for dt in DTYPES.values()
                 for mods in SDPA_VARIANTS.values() for rows in RERUN_PASSES})
-KERNELS.update({f"additive_bwd_rerun<bf16, {rows}>": (None, 0) for rows in RERUN_PASSES})
+KERNELS.update({f"additive_bwd_rerun<{dt}, {rows}>": (None, 0) for dt in DTYPES.values()
+                for rows in RERUN_PASSES})
 KERNELS["sdpa_bwd_dq_scan"] = (None, 0)  # the SDPA rerun's scan of dq_acc, unflagged
 KERNELS.update({f"additive_{op}<{dt}>": ("additive", cuda_backend.MAX_ADDITIVE_VALUE_DIM)
                 for op in ("fwd", "bwd") for dt in DTYPES.values()})
@@ -86,7 +87,7 @@ _SDPA = re.compile(
 _ADDITIVE = re.compile(r"additive_(fwd|bwd)_kernelI(6__half|13__nv_bfloat16)E")
 _DELTA = re.compile(r"sdpa_bwd_delta_kernelI(6__half|13__nv_bfloat16)E")
 _RERUN = re.compile(r"sdpa_bwd_rerun_kernelI(6__half|13__nv_bfloat16)Lb([01])ELb([01])E")
-_ADDITIVE_RERUN = re.compile(r"additive_bwd_rerun_kernelI13__nv_bfloat16Lb([01])E")
+_ADDITIVE_RERUN = re.compile(r"additive_bwd_rerun_kernelI(6__half|13__nv_bfloat16)Lb([01])E")
 _DQ_SCAN = re.compile(r"sdpa_bwd_dq_scan_kernel")
 _KVCACHE = re.compile(
     r"kvcache_(split|merge)_kernelI(6__half|13__nv_bfloat16)(?:Li(\d+)E)?Lb([01])E")
@@ -128,7 +129,7 @@ def kernel_name(symbol: str) -> str:
     if m := _RERUN.search(symbol):
         return f"sdpa_bwd_rerun<{DTYPES[m[1]]}{SDPA_VARIANTS[m[2]]}, {RERUN_PASSES[int(m[3])]}>"
     if m := _ADDITIVE_RERUN.search(symbol):
-        return f"additive_bwd_rerun<bf16, {RERUN_PASSES[int(m[1])]}>"
+        return f"additive_bwd_rerun<{DTYPES[m[1]]}, {RERUN_PASSES[int(m[2])]}>"
     if _DQ_SCAN.search(symbol):
         return "sdpa_bwd_dq_scan"
     if m := _KVCACHE.search(symbol):

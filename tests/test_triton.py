@@ -31,7 +31,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from _compare import (assert_within, causal_varlen_run,  # noqa: E402
-                      check_fp16_ds_past_its_range, max_err, ulp_floor, wrong_sign_qk)
+                      check_fp16_ds_past_its_range, check_fp16_out_past_its_range, max_err,
+                      ulp_floor, wrong_sign_qk)
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 SEED = 1234
@@ -875,6 +876,11 @@ def test_varlen_fp16_ds_past_its_range():
     check_fp16_ds_past_its_range("triton", DEVICE)
 
 
+@pytest.mark.parametrize("kind", ["sdpa", "additive"])
+def test_fp16_out_past_its_range(kind):
+    check_fp16_out_past_its_range(kind, "triton", DEVICE)
+
+
 @near_max
 def test_varlen_scores_past_float32s_range():
     """Packed sequences of 9 and 5 queries, 40 and 17 keys, bf16 inputs of ~1.5e19: as
@@ -1509,7 +1515,7 @@ def test_additive_backward_grad_out_near_the_dtype_max(dtype, value_std):
 
 def test_an_ordinary_additive_backward_is_not_rerun(monkeypatch):
     """Ordinary values leave the additive backward's flag at 0: the rerun does nothing and the
-    gradients are those of the first pass, bit for bit (fp16: no check, no rerun)."""
+    gradients are those of the first pass, bit for bit."""
     from attnx.triton import additive_bwd_rerun
 
     real, flags = additive_bwd_rerun.launch, []
@@ -1533,4 +1539,4 @@ def test_an_ordinary_additive_backward_is_not_rerun(monkeypatch):
         monkeypatch.setattr(additive_bwd_rerun, "launch", skipped)
         plain = _additive_grads(q, k, value, w, do, mask, kw, None, None)
         assert all(torch.equal(a, b) for a, b in zip(grads, plain))
-    assert flags == [0, 0]  # fp16: not launched
+    assert flags == [0, 0, 0]

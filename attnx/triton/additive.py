@@ -13,7 +13,8 @@ scratch across its loop, so the result is deterministic with no atomics. Here `w
 op's `v` (H, A), renamed to keep it apart from the values.
 
 bf16 and fp32 values near their largest overflow the backward's float32 dP and delta (NaN in
-dS): the dK and dQ kernels then set a device flag after their loops, and additive_bwd_rerun
+dS), as does an fp16 output past 65504 (saved as inf) delta: the dK and dQ kernels then set a
+device flag after their loops, and additive_bwd_rerun
 redoes dq, dk, dw and the float mask's gradient in float64 (nothing runs while it is unset).
 """
 
@@ -254,9 +255,8 @@ def _dk_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DK, DVAL, DW, DM,
             tl.debug_barrier()  # the next pass reads what this one stored
     tl.store(DVAL + (bh * Lk + offs_n[:, None]) * Ev + offs_dv[None, :],
              dval.to(DVAL.dtype.element_ty), mask=val_mask)
-    if VAL.dtype.element_ty != tl.float16:  # fp16 cannot overflow (additive_bwd_rerun)
-        _flag_scratch(FLAG, dk_rows, offs_n, Lk, A, BLOCK_A)
-        flag_nonfinite(FLAG, dval)  # (a dO near the largest overflows it where dS may not)
+    _flag_scratch(FLAG, dk_rows, offs_n, Lk, A, BLOCK_A)
+    flag_nonfinite(FLAG, dval)  # (a dO near the largest overflows it where dS may not)
 
 
 @triton.jit
@@ -305,8 +305,7 @@ def _dq_kernel(Q, K, VAL, W, M, DO, DWEIGHTS, LSE, DELTA, RNG, DQ, FLAG,
             dq = tl.load(ptrs, mask=ok, other=0.0)
             tl.store(ptrs, dq + tl.sum(ds[:, :, None] * (1.0 - t * t), 1) * wa[None, :], mask=ok)
             tl.debug_barrier()  # the next pass reads what this one stored
-    if VAL.dtype.element_ty != tl.float16:  # fp16 cannot overflow (additive_bwd_rerun)
-        _flag_scratch(FLAG, dq_rows, offs_m, Lq, A, BLOCK_A)
+    _flag_scratch(FLAG, dq_rows, offs_m, Lq, A, BLOCK_A)
 
 
 def _launch_args(q, k, value, w, mask, dropout_p, seed):
@@ -402,28 +401,28 @@ def additive_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, value
     sizes = (h, lq, lk, a, ev, window_lo, window_hi, inv_keep)
     has_dw = grad_weights is not None
     from . import additive_bwd_rerun  # (it imports this module's jit functions)
-    # Set where dP or delta overflowed (bf16, fp32): additive_bwd_rerun then redoes dq, dk, dw.
-    flag = q.new_zeros((1,), dtype=torch.int32) if additive_bwd_rerun.applies(q.dtype) else None
+    # Set where dP or delta overflowed (bf16, fp32; fp16 where out passed its range):
+    # additive_bwd_rerun then redoes dq, dk, dw.
+    flag = q.new_zeros((1,), dtype=torch.int32)
     common.launcher(_dk_kernel)[common.tiles_grid(lk, consts["BLOCK_N"], b * h)](
         q, k, value, v, m, grad_out, dweights, lse, delta, rng, dk, dvalue, dw, dmask,
-        q if flag is None else flag, *strides, *grad_out.stride(), *sizes, MASK_GRAD=mask_grad,
-        HAS_DWEIGHTS=has_dw, **consts)
+        flag, *strides, *grad_out.stride(), *sizes, MASK_GRAD=mask_grad, HAS_DWEIGHTS=has_dw,
+        **consts)
     common.launcher(_dq_kernel)[common.tiles_grid(lq, consts["BLOCK_M"], b * h)](
-        q, k, value, v, m, grad_out, dweights, lse, delta, rng, dq, q if flag is None else flag,
-        *strides, *grad_out.stride(), *sizes, HAS_DWEIGHTS=has_dw, **consts)
+        q, k, value, v, m, grad_out, dweights, lse, delta, rng, dq, flag, *strides,
+        *grad_out.stride(), *sizes, HAS_DWEIGHTS=has_dw, **consts)
     dq, dk, dw = dq.to(q.dtype), dk.to(k.dtype), dw.sum((0, 2)).to(v.dtype)
-    if flag is not None:
-        # The caller's dO and weights' gradient: the rerun divides by its own float64 r. Where
-        # flagged it writes dq, dk, dvalue and dmask over these, and its dw takes this one's place.
-        dw64 = additive_bwd_rerun.launch(
-            flag, (q, k, value, v, m, raw_grad_out,
-                   None if grad_weights is None else grad_weights.float().contiguous(),
-                   grad_lse, lse, rng),
-            (*strides, *raw_grad_out.stride()), (b, h, lq, lk, a, ev),
-            (window_lo, window_hi, inv_keep), (dq, dk, dvalue, dmask),
-            mask_kind=consts["MASK_KIND"],
-            dropout=dropout_p > 0, mask_grad=mask_grad)
-        dw = torch.where(flag.bool(), dw64.to(v.dtype), dw)
+    # The caller's dO and weights' gradient: the rerun divides by its own float64 r. Where
+    # flagged it writes dq, dk, dvalue and dmask over these, and its dw takes this one's place.
+    dw64 = additive_bwd_rerun.launch(
+        flag, (q, k, value, v, m, raw_grad_out,
+               None if grad_weights is None else grad_weights.float().contiguous(),
+               grad_lse, lse, rng),
+        (*strides, *raw_grad_out.stride()), (b, h, lq, lk, a, ev),
+        (window_lo, window_hi, inv_keep), (dq, dk, dvalue, dmask),
+        mask_kind=consts["MASK_KIND"],
+        dropout=dropout_p > 0, mask_grad=mask_grad)
+    dw = torch.where(flag.bool(), dw64.to(v.dtype), dw)
     return dq, dk, dvalue, dw, dmask
 
 

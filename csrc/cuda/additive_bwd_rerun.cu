@@ -1,6 +1,8 @@
 // The additive backward's slow path for bf16 values near the dtype's largest, as
 // sdpa_bwd_rerun.cu is the SDPA one's: there dPd = dO value^T and delta = rowsum(dO O) pass
 // float32's largest and dS = P (dPd z - delta) comes out NaN, though dS itself usually fits.
+// fp16 takes it too: an output past 65504 (values ~1e4 under heavy dropout) is saved as inf,
+// and delta from it is inf (the rerun's delta is sum_j P_ij z_ij dPd_ij, without O).
 // A non-finite dS reaches v's gradient (its CTA's partial sum of dS tanh), which the host sums
 // anyway; it turns "every element of it and of dvalue finite" into the device flag
 // p.overflowed (no synchronisation) and launches the two passes below, which return at once
@@ -83,13 +85,13 @@ __device__ __forceinline__ void add_chunk(const AdditiveParams& p, const T* q_ro
 
 // Query row i of head h: its R (a first pass over the band where lse is huge) and delta for the
 // key pass; dq_i and its share of v's gradient (float64 atomics) chunk by chunk; dmask.
+// delta = sum_j P_ij z_ij dO . value_j - grad_lse_i, which is rowsum(dO O) - grad_lse_i without
+// O's rounding: an output past the dtype's range (fp16 values ~1e4 under dropout 0.99) is saved
+// as inf, and rowsum(dO O) from it made every dS of the row NaN.
 template <typename T>
 __device__ void rerun_query_row(const AdditiveParams& p, int b, int h, int i, int lane) {
   const Pair<T> r(p, b, h, i);
   const float lse = p.lse[r.row];
-  const double delta =
-      warp_dot_d(r.dout, static_cast<const T*>(p.out) + r.row * p.Ev, p.Ev, lane) -
-      (p.grad_lse != nullptr ? double(p.grad_lse[r.row]) : 0.0);
   const int j_lo = int(max(int64_t(0), i + p.window_lo));
   const int j_hi = int(min(int64_t(p.Lk) - 1, i + p.window_hi));
   float R = 1.f;
@@ -99,6 +101,14 @@ __device__ void rerun_query_row(const AdditiveParams& p, int b, int h, int i, in
       const float s = additive_score(p, b, h, i, j, r.q, r.k + j * p.sk.l, r.v, lane);
       if (s != -INFINITY) R += fast_exp(s - lse);
     }
+  }
+  double delta = p.grad_lse != nullptr ? -double(p.grad_lse[r.row]) : 0.0;
+  for (int j = j_lo; j <= j_hi && lse != -INFINITY; ++j) {
+    const float s = additive_score(p, b, h, i, j, r.q, r.k + j * p.sk.l, r.v, lane);
+    const float z = dropout_factor(p.drop, r.key_bh, uint32_t(i), uint32_t(j));
+    const double pz = s == -INFINITY ? 0.0 : double(fast_exp(s - lse) / R) * z;
+    // (a warp-uniform branch: every lane holds the same sums)
+    if (pz != 0.0) delta += pz * warp_dot_d(r.dout, r.value + j * p.svalue.l, p.Ev, lane);
   }
   if (lane == 0) {
     p.row_r[r.row] = R;
@@ -175,18 +185,22 @@ __global__ void __launch_bounds__(32 * kRerunWarps, 1)
   }
 }
 
+template <typename T>
+cudaError_t launch_rerun(const AdditiveParams& p, cudaStream_t stream) {
+  const dim3 block(32 * kRerunWarps);
+  const cudaError_t err = launch_kernel(additive_bwd_rerun_kernel<T, false>,
+                                        rerun_grid(int64_t(p.B) * p.H * p.Lq), block, 0, stream, p);
+  if (err != cudaSuccess) return err;
+  return launch_kernel(additive_bwd_rerun_kernel<T, true>, rerun_grid(int64_t(p.B) * p.H * p.Lk),
+                       block, 0, stream, p);
+}
+
 }  // namespace
 
 cudaError_t additive_bwd_rerun(const AdditiveParams& p, cudaStream_t stream) {
-  if (p.dtype != DType::BFloat16 || p.B == 0 || p.H == 0 || p.Lq == 0 || p.Lk == 0)
-    return cudaSuccess;
-  const dim3 block(32 * kRerunWarps);
-  const cudaError_t err =
-      launch_kernel(additive_bwd_rerun_kernel<__nv_bfloat16, false>,
-                    rerun_grid(int64_t(p.B) * p.H * p.Lq), block, 0, stream, p);
-  if (err != cudaSuccess) return err;
-  return launch_kernel(additive_bwd_rerun_kernel<__nv_bfloat16, true>,
-                       rerun_grid(int64_t(p.B) * p.H * p.Lk), block, 0, stream, p);
+  if (p.B == 0 || p.H == 0 || p.Lq == 0 || p.Lk == 0) return cudaSuccess;
+  return p.dtype == DType::Half ? launch_rerun<__half>(p, stream)
+                                : launch_rerun<__nv_bfloat16>(p, stream);
 }
 
 }  // namespace cuda

@@ -599,27 +599,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
   target.check(launch_additive_bwd(p, target.stream()));
   // The CTAs' partial sums, added up here rather than by atomics on v's H x A addresses.
   Tensor dv = dv_parts.sum(0);
-  if (p.dtype == DType::BFloat16) {
-    // Values near bf16's largest: a dS that overflowed reaches v's gradient, a dO near the
-    // largest dvalue's sums; then dq, dk, dvalue, dv and dmask again in float64
-    // (additive_bwd_rerun.cu). The flag stays on the device.
-    const Tensor overflowed = target.input(
-        at::logical_not(at::logical_and(at::isfinite(dv).all(), at::isfinite(dvalue).all())));
-    const Tensor o = target.input(out.to(in.q.scalar_type()).contiguous());
-    Tensor glse;
-    if (grad_lse.has_value()) glse = target.input(grad_lse->to(at::kFloat).contiguous());
-    const Tensor row_r = target.empty({p.B, p.H, p.Lq}, f32);
-    const Tensor row_delta = target.empty({p.B, p.H, p.Lq}, f32.dtype(at::kDouble));
-    const Tensor dv64 = target.zeros({p.H, p.A}, f32.dtype(at::kDouble));
-    p.overflowed = overflowed.data_ptr<bool>();
-    p.out = const_cast<void*>(o.data_ptr());
-    p.grad_lse = glse.defined() ? glse.data_ptr<float>() : nullptr;
-    p.row_r = row_r.data_ptr<float>();
-    p.row_delta = row_delta.data_ptr<double>();
-    p.dv64 = dv64.data_ptr<double>();
-    target.check(additive_bwd_rerun(p, target.stream()));
-    dv = at::where(overflowed, dv64.to(at::kFloat), dv);
-  }
+  // Values near bf16's largest, or an output past fp16's (saved as inf, so delta is): a dS
+  // that overflowed reaches v's gradient, a dO near the largest dvalue's sums; then dq, dk,
+  // dvalue, dv and dmask again in float64 (additive_bwd_rerun.cu). The flag stays on the
+  // device.
+  const Tensor overflowed = target.input(
+      at::logical_not(at::logical_and(at::isfinite(dv).all(), at::isfinite(dvalue).all())));
+  Tensor glse;
+  if (grad_lse.has_value()) glse = target.input(grad_lse->to(at::kFloat).contiguous());
+  const Tensor row_r = target.empty({p.B, p.H, p.Lq}, f32);
+  const Tensor row_delta = target.empty({p.B, p.H, p.Lq}, f32.dtype(at::kDouble));
+  const Tensor dv64 = target.zeros({p.H, p.A}, f32.dtype(at::kDouble));
+  p.overflowed = overflowed.data_ptr<bool>();
+  p.grad_lse = glse.defined() ? glse.data_ptr<float>() : nullptr;
+  p.row_r = row_r.data_ptr<float>();
+  p.row_delta = row_delta.data_ptr<double>();
+  p.dv64 = dv64.data_ptr<double>();
+  target.check(additive_bwd_rerun(p, target.stream()));
+  dv = at::where(overflowed, dv64.to(at::kFloat), dv);
   // v may have been a broadcast (A,) vector: its gradient has v's own (H, A) shape here, the
   // autograd of the expand sums it back.
   return {grad_for(dq, q_in), grad_for(dk, k_in), grad_for(dvalue, value_in), grad_for(dv, v),

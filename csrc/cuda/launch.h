@@ -125,9 +125,9 @@ struct AdditiveParams {
   const void* dweights;
   float *dq, *dk, *dvalue, *dv, *delta;
   void* dmask;
-  // bf16: additive_bwd_rerun's inputs. overflowed: a device bool, set where v's gradient came out
-  // non-finite; out (above) in q's dtype and grad_lse fp32 (or null), from which it takes delta
-  // again; row_r fp32 and row_delta float64 (B, H, Lq) scratch; dv64 (H, A) float64, zeroed.
+  // additive_bwd_rerun's inputs. overflowed: a device bool, set where v's gradient or dvalue came
+  // out non-finite; grad_lse fp32 (or null), which its delta takes again; row_r fp32 and
+  // row_delta float64 (B, H, Lq) scratch; dv64 (H, A) float64, zeroed.
   const bool* overflowed = nullptr;
   const float* grad_lse = nullptr;
   float* row_r = nullptr;

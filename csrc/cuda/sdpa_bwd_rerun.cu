@@ -90,7 +90,9 @@ __device__ __forceinline__ double pair_ds(const SdpaParams& p, const SeqView& se
 // Query row i of head h: its delta, its scores' max and 1 / sum_j exp(s_j - max) (the sink's
 // term included), in float64, kept for the key pass; dQ_i = scale sum_j dS_ij k_j over the
 // band, written over dq_acc; its dmask row; delta (float, inf past the range) and the sink's
-// gradient.
+// gradient. delta = sum_j P_ij z_ij dP_ij, which is rowsum(dO O) without O's rounding: an
+// output past the dtype's range (fp16 values ~1e3 under dropout 0.99) is saved as inf, and
+// rowsum(dO O) from it made every dS of the row NaN (Triton's rerun sums the same way).
 template <typename T, bool kMods>
 __device__ __forceinline__ void rerun_query_row(const SdpaParams& p, const SeqView& seq, int b,
                                                 int h, int i, int lane) {
@@ -98,23 +100,27 @@ __device__ __forceinline__ void rerun_query_row(const SdpaParams& p, const SeqVi
   const T* k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h + seq.k0 * p.sk.l;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h + seq.k0 * p.sv.l;
   QueryRow<T> r = query_row<T>(p, seq, b, h, i);
-  r.delta = warp_dot_d(r.dout, static_cast<const T*>(p.out) + r.row * p.Ev, p.Ev, lane) -
-            (p.grad_lse != nullptr ? double(p.grad_lse[r.row]) : 0.0);
   const int64_t j_lo = max(int64_t(0), i + seq.lo), j_hi = min(int64_t(seq.Lk) - 1, i + seq.hi);
   const float sink = p.mods.sinks != nullptr ? p.mods.sinks[h] : -INFINITY;
+  const uint32_t key_bh = sdpa_dropout_key(p, b, h);
   RowSoftmax64 sm;
+  double pdp = 0.0;  // sum_j exp(s_j - max) z_ij dP_ij, rescaled with the sum
   for (int j = int(j_lo); j <= j_hi; ++j) {
     double tc, a;
     const double x = pair_score<T, kMods>(p, seq, b, h, i, j, r.q, k + j * p.sk.l, lane, &tc);
-    if (x != -INFINITY) sm.add(x, &a);
+    if (x == -INFINITY) continue;
+    const double w = sm.add(x, &a) * dropout_factor(p.drop, key_bh, i, j);
+    pdp = pdp * a + (w != 0.0 ? w * warp_dot_d(r.dout, v + j * p.sv.l, p.Ev, lane) : 0.0);
   }
-  if (sink != -INFINITY) {
+  if (sink != -INFINITY) {  // (its value is 0: it adds to the sum, not to dP)
     double a;
     sm.add(sink, &a);
+    pdp *= a;
   }
   // a row without probabilities: P = exp(s - inf) = 0
   r.max = sm.l != 0.0 ? sm.m : INFINITY;
   r.inv_r = sm.l != 0.0 ? 1.0 / sm.l : 0.0;
+  r.delta = pdp * r.inv_r - (p.grad_lse != nullptr ? double(p.grad_lse[r.row]) : 0.0);
   T* dmask = p.dmask == nullptr
                  ? nullptr
                  : static_cast<T*>(p.dmask) + ((int64_t(b) * p.Hq + h) * p.Lq + i) * p.Lk;
