@@ -12,10 +12,10 @@ Each program owns its rows of dq / dk (and one slot of dw partial sums), accumul
 scratch across its loop, so the result is deterministic with no atomics. Here `w` is the
 op's `v` (H, A), renamed to keep it apart from the values.
 
-bf16 and fp32 values near their largest overflow the backward's float32 dP and delta (NaN in
-dS), as does an fp16 output past 65504 (saved as inf) delta: the dK and dQ kernels then set a
-device flag after their loops, and additive_bwd_rerun
-redoes dq, dk, dw and the float mask's gradient in float64 (nothing runs while it is unset).
+bf16 and fp32 values near their largest overflow the backward's float32 dP and delta, and an
+fp16 output past 65504 (saved as inf) makes delta inf: NaN in dS. The dK and dQ kernels then set
+a device flag after their loops, and additive_bwd_rerun redoes dq, dk, dw and the float mask's
+gradient in float64 (nothing runs while it is unset).
 """
 
 from __future__ import annotations
