@@ -1270,11 +1270,14 @@ def test_varlen_backward_values_near_the_bf16_max():
     (16, dict(window=(None, 0), float_mask=True)),
     (300, dict(dropout_p=0.25, float_mask=True)),
     (32, dict(window=(40, 3), weights=True)),
+    (16, dict(huge_bias=True, dropout_p=0.25)),
 ])
 def test_additive_backward_values_near_the_bf16_max(a, kw):
     """The additive backward's float64 rerun (additive_bwd_rerun.cu): over two A chunks (a = 300),
     with dropout, a float mask's gradient (a causal band: row 0's one key, whose dS the rerun
-    finds 0 where the first pass's was NaN), a band, and a loss on the returned weights too."""
+    finds 0 where the first pass's was NaN), a band, a loss on the returned weights too, and
+    rows padded by bf16's most negative value (their lse keeps no log(l): the rerun divides
+    by its own scores' row sums there)."""
     torch.manual_seed(49)
     q = rand(1, 2, 12, a, dtype=torch.bfloat16)
     k = rand(1, 2, 150, a, dtype=torch.bfloat16)
@@ -1283,6 +1286,8 @@ def test_additive_backward_values_near_the_bf16_max(a, kw):
     inputs = [q, k, value, w]
     if kw.pop("float_mask", False):
         inputs.append(rand(1, 2, 12, 150, dtype=torch.bfloat16))
+    if kw.pop("huge_bias", False):
+        inputs.append(huge_bias_mask(1, 12, 150, torch.bfloat16).requires_grad_())
     weights = kw.pop("weights", False)
 
     def call(q, k, value, w, *mask, backend):

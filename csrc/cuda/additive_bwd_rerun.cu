@@ -83,33 +83,35 @@ __device__ __forceinline__ void add_chunk(const AdditiveParams& p, const T* q_ro
   }
 }
 
-// Query row i of head h: its R (a first pass over the band where lse is huge) and delta for the
-// key pass; dq_i and its share of v's gradient (float64 atomics) chunk by chunk; dmask.
+// Query row i of head h: its R and delta for the key pass, in one pass over the band; dq_i and
+// its share of v's gradient (float64 atomics) chunk by chunk; dmask.
 // delta = sum_j P_ij z_ij dO . value_j - grad_lse_i, which is rowsum(dO O) - grad_lse_i without
 // O's rounding: an output past the dtype's range (fp16 values ~1e4 under dropout 0.99) is saved
-// as inf, and rowsum(dO O) from it made every dS of the row NaN.
+// as inf, and rowsum(dO O) from it made every dS of the row NaN. Where lse is huge, P_ij =
+// exp(s_ij - lse) / R with R the sum of those exponentials: the sum is divided by R once it is
+// known (elsewhere R = 1), so the band's scores are computed once here, not once for R and once
+// for delta.
 template <typename T>
 __device__ void rerun_query_row(const AdditiveParams& p, int b, int h, int i, int lane) {
   const Pair<T> r(p, b, h, i);
   const float lse = p.lse[r.row];
   const int j_lo = int(max(int64_t(0), i + p.window_lo));
   const int j_hi = int(min(int64_t(p.Lk) - 1, i + p.window_hi));
-  float R = 1.f;
-  if (huge_lse(lse)) {
-    R = 0.f;
-    for (int j = j_lo; j <= j_hi; ++j) {
-      const float s = additive_score(p, b, h, i, j, r.q, r.k + j * p.sk.l, r.v, lane);
-      if (s != -INFINITY) R += fast_exp(s - lse);
-    }
-  }
-  double delta = p.grad_lse != nullptr ? -double(p.grad_lse[r.row]) : 0.0;
+  const bool huge = huge_lse(lse);
+  float R = huge ? 0.f : 1.f;
+  double weighted = 0.0;  // sum_j exp(s_ij - lse) z_ij dO . value_j
   for (int j = j_lo; j <= j_hi && lse != -INFINITY; ++j) {
     const float s = additive_score(p, b, h, i, j, r.q, r.k + j * p.sk.l, r.v, lane);
-    const float z = dropout_factor(p.drop, r.key_bh, uint32_t(i), uint32_t(j));
-    const double pz = s == -INFINITY ? 0.0 : double(fast_exp(s - lse) / R) * z;
+    if (s == -INFINITY) continue;
+    const float e = fast_exp(s - lse);
+    if (huge) R += e;
+    const double ez = double(e) * dropout_factor(p.drop, r.key_bh, uint32_t(i), uint32_t(j));
     // (a warp-uniform branch: every lane holds the same sums)
-    if (pz != 0.0) delta += pz * warp_dot_d(r.dout, r.value + j * p.svalue.l, p.Ev, lane);
+    if (ez != 0.0) weighted += ez * warp_dot_d(r.dout, r.value + j * p.svalue.l, p.Ev, lane);
   }
+  // (R = 0 only where every exponential is: weighted is 0 too)
+  const double delta = (R != 0.f ? weighted / R : 0.0) -
+                       (p.grad_lse != nullptr ? double(p.grad_lse[r.row]) : 0.0);
   if (lane == 0) {
     p.row_r[r.row] = R;
     p.row_delta[r.row] = delta;
