@@ -201,11 +201,11 @@ def test_sdpa_float_mask_grad_broadcast(dtype):
                empty_rows=(3,), window=(8, 8))
 
 
-def _huge_bias_mask(b, lq, lk):
+def _huge_bias_mask(b, lq, lk, dtype=f32):
     """Whole rows padded with finfo.min, as Hugging Face models pad: their lse rounds to the
     row max, where the backward must still find probabilities 1 / l (common.HUGE_LSE)."""
-    big = torch.finfo(f32).min
-    m = torch.zeros(b, 1, lq, lk)
+    big = torch.finfo(dtype).min
+    m = torch.zeros(b, 1, lq, lk, dtype=dtype)
     m[:, :, 2] = big
     m[0, :, 5, 9:] = big
     m[-1, :, lq - 1] = big
@@ -1450,7 +1450,7 @@ def _additive_grads(q, k, value, w, do, mask, kw, dweights, dtype):
 
 
 ADDITIVE_NEAR_MAX_BACKWARDS = ["plain", "wide", "dropout", "float-mask", "window", "causal",
-                               "weights"]
+                               "weights", "huge-bias"]
 
 
 @near_max
@@ -1460,7 +1460,7 @@ def test_additive_backward_near_the_dtype_max(dtype, mods):
     """150 keys, q and k small (attention spread), values 0.5 x 1.5e38-3.3e38: no NaN, and dq,
     dk, dw (and dmask) within twice the error of the scaled-down call; dvalue as the forward's
     output is held. A > 128 ("wide"), dropout, a float mask, a band, returned weights with a
-    loss on them."""
+    loss on them, rows padded by finfo.min (their lse keeps no log(l))."""
     gen = torch.Generator().manual_seed(11)
     a = 160 if mods == "wide" else 16
     lq, lk = 12, 150
@@ -1468,11 +1468,12 @@ def test_additive_backward_near_the_dtype_max(dtype, mods):
     value = (0.5 * _near_max_values((1, 2, lk, 16), f32, gen).double()).to(DEVICE, dtype)
     w = _randn((2, a), dtype, gen)
     do = (0.25 * _randn((1, 2, lq, 16), f32, gen)).to(dtype)
-    mask = _randn((1, 2, lq, lk), dtype, gen) if mods == "float-mask" else None
+    mask = {"float-mask": lambda: _randn((1, 2, lq, lk), dtype, gen),
+            "huge-bias": lambda: _huge_bias_mask(1, lq, lk, dtype)}.get(mods, lambda: None)()
     dweights = _randn((1, 2, lq, lk), dtype, gen) if mods == "weights" else None
     kw = {"dropout": dict(dropout_p=0.2), "window": dict(window=(60, 10)),
           "causal": dict(is_causal=True)}.get(mods, {})
-    names = ["dq", "dk", "dvalue", "dw"] + ["dmask"] * (mods == "float-mask")
+    names = ["dq", "dk", "dvalue", "dw"] + ["dmask"] * (mask is not None)
     grads = _additive_grads(q, k, value, w, do, mask, kw, dweights, None)
     scaled = _additive_grads(q, k, value / BIG, w, do, mask, kw,
                              None if dweights is None else dweights / BIG, None)
