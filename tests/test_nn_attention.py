@@ -193,7 +193,7 @@ def test_bad_arguments():
         Attention(4, 6, score="general", num_heads=4)
     att = Attention(4, 4, score="dot")
     q, k = torch.randn(2, 3, 4), torch.randn(2, 5, 4)
-    with pytest.raises(TypeError, match="key_padding_mask: expected a bool or floating"):
+    with pytest.raises(TypeError, match="key_padding_mask: expected a mask of dtype torch.bool, torch.float32"):
         att(q, k, key_padding_mask=torch.zeros(2, 5, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"key_padding_mask: expected shape \(2, 5\)"):
         att(q, k, key_padding_mask=torch.zeros(2, 1, dtype=torch.bool))

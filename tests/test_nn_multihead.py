@@ -236,12 +236,16 @@ def test_weights_under_dropout_are_the_ones_the_output_used(p):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(attn_mask=torch.ones(5, 7, dtype=torch.int64)), TypeError, "attn_mask: expected a bool or floating"),
+    (dict(attn_mask=torch.ones(5, 7, dtype=torch.int64)), TypeError, "attn_mask: expected a mask of dtype torch.bool, torch.float32"),
     (dict(key_padding_mask=torch.zeros(2, 7, dtype=torch.uint8)), TypeError, "key_padding_mask"),
     (dict(attn_mask=torch.zeros(1, 7, dtype=torch.bool)), ValueError, r"attn_mask: expected shape \(5, 7\)"),
     (dict(attn_mask=torch.zeros(5, 1)), ValueError, "attn_mask"),
     (dict(attn_mask=torch.zeros(3, 5, 7)), ValueError, r"\(6, 5, 7\)"),
     (dict(key_padding_mask=torch.zeros(2, 1, dtype=torch.bool)), ValueError, r"key_padding_mask: expected shape \(2, 7\)"),
+    (dict(attn_mask=torch.zeros(5, 7, dtype=torch.float16)), TypeError,
+     r"attn_mask: expected a mask of dtype torch.bool, torch.float32 or torch.float64 \(that of the inputs\), got torch.float16"),
+    (dict(key_padding_mask=torch.zeros(2, 7, dtype=torch.bfloat16)), TypeError,
+     "key_padding_mask: expected a mask of dtype .*, got torch.bfloat16"),
 ])
 def test_bad_masks_are_rejected(kwargs, error, match):
     """torch rejects these too; broadcasting them, or adding an integer 0/1 mask to the scores
@@ -251,6 +255,52 @@ def test_bad_masks_are_rejected(kwargs, error, match):
         ours(*_inputs(2, 5, 7, True), **kwargs)
     with pytest.raises(Exception):
         ref(*_inputs(2, 5, 7, True), **kwargs)
+
+
+def test_a_float64_mask_on_a_float32_module_is_rejected():
+    """torch refuses it ("Input dtypes must be the same"); rounded to float32 on its way, a
+    finite bias of 1e300 became inf and the output NaN."""
+    ours, ref = _pair(torch.float32, batch_first=True)
+    mask = torch.zeros(5, 7, dtype=torch.float64)
+    mask[:, 2] = 1e300
+    q, k, v = _inputs(2, 5, 7, True, dtype=torch.float32)
+    with pytest.raises(TypeError, match="attn_mask: expected a mask of dtype torch.bool, "
+                                        "torch.float32, got torch.float64"):
+        ours(q, k, v, attn_mask=mask)
+    with pytest.raises(Exception):
+        ref(q, k, v, attn_mask=mask)
+
+
+def test_two_finite_masks_summing_past_the_range_saturate():
+    """A float attn_mask and key_padding_mask of 2e38 each on key 1: their float32 sum is inf,
+    and torch's output NaN. attnx saturates the sum at float32's largest: key 1 takes every
+    row's whole weight, as with a mask that admits it alone."""
+    ours, _ = _pair(torch.float32, batch_first=True)
+    q, k, v = _inputs(2, 5, 7, True, dtype=torch.float32)
+    attn, pad = torch.zeros(5, 7), torch.zeros(2, 7)
+    attn[:, 1], pad[:, 1] = 2e38, 2e38
+    attn[:, 3] = -2e38  # and a negative one on another key, finite with pad's 0
+    out, w = ours(q, k, v, attn_mask=attn, key_padding_mask=pad)
+    only = torch.ones(5, 7, dtype=torch.bool)
+    only[:, 1] = False
+    want_out, want_w = ours(q, k, v, attn_mask=only)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(w, want_w)
+
+
+def test_combined_masks_saturate_only_what_overflowed():
+    """combine: a finite sum past the range saturates with its sign; a key a bool mask rules
+    out stays -inf (not the largest negative, which would admit it), and so does a -inf bias."""
+    from attnx.nn._masks import combine
+
+    out_ = torch.tensor([[True, False, False, False, False]])
+    a = torch.tensor([[2e38, 2e38, -2e38, 1.0, float("-inf")]])
+    b = torch.tensor([[2e38, 2e38, -2e38, 2.0, 5.0]])
+    big = torch.finfo(torch.float32).max
+    want = torch.tensor([[float("-inf"), big, -big, 3.0, float("-inf")]])
+    assert torch.equal(combine([out_, a, b], torch.float32), want)
+    assert torch.equal(combine([a, b], torch.bfloat16), torch.tensor([[big, big, -big, 3.0, float("-inf")]]))
 
 
 def test_no_keys_with_weights_matches_torch():

@@ -28,6 +28,21 @@ def test_positional_encoding_formula():
         pe(torch.randn(12, 1, d))
 
 
+def test_positional_encoding_is_rounded_once_to_its_dtype():
+    """.double() gives float64 inputs a float64-accurate table (not float32's, widened), and
+    .float() then bfloat16 each round the float64 table once."""
+    d, n = 6, 50
+    pos = torch.arange(n, dtype=torch.float64)[:, None]
+    angle = pos / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    exact = torch.stack([angle.sin(), angle.cos()], -1).reshape(n, d)
+    pe = PositionalEncoding(d, max_len=n).double()
+    torch.testing.assert_close(pe.pe, exact, atol=1e-14, rtol=0)
+    torch.testing.assert_close(pe(torch.zeros(n, 1, d, dtype=torch.float64))[:, 0], exact,
+                               atol=1e-14, rtol=0)
+    torch.testing.assert_close(pe.float().pe, exact.float(), atol=0, rtol=2 ** -24)
+    torch.testing.assert_close(pe.to(torch.bfloat16).pe, exact.bfloat16(), atol=0, rtol=2 ** -8)
+
+
 @pytest.mark.parametrize("make, call, error, match", [
     (lambda: PositionalEncoding(0), None, ValueError, "d_model: expected >= 1"),
     (lambda: PositionalEncoding(4.0), None, TypeError, "d_model: expected an int"),

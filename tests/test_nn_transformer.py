@@ -159,12 +159,53 @@ def test_attention_runs_on_attnx(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(src_mask=torch.zeros(5, 5, dtype=torch.int64)), "src_mask: expected a bool or floating"),
+    (dict(src_mask=torch.zeros(5, 5, dtype=torch.int64)), "src_mask: expected a mask of dtype torch.bool, torch.float32"),
     (dict(src_key_padding_mask=torch.zeros(2, 5, dtype=torch.int32)),
-     "src_key_padding_mask: expected a bool or floating"),
+     "src_key_padding_mask: expected a mask of dtype torch.bool, torch.float32"),
     (dict(src_mask=[[0.0] * 5] * 5), "src_mask: expected a Tensor"),
 ])
 def test_encoder_layer_bad_masks_raise_type_error(kwargs, match):
     layer = ann.TransformerEncoderLayer(8, 2, batch_first=True)
     with pytest.raises(TypeError, match=match):
         layer(torch.randn(2, 5, 8), **kwargs)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_layers_check_their_inputs_first(norm_first):
+    """Under norm_first a LayerNorm meets the input first: torch's RuntimeError there, a
+    ValueError or TypeError naming the argument here (the decoder layer's masks by its names)."""
+    enc = ann.TransformerEncoderLayer(8, 2, norm_first=norm_first)
+    with pytest.raises(ValueError, match="src: expected a last dim of d_model=8"):
+        enc(torch.randn(5, 3, 9))
+    with pytest.raises(ValueError, match="src: expected 2 to 3 dimensions"):
+        enc(torch.randn(5, 3, 1, 8))
+    dec = ann.TransformerDecoderLayer(8, 2, norm_first=norm_first)
+    tgt, memory = torch.randn(4, 3, 8), torch.randn(5, 3, 8)
+    with pytest.raises(ValueError, match="tgt: expected a last dim of d_model=8"):
+        dec(torch.randn(4, 3, 9), memory)
+    with pytest.raises(ValueError, match="memory: expected a last dim of d_model=8"):
+        dec(tgt, torch.randn(5, 3, 9))
+    with pytest.raises(TypeError, match="memory: expected a torch.Tensor"):
+        dec(tgt, None)
+    with pytest.raises(TypeError, match="tgt_mask: expected a mask of dtype"):
+        dec(tgt, memory, tgt_mask=torch.zeros(4, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="memory_key_padding_mask: expected a mask of dtype"):
+        dec(tgt, memory, memory_key_padding_mask=torch.zeros(3, 5, dtype=torch.float16))
+    assert dec(tgt, memory).shape == tgt.shape
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_transformer_checks_batch_and_d_model(batch_first):
+    """torch raises RuntimeErrors for these ("the batch number of src and tgt must be equal")."""
+    model = ann.Transformer(8, 2, 1, 1, 16, batch_first=batch_first)
+    shape = (lambda n, l: (n, l, 8)) if batch_first else (lambda n, l: (l, n, 8))
+    src, tgt = torch.randn(shape(3, 5)), torch.randn(shape(3, 4))
+    with pytest.raises(ValueError, match="tgt: expected batch size 3"):
+        model(src, torch.randn(shape(2, 4)))
+    with pytest.raises(ValueError, match="src: expected a last dim of d_model=8"):
+        model(torch.randn(5, 3, 9), tgt)
+    with pytest.raises(ValueError, match="tgt: expected 3 dims"):
+        model(src, torch.randn(4, 8))
+    assert model(src, tgt).shape == tgt.shape
+    assert model(torch.randn(5, 8), torch.randn(4, 8)).shape == (4, 8)  # unbatched
+

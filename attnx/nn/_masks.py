@@ -16,23 +16,29 @@ import torch
 from .._validate import _check_dense
 
 
-def check_mask_type(name: str, mask) -> None:
-    """None, or a dense bool or floating tensor."""
+def check_mask_type(name: str, mask, dtype: torch.dtype) -> None:
+    """None, or a dense bool tensor, or a float one of `dtype` (the inputs') or float32: the
+    functional ops' rule (torch adds a float32 mask to half-precision scores in float32). A
+    mask of another float dtype would be rounded to the inputs' on its way, a float64 bias of
+    1e300 to inf (NaN out), where torch refuses it."""
     if mask is None:
         return
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name}: expected a Tensor or None, got {type(mask).__name__}")
     _check_dense(name, mask)
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(f"{name}: expected a bool or floating-point mask, got {mask.dtype}")
+    if mask.dtype not in (torch.bool, torch.float32, dtype):
+        also = "" if dtype == torch.float32 else f" or {dtype} (that of the inputs)"
+        raise TypeError(f"{name}: expected a mask of dtype torch.bool, torch.float32{also}, "
+                        f"got {mask.dtype}")
 
 
-def check_mask(name: str, mask: Optional[torch.Tensor], shapes: Sequence[tuple]) -> None:
-    """torch.nn's rules for a mask argument: None, or a bool or floating tensor of one of
-    `shapes` (an integer 0/1 mask would otherwise be added to the scores as a bias)."""
+def check_mask(name: str, mask: Optional[torch.Tensor], shapes: Sequence[tuple],
+               dtype: torch.dtype) -> None:
+    """torch.nn's rules for a mask argument: None, or a bool or float tensor (check_mask_type)
+    of one of `shapes` (an integer 0/1 mask would otherwise be added to the scores as a bias)."""
     if mask is None:
         return
-    check_mask_type(name, mask)
+    check_mask_type(name, mask, dtype)
     # compared, never hashed: a traced batch or length is symbolic, and hashing it makes
     # torch.compile specialize to its value (torch.export refuses it outright)
     if not any(tuple(mask.shape) == tuple(s) for s in shapes):
@@ -43,7 +49,9 @@ def check_mask(name: str, mask: Optional[torch.Tensor], shapes: Sequence[tuple])
 def combine(masks: Sequence[Optional[torch.Tensor]], dtype: torch.dtype) -> Optional[torch.Tensor]:
     """torch.nn-convention masks, already shaped to broadcast together -> one attnx mask.
     Float masks are summed in `dtype` (the query's), or in float32 at least where one of them
-    is float32: torch adds a float32 mask to half-precision scores in float32."""
+    is float32: torch adds a float32 mask to half-precision scores in float32. Two finite
+    biases whose sum passes the dtype's range (2e38 + 2e38 in float32) saturate at its
+    largest: torch's sum is inf there, and the softmax's NaN."""
     masks = [m for m in masks if m is not None]
     if not masks:
         return None
@@ -59,4 +67,10 @@ def combine(masks: Sequence[Optional[torch.Tensor]], dtype: torch.dtype) -> Opti
         f = (torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
              if m.dtype == torch.bool else m.to(dtype))
         total = f if total is None else total + f
+    if sum(m.dtype != torch.bool for m in masks) > 1:
+        # an infinite sum whose terms are all finite (a bool mask's ruled-out position is -inf)
+        overflowed = total.isinf()
+        for m in masks:
+            overflowed = overflowed & (~m if m.dtype == torch.bool else m.isfinite())
+        total = torch.where(overflowed, total.sign() * torch.finfo(dtype).max, total)
     return total

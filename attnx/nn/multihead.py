@@ -61,8 +61,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 is_causal: bool = False):
         for name, x in (("query", query), ("key", key), ("value", value)):
             _check_tensor(name, x, 0)  # the ranks: torch's _mha_shape_check below
-        check_mask_type("key_padding_mask", key_padding_mask)
-        check_mask_type("attn_mask", attn_mask)
+        check_mask_type("key_padding_mask", key_padding_mask, query.dtype)
+        check_mask_type("attn_mask", attn_mask, query.dtype)
         try:
             is_batched = F._mha_shape_check(query, key, value, key_padding_mask, attn_mask,
                                             self.num_heads)
@@ -92,8 +92,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         weight = self.in_proj_weight if self._qkv_same_embed_dim else self.q_proj_weight
         for name, x in (("query", query), ("key", key), ("value", value)):
             check_dtype(name, x, weight)
-        check_mask("attn_mask", attn_mask, [(lq, ls), (n * h, lq, ls)])
-        check_mask("key_padding_mask", key_padding_mask, [(n, ls)])
+        check_mask("attn_mask", attn_mask, [(lq, ls), (n * h, lq, ls)], query.dtype)
+        check_mask("key_padding_mask", key_padding_mask, [(n, ls)], query.dtype)
 
         if self._qkv_same_embed_dim:
             w_q, w_k, w_v = self.in_proj_weight.chunk(3)

@@ -12,11 +12,22 @@ from .._validate import _check_tensor
 from ._inputs import check_features
 
 
+def _table(max_len: int, d_model: int) -> torch.Tensor:
+    """PE[:max_len] in float64."""
+    pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+    pe = torch.zeros(max_len, d_model, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(pos * inv_freq)
+    pe[:, 1::2] = torch.cos(pos * inv_freq[: d_model // 2])
+    return pe
+
+
 class PositionalEncoding(nn.Module):
     """x + PE[:L], then dropout, with PE(pos, 2i) = sin(pos / 10000^(2i/d_model)) and
     PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)); an odd d_model drops the last cosine.
 
-    The table is the buffer `pe` of shape (max_len, d_model). Inputs are (L, N, E), or
+    The table is the buffer `pe` of shape (max_len, d_model), in the default dtype until the
+    module's dtype changes (then rounded from float64 again). Inputs are (L, N, E), or
     (N, L, E) with `batch_first=True`, or (L, E).
     """
 
@@ -30,12 +41,16 @@ class PositionalEncoding(nn.Module):
                 raise ValueError(f"{name}: expected >= 1, got {n}")
         self.dropout = nn.Dropout(dropout)
         self.batch_first = batch_first
-        pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
-        inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
-        pe = torch.zeros(max_len, d_model, dtype=torch.float64)
-        pe[:, 0::2] = torch.sin(pos * inv_freq)
-        pe[:, 1::2] = torch.cos(pos * inv_freq[: d_model // 2])
-        self.register_buffer("pe", pe.to(torch.get_default_dtype()))
+        self.register_buffer("pe", _table(max_len, d_model).to(torch.get_default_dtype()))
+
+    def _apply(self, fn, *args, **kwargs):
+        # A change of dtype (.double(), .half(), .to(dtype)) rounds the table from float64
+        # again, not from its float32 copy: float64 inputs then get a float64-accurate encoding.
+        dtype = self.pe.dtype
+        super()._apply(fn, *args, **kwargs)
+        if self.pe.dtype != dtype:
+            self.pe = _table(*self.pe.shape).to(self.pe.device, self.pe.dtype)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _check_tensor("x", x, 2).dim() > 3:

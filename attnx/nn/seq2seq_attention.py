@@ -156,8 +156,8 @@ class Attention(nn.Module):
             if tuple(_check_tensor("projected_key", projected_key, 0).shape) != want:
                 raise ValueError(f"projected_key: expected shape {want} (project_key(key)'s), got "
                                  f"{tuple(projected_key.shape)}")
-        check_mask("attn_mask", attn_mask, [(lq, lk), (b, lq, lk)])
-        check_mask("key_padding_mask", key_padding_mask, [(b, lk)])
+        check_mask("attn_mask", attn_mask, [(lq, lk), (b, lq, lk)], query.dtype)
+        check_mask("key_padding_mask", key_padding_mask, [(b, lk)], query.dtype)
         if isinstance(query_offset, bool) or not hasattr(query_offset, "__index__"):
             raise TypeError(f"query_offset: expected an int, got {type(query_offset).__name__}")
         if operator.index(query_offset) < 0:

@@ -5,7 +5,10 @@ names, initialisation order), then turns the torch `MultiheadAttention` modules 
 `attnx.nn.MultiheadAttention` in place (a class change: the parameters stay the same objects,
 so no random numbers are drawn and a torch `state_dict` loads with `strict=True`).
 The encoder layer and encoder override `forward` only to leave torch's fused fast paths, which
-would run torch's own attention kernels (and nested tensors) instead of attnx's.
+would run torch's own attention kernels (and nested tensors) instead of attnx's. The layers and
+`Transformer` check their inputs' ranks and feature sizes and their masks' types first: torch
+raises RuntimeErrors there (a LayerNorm's, under norm_first), attnx a ValueError or TypeError
+naming the argument.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from .._validate import _check_tensor
+from ._inputs import check_features
 from ._masks import check_mask_type
 from .multihead import MultiheadAttention
 
@@ -32,6 +37,17 @@ def to_attnx(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def _check_input(name: str, x, d_model: int) -> None:
+    """x is (L, E) or batched (L, N, E) / (N, L, E), floating, with E = d_model."""
+    _check_tensor(name, x, 2, 3)
+    check_features(name, x, d_model, "d_model")
+
+
+def _check_masks(dtype: torch.dtype, **masks) -> None:
+    for name, mask in masks.items():
+        check_mask_type(name, mask, dtype)
+
+
 def _same_signature(cls, base):
     cls.__init__.__signature__ = inspect.signature(base.__init__)
     cls.__init__.__doc__ = base.__init__.__doc__
@@ -46,9 +62,9 @@ class TransformerEncoderLayer(torch.nn.TransformerEncoderLayer):
         to_attnx(self)
 
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        _check_input("src", src, self.self_attn.embed_dim)
         # torch's _canonical_mask asserts on other dtypes: a TypeError naming the mask instead
-        check_mask_type("src_mask", src_mask)
-        check_mask_type("src_key_padding_mask", src_key_padding_mask)
+        _check_masks(src.dtype, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask)
         src_key_padding_mask = F._canonical_mask(
             mask=src_key_padding_mask, mask_name="src_key_padding_mask",
             other_type=F._none_or_dtype(src_mask), other_name="src_mask", target_type=src.dtype)
@@ -70,6 +86,16 @@ class TransformerDecoderLayer(torch.nn.TransformerDecoderLayer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         to_attnx(self)
+
+    def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
+                memory_key_padding_mask=None, tgt_is_causal=False, memory_is_causal=False):
+        _check_input("tgt", tgt, self.self_attn.embed_dim)
+        _check_input("memory", memory, self.multihead_attn.kdim)
+        _check_masks(tgt.dtype, tgt_mask=tgt_mask, memory_mask=memory_mask,
+                     tgt_key_padding_mask=tgt_key_padding_mask,
+                     memory_key_padding_mask=memory_key_padding_mask)
+        return super().forward(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                               memory_key_padding_mask, tgt_is_causal, memory_is_causal)
 
 
 class TransformerEncoder(torch.nn.TransformerEncoder):
@@ -95,6 +121,23 @@ class Transformer(torch.nn.Transformer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         to_attnx(self)
+
+    def forward(self, src, tgt, src_mask=None, tgt_mask=None, memory_mask=None,
+                src_key_padding_mask=None, tgt_key_padding_mask=None,
+                memory_key_padding_mask=None, src_is_causal=None, tgt_is_causal=None,
+                memory_is_causal=False):
+        _check_input("src", src, self.d_model)
+        _check_input("tgt", tgt, self.d_model)
+        if tgt.dim() != src.dim():
+            raise ValueError(f"tgt: expected {src.dim()} dims (as src, batched or not), got shape "
+                             f"{tuple(tgt.shape)}")
+        batch_dim = 0 if self.batch_first else 1
+        if src.dim() == 3 and tgt.shape[batch_dim] != src.shape[batch_dim]:
+            raise ValueError(f"tgt: expected batch size {src.shape[batch_dim]} (that of src, dim "
+                             f"{batch_dim}), got shape {tuple(tgt.shape)}")
+        return super().forward(src, tgt, src_mask, tgt_mask, memory_mask, src_key_padding_mask,
+                               tgt_key_padding_mask, memory_key_padding_mask, src_is_causal,
+                               tgt_is_causal, memory_is_causal)
 
 
 _SWAPS.update({
