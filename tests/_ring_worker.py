@@ -193,6 +193,16 @@ def bad_input_everywhere():
     assert unshard(ql).shape == q.shape
     _expect_error(TypeError, ["dim: expected an int, got float"], lambda: shard(q, dim=1.5))
     _expect_error(TypeError, ["attn_mask"], lambda: ring_attention(ql, kl, vl, attn_mask=None))
+    # rank 1 alone: a keyword ring_attention or unshard does not take, or a group that is none.
+    # Python's own TypeError (refusing the call) would leave rank 0 waiting in the agreement.
+    for kwargs, words in (({"dropout_p": 0.1}, ["dropout_p: ring_attention takes no such"]),
+                          ({"group": "not-a-group"}, ["group: expected None or a process group"])):
+        _expect_error(TypeError if "group" not in kwargs and rank == 1 else ValueError,
+                      words if rank == 1 else ["rank(s) [1]"],
+                      lambda: ring_attention(ql, kl, vl, **(kwargs if rank == 1 else {})))
+    _expect_error(TypeError if rank == 1 else ValueError,
+                  ["dims: unshard takes no such"] if rank == 1 else ["unshard: rank(s) [1]"],
+                  lambda: unshard(ql, **({"dims": -2} if rank == 1 else {})))
     _expect_error(ValueError, ["softcap"], lambda: ring_attention(ql, kl, vl, softcap=-1.0))
     _expect_error(ValueError, ["softcap"],
                   lambda: ring_attention(ql, kl, vl, softcap=1.0 + rank))

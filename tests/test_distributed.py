@@ -175,15 +175,19 @@ def test_merge_matches_attention_over_the_union_and_keeps_empty_rows_zero():
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
 
 
+@pytest.mark.parametrize("lq,lk,split,lo,hi", [(6, 10, 4, -8, 1), (1, 10, 4, -200, 200),
+                                                (3, 140, 70, -200, 200)])
 @pytest.mark.parametrize("softcap", [None, 1.5])
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
-def test_split_keys_with_global_lse_match_one_call(backend, softcap):
+def test_split_keys_with_global_lse_match_one_call(backend, softcap, lq, lk, split, lo, hi):
     """What each ring step relies on, per backend: a backend's kernels on a split of the keys
     (bands shifted to each part) merged by lse give its one call's out and lse, and its
     backward on each part given the GLOBAL out and lse gives the one call's gradients. GQA, an
     lse gradient, rows that see no key of one part (causal), soft-capping where the backend
     serves it; the parts' lse and its gradient given as strided views, with each part's own
-    forward lse for the rows a kernel renormalizes (blocks._with_block_lse)."""
+    forward lse for the rows a kernel renormalizes (blocks._with_block_lse). One query row,
+    and 3 against 70-key parts: the CPU kernels' decoding shapes, whose backward takes the lse
+    of its own scores (its D the given out's: with the part's own, dq, dk, dv were off by ~1)."""
     status = attnx.backends()[backend]
     if not status.usable:
         pytest.skip(f"backend {backend} is not usable here: {status.reason}")
@@ -192,12 +196,12 @@ def test_split_keys_with_global_lse_match_one_call(backend, softcap):
     if softcap is not None and backend not in _dispatch._SERVED_MODIFIERS["sdpa"]:
         pytest.skip(f"backend {backend} does not compute softcap (attnx._dispatch)")
     g = torch.Generator().manual_seed(0)
-    q, dout = torch.randn(1, 4, 6, 5, generator=g), torch.randn(1, 4, 6, 3, generator=g)
-    k, v = torch.randn(1, 2, 10, 5, generator=g), torch.randn(1, 2, 10, 3, generator=g)
-    dlse = torch.randn(1, 4, 6, generator=g)
-    kern, lo, hi, split = blocks.kernels(backend, softcap), -8, 1, 4
+    q, dout = torch.randn(1, 4, lq, 5, generator=g), torch.randn(1, 4, lq, 3, generator=g)
+    k, v = torch.randn(1, 2, lk, 5, generator=g), torch.randn(1, 2, lk, 3, generator=g)
+    dlse = torch.randn(1, 4, lq, generator=g)
+    kern = blocks.kernels(backend, softcap)
     out, lse = kern.fwd(q, k, v, 0.4, lo, hi)
-    parts = [(slice(0, split), 0), (slice(split, 10), split)]
+    parts = [(slice(0, split), 0), (slice(split, lk), split)]
     merged, part_lse = None, []
     for keys, at in parts:
         o, l = kern.fwd(q, k[:, :, keys], v[:, :, keys], 0.4, lo - at, hi - at)

@@ -125,12 +125,13 @@ def _native(softcap: Optional[float], up, renormalizes_all, wide_out: bool) -> K
 
 
 def _cpu_renormalizes_all(q) -> bool:
-    """Whether the CPU backward renormalizes every row of q's blocks: float32 (and bfloat16,
-    computed in it) on the BLAS engine, whose scores are not the forward's bit for bit
-    (csrc/cpu/sdpa_cpu.cpp renorm_all). The engine is chosen once per process, so ranks may
-    differ: each handles its own blocks."""
-    from .. import _ops
-    return q.dtype != torch.float64 and _ops._C.build_info()["cpu_gemm"] == "blas"
+    """Whether the CPU backward may renormalize every row of q's blocks by their own scores:
+    float32 (and 16-bit, computed in it). The BLAS engine does so for every row (its scores
+    are not the forward's bit for bit: csrc/cpu/sdpa_cpu.cpp renorm_all), either engine for
+    blocks of few query rows (one, or up to 32 against many keys: sdpa_cpu.cpp decoding_rows,
+    whose forward ran on the decoding kernel). Told so always, as a kernel that keeps the given
+    lse gets the same gradients from the block's own lse (_with_block_lse)."""
+    return q.dtype != torch.float64
 
 
 def _never(q) -> bool:

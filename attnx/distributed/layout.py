@@ -58,6 +58,26 @@ def group_info(group) -> tuple:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def member(group) -> tuple:
+    """(rank, world size, group, error): this rank's place in `group`, or, where `group` is no
+    process group, its place in the default group and that error, for the caller to report
+    through its agreement there, where the other ranks (the default group's) wait for it."""
+    try:
+        return (*group_info(group), group, None)
+    except Exception as exc:  # any: the default group's own failure (not initialized) raises
+        error = ValueError(f"group: expected None or a process group of this rank, got "
+                           f"{group!r} ({exc})")
+        return (*group_info(None), None, error)
+
+
+def unsupported_keywords(fn: str, names) -> None:
+    """A TypeError for keywords `fn` does not take, raised inside its agreement's try (not by
+    Python's call, which would leave the other ranks waiting for this one)."""
+    if names:
+        raise TypeError(f"{', '.join(sorted(names))}: {fn} takes no such argument (see API.md, "
+                        "attnx.distributed)")
+
+
 def _dim(x: torch.Tensor, dim: int, name: str) -> int:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -115,13 +135,16 @@ class _Gather(torch.autograd.Function):
 
 
 def unshard(x_local: torch.Tensor, *, group=None, layout: str = "zigzag",
-            dim: int = -2) -> torch.Tensor:
+            dim: int = -2, **unsupported) -> torch.Tensor:
     """The full tensor gathered from every rank's shard along `dim` (differentiable). The ranks
-    first agree on their shards (checks.agree_gather): bad input on one rank, or shards that
-    differ, raise on every rank."""
+    first agree on their shards (checks.agree_gather): bad input on one rank (another keyword,
+    a `group` that is none), or shards that differ, raise on every rank."""
     from .checks import agree_gather, check_device  # checks imports this module
-    rank, world = group_info(group)
+    rank, world, group, error = member(group)
     try:
+        if error is not None:
+            raise error
+        unsupported_keywords("unshard", unsupported)
         layout = check_layout(layout)
         dim = _dim(x_local, dim, "x_local")
         check_device("x_local", x_local)

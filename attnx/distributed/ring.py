@@ -272,16 +272,22 @@ def _may_overflow(call, q_max: float, k_max: float, v_max: float) -> bool:
 
 
 def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="zigzag",
-                   window=None, softcap=None, backend=None, return_lse=False):
+                   window=None, softcap=None, backend=None, return_lse=False, **unsupported):
     """Attention of this rank's shard of the queries to the whole sequence, whose K/V shards
     are spread over the ranks of `group` (see API.md, `attnx.distributed`).
 
     q (..., Hq, L_local, E), k (..., Hkv, L_local, E), v (..., Hkv, L_local, Ev): this rank's
     shard of the sequence in `layout`. Returns the shard's output (..., Hq, L_local, Ev), and
     with `return_lse=True` also its float32 lse (..., Hq, L_local).
+
+    Any other keyword (attn_mask, dropout_p, ...) raises a TypeError on every rank, as does a
+    `group` that is no process group (told over the default group).
     """
-    rank, world = checks.group_info(group)
+    rank, world, group, error = checks.member(group)
     try:
+        if error is not None:
+            raise error
+        checks.unsupported_keywords("ring_attention", unsupported)
         call = _validate.sdpa_call(q, k, v, None, 0.0, False, scale, True, None, backend,
                                    return_lse, softcap=softcap)
         checks.check_device("q", call.q)  # (sdpa_call: k and v on q's device)

@@ -774,17 +774,21 @@ GradResult backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, co
   // The probabilities exp(s - lse) need the lse of the backward's own scores: the normalization
   // then cancels most of a score's rounding error where one key dominates a row. The decoding
   // kernel sums its scores in another order than the tiles' (their last bits differ), so for
-  // the shapes it took the tiles' forward runs again (dV at 8x PyTorch's error before, 16
-  // queries against 256 keys, E = 128, scores near 15). grad_lse still reaches the lse the
-  // caller got, whose value differs from this one in its last bits only.
-  Tensor o = out, l = lse;
+  // the shapes it took the tiles' forward runs again for its lse (dV at 8x PyTorch's error
+  // before, 16 queries against 256 keys, E = 128, scores near 15): these rows are renormalized
+  // by their own scores, as the BLAS engine's all are. D = rowsum(dO O) stays the caller's:
+  // where the keys are a block of the row (a ring step, attnx/distributed/blocks.py), O is the
+  // whole row's and the block's own would make D, and every gradient, the block's alone.
+  // grad_lse still reaches the lse the caller got, whose value differs from this one in its
+  // last bits only.
+  Tensor l = lse;
   if (!drop.on && decoding_rows(d, q.scalar_type()))
-    std::tie(o, l) = tile_forward(q, k, v, mask, rows, scale, band, drop, d, mods);
+    l = std::get<1>(tile_forward(q, k, v, mask, rows, scale, band, drop, d, mods));
   // The engine the forward used (panels_available() does not change), so the scores match.
   const auto run = panels_available() ? backward_in<float, PanelGrads>
                                       : backward_in<float, BlasGrads<float>>;
   GradResult g = run(in(grad_out, at::kFloat), in(q, at::kFloat), in(k, at::kFloat),
-                     in(v, at::kFloat), in(o, at::kFloat), l.contiguous(), rows, scale, band,
+                     in(v, at::kFloat), in(out, at::kFloat), l.contiguous(), rows, scale, band,
                      drop, mods, in(gl, at::kFloat), mask_grad, sinks_grad, d);
   // The float32 forward's overflow rows come back with an lse rounded out of range, or the
   // gradients overflow: float64 from the forward on, as the forward itself fell back.
