@@ -292,6 +292,59 @@ def test_from_pretrained_with_attn_implementation(tmp_path):
     torch.testing.assert_close(got[keep], want[keep], atol=2e-5, rtol=1e-4)
 
 
+def test_sparse_indices_are_refused_not_ignored():
+    """DeepSeek-V3.2's layers fold their indexer's top-k keys into the mask for "eager" and
+    "sdpa" only, and pass them to any other attention function as `indices`: attnx attended
+    densely without them (20% off the logits at index_topk=4 of 12 tokens)."""
+    config = transformers.DeepseekV32Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, head_dim=4,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        mlp_layer_types=["dense"], layer_types=["indexed_attention"], index_topk=4,
+        index_head_dim=8, index_n_heads=2, max_position_embeddings=64)
+    config._experts_implementation = "eager"
+    model = transformers.DeepseekV32ForCausalLM(config).eval()
+    model.set_attn_implementation("attnx")
+    with pytest.raises(ValueError, match="indices: not supported by attn_implementation='attnx'"):
+        model(input_ids=torch.randint(3, 128, (2, 12)))
+    q = torch.randn(1, 2, 3, 4)
+    for name in ("block_indices", "sinks", "position_bias"):
+        with pytest.raises(ValueError, match=f"{name}: not supported"):
+            hf_attention.attention_forward(None, q, q, q, None, **{name: torch.zeros(1)})
+
+
+@pytest.mark.parametrize("cls,config", [
+    ("BloomForCausalLM", dict(vocab_size=128, hidden_size=32, n_layer=1, n_head=4)),
+    ("MptForCausalLM", dict(vocab_size=128, d_model=32, n_layers=1, n_heads=4, max_seq_len=64)),
+])
+def test_models_with_their_own_attention_get_a_clear_error(cls, config):
+    """transformers takes attn_implementation="attnx" for any model, and builds masks with
+    attnx's builder for those (Bloom, MPT) that compute attention themselves: they add the
+    CompactMask to their scores (Bloom) or move it (MPT's .to), which raised an unrelated
+    TypeError / AttributeError."""
+    model_cls = getattr(transformers, cls)
+    model = model_cls(getattr(transformers, cls.replace("ForCausalLM", "Config"))(**config))
+    model.config._attn_implementation = "attnx"  # as from_pretrained(attn_implementation=) sets it
+    ids, mask = torch.randint(3, 128, (2, 8)), torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0
+    with pytest.raises(TypeError, match="attention_mask: this model computes attention itself"):
+        model(input_ids=ids, attention_mask=mask)
+    compact = hf_attention.CompactMask(None, True, None, 2, 8, 8)
+    assert not hasattr(compact, "dtype")  # an AttributeError too: probes still answer "no"
+
+
+def test_output_attentions_warns_that_there_are_none():
+    """As with "sdpa", which logs it: the model's attentions come back empty, not silently."""
+    ids, mask = _inputs()
+    model = _model("llama")
+    model.set_attn_implementation("attnx")
+    with pytest.warns(UserWarning, match="output_attentions=True: attn_implementation='attnx' "
+                                         "returns no attention weights"), torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert not out.attentions
+
+
 def test_import_attnx_does_not_import_transformers():
     code = ("import sys, attnx; attnx.hf.NAME; "
             "sys.exit('transformers' in sys.modules)")

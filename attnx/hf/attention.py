@@ -7,6 +7,7 @@ passes (`attention_interface(self, query, key, value, attention_mask, dropout=..
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,6 +15,17 @@ import torch
 
 from .. import _dispatch
 from .._backends import cpu
+
+
+class NotAMaskTensor(TypeError, AttributeError):
+    """A CompactMask used as a tensor (an AttributeError too, so that hasattr and getattr with
+    a default still answer "no")."""
+
+
+_NOT_A_TENSOR = ("attention_mask: this model computes attention itself from a mask tensor, "
+                 "and attn_implementation='attnx' serves only models whose attention goes "
+                 "through transformers' attention interface (ALL_ATTENTION_FUNCTIONS); use "
+                 "'sdpa' or 'eager' for it")
 
 
 @dataclass(frozen=True, eq=False)  # eq: identity (its padding tensor has no truth value)
@@ -48,6 +60,34 @@ class CompactMask:
     def shape(self) -> tuple:
         return (self.batch_size, 1, self.q_length, self.kv_length)
 
+    # transformers builds masks for every model that asks its builders (Bloom and MPT too),
+    # whatever the model does with them: one that adds it to its scores, or moves it (.to),
+    # gets a clear error here, not one from its arithmetic.
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise NotAMaskTensor(_NOT_A_TENSOR)
+
+    def __getattr__(self, name: str):  # attributes a CompactMask lacks: .to, .dtype, .bool()
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise NotAMaskTensor(f"{_NOT_A_TENSOR} (it asked for the mask's .{name})")
+
+    def _arithmetic(self, *_):  # scores + mask: a Tensor's operator gives way to this one
+        raise NotAMaskTensor(_NOT_A_TENSOR)
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _arithmetic
+    __and__ = __rand__ = __or__ = __ror__ = __invert__ = _arithmetic
+
+
+# What some layers pass only to attention functions other than eager and sdpa, which they
+# otherwise fold into the mask: attnx would attend densely without them (a silent wrong answer).
+_UNSERVED = {
+    "position_bias": "T5-style relative position biases",
+    "indices": "sparse attention's top-k key indices (DeepSeek-V3.2 and its kin)",
+    "block_indices": "block-sparse key indices",
+    "sinks": "a layer's own sink logits under that name (gpt-oss's s_aux is served)",
+}
+
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask, dropout: float = 0.0,
@@ -63,9 +103,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     copying the key/value heads. `sliding_window`, which some layers also pass, is already in
     the mask, as for "sdpa".
     """
-    if kwargs.get("position_bias") is not None:
-        raise ValueError("position_bias: not supported by attn_implementation='attnx' "
-                         "(T5-style relative position biases); use 'sdpa' or 'eager'")
+    for name, what in _UNSERVED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}: not supported by attn_implementation='attnx' ({what}); "
+                             "use 'sdpa' or 'eager'")
+    if kwargs.get("output_attentions"):  # (as sdpa's function, which logs it)
+        warnings.warn("output_attentions=True: attn_implementation='attnx' returns no attention "
+                      "weights; use 'eager' for them", stacklevel=2)
     modifiers = {name: x for name, x in (("softcap", softcap), ("sinks", s_aux)) if x is not None}
     gqa = key.shape[1] != query.shape[1]
     if isinstance(attention_mask, CompactMask):
