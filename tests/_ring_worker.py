@@ -201,6 +201,10 @@ def bad_input_everywhere():
                       words if rank == 1 else ["rank(s) [1]"],
                       lambda: ring_attention(ql, kl, vl, **(kwargs if rank == 1 else {})))
     _expect_error(TypeError if rank == 1 else ValueError,
+                  ["ring_attention: expected its tensors as the only positional"] if rank == 1
+                  else ["rank(s) [1]"],
+                  lambda: ring_attention(ql, kl, vl, *([None] if rank == 1 else [])))
+    _expect_error(TypeError if rank == 1 else ValueError,
                   ["dims: unshard takes no such"] if rank == 1 else ["unshard: rank(s) [1]"],
                   lambda: unshard(ql, **({"dims": -2} if rank == 1 else {})))
     _expect_error(ValueError, ["softcap"], lambda: ring_attention(ql, kl, vl, softcap=-1.0))

@@ -289,18 +289,33 @@ def test_two_finite_masks_summing_past_the_range_saturate():
     torch.testing.assert_close(w, want_w)
 
 
-def test_combined_masks_saturate_only_what_overflowed():
-    """combine: a finite sum past the range saturates with its sign; a key a bool mask rules
-    out stays -inf (not the largest negative, which would admit it), and so does a -inf bias."""
+def test_combined_masks_saturate_only_what_overflowed_upwards():
+    """combine: a finite sum past the largest saturates there; a key a bool mask rules out
+    stays -inf (not the most negative, which would admit it), and so do a -inf bias and a sum
+    past the most negative (torch's -inf: two finfo.min masks rule a key out)."""
     from attnx.nn._masks import combine
 
     out_ = torch.tensor([[True, False, False, False, False]])
     a = torch.tensor([[2e38, 2e38, -2e38, 1.0, float("-inf")]])
     b = torch.tensor([[2e38, 2e38, -2e38, 2.0, 5.0]])
-    big = torch.finfo(torch.float32).max
-    want = torch.tensor([[float("-inf"), big, -big, 3.0, float("-inf")]])
+    big, inf = torch.finfo(torch.float32).max, float("inf")
+    want = torch.tensor([[-inf, big, -inf, 3.0, -inf]])
     assert torch.equal(combine([out_, a, b], torch.float32), want)
-    assert torch.equal(combine([a, b], torch.bfloat16), torch.tensor([[big, big, -big, 3.0, float("-inf")]]))
+    assert torch.equal(combine([a, b], torch.bfloat16), torch.tensor([[big, big, -inf, 3.0, -inf]]))
+
+
+def test_finfo_min_masks_on_fully_masked_rows_match_torch():
+    """A causal mask and a padding mask both of finfo.min (the usual float masks): a key
+    masked by both is out, as in torch's sum (-inf), so a row masked everywhere (a left-padded
+    query) spreads its weight over the keys masked once, as torch does."""
+    ours, ref = _pair(torch.float32, batch_first=True)
+    q, k, v = _inputs(2, 4, 4, True, dtype=torch.float32)
+    low = torch.finfo(torch.float32).min
+    causal = torch.triu(torch.full((4, 4), low), 1)
+    pad = torch.tensor([[low, low, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    got, want = (m(q, k, v, attn_mask=causal, key_padding_mask=pad) for m in (ours, ref))
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
 
 
 def test_no_keys_with_weights_matches_torch():

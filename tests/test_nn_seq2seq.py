@@ -41,6 +41,9 @@ def test_positional_encoding_is_rounded_once_to_its_dtype():
                                atol=1e-14, rtol=0)
     torch.testing.assert_close(pe.float().pe, exact.float(), atol=0, rtol=2 ** -24)
     torch.testing.assert_close(pe.to(torch.bfloat16).pe, exact.bfloat16(), atol=0, rtol=2 ** -8)
+    edited = PositionalEncoding(d, max_len=n)
+    edited.pe.mul_(2)  # not the formula's (a loaded or edited table): only cast
+    torch.testing.assert_close(edited.double().pe, 2 * exact.float().double(), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("make, call, error, match", [

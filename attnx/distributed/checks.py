@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .. import _validate
-from .layout import check_divisible, check_layout, member, unsupported_keywords  # noqa: F401 (ring.py)
+from .layout import check_divisible, check_layout, member, unsupported_arguments  # noqa: F401 (ring.py)
 
 _DTYPES = tuple(_validate.FLOAT_DTYPES)
 _LAYOUTS = ("zigzag", "contiguous")

@@ -70,12 +70,15 @@ def member(group) -> tuple:
         return (*group_info(None), None, error)
 
 
-def unsupported_keywords(fn: str, names) -> None:
-    """A TypeError for keywords `fn` does not take, raised inside its agreement's try (not by
+def unsupported_arguments(fn: str, positional: tuple, keywords: dict) -> None:
+    """A TypeError for arguments `fn` does not take, raised inside its agreement's try (not by
     Python's call, which would leave the other ranks waiting for this one)."""
-    if names:
-        raise TypeError(f"{', '.join(sorted(names))}: {fn} takes no such argument (see API.md, "
-                        "attnx.distributed)")
+    if positional:
+        raise TypeError(f"{fn}: expected its tensors as the only positional arguments and the "
+                        f"rest by keyword, got {len(positional)} more positional")
+    if keywords:
+        raise TypeError(f"{', '.join(sorted(keywords))}: {fn} takes no such argument (see "
+                        "API.md, attnx.distributed)")
 
 
 def _dim(x: torch.Tensor, dim: int, name: str) -> int:
@@ -134,17 +137,17 @@ class _Gather(torch.autograd.Function):
         return shard(grad, group=group, layout=layout, dim=dim), None, None, None
 
 
-def unshard(x_local: torch.Tensor, *, group=None, layout: str = "zigzag",
+def unshard(x_local: torch.Tensor, *positional, group=None, layout: str = "zigzag",
             dim: int = -2, **unsupported) -> torch.Tensor:
     """The full tensor gathered from every rank's shard along `dim` (differentiable). The ranks
-    first agree on their shards (checks.agree_gather): bad input on one rank (another keyword,
+    first agree on their shards (checks.agree_gather): bad input on one rank (another argument,
     a `group` that is none), or shards that differ, raise on every rank."""
     from .checks import agree_gather, check_device  # checks imports this module
     rank, world, group, error = member(group)
     try:
         if error is not None:
             raise error
-        unsupported_keywords("unshard", unsupported)
+        unsupported_arguments("unshard", positional, unsupported)
         layout = check_layout(layout)
         dim = _dim(x_local, dim, "x_local")
         check_device("x_local", x_local)

@@ -271,8 +271,9 @@ def _may_overflow(call, q_max: float, k_max: float, v_max: float) -> bool:
             or call.v.shape[-1] * v_max > _F32_BOUND)
 
 
-def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="zigzag",
-                   window=None, softcap=None, backend=None, return_lse=False, **unsupported):
+def ring_attention(q, k, v, *positional, group=None, is_causal=False, scale=None,
+                   layout="zigzag", window=None, softcap=None, backend=None, return_lse=False,
+                   **unsupported):
     """Attention of this rank's shard of the queries to the whole sequence, whose K/V shards
     are spread over the ranks of `group` (see API.md, `attnx.distributed`).
 
@@ -280,14 +281,15 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, layout="
     shard of the sequence in `layout`. Returns the shard's output (..., Hq, L_local, Ev), and
     with `return_lse=True` also its float32 lse (..., Hq, L_local).
 
-    Any other keyword (attn_mask, dropout_p, ...) raises a TypeError on every rank, as does a
-    `group` that is no process group (told over the default group).
+    Any other argument (a fourth positional one, attn_mask=, dropout_p=, ...) raises a
+    TypeError on every rank, and a `group` that is no process group a ValueError (told over
+    the default group: where the other ranks use it).
     """
     rank, world, group, error = checks.member(group)
     try:
         if error is not None:
             raise error
-        checks.unsupported_keywords("ring_attention", unsupported)
+        checks.unsupported_arguments("ring_attention", positional, unsupported)
         call = _validate.sdpa_call(q, k, v, None, 0.0, False, scale, True, None, backend,
                                    return_lse, softcap=softcap)
         checks.check_device("q", call.q)  # (sdpa_call: k and v on q's device)

@@ -17,9 +17,8 @@ from .. import _dispatch
 from .._backends import cpu
 
 
-class NotAMaskTensor(TypeError, AttributeError):
-    """A CompactMask used as a tensor (an AttributeError too, so that hasattr and getattr with
-    a default still answer "no")."""
+class NotAMaskTensor(TypeError):
+    """A CompactMask used as a tensor."""
 
 
 _NOT_A_TENSOR = ("attention_mask: this model computes attention itself from a mask tensor, "
@@ -68,9 +67,11 @@ class CompactMask:
         raise NotAMaskTensor(_NOT_A_TENSOR)
 
     def __getattr__(self, name: str):  # attributes a CompactMask lacks: .to, .dtype, .bool()
+        # (a plain AttributeError: hasattr and getattr with a default answer "no", also while
+        # torch.compile traces with fullgraph=True, which an exception of attnx's own breaks)
         if name.startswith("__"):
             raise AttributeError(name)
-        raise NotAMaskTensor(f"{_NOT_A_TENSOR} (it asked for the mask's .{name})")
+        raise AttributeError(f"{_NOT_A_TENSOR} (it asked for the mask's .{name})")
 
     def _arithmetic(self, *_):  # scores + mask: a Tensor's operator gives way to this one
         raise NotAMaskTensor(_NOT_A_TENSOR)

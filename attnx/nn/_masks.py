@@ -50,8 +50,10 @@ def combine(masks: Sequence[Optional[torch.Tensor]], dtype: torch.dtype) -> Opti
     """torch.nn-convention masks, already shaped to broadcast together -> one attnx mask.
     Float masks are summed in `dtype` (the query's), or in float32 at least where one of them
     is float32: torch adds a float32 mask to half-precision scores in float32. Two finite
-    biases whose sum passes the dtype's range (2e38 + 2e38 in float32) saturate at its
-    largest: torch's sum is inf there, and the softmax's NaN."""
+    biases whose sum passes the dtype's largest (2e38 + 2e38 in float32) saturate there:
+    torch's sum is +inf, and the softmax's NaN. A sum past the most negative stays -inf, as
+    torch's: a key masked by two finfo.min masks is out, where one masked once is only
+    unlikely (a row masked everywhere spreads its weight over the latter, as torch's does)."""
     masks = [m for m in masks if m is not None]
     if not masks:
         return None
@@ -68,9 +70,10 @@ def combine(masks: Sequence[Optional[torch.Tensor]], dtype: torch.dtype) -> Opti
              if m.dtype == torch.bool else m.to(dtype))
         total = f if total is None else total + f
     if sum(m.dtype != torch.bool for m in masks) > 1:
-        # an infinite sum whose terms are all finite (a bool mask's ruled-out position is -inf)
-        overflowed = total.isinf()
+        # +inf from finite terms (a bool mask's ruled-out position is -inf, never +inf)
+        overflowed = total == float("inf")
         for m in masks:
-            overflowed = overflowed & (~m if m.dtype == torch.bool else m.isfinite())
-        total = torch.where(overflowed, total.sign() * torch.finfo(dtype).max, total)
+            if m.dtype != torch.bool:
+                overflowed = overflowed & m.isfinite()
+        total = torch.where(overflowed, torch.finfo(dtype).max, total)
     return total

@@ -27,7 +27,7 @@ class PositionalEncoding(nn.Module):
     PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)); an odd d_model drops the last cosine.
 
     The table is the buffer `pe` of shape (max_len, d_model), in the default dtype until the
-    module's dtype changes (then rounded from float64 again). Inputs are (L, N, E), or
+    module's dtype changes (then the formula's is rounded from float64 again). Inputs are (L, N, E), or
     (N, L, E) with `batch_first=True`, or (L, E).
     """
 
@@ -44,12 +44,15 @@ class PositionalEncoding(nn.Module):
         self.register_buffer("pe", _table(max_len, d_model).to(torch.get_default_dtype()))
 
     def _apply(self, fn, *args, **kwargs):
-        # A change of dtype (.double(), .half(), .to(dtype)) rounds the table from float64
-        # again, not from its float32 copy: float64 inputs then get a float64-accurate encoding.
-        dtype = self.pe.dtype
+        # A change of dtype (.double(), .half(), .to(dtype)) rounds the formula's table from
+        # float64 again, not from its float32 copy: float64 inputs then get a float64-accurate
+        # encoding. A table that is not the formula's (loaded, edited) is only cast.
+        before = self.pe
         super()._apply(fn, *args, **kwargs)
-        if self.pe.dtype != dtype:
-            self.pe = _table(*self.pe.shape).to(self.pe.device, self.pe.dtype)
+        if self.pe.dtype != before.dtype and not before.is_meta:
+            table = _table(*before.shape)
+            if torch.equal(before.cpu(), table.to(before.dtype)):
+                self.pe = table.to(self.pe.device, self.pe.dtype)
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
