@@ -69,8 +69,6 @@ class CompactMask:
     def __getattr__(self, name: str):  # attributes a CompactMask lacks: .to, .dtype, .bool()
         # (a plain AttributeError: hasattr and getattr with a default answer "no", also while
         # torch.compile traces with fullgraph=True, which an exception of attnx's own breaks)
-        if name.startswith("__"):
-            raise AttributeError(name)
         raise AttributeError(f"{_NOT_A_TENSOR} (it asked for the mask's .{name})")
 
     def _arithmetic(self, *_):  # scores + mask: a Tensor's operator gives way to this one
