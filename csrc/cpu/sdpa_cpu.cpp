@@ -791,10 +791,14 @@ GradResult backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, co
                      in(v, at::kFloat), in(out, at::kFloat), l.contiguous(), rows, scale, band,
                      drop, mods, in(gl, at::kFloat), mask_grad, sinks_grad, d);
   // The float32 forward's overflow rows come back with an lse rounded out of range, or the
-  // gradients overflow: float64 from the forward on, as the forward itself fell back.
+  // gradients overflow: float64 from the forward on, as the forward itself fell back. D stays
+  // the caller's out (a whole row's where the keys are a block of it, as above) but for its
+  // entries that overflowed their dtype (dropout's 1 / (1 - p) past the largest value): there
+  // the rerun's.
   if (g.overflow && finite_inputs({grad_out, q, k, v, gl}, mask)) {
     const auto [o64, l64] = forward_double(q, k, v, rows, scale, band, drop, mods, d);
-    g = double_grads(o64, l64);
+    const Tensor o = in(out, at::kDouble);
+    g = double_grads(at::where(o.isfinite(), o, o64), l64);
   }
   return g;
 }
