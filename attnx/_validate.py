@@ -109,6 +109,9 @@ def _check_modifiers(softcap, alibi_slopes, sinks, q: torch.Tensor, b: int, hq: 
             raise TypeError(f"sinks: expected device {q.device} (that of the query), got {sinks.device}")
         if tuple(sinks.shape) != (hq,):
             raise ValueError(f"sinks: expected shape ({hq},), got {tuple(sinks.shape)}")
+        # The kernels read sinks[h] at h (Triton read a strided view's wrong entries); the
+        # copy stays on the caller's graph.
+        sinks = sinks.contiguous()
     if cap is None and alibi is None and sinks is None:
         return NO_MODIFIERS
     return Modifiers(cap, alibi, sinks)
@@ -667,5 +670,7 @@ def varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     bound = max(lens_q, default=0) + max(lens_k, default=0)
     lo, hi = _windowed(-bound, 0 if is_causal else bound, window)
     seed = _rng.draw_seed() if 0 < p < 1 else None
-    return VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, tuple(zip(lens_q, lens_k)), scale,
-                      max(lo, -bound), min(hi, bound), p, seed, backend, return_lse, mods)
+    # The kernels read cu[n] at n: a strided view (valid values) made Triton read past it.
+    return VarlenCall(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+                      tuple(zip(lens_q, lens_k)), scale, max(lo, -bound), min(hi, bound), p, seed,
+                      backend, return_lse, mods)

@@ -156,6 +156,13 @@ def test_sdpa_head_dims_in_two_chunks(e, ev):
     check_sdpa(f16, 1, 2, 2, 17, 33, e, ev, is_causal=True)
 
 
+@pytest.mark.parametrize("dtype", [f32, f16, bf16])
+def test_sdpa_negative_scale(dtype):
+    """scale < 0 negates q (forward, dq) and k (dk, dv) once per tile (sdpa.py): exact in every
+    dtype, through float32 (common.negated; the interpreter's bf16 -q gave errors of ~3)."""
+    check_sdpa(dtype, 1, 2, 2, 17, 20, 16, scale=-0.7, is_causal=True)
+
+
 @pytest.mark.parametrize("dtype", [f32, f16])
 def test_sdpa_causal_lq_ne_lk(dtype):
     check_sdpa(dtype, 1, 2, 2, 33, 17, 24, is_causal=True)

@@ -571,6 +571,41 @@ def test_sinks_are_read_not_written(backend):
                               (q, k, v, cu_q, cu_k, 0.5, -10, 10, 0.0, None, 0.0, None, sinks))
 
 
+@pytest.mark.parametrize("backend", BACKENDS + [TRITON, CUDA])
+def test_strided_prefix_sums_and_sinks(backend):
+    """cu_seqlens and sinks as strided views give what their contiguous copies give, gradients
+    included (Triton read cu[n] and sinks[h] at n and h: past the view, or the wrong sinks)."""
+    dtype = dropout_dtype(backend)
+    q, k, v, cu_q, cu_k = pack([(5, 7), (0, 3), (4, 4)], 4, 2, 16, 8, dtype, seed=12)
+    wide = [torch.stack([c, torch.full_like(c, 99)], 1).view(-1)[::2] for c in (cu_q, cu_k)]
+    sinks = torch.tensor([0.3, 9.0, -1.0, 9.0, 2.0, 9.0, 0.5, 9.0])
+
+    def run(cus, sinks, view):
+        x = [t.clone().requires_grad_() for t in on(backend, q, k, v)]
+        s = sinks.to(device(backend), copy=True).requires_grad_()
+        out = attnx.varlen_attention(*x, *on(backend, *cus), sinks=view(s), backend=backend)
+        out.float().square().sum().backward()
+        return [out.cpu()] + [t.grad.cpu() for t in x] + [view(s.grad).cpu()]
+
+    assert not wide[0].is_contiguous()
+    got = run(wide, sinks, lambda t: t[::2])
+    want = run((cu_q, cu_k), sinks[::2].clone(), lambda t: t)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_no_sequences_backpropagate(backend, dtype):
+    """cu_seqlens [0]: empty results on the inputs' graph (float64's had no grad_fn)."""
+    empty = torch.zeros(1, dtype=torch.int32)
+    x = [torch.zeros(0, 4, 16, dtype=dtype, requires_grad=True) for _ in range(3)]
+    out, lse = attnx.varlen_attention(*x, empty, empty, backend=backend, return_lse=True)
+    out.sum().backward()
+    assert out.shape == (0, 4, 16) and lse.shape == (4, 0)
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in x)
+
+
 def _cuda_ops():
     return torch.ops.attnx if ON_GPU else torch.ops.attnx_cuda_host
 

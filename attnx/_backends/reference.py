@@ -315,6 +315,8 @@ def varlen(call: VarlenCall, dtype: torch.dtype):
         outs.append(torch.matmul(p, v).transpose(0, 1))
         lses.append(lse)
         q0, k0 = q0 + lq, k0 + lk
-    out = torch.cat(outs) if outs else call.q.new_empty((0, hq, call.v.shape[-1]), dtype=dtype)
-    lse = torch.cat(lses, dim=1) if lses else call.q.new_empty((hq, 0), dtype=dtype)
-    return out.to(call.q.dtype), lse.float()
+    if not outs:  # no sequences: empty results, on the inputs' graph as any call's are
+        tie = sum(t[:0].sum() for t in (call.q, call.k, call.v, call.mods.sinks) if t is not None)
+        outs.append(call.q.new_zeros((0, hq, call.v.shape[-1]), dtype=dtype) + tie)
+        lses.append(call.q.new_empty((hq, 0), dtype=dtype))
+    return torch.cat(outs).to(call.q.dtype), torch.cat(lses, dim=1).float()

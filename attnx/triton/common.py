@@ -338,6 +338,13 @@ def dot_acc(a, b, acc, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def negated(x):
+    """-x, through float32 (exact in every dtype): Triton 3.8's interpreter negates a bfloat16
+    tile wrongly (-x of 0.13 gave -31), and tests run the kernels there."""
+    return (-x.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
 def offsets(rows, cols, sr, sc):
     """The int64 element offsets of a (rows, cols) tile with strides (sr, sc): a tile's offsets
     relative to its block's first element are loop-invariant, so int64 costs nothing per step,

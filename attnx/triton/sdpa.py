@@ -28,9 +28,9 @@ from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device
 from . import common
 from .common import (FP32_DOT, LN2, LOG2E, LSE_LIMIT, OVERFLOW_SHIFT, RERUN_BLOCK_N, admit,
                      admitted, dot, dot_acc, flag_nonfinite, huge_rows, inner_range, key_range,
-                     load_tile, modified, offsets, overflowed, query_range, scores_overflowed,
-                     second_chunk, shift_exponent, softmax_start, store_out, store_rows,
-                     tile_and_head)
+                     load_tile, modified, negated, offsets, overflowed, query_range,
+                     scores_overflowed, second_chunk, shift_exponent, softmax_start, store_out,
+                     store_rows, tile_and_head)
 from .rng import keep, keep_t, mix32, rng_words, row_keys
 
 # Pruned per launch by common.pruner; the small configs are what fits wide fp32 heads on
@@ -353,8 +353,8 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS, FLAG,
                        PAD_D)
     # scale * (q . k) = |scale| * (-q . k): exp2's FMA needs a positive scale for the row max.
     if scale < 0:
-        q = -q
-        q2 = -q2
+        q = negated(q)
+        q2 = negated(q2)
     sc = tl.abs(scale)
     key_row, threshold = None, None
     if DROPOUT:
@@ -688,8 +688,8 @@ def _dkdv_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DK, DV, DM, FLAG,
         v2 = load_tile(v_base + offsets(cols, offs_dv2, svn, svd), offs_n, offs_dv2, Lk, Ev,
                        True, PAD_D)
     if scale < 0:  # as in the forward: exp2's FMA wants a positive scale
-        k = -k
-        k2 = -k2
+        k = negated(k)
+        k2 = negated(k2)
     sc = tl.abs(scale)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
@@ -855,8 +855,8 @@ def _dq_kernel(Q, K, V, M, DO, LSE, DELTA, RNG, DQ, FLAG,
         do2 = load_tile(do_base + offsets(rows, offs_dv2, sdm, sdd), offs_m, offs_dv2, Lq, Ev,
                         True, PAD_D)
     if scale < 0:  # as in the forward
-        q = -q
-        q2 = -q2
+        q = negated(q)
+        q2 = negated(q2)
     sc = tl.abs(scale)
     bh64 = bh.to(tl.int64)
     row0 = bh64 * Lq
