@@ -401,6 +401,11 @@ def additive_call(query, key, value, v, attn_mask, dropout_p, is_causal, window,
         raise ValueError(f"value: expected shape {want} to match key, got {tuple(value.shape)}")
     if vv.shape[-1] != a or (vv.dim() == 2 and vv.shape[0] != h):
         raise ValueError(f"v: expected shape ({a},) or ({h}, {a}), got {tuple(vv.shape)}")
+    if vv.dim() == 1 and h > 1 and vv.dtype in (torch.float16, torch.bfloat16):
+        # Autograd sums a shared v's per-head gradients (expand's backward) in v's dtype: past
+        # float16's range each head's was inf, and their sum NaN where it is finite. In float32
+        # the sum is, and the cast to v's dtype comes once, after (the kernels take float32 v).
+        vv = vv.float()
     vv = vv.expand(h, a)
 
     target = (b, lq, lk) if three_d else (b, h, lq, lk)

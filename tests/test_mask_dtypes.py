@@ -1,4 +1,5 @@
-"""A float32 `attn_mask` with a query of another dtype, as torch's SDPA takes it.
+"""A float32 `attn_mask` with a query of another dtype, as torch's SDPA takes it; and additive
+attention's v shared by the heads, which goes to the kernels in float32 beside 16-bit queries.
 
 torch's rule for the mask's dtype is: bool, float32, or the query's dtype; a float32 mask is
 added to the scores in float32 whatever the query's dtype (bf16/fp16/fp64 queries), and its
@@ -153,6 +154,31 @@ def test_additive_float32_mask(backend, dtype):
     _checked(("out", "dq", "dk", "dvalue", "dv", "dmask"), actual,
              run("reference", exact, mask.double()),
              [(run(backend, low, rounded), run("reference", exact, rounded.double()))])
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton", "cuda"])
+def test_additive_shared_v_gradient_sums_heads_in_float32(backend):
+    """A v of shape (A,) serves every head; autograd sums its per-head gradients. Two heads
+    alike but for dO (-0.999 times): each head's float16 gradient passed float16's range (inf
+    and -inf, NaN summed) where the sum is ~160. In float32 (the kernels take v so) it holds."""
+    _skip_unavailable(backend)
+    g = torch.Generator().manual_seed(0)
+    q, k, value = (torch.randn(s, generator=g).expand(2, 2, -1, -1)
+                   for s in ((2, 1, 32, 8), (2, 1, 8, 8), (2, 1, 8, 16)))
+    value = value * 100
+    v = torch.randn(8, generator=g)
+    dout = torch.randn(2, 1, 32, 16, generator=g) * 100
+    dout = torch.cat([dout, -0.999 * dout], 1)
+
+    def dv(backend, dtype):
+        xs = [t.to(device(backend), dtype).requires_grad_() for t in (q, k, value, v)]
+        attnx.additive_attention(*xs, backend=backend).backward(dout.to(xs[0]))
+        return xs[3].grad.cpu()
+
+    got, want = dv(backend, f16), dv("reference", f64)
+    assert got.dtype == f16 and torch.isfinite(got).all()
+    # the error of the rounded out in D = rowsum(dO out), the reference's too in float16
+    assert max_err(got, want) <= 2 * max_err(dv("reference", f16), want)
 
 
 @pytest.mark.parametrize("backend", ["cuda"])

@@ -252,10 +252,14 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
               op, ": value ", value.sizes(), " does not match k ", k.sizes());
   TORCH_CHECK(v.dim() == 2 && v.size(0) == q.size(1) && v.size(1) == q.size(3), op,
               ": expected v of shape (H, A) = (", q.size(1), ", ", q.size(3), "), got ", v.sizes());
-  for (const at::Tensor* t : {&k, &value, &v}) {
+  for (const at::Tensor* t : {&k, &value}) {
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": expected all inputs of dtype ",
                 q.scalar_type(), ", got ", t->scalar_type());
   }
+  // float32 v beside 16-bit q: a v shared by the heads (attnx/_validate.py additive_call)
+  TORCH_CHECK(v.scalar_type() == q.scalar_type() ||
+                  (v.scalar_type() == at::kFloat && at::isReducedFloatingType(q.scalar_type())),
+              op, ": expected v of dtype ", q.scalar_type(), " or float32, got ", v.scalar_type());
   if (mask.has_value()) {
     TORCH_CHECK(mask->dim() == 4 && mask->size(0) == q.size(0) && mask->size(1) == q.size(1) &&
                     mask->size(2) == q.size(2) && mask->size(3) == k.size(2),
@@ -714,7 +718,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
     dq = dq_f.to(q.scalar_type());
     dk = dk_f.to(q.scalar_type());
     dvalue = dvalue_acc.to(q.scalar_type());
-    dv = dv_f.to(q.scalar_type());
+    dv = dv_f.to(v.scalar_type());
     if (mask_grad) dmask = dmask.to(mask->scalar_type());
   });
   const auto gl = grad_lse.value_or(at::Tensor()), gw = grad_weights.value_or(at::Tensor());
@@ -728,7 +732,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> additive_
                               opt64(gl), opt64(gw));
     const auto dt = q.scalar_type();
     return {std::get<0>(grads).to(dt), std::get<1>(grads).to(dt), std::get<2>(grads).to(dt),
-            std::get<3>(grads).to(dt),
+            std::get<3>(grads).to(v.scalar_type()),
             mask_grad ? std::get<4>(grads).to(mask->scalar_type()) : std::get<4>(grads).to(dt)};
   }
   return {dq, dk, dvalue, dv, dmask};

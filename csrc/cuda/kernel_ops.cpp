@@ -445,15 +445,19 @@ AdditiveParams additive_params(const Target& target, AdditiveInputs& in, const T
                   value.size(1) == H && value.size(2) == Lk,
               "additive: inconsistent shapes q ", q.sizes(), ", k ", k.sizes(), ", value ",
               value.sizes());
-  TORCH_CHECK(v_in.device() == q.device() && v_in.scalar_type() == q.scalar_type() &&
+  // float32 v: one shared by the heads (attnx/_validate.py additive_call), read as q's dtype
+  // (exact: widened from it); its gradient comes back in float32 (additive_bwd's grad_for)
+  TORCH_CHECK(v_in.device() == q.device() &&
+                  (v_in.scalar_type() == q.scalar_type() || v_in.scalar_type() == at::kFloat) &&
                   v_in.dim() == 2 && v_in.size(0) == H && v_in.size(1) == A,
-              "v: expected (", H, ", ", A, ") of q's dtype and device, got ", v_in.sizes());
+              "v: expected (", H, ", ", A, ") of q's dtype or float32 and q's device, got ",
+              v_in.scalar_type(), " ", v_in.sizes());
   check_grid(Lq, H, B);
   TORCH_CHECK(Lk <= INT_MAX && A <= INT_MAX && Ev <= INT_MAX,
               "attnx cuda additive: sizes below 2^31, got Lk ", Lk, ", A ", A, ", Ev ", Ev);
   TORCH_CHECK(additive_smem_bytes(int(Ev)) <= target.smem_optin(), "attnx cuda additive: value ",
               "dim ", Ev, " needs more shared memory than this device has");
-  in.v = target.input(v_in);
+  in.v = target.input(v_in.to(q.scalar_type()));
   AdditiveParams p{};
   p.dtype = dtype_of(q);
   p.B = int(B);
