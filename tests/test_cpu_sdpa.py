@@ -210,6 +210,28 @@ def test_mask_is_read_through_strides():
         _check(torch.float32, q, k, v, dout, mask=m)
 
 
+@pytest.mark.parametrize("lq", [33, 1])  # query tiles; the decoding kernel's rows
+def test_masks_bool_bytes_other_than_one_mean_true(lq):
+    """A bool mask whose True bytes are not 1 (a uint8 tensor viewed as bool, as masks built by
+    byte arithmetic are) reads as bytes != 0, as torch reads it: the packing took a byte's low
+    bit (2, 64 and 128 were False). Contiguous rows (eight bytes at a time) and a transposed
+    mask (byte by byte); SDPA and additive attention give bitwise what the 0/1 mask gives."""
+    torch.manual_seed(12)
+    lk = 43
+    ones = torch.rand(lq, lk) > 0.4
+    ones[1:2, :] = False  # an empty row stays empty (with two rows or more)
+    mult = torch.randint(2, 256, (lq, lk), dtype=torch.uint8)
+    odd = (ones.to(torch.uint8) * mult).view(torch.bool)
+    assert odd.view(torch.uint8).max() > 1
+    odd_t = odd.t().contiguous().t()
+    q, k, v = (torch.randn(1, 2, n, 16) for n in (lq, lk, lk))
+    for mask_op in (lambda m: attnx.scaled_dot_product_attention(q, k, v, m, backend="cpu"),
+                    lambda m: attnx.additive_attention(q, k, v, torch.ones(16), m,
+                                                       backend="cpu")):
+        want = mask_op(ones)
+        assert torch.equal(mask_op(odd), want) and torch.equal(mask_op(odd_t), want)
+
+
 def test_causal_lower_right():
     q, k, v, dout = _inputs(1, 2, 2, 19, 45, 32, 32)
     bias = causal_lower_right(19, 45)

@@ -88,8 +88,9 @@ struct MaskView {
     }
     const int64_t base = b * sb + h * sh + i * si;
     if (dtype == at::kBool) {
-      const bool* m = static_cast<const bool*>(data) + base;
-      for (int64_t j = j0; j < j1; ++j) bias[j] = m[j * sj] ? acc_t(0) : ninf;
+      // bytes, nonzero = true (as torch reads a bool tensor holding other bytes than 1)
+      const uint8_t* m = static_cast<const uint8_t*>(data) + base;
+      for (int64_t j = j0; j < j1; ++j) bias[j] = m[j * sj] != 0 ? acc_t(0) : ninf;
       return;
     }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "attnx_additive_mask", [&] {

@@ -13,19 +13,23 @@ namespace attnx::cpu {
 namespace {
 
 // The bits of n bool bytes at stride sj (0 or 1 valued), 8 per byte.
-void pack_bits(const bool* m, int64_t sj, int64_t n, uint8_t* dst) {
+void pack_bits(const uint8_t* m, int64_t sj, int64_t n, uint8_t* dst) {
+  constexpr uint64_t kLow7 = 0x7f7f7f7f7f7f7f7full, kOnes = 0x0101010101010101ull;
   int64_t j = 0;
   if (sj == 1) {
     for (; j + 8 <= n; j += 8) {
       uint64_t w;
       std::memcpy(&w, m + j, sizeof(w));
-      // Byte t of w is 0 or 1; the product moves it to bit 56 + t, and no two terms collide.
+      // Byte t becomes 1 where it is nonzero (a bool tensor may hold any byte: a uint8 tensor
+      // viewed as bool; torch reads nonzero as true): its low 7 bits plus 0x7f, or the byte,
+      // sets its top bit. The product then moves byte t's 1 to bit 56 + t, no two colliding.
+      w = ((((w & kLow7) + kLow7) | w) >> 7) & kOnes;
       dst[j / 8] = static_cast<uint8_t>((w * 0x0102040810204080ull) >> 56);
     }
   }
   for (; j < n; j += 8) {
     uint8_t byte = 0;
-    for (int64_t t = 0; t < 8 && j + t < n; ++t) byte |= uint8_t(m[(j + t) * sj] ? 1 : 0) << t;
+    for (int64_t t = 0; t < 8 && j + t < n; ++t) byte |= uint8_t(m[(j + t) * sj] != 0) << t;
     dst[j / 8] = byte;
   }
 }
@@ -73,7 +77,7 @@ MaskRows::MaskRows(const std::optional<at::Tensor>& mask) {
   // One spare byte: mask_bits reads up to byte lk / 8 (2 or 3 bytes from a group's first key).
   row_bytes_ = (lk + 7) / 8 + 1;
   bits_ = at::zeros({nb_ * nh_ * nq_, row_bytes_}, m.options().dtype(at::kByte));
-  const bool* src = m.data_ptr<bool>();
+  const auto* src = static_cast<const uint8_t*>(m.data_ptr());  // bytes: see pack_bits
   uint8_t* dst = bits_.data_ptr<uint8_t>();
   bits_data_ = dst;
   const int64_t sb = m.stride(0), sh = m.stride(1), si = m.stride(2);
