@@ -213,9 +213,10 @@ def test_mask_is_read_through_strides():
 @pytest.mark.parametrize("lq", [33, 1])  # query tiles; the decoding kernel's rows
 def test_masks_bool_bytes_other_than_one_mean_true(lq):
     """A bool mask whose True bytes are not 1 (a uint8 tensor viewed as bool, as masks built by
-    byte arithmetic are) reads as bytes != 0, as torch reads it: the packing took a byte's low
-    bit (2, 64 and 128 were False). Contiguous rows (eight bytes at a time) and a transposed
-    mask (byte by byte); SDPA and additive attention give bitwise what the 0/1 mask gives."""
+    byte arithmetic are) reads as bytes != 0, as torch reads it: the packing's multiply assumed
+    0/1 bytes (others were lost or spilled into neighbouring keys' bits). Contiguous rows (eight
+    bytes at a time) and a transposed mask (byte by byte); SDPA and additive attention give
+    bitwise what the 0/1 mask gives."""
     torch.manual_seed(12)
     lk = 43
     ones = torch.rand(lq, lk) > 0.4

@@ -75,7 +75,8 @@ def test_the_variants_cover_each_dtype_head_dim_and_flag(results):
     names = {v for r in results["units"] for v in r["variants"]}
     parts = {p for n in names for p in n.split("/")}
     assert {"fp32", "fp16", "bf16", "d16", "d64", "d96", "d128", "d192", "d256", "bool-mask",
-            "float-mask", "float32-mask", "dropout", "gqa", "weights", "paged"} <= parts
+            "float-mask", "float32-mask", "dropout", "gqa", "weights", "shared_v",
+            "paged"} <= parts
 
 
 

@@ -1,8 +1,8 @@
 """The `cuda` backend: the CUDA C++ kernels of `csrc/cuda/`, the default for CUDA tensors.
 
 What the kernels serve (keep in step with csrc/cuda/): float16 and bfloat16 (masks: bool or
-q's dtype, and for additive attention float32 too; an SDPA call with a float32 mask goes to
-triton); SDPA head dims
+q's dtype, and for additive attention float32 too, as its v shared by the heads is; an SDPA
+call with a float32 mask goes to triton); SDPA head dims
 E, Ev up to 256 (the forward is built for the head-dim families 32, 64, 96, 128, 160, 192 and
 256, the backward for the same; each zero-pads below its family);
 additive value dims up to 2048 (the output tile lives in shared memory); the SDPA score

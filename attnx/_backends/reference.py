@@ -318,5 +318,5 @@ def varlen(call: VarlenCall, dtype: torch.dtype):
     if not outs:  # no sequences: empty results, on the inputs' graph as any call's are
         tie = sum(t[:0].sum() for t in (call.q, call.k, call.v, call.mods.sinks) if t is not None)
         outs.append(call.q.new_zeros((0, hq, call.v.shape[-1]), dtype=dtype) + tie)
-        lses.append(call.q.new_empty((hq, 0), dtype=dtype))
+        lses.append(call.q.new_zeros((hq, 0), dtype=dtype) + tie)
     return torch.cat(outs).to(call.q.dtype), torch.cat(lses, dim=1).float()

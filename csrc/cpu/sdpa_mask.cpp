@@ -12,7 +12,7 @@
 namespace attnx::cpu {
 namespace {
 
-// The bits of n bool bytes at stride sj (0 or 1 valued), 8 per byte.
+// The bits of n bool bytes at stride sj (nonzero = true), 8 per byte.
 void pack_bits(const uint8_t* m, int64_t sj, int64_t n, uint8_t* dst) {
   constexpr uint64_t kLow7 = 0x7f7f7f7f7f7f7f7full, kOnes = 0x0101010101010101ull;
   int64_t j = 0;

@@ -445,8 +445,9 @@ AdditiveParams additive_params(const Target& target, AdditiveInputs& in, const T
                   value.size(1) == H && value.size(2) == Lk,
               "additive: inconsistent shapes q ", q.sizes(), ", k ", k.sizes(), ", value ",
               value.sizes());
-  // float32 v: one shared by the heads (attnx/_validate.py additive_call), read as q's dtype
-  // (exact: widened from it); its gradient comes back in float32 (additive_bwd's grad_for)
+  // float32 v: one shared by the heads (attnx/_validate.py additive_call), widened from q's
+  // dtype, so read as q's dtype exactly (a float32 v of other values, from a direct call of the
+  // op, is rounded to it); its gradient comes back in float32 (additive_bwd's grad_for)
   TORCH_CHECK(v_in.device() == q.device() &&
                   (v_in.scalar_type() == q.scalar_type() || v_in.scalar_type() == at::kFloat) &&
                   v_in.dim() == 2 && v_in.size(0) == H && v_in.size(1) == A,

@@ -31,6 +31,7 @@ class Variant:
     dropout: bool = False
     gqa: bool = False       # sdpa, varlen: 4 query heads on 2 kv heads
     weights: bool = False   # additive: return_weights and a loss on them
+    shared_v: bool = False  # additive, 16-bit: v given as (A,), which goes in as float32
     paged: bool = False     # kvcache: a paged cache (block table) instead of a contiguous one
     softcap: bool = False   # sdpa, kvcache, varlen: the score modifiers
     alibi: bool = False
@@ -38,8 +39,8 @@ class Variant:
 
     @property
     def name(self) -> str:
-        flags = [f for f in ("dropout", "gqa", "weights", "paged", "softcap", "alibi", "sinks")
-                 if getattr(self, f)]
+        flags = [f for f in ("dropout", "gqa", "weights", "shared_v", "paged", "softcap",
+                             "alibi", "sinks") if getattr(self, f)]
         mask = [] if self.mask == "none" else [f"{self.mask}-mask"]
         return "/".join([self.op, self.dtype, f"d{self.head_dim}", *mask, *flags])
 
@@ -137,7 +138,9 @@ def _run_variant(v: Variant) -> None:
                       torch.zeros(b, h, L), d ** -0.5, lo, hi, p, seed, mask_grad,
                       torch.zeros(b, h, L), *mods)
     else:
-        q, k, val, w = rand(b, h, L, d), rand(b, h, L, d), rand(b, h, L, d), rand(h, d)
+        q, k, val = rand(b, h, L, d), rand(b, h, L, d), rand(b, h, L, d)
+        # a shared v: float32, broadcast over the heads (attnx/_validate.py additive_call)
+        w = rand(1, d, dt=torch.float32).expand(h, d) if v.shared_v else rand(h, d)
         additive.additive_fwd(q, k, val, w, mask, lo, hi, p, seed, v.weights)
         additive.additive_bwd(rand(b, h, L, d), q, k, val, w, mask, rand(b, h, L, d),
                               torch.zeros(b, h, L), lo, hi, p, seed, mask_grad,

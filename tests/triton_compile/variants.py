@@ -10,8 +10,8 @@ HEAD_DIMS = (16, 64, 96, 128, 192, 256)
 DTYPES = ("fp32", "fp16", "bf16")
 
 # The CI set: each dtype, each head-dim family and each constexpr flag at least once per op
-# (masks none/bool/float/float32, dropout, GQA, additive weights, paged caches, softcap, ALiBi,
-# sinks),
+# (masks none/bool/float/float32, dropout, GQA, additive weights and shared v, paged caches,
+# softcap, ALiBi, sinks),
 # wide heads in each dtype family.
 CI = (
     Variant("sdpa", "fp16", 64),
@@ -27,6 +27,7 @@ CI = (
     Variant("additive", "fp16", 128, mask="bool", dropout=True),
     Variant("additive", "bf16", 256, mask="float", weights=True),
     Variant("additive", "fp16", 64, mask="float32"),
+    Variant("additive", "bf16", 128, shared_v=True),
     Variant("kvcache", "fp16", 128, gqa=True, paged=True),
     Variant("kvcache", "bf16", 64),
     Variant("kvcache", "fp32", 256, paged=True),
@@ -55,8 +56,8 @@ def full() -> list[Variant]:
                  dict(mask="float", dropout=True, gqa=True, softcap=True, alibi=True,
                       sinks=True)],
         "additive": [{}, dict(mask="bool"), dict(mask="float"), dict(mask="float32"),
-                     dict(dropout=True),
-                     dict(weights=True), dict(mask="float", dropout=True, weights=True)],
+                     dict(dropout=True), dict(weights=True), dict(shared_v=True),
+                     dict(mask="float", dropout=True, weights=True)],
         "kvcache": [{}, dict(gqa=True), dict(paged=True), dict(gqa=True, paged=True),
                     dict(gqa=True, paged=True, softcap=True, alibi=True, sinks=True)],
         "varlen": [{}, dict(dropout=True), dict(gqa=True), dict(dropout=True, gqa=True),
