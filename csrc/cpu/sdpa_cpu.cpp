@@ -791,14 +791,16 @@ GradResult backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, co
                      in(v, at::kFloat), in(out, at::kFloat), l.contiguous(), rows, scale, band,
                      drop, mods, in(gl, at::kFloat), mask_grad, sinks_grad, d);
   // The float32 forward's overflow rows come back with an lse rounded out of range, or the
-  // gradients overflow: float64 from the forward on, as the forward itself fell back. D stays
-  // the caller's out (a whole row's where the keys are a block of it, as above) but for its
-  // entries that overflowed their dtype (dropout's 1 / (1 - p) past the largest value): there
-  // the rerun's.
+  // gradients overflow: float64 from the forward on, as the forward itself fell back. D takes
+  // the rerun's float64 O where it lies within 64 of out's ulps of the caller's out (the same
+  // rows, more precisely: dP - D may cancel to a few of those ulps), else the caller's (keys
+  // that are a block of a row, as above, given the whole row's out).
   if (g.overflow && finite_inputs({grad_out, q, k, v, gl}, mask)) {
     const auto [o64, l64] = forward_double(q, k, v, rows, scale, band, drop, mods, d);
     const Tensor o = in(out, at::kDouble);
-    g = double_grads(at::where(o.isfinite(), o, o64), l64);
+    const at::ScalarType ot = out.scalar_type();
+    const double ulps = 64 * (ot == at::kHalf ? 0x1p-10 : ot == at::kBFloat16 ? 0x1p-7 : 0x1p-23);
+    g = double_grads(at::where((o64 - o).abs() <= o.abs() * ulps, o64, o), l64);
   }
   return g;
 }
