@@ -60,12 +60,15 @@ def _cuda_context_survives():
         pytest.exit(message, returncode=3)
 
 
-# Files whose module fixtures take minutes (the Triton AOT compile of every kernel, cuobjdump over
-# the CUDA cubins) run first. Under pytest-xdist (`-n auto --dist loadfile`: CI and the README's
-# command) each worker takes whole files in collection order (xdist's own order, most tests
-# first, is switched off), so these start at once beside the rest instead of ending the run
-# alone.
-_LONG_FILES = ("test_triton_compile.py", "test_cuda_resources.py")
+# The longest files run first: those whose module fixtures take minutes (the Triton AOT compile
+# of every kernel, cuobjdump over the CUDA cubins), then the kernels under the Triton interpreter
+# and the CUDA host harness (4-8 minutes each on 2 cores). Under pytest-xdist (`-n auto --dist
+# loadfile`: CI and the README's command) each worker takes whole files in collection order
+# (xdist's own order, most tests first, is switched off), so these start beside each other
+# and the short files fill in after them, instead of one long file ending the run alone (3
+# minutes of the 19 on a 2-core Zen 4 when test_triton.py came last in alphabetical order).
+_LONG_FILES = ("test_triton_compile.py", "test_cuda_resources.py", "test_triton.py",
+               "test_cuda.py")
 
 
 def pytest_configure(config):
