@@ -130,6 +130,23 @@ def check_fp16_out_past_its_range(kind, backend, device):
         assert (g[past] == w[past].sign() * float("inf")).all(), f"{name}: finite past the range"
 
 
+def lost_key_qkv(lq, lk, e=64, seed=0):
+    """float64 q, k, v (1 head) where key 0 is every row's largest score, 0, but its dot's
+    partial sums pass float32's lowest: the first e / 2 products are -2e38 each, the others +2e38
+    (a sum in order, or by chunks of 16 as an MMA's, is -inf from the second product on). The
+    other keys score -2.6 to -5.1 (entries ~1e-37, bf16 normals), so key 0 holds about a third
+    of each row's probability (more in short causal rows), and dropping it as -inf (exp(-inf) =
+    0, the row's sum still positive: no sign of the loss) moves out and dv by ~1."""
+    gen = torch.Generator().manual_seed(seed)
+    sign = torch.cat([torch.ones(e // 2), -torch.ones(e - e // 2)]).double()
+    q = (2e35 * sign).expand(1, 1, lq, e).clone()
+    c = 0.02 * (1 + torch.rand(lk, 1, generator=gen, dtype=torch.float64))
+    k = (-1e-35 * c * sign).view(1, 1, lk, e).clone()
+    k[0, 0, 0] = -1000.0
+    v = torch.randn(1, 1, lk, e, generator=gen, dtype=torch.float64)
+    return q, k, v
+
+
 def wrong_sign_qk(hq, lq, hkv, lk, e=128):
     """float64 q, k whose dot overflows float32 with the wrong sign where summed in order:
     the first 16 products, 1e38 each, pass float32's largest (+inf, a k16 MMA chunk's or a

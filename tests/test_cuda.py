@@ -24,7 +24,7 @@ from attnx import _ops
 from attnx._backends import reference
 from tests._compare import (assert_near_largest, assert_within, causal_varlen_run,
                             check_fp16_ds_past_its_range, check_fp16_out_past_its_range,
-                            wrong_sign_qk)
+                            lost_key_qkv, wrong_sign_qk)
 
 from attnx._backends import cuda as cuda_backend
 
@@ -424,6 +424,46 @@ def test_sdpa_every_score_past_float32s_lowest(case):
     else:
         torch.testing.assert_close(got[0][..., -1, :], v[:, :, 0], atol=0, rtol=0)  # key 0's
         assert (got[1] == LOWEST).all(), "lse: not saturated at float32's lowest"
+
+
+@pytest.mark.parametrize("case", ["interior", "causal", "sinks", "varlen"])
+def test_sdpa_score_lost_to_an_overflowed_partial_sum(case):
+    """A score whose MMA partial sums pass float32's lowest though the true score (0) is the
+    row's largest (_compare.lost_key_qkv): -inf, dropped by exp with no sign (the row's sum
+    still positive), out off by ~3 and dv of key 0 lost. The forward redoes rows with a score
+    of -inf before the band and mask (sdpa_fwd.cuh: l = NaN), the backward flags its float64
+    rerun (sdpa_bwd.cuh, `lowest`). 150 keys: an interior tile (interior), an edge tile
+    (causal: key 0 on the diagonal tile), the modifier kernels (sinks), packed sequences."""
+    q, k, v = (t.to(torch.bfloat16) for t in lost_key_qkv(9, 150))
+    do = torch.randn(1, 1, 9, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    kw = {"causal": dict(is_causal=True),
+          "sinks": dict(sinks=torch.tensor([-1.0]))}.get(case, {})
+    if case == "varlen":  # two sequences: the 9 x 150 one, then its first 8 x 100, causal
+        cu_q = torch.tensor([0, 9, 17], dtype=torch.int32, device=DEV)
+        cu_k = torch.tensor([0, 150, 250], dtype=torch.int32, device=DEV)
+        pack = lambda t, n: torch.cat([t[0, 0], t[0, 0, :n]]).unsqueeze(1).to(DEV)  # noqa: E731
+        packed = (pack(q, 8), pack(k, 100), pack(v, 100))
+        got, gold = ((attnx.varlen_attention(*leaves, cu_q, cu_k, scale=1.0, is_causal=True,
+                                             backend=backend), leaves)
+                     for backend, leaves in (
+                         ("cuda", [t.detach().requires_grad_() for t in packed]),
+                         ("reference", [t.double().requires_grad_() for t in packed])))
+        dov = pack(do, 8)
+        got_dv = torch.autograd.grad(got[0], got[1][2], dov)[0]
+        gold_dv = torch.autograd.grad(gold[0], gold[1][2], dov.double())[0]
+        # out within 2% of max|v|, dv of max|dO| times the rows (dq, dk: their true values are
+        # ~1e35 times small differences, which out and dv already pin down)
+        for x, want, bound, what in ((got[0], gold[0], v.abs().max(), "out"),
+                                     (got_dv, gold_dv, do.abs().max() * 17, "dv")):
+            err = (x.double() - want).abs().max() / bound.double()
+            assert err <= 2e-2, f"varlen {what}: max error {err:.3g} of its bound"
+        return
+    q, k, v, do = (t.to(DEV) for t in (q, k, v, do))
+    kw = {name: x.to(DEV) if torch.is_tensor(x) else x for name, x in kw.items()}
+    kw["scale"] = 1.0
+    got = past_range_run(q, k, v, do, None, kw, "cuda")
+    gold = past_range_run(q, k, v, do, None, kw, "reference")
+    assert_past_range(got, gold, q, k, v, do, 1.0)
 
 
 def test_sdpa_softcap_of_an_overflow_whose_sign_is_wrong():

@@ -61,9 +61,10 @@ __device__ __forceinline__ int64_t mask_offset(const MaskView& m, int b, int h, 
 // only by overflow (|q . k scale| past 3.4e38), which is NaN here rather than a masked key's
 // -inf (P = 0: a masked row of such scores would read as empty) or a max of +inf: the NaN
 // reaches the row's sum, where the past-range test (sdpa_fwd.cuh) sends the row to a float64
-// rerun. (The backward needs no such test: a score past the range gives it P of NaN, or the
-// forward's lse, saturated at float's lowest, gives it a row sum of 0, and either flags its
-// rerun; a saved lse of +inf is flagged by sdpa_bwd_rerun.cu's scan.)
+// rerun. (The backward's key-block kernel flags any score of -inf before the band and the mask,
+// and a score past the range gives it P of NaN, or the forward's lse, saturated at float's
+// lowest, gives it a row sum of 0, and each flags its rerun; a saved lse of +inf is flagged by
+// sdpa_bwd_rerun.cu's scan.)
 __device__ __forceinline__ float overflow_as_nan(float s) {
   return fabsf(s) == INFINITY ? NAN : s;
 }
@@ -145,8 +146,9 @@ __device__ __forceinline__ float softcap_tanh(double t) {
 // ordinary: nothing else would flag it for the float64 rerun.
 __device__ __forceinline__ float modified_score(float x, const ScoreMods& m, float slope,
                                                 float dist, float& tc) {
+  x = overflow_as_nan(x);  // (an overflowed score: NaN, flagged, as admit_as makes it)
   if (m.softcap > 0.f) {
-    tc = tanhf(overflow_as_nan(x) / m.softcap);
+    tc = tanhf(x / m.softcap);
     x = m.softcap * tc;
   }
   return x - slope * dist;

@@ -303,6 +303,9 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
         for (int e = 0; e < 4; e += 2) f(kt, n, e);
   };
 
+  // The least score of the warp's steps before the band and the mask: -inf where one overflowed
+  // (below).
+  float lowest = INFINITY;
   for (int s = 0; s < steps; ++s) {
     const int stage = s % 2;
     cp_async_wait<0>();  // this step's group (and K, V) has landed
@@ -377,6 +380,11 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
         dcap[kt][n][e / 2] = pack2<__half>(fmaf(-tc[0], tc[0], 1.f), fmaf(-tc[1], tc[1], 1.f));
       });
     }
+    // A score of -inf here overflowed (a product of q and k, an MMA's partial sum, the scale or
+    // ALiBi's term past float's range; or an input is -inf): its P would come out 0 where the
+    // forward's float64 rerun (sdpa_fwd.cuh) found it the row's largest. It flags the float64
+    // rerun below; the band and the mask set -inf on purpose after this.
+    each([&](int kt, int n, int e) { lowest = fminf(lowest, pt[kt][n][e]); });
     if (!interior) {  // one straight run per mask kind (admit_as: predicated mask loads)
       auto edge = [&](auto kind) {
         each([&](int kt, int n, int e) {
@@ -493,10 +501,10 @@ __device__ __forceinline__ void sdpa_bwd_tiles(const SdpaParams& p) {
 
   // A non-finite dK (any dS that overflowed, float's or fp16's as it is cast for the products,
   // or a score past float's range, reaches its key's dK) or dV (a bf16 dO near the largest
-  // overflows its sums where dP and delta may not) sends the backward to its float64 rerun
-  // (sdpa_bwd_rerun.cu), tested here after the loop, where it costs nothing.
+  // overflows its sums where dP and delta may not), or a score that overflowed to -inf, sends
+  // the backward to its float64 rerun (sdpa_bwd_rerun.cu), tested here after the loop.
   {
-    bool finite = true;
+    bool finite = lowest != -INFINITY;
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt)
 #pragma unroll

@@ -38,8 +38,9 @@
 // lse for rows of huge lse; query tiles with no such row write R = 1 and stop at once.
 //
 // Rows redone in float64 (rerun_row, once the tiles are done): rows whose scores passed
-// float32's range (|q . k scale| past 3.4e38 from finite inputs; past_range), and bf16 rows
-// whose O came out non-finite (values near bf16's largest).
+// float32's range (|q . k scale| past 3.4e38 from finite inputs, or a partial sum of it: a
+// score of -inf before the band and mask; past_range), and bf16 rows whose O came out
+// non-finite (values near bf16's largest).
 //
 // Score modifiers (p.mods, API.md; the kMods instantiation only, so the plain kernels keep their
 // code and registers): each score is scaled, soft-capped (softcap tanh(s / softcap)) and ALiBi's
@@ -152,8 +153,9 @@ constexpr bool kMayOverflowO = std::is_same<T, __nv_bfloat16>::value;
 // Whether a row's float32 scores passed float's range, from its final (quad-reduced) max m and
 // sum l, before the sink: an overflowed score is +inf (m), or NaN (overflow_as_nan on the
 // masked tiles; inf - inf in an MMA's sum) whose exponential reaches l. Unmasked tiles keep a
-// -inf score as it is (no test per score): a row whose every score overflowed to -inf ends with
-// l = 0 though its band (without a mask, all it admits by) holds keys.
+// -inf score as it is: a row whose every score overflowed to -inf ends with l = 0 though its
+// band (without a mask, all it admits by) holds keys; a row with some such score beside finite
+// ones gets l = NaN in the tiles' loop.
 __device__ __forceinline__ bool past_range(float m, float l, const SdpaParams& p,
                                            const SeqView& seq, int i) {
   if (!(l >= 0.f) || m == INFINITY) return true;
@@ -413,7 +415,11 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int x = nb * 8 + e % 2;
-              if (x < x_lo[mt][e / 2] || x > x_hi[mt][e / 2]) s[mt][nb][e] = -INFINITY;
+              // (an admitted -inf overflowed: NaN, as admit_as makes it on masked tiles and
+              // modified_score in the modifier kernels)
+              s[mt][nb][e] = x < x_lo[mt][e / 2] || x > x_hi[mt][e / 2] ? -INFINITY
+                             : kMods                                   ? s[mt][nb][e]
+                                                                       : overflow_as_nan(s[mt][nb][e]);
             }
       } else if (!interior) {  // a mask: its elements by predicated loads (admit_as)
         auto masked = [&](auto kind) {
@@ -431,13 +437,26 @@ __device__ __forceinline__ void sdpa_fwd_tiles(const SdpaParams& p) {
       bool past_fold = false;  // some row max of the warp's, times c, past kFoldLimit
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        float mx[2] = {-INFINITY, -INFINITY};
+        // (lowest: a score of -inf in an interior tile overflowed: a product of q and k, a
+        // partial sum of the MMA's or the scale passed float's range, for a key whose true
+        // score may be the row's largest (true scores near 0 whose partial sums passed
+        // -3.4e38). exp would drop it without a trace (l > 0 from the other keys): the row's
+        // sum is made NaN, which survives the rescales and sends the row to its rerun
+        // (past_range). One FMNMX a score, in the pass that takes the max (a pass of its own
+        // spilled the D = 128 kernels on sm_90, at 255 registers); the edge tiles take an
+        // admitted -inf as NaN as they select, the masked ones in admit_as, the modifier
+        // kernels in modified_score, and skip this (it spilled their D = 64 on sm_90).)
+        float mx[2] = {-INFINITY, -INFINITY}, lowest[2] = {INFINITY, INFINITY};
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[mt][nb][e]);
+          for (int e = 0; e < 4; ++e) {
+            mx[e / 2] = fmaxf(mx[e / 2], s[mt][nb][e]);
+            if constexpr (!kMods) lowest[e / 2] = fminf(lowest[e / 2], s[mt][nb][e]);
+          }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
+          if (!kMods && interior && lowest[r] == -INFINITY) l[mt][r] = NAN;
           mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
           mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
           m_new[mt][r] = fmaxf(m[mt][r], mx[r]);
