@@ -42,12 +42,13 @@ def assert_near_largest(name: str, got: torch.Tensor, want: torch.Tensor,
     assert err <= bound, f"{name}: max error {err:.3g} of its largest"
 
 
-def causal_varlen_run(q, k, v, do, cu_q, cu_k, backend, dtype):
-    """(out, lse, dq, dk, dv) of a causal `attnx.varlen_attention` on `backend`, its inputs and
-    grad_out cast to dtype: the packed past-range tests of test_cuda.py and test_triton.py."""
+def causal_varlen_run(q, k, v, do, cu_q, cu_k, backend, dtype, **kw):
+    """(out, lse, dq, dk, dv) of a causal `attnx.varlen_attention` on `backend` (kw: its other
+    arguments), its inputs and grad_out cast to dtype: the packed past-range tests of
+    test_cuda.py and test_triton.py."""
     leaves = [t.to(dtype).detach().requires_grad_() for t in (q, k, v)]
     out, lse = attnx.varlen_attention(*leaves, cu_q, cu_k, is_causal=True, backend=backend,
-                                      return_lse=True)
+                                      return_lse=True, **kw)
     return (out, lse, *torch.autograd.grad(out, leaves, do.to(dtype)))
 
 

@@ -140,13 +140,14 @@ __device__ __forceinline__ float softcap_tanh(double t) {
 // query's bottom-right diagonal) after the score modifiers (ScoreMods), before the mask:
 // soft-capped, then ALiBi's -slope dist subtracted (slope: alibi[b * Hq + h], 0 without ALiBi).
 // With a softcap, tc receives tanh(x / softcap), whose 1 - tc^2 is the cap's derivative (the
-// backward's factor on dS); without, tc is left alone. An infinite x is NaN there: from finite
-// inputs it is an overflow (of the score, or of a dot's partial sums, whose sign then need not
-// be the true score's), which the cap would take as +-softcap, finite, and the row's lse
-// ordinary: nothing else would flag it for the float64 rerun.
+// backward's factor on dS); without, tc is left alone. An infinite x is NaN here, as admit_as
+// makes it: from finite inputs it is an overflow (of the score, or of a dot's partial sums,
+// whose sign then need not be the true score's, and which may be ordinary), which the cap would
+// take as +-softcap, finite, and which without one exp would drop (-inf) beside finite scores,
+// the row's lse ordinary either way: nothing else would flag it for the float64 rerun.
 __device__ __forceinline__ float modified_score(float x, const ScoreMods& m, float slope,
                                                 float dist, float& tc) {
-  x = overflow_as_nan(x);  // (an overflowed score: NaN, flagged, as admit_as makes it)
+  x = overflow_as_nan(x);
   if (m.softcap > 0.f) {
     tc = tanhf(x / m.softcap);
     x = m.softcap * tc;
