@@ -152,6 +152,8 @@ def additive_attention(query, key, value, v, attn_mask=None, dropout_p=0.0, is_c
                                    window, backend, return_weights)
     call, everything_dropped = _without_total_dropout(call)
     out, _lse, weights = _module(select("additive", call)).additive(call)
+    if weights is not None:  # float32 from the kernels (csrc/ops.cpp: grad_weights)
+        weights = weights.to(call.q.dtype)
     if everything_dropped:
         out, weights = _dropped(out), (None if weights is None else _dropped(weights))
     if call.three_d:

@@ -47,8 +47,10 @@ def has_kernel(op: str, dispatch_key: str) -> bool:
     return (op, dispatch_key) in _KERNELS
 
 
-def _sdpa_lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    # float64 inputs keep a float64 lse (csrc/ops.cpp); the public ops return float32.
+def _wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    # The dtype of the SDPA ops' lse and the additive op's weights (csrc/ops.cpp): float64 for
+    # float64 inputs (gradcheck-grade backward), else float32; the public functions round the
+    # weights to q's dtype and return the lse float32.
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -107,7 +109,7 @@ def _register(ns: str) -> None:
         same_device(q, k, v, mask)
         b, h, lq, _ = q.shape
         out = q.new_empty((b, h, lq, v.shape[-1]))
-        return out, q.new_empty((b, h, lq), dtype=_sdpa_lse_dtype(q.dtype))
+        return out, q.new_empty((b, h, lq), dtype=_wide_dtype(q.dtype))
 
     @torch.library.register_fake(f"{ns}::sdpa_bwd")
     def _sdpa_bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi,
@@ -123,7 +125,8 @@ def _register(ns: str) -> None:
         b, h, lq, _ = q.shape
         out = q.new_empty((b, h, lq, value.shape[-1]))
         lse = q.new_empty((b, h, lq), dtype=torch.float32)
-        weights = q.new_empty((b, h, lq, k.shape[2])) if return_weights else _empty_grad(q)
+        weights = (q.new_empty((b, h, lq, k.shape[2]), dtype=_wide_dtype(q.dtype))
+                   if return_weights else _empty_grad(q))
         return out, lse, weights
 
     @torch.library.register_fake(f"{ns}::additive_bwd")
@@ -199,7 +202,7 @@ def _register_varlen(ns: str) -> None:
         same_device(q, k, v, cu_seqlens_q, cu_seqlens_k)
         total_q, hq, _ = q.shape
         out = q.new_empty((total_q, hq, v.shape[-1]))
-        return out, q.new_empty((hq, total_q), dtype=_sdpa_lse_dtype(q.dtype))
+        return out, q.new_empty((hq, total_q), dtype=_wide_dtype(q.dtype))
 
     @torch.library.register_fake(f"{ns}::varlen_bwd")
     def _varlen_bwd_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale,
@@ -236,7 +239,7 @@ def _register_varlen_modifiers(ns: str) -> None:
         same_device(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi, sinks)
         total_q, hq, _ = q.shape
         out = q.new_empty((total_q, hq, v.shape[-1]))
-        return out, q.new_empty((hq, total_q), dtype=_sdpa_lse_dtype(q.dtype))
+        return out, q.new_empty((hq, total_q), dtype=_wide_dtype(q.dtype))
 
     @torch.library.register_fake(f"{ns}::varlen_mod_bwd")
     def _bwd_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale, window_lo,
@@ -277,7 +280,7 @@ def _register_modifiers(ns: str) -> None:
         same_device(q, k, v, mask, alibi, sinks)
         b, h, lq, _ = q.shape
         out = q.new_empty((b, h, lq, v.shape[-1]))
-        return out, q.new_empty((b, h, lq), dtype=_sdpa_lse_dtype(q.dtype))
+        return out, q.new_empty((b, h, lq), dtype=_wide_dtype(q.dtype))
 
     @torch.library.register_fake(f"{ns}::sdpa_mod_bwd")
     def _bwd_fake(grad_out, q, k, v, mask, out, lse, scale, window_lo, window_hi, dropout_p,

@@ -24,7 +24,8 @@ inline constexpr const char* kOpSchemas[] = {
         "bool sinks_grad) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask, Tensor dsinks)",
     // Additive (Bahdanau): score[i, j] = sum_a v[h, a] * tanh(q[i, a] + k[j, a]); no scale, no
     // GQA (k and value have q's heads); v is (H, A). weights (B, H, Lq, Lk) are the
-    // probabilities after dropout, returned only when return_weights, else empty.
+    // probabilities after dropout, float32 (float64 for float64 q) whatever q's dtype
+    // (ops.cpp: grad_weights), returned only when return_weights, else empty.
     "additive_fwd(Tensor q, Tensor k, Tensor value, Tensor v, Tensor? mask, int window_lo, "
         "int window_hi, float dropout_p, Tensor? seed, bool return_weights) -> "
         "(Tensor out, Tensor lse, Tensor weights)",

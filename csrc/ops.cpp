@@ -17,6 +17,10 @@
 //   grad_weights (additive_bwd): the gradient of the weights output W = P * z (z: the dropout
 //   factor), or None. It adds z_ij * grad_weights_ij to dP_ij; its part of D_i,
 //   rowsum(W * grad_weights), the caller folds into grad_lse (it has W, the kernel does not).
+//   So additive_fwd returns W float32 (float64 for float64 inputs) whatever q's dtype, the
+//   public function rounding it to q's: rowsum(W * grad_weights) must see the W the kernel's
+//   P * z makes, not one rounded to 16 bits (on a one-hot row, fp16's rounding of 1 / (1 - p)
+//   times grad_weights, times v, came back in dq where the truth is 0).
 #include <torch/library.h>
 
 #include "op_schemas.h"

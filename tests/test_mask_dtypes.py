@@ -1,5 +1,6 @@
 """A float32 `attn_mask` with a query of another dtype, as torch's SDPA takes it; and additive
-attention's v shared by the heads, which goes to the kernels in float32 beside 16-bit queries.
+attention's v shared by the heads, which goes to the kernels in float32 beside 16-bit queries,
+and its weights, which come from them in float32 (the backward takes them so).
 
 torch's rule for the mask's dtype is: bool, float32, or the query's dtype; a float32 mask is
 added to the scores in float32 whatever the query's dtype (bf16/fp16/fp64 queries), and its
@@ -179,6 +180,36 @@ def test_additive_shared_v_gradient_sums_heads_in_float32(backend):
     assert got.dtype == f16 and torch.isfinite(got).all()
     # the error of the rounded out in D = rowsum(dO out), the reference's too in float16
     assert max_err(got, want) <= 2 * max_err(dv("reference", f16), want)
+
+
+@pytest.mark.parametrize("dtype", [f16, bf16])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton", "cuda"])
+def test_additive_weights_gradient_takes_unrounded_weights(backend, dtype):
+    """A loss on the weights (after dropout): the softmax backward's D_i takes rowsum(W dW)
+    beside the kernels' dP from unrounded P. With W rounded to 16 bits, one-hot rows (|v| ~
+    2500) gave dq, dk ~1 where the truth is 0: fp16's 1 / (1 - p) off by 5e-4, times dW and
+    v. The ops return float32 weights, the public function rounds what it returns."""
+    _skip_unavailable(backend)
+    dev = device(backend)
+    q, k, value = _inputs([(1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 6)], f64, dev, 8)
+    v, dw = _inputs([(2, 4), (1, 2, 8, 8)], f64, dev, 9)
+    v = v * 2500
+
+    def grads(backend, dtype):
+        xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(5)  # the same dropout seed on every backend
+        _, w = attnx.additive_attention(xs[0], xs[1], value.to(dtype), xs[2], dropout_p=0.3,
+                                        backend=backend, return_weights=True)
+        assert w.dtype == dtype
+        return torch.autograd.grad((w * dw.to(w)).sum(), xs)
+
+    low = [t.to(dtype).double() for t in (q, k, v)]
+    q, k, v, value = *low, value.to(dtype).double()  # the golden values: float64 on the same inputs
+    for name, got, ref, want in zip(("dq", "dk", "dv"), grads(backend, dtype),
+                                    grads("reference", dtype), grads("reference", f64)):
+        assert torch.isfinite(got).all(), name
+        bound = max(FLOOR[dtype], 3 * max_err(ref, want))  # the reference rounds in dtype too
+        assert max_err(got, want) <= bound, (name, max_err(got, want), bound)
 
 
 @pytest.mark.parametrize("backend", ["cuda"])

@@ -323,8 +323,8 @@ def additive_fwd(q: torch.Tensor, k: torch.Tensor, value: torch.Tensor, v: torch
                  mask: Optional[torch.Tensor], window_lo: int, window_hi: int,
                  dropout_p: float, seed: Optional[torch.Tensor], return_weights: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, lse, weights): weights (B, H, Lq, Lk) after dropout when return_weights, else an
-    empty placeholder (csrc/ops.cpp's convention)."""
+    """(out, lse, weights): weights (B, H, Lq, Lk) float32 after dropout when return_weights,
+    else an empty placeholder (csrc/ops.cpp's convention)."""
     window_lo, window_hi = common.clamped_band(window_lo, window_hi, q.shape[2], k.shape[2])
     m, rng, strides, consts, inv_keep = _launch_args(q, k, value, v, mask, dropout_p, seed)
     b, h, lq, a = q.shape
@@ -360,7 +360,7 @@ def _weights(q, k, v, mask, lse, window_lo, window_hi, dropout_p, seed):
     b, h, lq, a = q.shape
     lk = k.shape[2]
     blocks = _blocks(a)
-    weights = q.new_empty((b, h, lq, lk))
+    weights = q.new_empty((b, h, lq, lk), dtype=torch.float32)
     grid = common.tiles_grid(lq, blocks["BLOCK_M"], triton.cdiv(lk, blocks["BLOCK_N"]) * b * h)
     common.launcher(_weights_kernel)[grid](
         q, k, v, m, lse, rng, weights, *q.stride(), *k.stride(), *v.stride(), *m_strides,
@@ -432,7 +432,8 @@ def _additive_fwd_fake(q, k, value, v, mask, window_lo, window_hi, dropout_p, se
                        return_weights):
     same_device(q, k, value, v, mask)
     b, h, lq, _ = q.shape
-    weights = q.new_empty((b, h, lq, k.shape[2]) if return_weights else (0,))
+    weights = (q.new_empty((b, h, lq, k.shape[2]), dtype=torch.float32) if return_weights
+               else q.new_empty((0,)))
     return (q.new_empty((b, h, lq, value.shape[-1])),
             q.new_empty((b, h, lq), dtype=torch.float32), weights)
 

@@ -308,7 +308,7 @@ void add_scores(const Problem<acc_t>& pb, const HeadRows& er, int64_t bh, int64_
 // all its row groups, after the task has made the head's e^{2q}, e^{2k} rows in a buffer of its
 // thread (make_head_rows), where they stay in L2 (per_head_tasks).
 template <typename scalar_t, typename acc_t>
-bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weights,
+bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, acc_t* weights,
              bool per_head = false) {
   constexpr acc_t ninf = -std::numeric_limits<acc_t>::infinity();
   const int64_t rows = pb.B * pb.H * pb.Lq;
@@ -346,10 +346,10 @@ bool forward(const Problem<acc_t>& pb, scalar_t* out, float* lse, scalar_t* weig
         bad |= std::isnan(lse[r]) || lse[r] == std::numeric_limits<float>::infinity();
         const acc_t inv = acc_t(1) / sum;
         const auto row_key = pb.drop.row_key(bh, i);
-        scalar_t* w = weights ? weights + r * pb.Lk : nullptr;
+        acc_t* w = weights ? weights + r * pb.Lk : nullptr;
         for (int64_t j = j0; j < j1; ++j) {
           p[j] *= inv * static_cast<acc_t>(pb.drop.factor(row_key, j));
-          if (w) w[j] = static_cast<scalar_t>(p[j]);
+          if (w) w[j] = p[j];
         }
         u0 = std::min(u0, j0);
         u1 = std::max(u1, j1);
@@ -630,7 +630,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> additive_fwd(
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
   at::Tensor out = at::empty({B, H, Lq, value.size(3)}, q.options());
   at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(at::kFloat));
-  at::Tensor weights = return_weights ? at::zeros({B, H, Lq, Lk}, q.options())
+  // float32 weights for 16-bit q: the backward's rowsum(W * dW) takes them (csrc/ops.cpp)
+  const auto weights_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor weights = return_weights ? at::zeros({B, H, Lq, Lk}, q.options().dtype(weights_dtype))
                                       : at::empty({0}, q.options());
   bool non_finite = false;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnx_additive_fwd",
@@ -640,13 +642,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> additive_fwd(
     const Problem<acc_t> pb(q, k, value, v, mask, window_lo, window_hi, dropout_p, seed,
                             !per_head);
     non_finite = forward<scalar_t, acc_t>(pb, out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
-                             return_weights ? weights.data_ptr<scalar_t>() : nullptr, per_head);
+                             return_weights ? weights.data_ptr<acc_t>() : nullptr, per_head);
   });
   if (q.scalar_type() != at::kDouble && overflowed(v, non_finite) &&
       finite_inputs({q, k, value, v}, mask)) {
     const auto [o, l, w] = additive_fwd(f64(q), f64(k), f64(value), f64(v), f64(mask), window_lo,
                                         window_hi, dropout_p, seed, return_weights);
-    return {o.to(q.scalar_type()), l, return_weights ? w.to(q.scalar_type()) : weights};
+    return {o.to(q.scalar_type()), l, return_weights ? w.to(weights_dtype) : weights};
   }
   return {out, lse, weights};
 }

@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks)
         const float pz = s[u][m] * z;
         sm[L.P + r * kBK + c] = z != 0.f ? s[u][m] * inv : 0.f;
         if (p.weights != nullptr && i0 + r < p.Lq && j0 + c < p.Lk)
-          static_cast<T*>(p.weights)[(hd.bh * p.Lq + i0 + r) * p.Lk + j0 + c] = from_float<T>(pz);
+          p.weights[(hd.bh * p.Lq + i0 + r) * p.Lk + j0 + c] = pz;
       }
       if (tc == 0) alpha_s[r] = rescale;
       m_run[u] = m_new;
@@ -400,8 +400,7 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks)
       for (int m = 0; m < kCols; ++m) {
         const int j = t * kBK + tc + kRowLanes * m;
         if (j >= p.Lk) continue;
-        T& w = static_cast<T*>(p.weights)[(hd.bh * p.Lq + i) * p.Lk + j];
-        w = from_float<T>(to_float(w) * scale);
+        p.weights[(hd.bh * p.Lq + i) * p.Lk + j] *= scale;
       }
     }
   }
@@ -555,7 +554,7 @@ __global__ void __launch_bounds__(kThreads, kBwdMinBlocks)
         if (pr != 0.f) {  // then i < Lq and j < Lk
           float d = dp[u][m];
           if (p.dweights != nullptr)
-            d += to_float(static_cast<const T*>(p.dweights)[(hd.bh * p.Lq + i) * p.Lk + j]);
+            d += p.dweights[(hd.bh * p.Lq + i) * p.Lk + j];
           // z again: cheaper than 8 registers held through the value loop
           const float z = dropout_factor(p.drop, hd.key_bh, uint32_t(i), uint32_t(j));
           ds = pr * (d * z - delta_s[r]);

@@ -61,7 +61,7 @@ __device__ __forceinline__ double pair_ds(const AdditiveParams& p, const Pair<T>
   if (prob == 0.f) return 0.0;
   double d = warp_dot_d(r.dout, r.value + j * p.svalue.l, p.Ev, lane);
   if (p.dweights != nullptr)
-    d += to_float(static_cast<const T*>(p.dweights)[r.row * p.Lk + j]);
+    d += p.dweights[r.row * p.Lk + j];
   const double z = dropout_factor(p.drop, r.key_bh, uint32_t(i), uint32_t(j));
   *pz = double(prob) * z;
   return double(prob) * (d * z - delta);

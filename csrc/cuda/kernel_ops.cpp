@@ -552,10 +552,11 @@ std::tuple<Tensor, Tensor, Tensor> additive_fwd(const Target& target, const Tens
   Tensor out = target.empty({p.B, p.H, p.Lq, p.Ev}, opts);
   Tensor lse = target.empty({p.B, p.H, p.Lq}, opts.dtype(at::kFloat));
   Tensor weights =
-      return_weights ? target.zeros({p.B, p.H, p.Lq, p.Lk}, opts) : in.q.new_empty({0});
+      return_weights ? target.zeros({p.B, p.H, p.Lq, p.Lk}, opts.dtype(at::kFloat))
+                     : in.q.new_empty({0});
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
-  p.weights = return_weights ? weights.data_ptr() : nullptr;
+  p.weights = return_weights ? weights.data_ptr<float>() : nullptr;
   const Tensor weight_max =
       return_weights ? target.empty({p.B, p.H, p.Lq, additive_key_tiles(p.Lk)}, opts.dtype(at::kFloat))
                      : Tensor();
@@ -598,9 +599,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
                     grad_weights->device() == in.q.device(),
                 "grad_weights: expected shape (B, H, Lq, Lk) on q's device, got ",
                 grad_weights->sizes());
-    dw = target.input(grad_weights->to(in.q.scalar_type()).contiguous());
+    dw = target.input(grad_weights->to(at::kFloat).contiguous());
   }
-  p.dweights = dw.defined() ? dw.data_ptr() : nullptr;
+  p.dweights = dw.defined() ? dw.data_ptr<float>() : nullptr;
   target.check(launch_additive_bwd(p, target.stream()));
   // The CTAs' partial sums, added up here rather than by atomics on v's H x A addresses.
   Tensor dv = dv_parts.sum(0);

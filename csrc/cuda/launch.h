@@ -115,14 +115,15 @@ struct AdditiveParams {
   Dropout drop;
   void* out;  // (B, H, Lq, Ev) contiguous
   float* lse;  // (B, H, Lq)
-  void* weights;  // (B, H, Lq, Lk) contiguous or null
+  float* weights;  // (B, H, Lq, Lk) contiguous fp32 or null (the backward's D takes them unrounded)
   float* weight_max;  // with weights: (B, H, Lq, additive_key_tiles(Lk)) scratch
   // backward (all contiguous): dout (B, H, Lq, Ev); fp32 accumulators, zeroed:
   // dq (B, H, Lq, A), dk (B, H, Lk, A), dvalue (B, H, Lk, Ev), dv (B * additive_query_tiles(Lq),
   // H, A): each CTA's own partial sums of v's gradient, which the host adds up; dmask as in SDPA;
-  // delta fp32 (B, H, Lq) = rowsum(dout * out) less grad_lse; dweights (B, H, Lq, Lk) or null.
+  // delta fp32 (B, H, Lq) = rowsum(dout * out) less grad_lse; dweights fp32 (B, H, Lq, Lk) or
+  // null.
   const void* dout;
-  const void* dweights;
+  const float* dweights;
   float *dq, *dk, *dvalue, *dv, *delta;
   void* dmask;
   // additive_bwd_rerun's inputs. overflowed: a device bool, set where v's gradient or dvalue came
