@@ -194,6 +194,56 @@ def test_layers_check_their_inputs_first(norm_first):
     assert dec(tgt, memory).shape == tgt.shape
 
 
+def test_stacks_check_their_inputs_first():
+    """The encoder and decoder stacks (and Transformer) check as their layers do: torch's own
+    code meets the input first there (an AssertionError for an integer mask, an IndexError for
+    a 1-D src, an AttributeError for a list, an int64 overflow RuntimeError in the decoder)."""
+    enc = ann.TransformerEncoder(ann.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2)
+    dec = ann.TransformerDecoder(ann.TransformerDecoderLayer(8, 2, 16, batch_first=True), 2)
+    model = ann.Transformer(8, 2, 1, 1, 16, batch_first=True)
+    src, tgt = torch.randn(3, 4, 8), torch.randn(3, 5, 8)
+    long = torch.zeros(3, 4, dtype=torch.long)
+    cases = [
+        (TypeError, "src_key_padding_mask: expected a mask of dtype",
+         lambda: enc(src, src_key_padding_mask=long)),
+        (TypeError, "mask: expected a mask of dtype", lambda: enc(src, mask=long[0].expand(4, 4))),
+        (ValueError, "src: expected 2 to 3 dimensions", lambda: enc(src[0, 0])),
+        (TypeError, "src_key_padding_mask: expected a Tensor or None",
+         lambda: enc(src, src_key_padding_mask=[[False] * 4] * 3)),
+        (TypeError, r"src: expected dtype torch\.float32 \(the module's\), got torch\.float64",
+         lambda: enc(src.double())),
+        (TypeError, "tgt_mask: expected a mask of dtype",
+         lambda: dec(tgt, src, tgt_mask=torch.zeros(5, 5, dtype=torch.long))),
+        (ValueError, "tgt: expected a last dim of d_model=8", lambda: dec(tgt[..., :7], src)),
+        (TypeError, "memory: expected a torch.Tensor", lambda: dec(tgt, None)),
+        (ValueError, "memory: expected batch size 3", lambda: dec(tgt, src[:2])),
+        (TypeError, "src_mask: expected a mask of dtype",
+         lambda: model(src, tgt, src_mask=long[0].expand(4, 4))),
+        (TypeError, "tgt_mask: expected a mask of dtype",
+         lambda: model(src, tgt, tgt_mask=torch.zeros(5, 5, dtype=torch.long))),
+        (TypeError, "src_key_padding_mask: expected a Tensor or None",
+         lambda: model(src, tgt, src_key_padding_mask=[[False] * 4] * 3)),
+        (TypeError, r"src: expected dtype torch\.float32", lambda: model(src.double(), tgt)),
+    ]
+    for error, match, call in cases:
+        with pytest.raises(error, match=match):
+            call()
+    assert enc(src).shape == src.shape and dec(tgt, src).shape == tgt.shape
+    assert model(src, tgt).shape == tgt.shape
+
+
+def test_layer_names_its_own_argument():
+    """A float64 src reaches the layer's attention as its query: named src, not query; a memory
+    of another batch size is memory's error, not key's and value's."""
+    with pytest.raises(TypeError, match=r"src: expected dtype torch\.float32"):
+        ann.TransformerEncoderLayer(8, 2, 16)(torch.randn(4, 3, 8, dtype=torch.float64))
+    dec = ann.TransformerDecoderLayer(8, 2, 16)
+    with pytest.raises(ValueError, match="memory: expected batch size 3"):
+        dec(torch.randn(4, 3, 8), torch.randn(5, 2, 8))
+    with pytest.raises(ValueError, match="memory: expected 3 dims"):
+        dec(torch.randn(4, 3, 8), torch.randn(5, 8))
+
+
 @pytest.mark.parametrize("batch_first", [False, True])
 def test_transformer_checks_batch_and_d_model(batch_first):
     """torch raises RuntimeErrors for these ("the batch number of src and tgt must be equal")."""

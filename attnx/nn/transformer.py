@@ -5,9 +5,10 @@ names, initialisation order), then turns the torch `MultiheadAttention` modules 
 `attnx.nn.MultiheadAttention` in place (a class change: the parameters stay the same objects,
 so no random numbers are drawn and a torch `state_dict` loads with `strict=True`).
 The encoder layer and encoder override `forward` only to leave torch's fused fast paths, which
-would run torch's own attention kernels (and nested tensors) instead of attnx's. The layers and
-`Transformer` check their inputs' ranks and feature sizes and their masks' types first: torch
-raises RuntimeErrors there (a LayerNorm's, under norm_first), attnx a ValueError or TypeError
+would run torch's own attention kernels (and nested tensors) instead of attnx's. The layers, the
+stacks and `Transformer` check their inputs' ranks, feature sizes, dtypes and batch sizes and
+their masks' types first: torch raises RuntimeErrors, AssertionErrors or IndexErrors there (a
+LayerNorm's under norm_first, its mask canonicalisation's), attnx a ValueError or TypeError
 naming the argument.
 """
 
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .._validate import _check_tensor
-from ._inputs import check_features
+from ._inputs import check_dtype, check_features
 from ._masks import check_mask_type
 from .multihead import MultiheadAttention
 
@@ -37,10 +38,24 @@ def to_attnx(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _check_input(name: str, x, d_model: int) -> None:
-    """x is (L, E) or batched (L, N, E) / (N, L, E), floating, with E = d_model."""
+def _check_input(name: str, x, layer) -> None:
+    """x is (L, E) or batched (L, N, E) / (N, L, E), floating, with E = d_model and the dtype
+    of `layer`'s weights (an attnx encoder or decoder layer; another module: rank only)."""
     _check_tensor(name, x, 2, 3)
-    check_features(name, x, d_model, "d_model")
+    if isinstance(layer, (TransformerEncoderLayer, TransformerDecoderLayer)):
+        check_features(name, x, layer.self_attn.embed_dim, "d_model")
+        check_dtype(name, x, layer.linear1.weight)
+
+
+def _check_batch(name: str, x, ref_name: str, ref, batch_first: bool) -> None:
+    """x is batched (or not) as ref is, with ref's batch size."""
+    if x.dim() != ref.dim():
+        raise ValueError(f"{name}: expected {ref.dim()} dims (as {ref_name}, batched or not), "
+                         f"got shape {tuple(x.shape)}")
+    b = 0 if batch_first else 1
+    if x.dim() == 3 and x.shape[b] != ref.shape[b]:
+        raise ValueError(f"{name}: expected batch size {ref.shape[b]} (that of {ref_name}, dim "
+                         f"{b}), got shape {tuple(x.shape)}")
 
 
 def _check_masks(dtype: torch.dtype, **masks) -> None:
@@ -62,7 +77,7 @@ class TransformerEncoderLayer(torch.nn.TransformerEncoderLayer):
         to_attnx(self)
 
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
-        _check_input("src", src, self.self_attn.embed_dim)
+        _check_input("src", src, self)
         # torch's _canonical_mask asserts on other dtypes: a TypeError naming the mask instead
         _check_masks(src.dtype, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask)
         src_key_padding_mask = F._canonical_mask(
@@ -89,8 +104,11 @@ class TransformerDecoderLayer(torch.nn.TransformerDecoderLayer):
 
     def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_is_causal=False, memory_is_causal=False):
-        _check_input("tgt", tgt, self.self_attn.embed_dim)
-        _check_input("memory", memory, self.multihead_attn.kdim)
+        _check_input("tgt", tgt, self)
+        _check_tensor("memory", memory, 2, 3)
+        check_features("memory", memory, self.multihead_attn.kdim, "d_model")
+        check_dtype("memory", memory, self.linear1.weight)
+        _check_batch("memory", memory, "tgt", tgt, self.self_attn.batch_first)
         _check_masks(tgt.dtype, tgt_mask=tgt_mask, memory_mask=memory_mask,
                      tgt_key_padding_mask=tgt_key_padding_mask,
                      memory_key_padding_mask=memory_key_padding_mask)
@@ -106,6 +124,11 @@ class TransformerEncoder(torch.nn.TransformerEncoder):
         super().__init__(*args, **kwargs)
         to_attnx(self)
 
+    def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
+        _check_input("src", src, self.layers[0] if len(self.layers) else None)
+        _check_masks(src.dtype, mask=mask, src_key_padding_mask=src_key_padding_mask)
+        return super().forward(src, mask, src_key_padding_mask, is_causal)
+
 
 class TransformerDecoder(torch.nn.TransformerDecoder):
     """torch.nn.TransformerDecoder whose layers attend on attnx."""
@@ -113,6 +136,16 @@ class TransformerDecoder(torch.nn.TransformerDecoder):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         to_attnx(self)
+
+    def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
+                memory_key_padding_mask=None, tgt_is_causal=None, memory_is_causal=False):
+        _check_input("tgt", tgt, self.layers[0] if len(self.layers) else None)
+        _check_tensor("memory", memory, 2, 3)
+        _check_masks(tgt.dtype, tgt_mask=tgt_mask, memory_mask=memory_mask,
+                     tgt_key_padding_mask=tgt_key_padding_mask,
+                     memory_key_padding_mask=memory_key_padding_mask)
+        return super().forward(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                               memory_key_padding_mask, tgt_is_causal, memory_is_causal)
 
 
 class Transformer(torch.nn.Transformer):
@@ -126,15 +159,13 @@ class Transformer(torch.nn.Transformer):
                 src_key_padding_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, src_is_causal=None, tgt_is_causal=None,
                 memory_is_causal=False):
-        _check_input("src", src, self.d_model)
-        _check_input("tgt", tgt, self.d_model)
-        if tgt.dim() != src.dim():
-            raise ValueError(f"tgt: expected {src.dim()} dims (as src, batched or not), got shape "
-                             f"{tuple(tgt.shape)}")
-        batch_dim = 0 if self.batch_first else 1
-        if src.dim() == 3 and tgt.shape[batch_dim] != src.shape[batch_dim]:
-            raise ValueError(f"tgt: expected batch size {src.shape[batch_dim]} (that of src, dim "
-                             f"{batch_dim}), got shape {tuple(tgt.shape)}")
+        for name, x in (("src", src), ("tgt", tgt)):
+            _check_tensor(name, x, 2, 3)
+            check_features(name, x, self.d_model, "d_model")
+        _check_batch("tgt", tgt, "src", src, self.batch_first)
+        _check_masks(src.dtype, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask,
+                     memory_mask=memory_mask, memory_key_padding_mask=memory_key_padding_mask)
+        _check_masks(tgt.dtype, tgt_mask=tgt_mask, tgt_key_padding_mask=tgt_key_padding_mask)
         return super().forward(src, tgt, src_mask, tgt_mask, memory_mask, src_key_padding_mask,
                                tgt_key_padding_mask, memory_key_padding_mask, src_is_causal,
                                tgt_is_causal, memory_is_causal)
