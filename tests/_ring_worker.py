@@ -241,6 +241,26 @@ def bad_input_everywhere():
     ring_matches("zigzag", is_causal=True)
 
 
+def outside_a_subgroup():
+    """A group of ranks 0 and 1: they run a ring over it; rank 2, outside it, calling with it
+    raises a ValueError naming `group` at once, with no collective (torch gives it rank -1 and
+    world size -1: shard's length came out negative, ring_attention's checks ran on them)."""
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])  # every rank makes it
+    q, k, v, *_ = _inputs(2, 2, 8, 4, 4, torch.float64)
+    if rank < 2:
+        ql, kl, vl = (shard(t, group=group) for t in (q, k, v))
+        out = unshard(ring_attention(ql, kl, vl, group=group, is_causal=True), group=group)
+        torch.testing.assert_close(out, attnx.scaled_dot_product_attention(q, k, v,
+                                                                           is_causal=True))
+    else:
+        for fn in (lambda: shard(q, group=group), lambda: unshard(q, group=group),
+                   lambda: ring_attention(q, k, v, group=group)):
+            _expect_error(ValueError, ["group: expected None or a process group of this rank",
+                                       "rank 2 of the default group"], fn)
+    dist.barrier()
+
+
 def softcap_matches(layout):
     """Soft-capped ring attention (the kernels the dispatcher picks for float64 CPU tensors)
     against the formula in float64, not through attnx."""
@@ -360,5 +380,5 @@ def peer_dies_mid_ring(timeout_s):
 
 
 CHECKS = {f.__name__: f for f in (ring_matches, shard_roundtrip, bad_input_everywhere,
-                                  softcap_matches, ddp_transformer_matches,
+                                  outside_a_subgroup, softcap_matches, ddp_transformer_matches,
                                   context_parallel_matches, peer_dies_mid_ring)}

@@ -91,7 +91,8 @@ def test_gloo_world(world):
                                   backend="cpu")),
             ("ring_matches", dict(layout="zigzag", softcap=0.8, dtype=F64,
                                   backend="reference")),
-            ("shard_roundtrip", dict(layout="contiguous"))],
+            ("shard_roundtrip", dict(layout="contiguous")),
+            ("outside_a_subgroup", {})],
         4: [("ring_matches", dict(layout="zigzag", is_causal=True, hq=4, hk=1, e=11, ev=5)),
             # a window shorter than a shard: shards stop after one hop
             ("ring_matches", dict(layout="contiguous", is_causal=True, window=(3, 0),

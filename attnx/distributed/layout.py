@@ -49,21 +49,34 @@ def segments(rank: int, world: int, local_len: int, layout: str) -> tuple:
     return (Segment(rank * c, 0, c), Segment((2 * world - 1 - rank) * c, c, c))
 
 
+class NotInGroup(ValueError):
+    """A process group that does not hold the calling rank."""
+
+
 def group_info(group) -> tuple:
-    """(rank, world size) in `group`, or a clear error before torch.distributed is set up."""
+    """(rank, world size) in `group`, or a clear error before torch.distributed is set up or
+    where `group` does not hold this rank (torch gives it rank -1 and world size -1 there)."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("attnx.distributed: torch.distributed is not initialized "
                            "(call torch.distributed.init_process_group first)")
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise NotInGroup(f"group: expected None or a process group of this rank, got one "
+                         f"without it (rank {dist.get_rank()} of the default group): only its "
+                         f"ranks call with it")
+    return rank, dist.get_world_size(group)
 
 
 def member(group) -> tuple:
     """(rank, world size, group, error): this rank's place in `group`, or, where `group` is no
     process group, its place in the default group and that error, for the caller to report
-    through its agreement there, where the other ranks (the default group's) wait for it."""
+    through its agreement there, where the other ranks (the default group's) wait for it. A
+    group without this rank raises here: its ranks never wait for this one."""
     try:
         return (*group_info(group), group, None)
+    except NotInGroup:
+        raise
     except Exception as exc:  # any: the default group's own failure (not initialized) raises
         error = ValueError(f"group: expected None or a process group of this rank, got "
                            f"{group!r} ({exc})")
