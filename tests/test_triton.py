@@ -31,8 +31,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from _compare import (assert_within, causal_varlen_run,  # noqa: E402
-                      check_fp16_ds_past_its_range, check_fp16_out_past_its_range, max_err,
-                      ulp_floor, wrong_sign_qk)
+                      check_fp16_ds_past_its_range, check_fp16_out_past_its_range,
+                      lost_key_qkv, max_err, ulp_floor, wrong_sign_qk)
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 SEED = 1234
@@ -842,6 +842,37 @@ def test_sdpa_softcap_of_an_overflow_whose_sign_is_wrong(dtype):
     gen = torch.Generator().manual_seed(4)
     v, do = _randn((1, 2, 40, 128), dtype, gen), _randn((1, 2, 9, 128), dtype, gen)
     kw = dict(softcap=5.0, scale=1.0)
+    got = _past_range_grads(q, k, v, do, None, kw, None)
+    _assert_past_range(got, _past_range_grads(q, k, v, do, None, kw, f64), q, k, v, do, 1.0)
+
+
+@near_max
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize("case", ["interior", "causal", "sinks", "varlen"])
+def test_sdpa_score_lost_to_an_overflowed_partial_sum(dtype, case):
+    """A score whose dot's partial sums pass float32's lowest though the true score (0) is the
+    row's largest (_compare.lost_key_qkv, as test_cuda.py's): -inf beside finite scores. The
+    forward's in-band loop (no mask or modifier) took it as probability 0 with no sign: out off
+    by ~0.58 and the lse by 0.21 (interior, sinks; the causal edge block maps it to NaN,
+    common.admitted). Now its row's least score flags the row for the float64 rerun."""
+    q, k, v = (t.to(dtype) for t in lost_key_qkv(9, 150))
+    do = _randn((1, 1, 9, 64), dtype, torch.Generator().manual_seed(1))
+    if case == "varlen":  # two sequences: the 9 x 150 one, then its first 8 x 100, causal
+        cu_q = torch.tensor([0, 9, 17], dtype=torch.int32, device=DEVICE)
+        cu_k = torch.tensor([0, 150, 250], dtype=torch.int32, device=DEVICE)
+        pack = lambda t, n: torch.cat([t[0, 0], t[0, 0, :n]]).unsqueeze(1).to(DEVICE)  # noqa: E731
+        packed = (pack(q, 8), pack(k, 100), pack(v, 100), pack(do, 8))
+        got = causal_varlen_run(*packed, cu_q, cu_k, "triton", dtype, scale=1.0)
+        gold = causal_varlen_run(*packed, cu_q, cu_k, "reference", f64, scale=1.0)
+        for x, want, bound, what in ((got[0], gold[0], v.abs().max(), "out"),
+                                     (got[4], gold[4], do.abs().max() * 17, "dv")):
+            err = (x.double() - want).abs().max() / bound.double()
+            assert err <= 2e-2, f"varlen {what}: max error {err:.3g} of its bound"
+        return
+    q, k, v = (t.to(DEVICE) for t in (q, k, v))
+    kw = {"causal": dict(is_causal=True),
+          "sinks": dict(sinks=torch.tensor([-1.0], device=DEVICE))}.get(case, {})
+    kw["scale"] = 1.0
     got = _past_range_grads(q, k, v, do, None, kw, None)
     _assert_past_range(got, _past_range_grads(q, k, v, do, None, kw, f64), q, k, v, do, 1.0)
 

@@ -474,10 +474,8 @@ def admitted(s):
     it is, a row whose admitted scores all overflowed downward would look empty, and a softcap
     would saturate it. (A bias of float32's lowest, as Hugging Face's masks hold, plus a score
     under 1e31 in size rounds to that lowest, not to -inf.) The SDPA forward's in-band loop
-    without mask or modifier takes no such per-score test, for speed: there a tile of only -inf
-    scores gives NaN, and +inf does, but a -inf beside finite scores takes probability 0, wrong
-    only where a partial sum passed -3.4e38 and the true score is the row's largest (inputs
-    near 1e19)."""
+    without mask or modifier takes no such per-score test, for speed: it takes each row's least
+    score beside its max instead, and a -inf there (or a +inf max) flags the row."""
     return tl.where(tl.abs(s) == float("inf"), float("nan"), s)
 
 

@@ -265,7 +265,11 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
                 mt = tl.max(qk, 1)
                 mt_scaled = mt * qk_scale
                 m_new = tl.maximum(m_i, mt_scaled)
-                m_safe = m_new
+                # A -inf beside finite scores is a dot's partial sum past float32's lowest
+                # (common.admitted): exp would drop it unseen. Its row's least score times 0
+                # is NaN (0 for any finite one: no select), which reaches alpha, then l_i,
+                # which flags the row for the rerun (scores_overflowed).
+                m_safe = m_new + tl.min(qk, 1) * 0.0
                 d = tl.minimum(mt_scaled - m_i, 0.0)
                 p = tl.math.exp2((qk - mt[:, None]) * qk_scale + d[:, None])
             alpha = tl.math.exp2(m_i - m_safe)
@@ -442,7 +446,8 @@ def _probs(qk, ok, m_ptrs, lse, sc, cap, slope, offs_i, offs_j, EDGE: tl.constex
     more a recomputed score's rounding moves them by hundreds, and exp2 overflowed to inf, NaN
     in every gradient; the pre-pass's row sums take the same clamp. The clamp keeps NaN (a score
     past float32's range, inf - inf in a dot: fmin's 0 would give P = 1), so that the gradients
-    come out NaN and sdpa_bwd_rerun redoes them. On the modifier and float-mask path an inf score
+    come out NaN and sdpa_bwd_rerun redoes them; without modifiers an inf score gives NaN there
+    too. On the modifier and float-mask path an inf score
     is NaN too (common.admitted, as in the forward): the softcap would take it as +-cap, finite,
     whatever the sign of the true score, where a dot's partial sums overflowed (the lse is then
     ordinary, and nothing else flags the row)."""
@@ -459,11 +464,16 @@ def _probs(qk, ok, m_ptrs, lse, sc, cap, slope, offs_i, offs_j, EDGE: tl.constex
         p = tl.math.exp2(tl.minimum((s - lse) * LOG2E, 0.0, propagate_nan=tl.PropagateNan.ALL))
     else:
         t = qk * (sc * LOG2E)
+        # the clamp's 0 as t * 0: NaN where qk is +-inf (a dot's partial sum past float32's
+        # range, as in the forward's in-band loop; a masked pair's too, which only costs the
+        # rerun), so that a -inf score is not taken as P = 0 unseen
+        nan_past_range = t * 0.0
         if MASK_KIND == 1:
             ok = ok & (tl.load(m_ptrs, mask=ok, other=0) != 0)
         if EDGE or MASK_KIND == 1:
             t = tl.where(ok, t, float("-inf"))
-        p = tl.math.exp2(tl.minimum(t - lse * LOG2E, 0.0, propagate_nan=tl.PropagateNan.ALL))
+        p = tl.math.exp2(tl.minimum(t - lse * LOG2E, nan_past_range,
+                                    propagate_nan=tl.PropagateNan.ALL))
     return p, t
 
 
