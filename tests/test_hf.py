@@ -335,6 +335,19 @@ def test_models_with_their_own_attention_get_a_clear_error(cls, config, error):
     assert not hasattr(compact, "dtype")  # probes still answer "no"
 
 
+@pytest.mark.parametrize("window", [0, -2])
+def test_a_window_of_no_keys_is_named(window):
+    """A sliding_window <= 0 in the config: transformers' mask builder makes a mask one key too
+    wide or narrow from it ("eager" and "sdpa" fail on the size); attnx names the window."""
+    config = _config("mistral")
+    config.sliding_window = window
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    model.set_attn_implementation("attnx")
+    with pytest.raises(ValueError, match=f"sliding_window: expected a positive int .*got {window}"):
+        model(input_ids=torch.randint(1, 128, (2, 10)))
+
+
 def test_output_attentions_warns_that_there_are_none():
     """As with "sdpa", which logs it: the model's attentions come back empty, not silently."""
     ids, mask = _inputs()
