@@ -54,6 +54,9 @@
 #   run(command="bash scripts/gpu_check.sh $OUT --steps build,bench,profile", timeout_s=600)
 # and join the two JSON files here with
 #   python scripts/gpu_check_report.py merge -o all.json run1/gpu_check.json run2/gpu_check.json
+# and set its benchmark against the last committed one of the same device (slower/faster past the
+# runs' spread and 5% between machines; exit 1 when a case got slower):
+#   python scripts/gpu_check_report.py compare all.json benchmarks/results/gpu-h200-2026-12-04.jsonl
 # The decoding benchmark (attention_with_kvcache, triton, against torch's SDPA and the copy
 # bandwidth) is its own call on the warm machine:
 #   run(command="python3 benchmarks/gpu_decode.py --out $OUT/decode.jsonl --deadline-s 400", timeout_s=600)

@@ -3,6 +3,7 @@
     gpu_check_report.py record STEPS.jsonl NAME STATUS RC SECONDS TIMEOUT OUTPUT_FILE -- COMMAND...
     gpu_check_report.py finish OUTDIR SCRATCH BUDGET_S STEPS [--no-gpu REASON] [--dry-run]
     gpu_check_report.py merge -o OUT.json RUN1.json RUN2.json ...
+    gpu_check_report.py compare NEW OLD
 
 `record` appends one step (what ran, how it ended, a summary of its output: pytest's counts and
 failures, compute-sanitizer's summaries, the last lines of a step that did not pass). `finish`
@@ -12,7 +13,12 @@ writes OUTDIR/gpu_check.json (schema "attnx-gpu-check/1"): {"schema", "date", "s
 "command", "summary"}], "check": attnx check's JSON or null, "bench": {"meta", "results",
 "end"} or null, "profile": scripts/gpu_profile_report.py's summary or null} and prints a summary. `merge` joins runs made in separate device calls (say
 one for the tests and one for the benchmark) into one document: steps in run order, the last
-run's check and profile, every run's benchmark results.
+run's check and profile, every run's benchmark results. `compare` sets the benchmark results of
+NEW against OLD (each a gpu_check JSON or a benchmarks/gpu.py JSONL, such as a committed
+benchmarks/results/gpu-*.jsonl), case by case: TFLOP/s then and now and their ratio, "slower"
+or "faster" where the two runs' sample ranges do not overlap and the medians differ by more than
+MACHINE_NOISE; it exits 1 when a case got slower,
+2 when the files hold no benchmark or came from different devices (timings compare only on one).
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ PYTEST_RESULT_FIRST = re.compile(
 PYTEST_SUMMARY = re.compile(r"^=+ (.*\d+ (?:passed|failed|skipped|error|errors|deselected).*) =+$")
 SANITIZER = re.compile(r"^=+ ((?:ERROR|RACECHECK|LEAK) SUMMARY: .*)$")
 TAIL_LINES = 30
+# Two sessions' machines of one kind differ by a few percent: torch's own kernels moved 1-4%
+# between the H200 runs of 2026-11-26 and 2026-12-04, each run's sample ranges tight and apart.
+MACHINE_NOISE = 0.05
 
 
 def summarize(text: str, rc: int) -> dict:
@@ -205,6 +214,53 @@ def merge(docs: list) -> dict:
                       "end": [b["end"] for b in benches]} if benches else None}
 
 
+def bench_rows(path) -> tuple:
+    """(device name, result rows) of a gpu_check JSON or a benchmark JSONL; (None, []) for
+    neither."""
+    doc = _load_json(path)
+    if isinstance(doc, dict) and doc.get("schema") == SCHEMA:
+        bench = doc.get("bench") or {}
+        meta, results = bench.get("meta"), bench.get("results", [])
+    else:
+        try:
+            rows = read_jsonl(path)
+        except (OSError, json.JSONDecodeError):
+            return None, []
+        meta = next((r for r in rows if r.get("kind") == "meta"), None)
+        results = [r for r in rows if r.get("kind") == "result"]
+    return ((meta or {}).get("device") or {}).get("name"), results
+
+
+def _case_key(row) -> tuple:
+    return row["provider"], row["pass"], json.dumps(row["case"], sort_keys=True)
+
+
+def _case_name(row) -> str:
+    c = row["case"]
+    name = (f"{c.get('op')} B{c.get('batch')} H{c.get('heads')} "
+            f"L{c.get('seqlen_q')}x{c.get('seqlen_k')} D{c.get('head_dim')} {c.get('dtype')}")
+    return name + (" causal" if c.get("causal") else "")
+
+
+def compare(new_rows: list, old_rows: list) -> list:
+    """[(provider, pass, case name, old TFLOP/s, new, new / old, verdict)] of the cases both
+    measured; verdict "slower" / "faster" where the sample ranges (tflops_min_max) are apart
+    and the ratio is past MACHINE_NOISE, else "" (within the runs' spread or the machines')."""
+    old = {_case_key(r): r for r in old_rows if r.get("tflops")}
+    out = []
+    for r in new_rows:
+        o = old.get(_case_key(r)) if r.get("tflops") else None
+        if o is None:
+            continue
+        (new_lo, new_hi), (old_lo, old_hi) = r["tflops_min_max"], o["tflops_min_max"]
+        ratio = r["tflops"] / o["tflops"]
+        verdict = ("slower" if new_hi < old_lo and ratio < 1 - MACHINE_NOISE else
+                   "faster" if new_lo > old_hi and ratio > 1 + MACHINE_NOISE else "")
+        out.append((r["provider"], r["pass"], _case_name(r), o["tflops"], r["tflops"], ratio,
+                    verdict))
+    return out
+
+
 def write(path, doc: dict) -> None:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
@@ -255,7 +311,26 @@ def main(argv=None) -> int:
     m = sub.add_parser("merge")
     m.add_argument("-o", "--out", required=True)
     m.add_argument("runs", nargs="+")
+    c = sub.add_parser("compare")
+    c.add_argument("new")
+    c.add_argument("old")
     args = p.parse_args(argv)
+    if args.cmd == "compare":
+        (new_device, new_rows), (old_device, old_rows) = bench_rows(args.new), bench_rows(args.old)
+        if not new_rows or not old_rows:
+            print(f"compare: no benchmark results in {args.new if not new_rows else args.old}",
+                  file=sys.stderr)
+            return 2
+        if new_device != old_device:
+            print(f"compare: timings from different devices ({new_device} now, {old_device} "
+                  "then) do not compare", file=sys.stderr)
+            return 2
+        rows = compare(new_rows, old_rows)
+        print(f"{len(rows)} cases measured in both ({new_device}); TFLOP/s then -> now")
+        for provider, pas, name, then, now, ratio, verdict in rows:
+            print(f"  {provider:<14} {pas:<17} {name:<47} {then:8.1f} -> {now:8.1f}  "
+                  f"{ratio:5.2f}x {verdict}")
+        return 1 if any(r[-1] == "slower" for r in rows) else 0
     if args.cmd == "record":
         command = " ".join(a for a in args.command if a != "--")
         entry = record(args.steps_file, args.name, args.rc, args.seconds, args.timeout_s,

@@ -259,6 +259,44 @@ def test_merge_of_two_runs(tmp_path, no_machine, capsys):
     assert "not gpu_check results" in capsys.readouterr().err
 
 
+def _result(provider, tflops, spread, head_dim=128):
+    case = {"op": "sdpa", "batch": 4, "heads": 16, "seqlen_q": 4096, "seqlen_k": 4096,
+            "head_dim": head_dim, "causal": False, "dtype": "bfloat16"}
+    return {"kind": "result", "provider": provider, "pass": "forward", "case": case,
+            "tflops": tflops, "tflops_min_max": [tflops - spread, tflops + spread]}
+
+
+def test_compare_sets_a_run_against_a_committed_jsonl(tmp_path, no_machine, capsys):
+    """A gpu_check JSON against an earlier benchmark JSONL: the cases both measured, slower or
+    faster only where the sample ranges are apart and the medians past the machines' noise;
+    different devices do not compare."""
+    meta = {"kind": "meta", "device": {"name": "NVIDIA H200"}}
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps(r) + "\n" for r in (
+        meta, _result("attnx-cuda", 238.0, 5.0), _result("attnx-triton", 354.0, 10.0),
+        _result("torch-flash", 400.0, 4.0), _result("attnx-cuda", 200.0, 2.0, head_dim=64))))
+    # attnx-cuda: ranges apart, 3% slower (the machines' noise); triton 15% slower; flash 7.5%
+    # faster
+    new_rows = [meta, _result("attnx-cuda", 230.0, 1.0), _result("attnx-triton", 300.0, 10.0),
+                _result("torch-flash", 430.0, 4.0), {"kind": "end"}]
+    run, _ = _fake_run(tmp_path, "new", bench_rows=new_rows)
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps(run))
+    rows = report.compare(report.bench_rows(str(new))[1], report.bench_rows(str(old))[1])
+    assert [(r[0], r[-1]) for r in rows] == [("attnx-cuda", ""), ("attnx-triton", "slower"),
+                                             ("torch-flash", "faster")]
+    assert rows[1][5] == pytest.approx(300.0 / 354.0)
+    assert report.main(["compare", str(new), str(old)]) == 1  # a case got slower
+    out = capsys.readouterr().out
+    assert "3 cases measured in both (NVIDIA H200)" in out and "0.85x slower" in out
+    h100 = tmp_path / "h100.jsonl"
+    h100.write_text(old.read_text().replace("NVIDIA H200", "NVIDIA H100"))
+    assert report.main(["compare", str(new), str(h100)]) == 2
+    assert "different devices" in capsys.readouterr().err
+    (tmp_path / "empty.jsonl").write_text("")
+    assert report.main(["compare", str(new), str(tmp_path / "empty.jsonl")]) == 2
+
+
 # ---------------------------------------------------------------- the profile step
 
 profile_report = _load("gpu_profile_report", "scripts/gpu_profile_report.py")
