@@ -246,10 +246,11 @@ def compare(new_rows: list, old_rows: list) -> list:
     """[(provider, pass, case name, old TFLOP/s, new, new / old, verdict)] of the cases both
     measured; verdict "slower" / "faster" where the sample ranges (tflops_min_max) are apart
     and the ratio is past MACHINE_NOISE, else "" (within the runs' spread or the machines')."""
-    old = {_case_key(r): r for r in old_rows if r.get("tflops")}
+    measured = lambda r: r.get("tflops") and r.get("tflops_min_max")  # noqa: E731
+    old = {_case_key(r): r for r in old_rows if measured(r)}  # a case measured twice: the last
     out = []
     for r in new_rows:
-        o = old.get(_case_key(r)) if r.get("tflops") else None
+        o = old.get(_case_key(r)) if measured(r) else None
         if o is None:
             continue
         (new_lo, new_hi), (old_lo, old_hi) = r["tflops_min_max"], o["tflops_min_max"]

@@ -281,3 +281,23 @@ def test_weights_of_huge_inputs_stay_finite(score):
     ctx, w = att(q.float() * 1e30, k.float() * 1e30, need_weights=True)
     assert w.dtype == torch.float32 and torch.isfinite(w).all() and torch.isfinite(ctx).all()
     torch.testing.assert_close(w.sum(-1), torch.ones(B, LQ))
+
+
+@pytest.mark.parametrize("inputs_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("score", ["additive", "concat", "dot", "general", "scaled_dot", "cosine",
+                                   "location"])
+def test_runs_under_autocast(score, inputs_dtype):
+    """Under autocast the projections come out bf16 beside float32 (or bf16) inputs and
+    float32 parameters, as torch.nn's modules take them: the op got mixed dtypes ("v: expected
+    dtype torch.bfloat16", "key: expected ...", a bf16 location mask beside float32 queries).
+    The result: the float32 one within bf16's rounding of a few products."""
+    torch.manual_seed(0)
+    kw = dict(max_len=8) if score == "location" else {}
+    module = Attention(8, 8, score=score, num_heads=2, **kw)
+    query, key = torch.randn(2, 5, 8), torch.randn(2, 7, 8)
+    with torch.no_grad():
+        want, _ = module(query, key)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, weights = module(query.to(inputs_dtype), key.to(inputs_dtype), need_weights=True)
+    assert torch.isfinite(got).all() and weights.shape == (2, 2, 5, 7)
+    assert (got.float() - want).abs().max() <= 0.03 * want.abs().max()

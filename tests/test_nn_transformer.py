@@ -1,5 +1,6 @@
 """attnx.nn Transformer classes against torch.nn with the same weights."""
 
+import copy
 import inspect
 
 import pytest
@@ -242,6 +243,31 @@ def test_layer_names_its_own_argument():
         dec(torch.randn(4, 3, 8), torch.randn(5, 2, 8))
     with pytest.raises(ValueError, match="memory: expected 3 dims"):
         dec(torch.randn(4, 3, 8), torch.randn(5, 8))
+
+
+@pytest.mark.parametrize("inputs_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_autocast_takes_what_torch_takes(norm_first, inputs_dtype):
+    """Under autocast torch.nn's modules take a bf16 input into float32 weights; attnx's raised
+    ("query: expected dtype torch.float32 (the module's)"). Now each gives torch's result
+    within a few times torch's own distance from the float32 one. (With gradients on: torch's
+    eval fast path under no_grad returns another dtype.)"""
+    x = torch.randn(2, 5, 8)
+    torch.manual_seed(0)
+    for theirs in (torch.nn.MultiheadAttention(8, 2, batch_first=True),
+                   torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True,
+                                                    norm_first=norm_first),
+                   torch.nn.Transformer(8, 2, 1, 1, 16, dropout=0.0, batch_first=True,
+                                        norm_first=norm_first)):
+        ours = ann.to_attnx(copy.deepcopy(theirs))
+        call = (lambda m, t: m(t, t, t)[0]) if isinstance(theirs, torch.nn.MultiheadAttention) \
+            else (lambda m, t: m(t, t[:, :3]) if isinstance(m, torch.nn.Transformer) else m(t))
+        want = call(theirs.eval(), x).detach()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, peer = (call(m.eval(), x.to(inputs_dtype)).detach() for m in (ours, theirs))
+        assert got.dtype == peer.dtype, type(theirs).__name__
+        bound = 3 * (peer.float() - want).abs().max() + 1e-3
+        assert (got.float() - want).abs().max() <= bound, type(theirs).__name__
 
 
 @pytest.mark.parametrize("batch_first", [False, True])

@@ -15,6 +15,7 @@ def check_features(name: str, x: torch.Tensor, size: int, what: str) -> None:
 
 
 def check_dtype(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
-    """x meets the module's weight in a projection: the same dtype."""
-    if x.dtype != weight.dtype:
+    """x meets the module's weight in a projection: the same dtype, but under autocast, which
+    casts both (torch.nn's modules take a bf16 input into float32 weights there)."""
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
         raise TypeError(f"{name}: expected dtype {weight.dtype} (the module's), got {x.dtype}")

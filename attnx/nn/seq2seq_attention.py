@@ -175,10 +175,15 @@ class Attention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         vh = self._heads(value)
         weights = None
+        # Under autocast the projections come out in its dtype, the inputs and v as they were;
+        # the ops take one dtype (outside it the checks above made them agree).
+        autocast = torch.is_autocast_enabled(query.device.type)
 
         if self.score == "additive":
-            qa, ka = self._heads(self.W_a(query)), self._heads(pk)
-            res = attnx.additive_attention(qa, ka, vh, self.v, attn_mask=mask, dropout_p=dropout_p,
+            qa, ka, v = self._heads(self.W_a(query)), self._heads(pk), self.v
+            if autocast:
+                ka, vh, v = (t.to(qa.dtype) for t in (ka, vh, v))
+            res = attnx.additive_attention(qa, ka, vh, v, attn_mask=mask, dropout_p=dropout_p,
                                            window=window, return_weights=need_weights)
             out, weights = res if need_weights else (res, None)
         else:
@@ -191,6 +196,8 @@ class Attention(nn.Module):
                     scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask)
                 q = query.new_zeros(b, self.num_heads, lq, 1)
                 k = query.new_zeros(b, self.num_heads, lk, 1)
+                if autocast:  # the projection's scores as a float32 mask
+                    mask = mask.float()
                 scale = 1.0
             else:
                 q = self._heads(self.W_a(query) if self.score == "general" else query)
@@ -198,6 +205,8 @@ class Attention(nn.Module):
                 scale = None if self.score == "scaled_dot" else 1.0
                 if self.score == "cosine":
                     q = F.normalize(q, dim=-1) * self.sharpness
+                if autocast:
+                    k, vh = k.to(q.dtype), vh.to(q.dtype)
             seed = dropout_seed(dropout_p) if need_weights else None
             out = _dispatch.sdpa_seeded(seed, q, k, vh, attn_mask=mask, dropout_p=dropout_p,
                                         scale=scale, window=window)

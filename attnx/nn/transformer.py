@@ -40,11 +40,15 @@ def to_attnx(module: torch.nn.Module) -> torch.nn.Module:
 
 def _check_input(name: str, x, layer) -> None:
     """x is (L, E) or batched (L, N, E) / (N, L, E), floating, with E = d_model and the dtype
-    of `layer`'s weights (an attnx encoder or decoder layer; another module: rank only)."""
+    of `layer`'s weights (but under autocast), where `layer` is an attnx encoder or decoder
+    layer; a tensor for another module (a stack's custom layer, which torch hands anything)."""
+    if not isinstance(layer, (TransformerEncoderLayer, TransformerDecoderLayer)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        return
     _check_tensor(name, x, 2, 3)
-    if isinstance(layer, (TransformerEncoderLayer, TransformerDecoderLayer)):
-        check_features(name, x, layer.self_attn.embed_dim, "d_model")
-        check_dtype(name, x, layer.linear1.weight)
+    check_features(name, x, layer.self_attn.embed_dim, "d_model")
+    check_dtype(name, x, layer.linear1.weight)
 
 
 def _check_batch(name: str, x, ref_name: str, ref, batch_first: bool) -> None:
@@ -105,9 +109,7 @@ class TransformerDecoderLayer(torch.nn.TransformerDecoderLayer):
     def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_is_causal=False, memory_is_causal=False):
         _check_input("tgt", tgt, self)
-        _check_tensor("memory", memory, 2, 3)
-        check_features("memory", memory, self.multihead_attn.kdim, "d_model")
-        check_dtype("memory", memory, self.linear1.weight)
+        _check_input("memory", memory, self)
         _check_batch("memory", memory, "tgt", tgt, self.self_attn.batch_first)
         _check_masks(tgt.dtype, tgt_mask=tgt_mask, memory_mask=memory_mask,
                      tgt_key_padding_mask=tgt_key_padding_mask,
@@ -140,7 +142,7 @@ class TransformerDecoder(torch.nn.TransformerDecoder):
     def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_is_causal=None, memory_is_causal=False):
         _check_input("tgt", tgt, self.layers[0] if len(self.layers) else None)
-        _check_tensor("memory", memory, 2, 3)
+        _check_input("memory", memory, self.layers[0] if len(self.layers) else None)
         _check_masks(tgt.dtype, tgt_mask=tgt_mask, memory_mask=memory_mask,
                      tgt_key_padding_mask=tgt_key_padding_mask,
                      memory_key_padding_mask=memory_key_padding_mask)
@@ -163,9 +165,9 @@ class Transformer(torch.nn.Transformer):
             _check_tensor(name, x, 2, 3)
             check_features(name, x, self.d_model, "d_model")
         _check_batch("tgt", tgt, "src", src, self.batch_first)
-        _check_masks(src.dtype, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask,
+        _check_masks(src.dtype, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask)
+        _check_masks(tgt.dtype, tgt_mask=tgt_mask, tgt_key_padding_mask=tgt_key_padding_mask,
                      memory_mask=memory_mask, memory_key_padding_mask=memory_key_padding_mask)
-        _check_masks(tgt.dtype, tgt_mask=tgt_mask, tgt_key_padding_mask=tgt_key_padding_mask)
         return super().forward(src, tgt, src_mask, tgt_mask, memory_mask, src_key_padding_mask,
                                tgt_key_padding_mask, memory_key_padding_mask, src_is_causal,
                                tgt_is_causal, memory_is_causal)
