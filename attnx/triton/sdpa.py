@@ -464,10 +464,11 @@ def _probs(qk, ok, m_ptrs, lse, sc, cap, slope, offs_i, offs_j, EDGE: tl.constex
         p = tl.math.exp2(tl.minimum((s - lse) * LOG2E, 0.0, propagate_nan=tl.PropagateNan.ALL))
     else:
         t = qk * (sc * LOG2E)
-        # the clamp's 0 as t * 0: NaN where qk is +-inf (a dot's partial sum past float32's
+        # the clamp's 0 as qk * 0: NaN where qk is +-inf (a dot's partial sum past float32's
         # range, as in the forward's in-band loop; a masked pair's too, which only costs the
-        # rerun), so that a -inf score is not taken as P = 0 unseen
-        nan_past_range = t * 0.0
+        # rerun), so that a -inf score is not taken as P = 0 unseen. (t * 0 cost two multiplies
+        # a score: LLVM kept t for it beside the FMA of t - lse.)
+        nan_past_range = qk * 0.0
         if MASK_KIND == 1:
             ok = ok & (tl.load(m_ptrs, mask=ok, other=0) != 0)
         if EDGE or MASK_KIND == 1:
