@@ -73,6 +73,18 @@ def _unsupported(name: str, op: str, call):
     return _module(name).unsupported(op, call)
 
 
+def _run(name: str, op: str, call):
+    """Backend `name`'s `op` on the validated call. Under autocast (whose casts _validate made)
+    it runs with autocast off: the backends' own torch ops (the reference's float32 math, the
+    BLAS engine's float32 products) keep the dtypes they chose."""
+    fn = getattr(_module(name), op)
+    kind = call.q.device.type
+    if kind in _validate.AUTOCAST_DEVICES and torch.is_autocast_enabled(kind):
+        with torch.autocast(kind, enabled=False):
+            return fn(call)
+    return fn(call)
+
+
 def select(op: str, call) -> str:
     """The backend that will run `call`; raises BackendUnavailableError for a forced one."""
     if _is_empty(op, call):
@@ -117,7 +129,7 @@ def sdpa_seeded(seed, query, key, value, attn_mask=None, dropout_p=0.0, is_causa
                                enable_gqa, window, backend, return_lse, seed, softcap=softcap,
                                alibi_slopes=alibi_slopes, sinks=sinks)
     call, everything_dropped = _without_total_dropout(call)
-    out, lse = _module(select("sdpa", call)).sdpa(call)
+    out, lse = _run(select("sdpa", call), "sdpa", call)
     if everything_dropped:
         out = _dropped(out)
     out = out.reshape(call.prefix + tuple(out.shape[-2:]))
@@ -151,7 +163,7 @@ def additive_attention(query, key, value, v, attn_mask=None, dropout_p=0.0, is_c
     call = _validate.additive_call(query, key, value, v, attn_mask, dropout_p, is_causal,
                                    window, backend, return_weights)
     call, everything_dropped = _without_total_dropout(call)
-    out, _lse, weights = _module(select("additive", call)).additive(call)
+    out, _lse, weights = _run(select("additive", call), "additive", call)
     if weights is not None:  # float32 from the kernels (csrc/ops.cpp: grad_weights)
         weights = weights.to(call.q.dtype)
     if everything_dropped:
@@ -192,7 +204,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
     name = select("kvcache", call)  # a forced backend that cannot serve it writes nothing
     if call.k is not None:
         _write_new_keys(call)
-    out, lse = _module(name).kvcache(call)
+    out, lse = _run(name, "kvcache", call)
     return (out, lse.float()) if return_lse else out
 
 
@@ -210,7 +222,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                                  dropout_p, is_causal, scale, window, softcap, alibi_slopes, sinks,
                                  backend, return_lse)
     call, everything_dropped = _without_total_dropout(call)
-    out, lse = _module(select("varlen", call)).varlen(call)
+    out, lse = _run(select("varlen", call), "varlen", call)
     if everything_dropped:
         out = _dropped(out)
     return (out, lse.float()) if return_lse else out

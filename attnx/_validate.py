@@ -24,6 +24,7 @@ from ._values import values_readable
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKEND_NAMES = ("auto", "cuda", "triton", "cpu", "reference")
+AUTOCAST_DEVICES = ("cpu", "cuda")  # where attnx's kernels run (torch's autocast has more)
 
 
 class Modifiers(NamedTuple):  # a tuple: torch.compile traces it on every supported torch
@@ -178,6 +179,26 @@ def _check_tensor(name: str, x, min_dim: int, max_dim: Optional[int] = None) -> 
     return x
 
 
+def _autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype torch's autocast runs its SDPA in (one of its lower-precision ops) on x's
+    device, or None where autocast is off there."""
+    kind = x.device.type
+    if kind not in AUTOCAST_DEVICES or not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
+def _autocast(dtype: Optional[torch.dtype], x, keep_float32: bool = False):
+    """x as autocast gives it to torch's SDPA: a floating tensor in `dtype` (None: autocast is
+    off), float64 as it is. keep_float32: masks and sinks, which the kernels take in float32 with
+    any query dtype (and add more exactly than in `dtype`), stay float32."""
+    if (dtype is None or not isinstance(x, torch.Tensor) or isinstance(x, CausalBias)
+            or not x.is_floating_point()
+            or x.dtype in (dtype, torch.float64) or (keep_float32 and x.dtype == torch.float32)):
+        return x
+    return x.to(dtype)
+
+
 def _check_dense(name: str, x: torch.Tensor) -> None:
     if x.is_nested or x.layout != torch.strided:
         kind = "nested" if x.is_nested else str(x.layout)
@@ -311,6 +332,10 @@ def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     q = _check_tensor("query", query, 2)
     k = _check_tensor("key", key, 2)
     v = _check_tensor("value", value, 2)
+    amp = _autocast_dtype(q)
+    if amp is not None:
+        q, k, v = (_autocast(amp, t) for t in (q, k, v))
+        attn_mask, sinks = _autocast(amp, attn_mask, True), _autocast(amp, sinks, True)
     _check_same("key", k, q, "query")
     _check_same("value", v, q, "query")
     is_causal = _check_bool("is_causal", is_causal)
@@ -376,6 +401,10 @@ def additive_call(query, key, value, v, attn_mask, dropout_p, is_causal, window,
     k = _check_tensor("key", key, 3, 4)
     val = _check_tensor("value", value, 3, 4)
     vv = _check_tensor("v", v, 1, 2)
+    amp = _autocast_dtype(q)
+    if amp is not None:
+        q, k, val, vv = (_autocast(amp, t) for t in (q, k, val, vv))
+        attn_mask = _autocast(amp, attn_mask, True)
     for name, t in (("key", k), ("value", val), ("v", vv)):
         _check_same(name, t, q, "query")
     if not (q.dim() == k.dim() == val.dim()):
@@ -647,6 +676,10 @@ def varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     q = _check_tensor("q", q, 3, 3)
     k = _check_tensor("k", k, 3, 3)
     v = _check_tensor("v", v, 3, 3)
+    amp = _autocast_dtype(q)
+    if amp is not None:
+        q, k, v = (_autocast(amp, t) for t in (q, k, v))
+        sinks = _autocast(amp, sinks, True)
     _check_same("k", k, q, "q")
     _check_same("v", v, q, "q")
     is_causal = _check_bool("is_causal", is_causal)
