@@ -90,7 +90,8 @@ def test_the_forward_in_band_loop_has_no_mask_arithmetic(results):
     score's distance to the max, not the raw score (aot.folded_exp2: the fold gave NaN at
     scaled scores of 1e9 on the H200, which the interpreter, not fusing, cannot show). The
     loops the forward had before are refused: a runtime branch per tile with exp after a separate
-    scale and subtract, and (3a56550, sm_80 and sm_90 alike) exp2(qk * c - m) as one FMA."""
+    scale and subtract, and (3a56550, sm_80 and sm_90 alike) exp2(qk * c - m) as one FMA; in
+    fp16's, the lost-score check (a min a score) that only bf16's and fp32's dots need."""
     from triton_compile import checks
 
     concerned = [r for r in results["units"] if checks.in_band_applies(r) and not r["error"]]
@@ -102,6 +103,11 @@ def test_the_forward_in_band_loop_has_no_mask_arithmetic(results):
     folded = dict(concerned[0], in_band_loop={"instructions": 314, "setp/selp": 7, "fma": 34,
                                               "ex2": 34, "mma": 13, "folded_exp2": 32})
     assert "folds the row max" in checks.in_band_broken(folded)
+    # fp16 (16b8403's loop): a min a score, looking for dots past float32's range
+    fp16 = next(r for r in concerned if r["variant"].split("/")[1] == "fp16")
+    checked = dict(fp16, in_band_loop={"instructions": 390, "setp/selp": 7, "fma": 38, "ex2": 34,
+                                       "mma": 13, "min": 36, "max": 36})
+    assert "overflowed dots" in checks.in_band_broken(checked)
 
 
 def test_folded_exponents_are_told_from_distances():

@@ -51,11 +51,11 @@ def _pattern(mask_function):
         if (len(parts) == 2 and parts[1] is mu.causal_mask_function
                 and getattr(parts[0], "__code__", None) is _WINDOW_CODE):
             window = _closure_var(parts[0], "sliding_window")
-            if isinstance(window, int) and window <= 0:  # sdpa_mask makes a mask of the wrong
-                # width from it (eager and sdpa fail on that with a size mismatch)
-                raise ValueError(f"sliding_window: expected a positive int (the model config's), "
-                                 f"got {window}")
             if isinstance(window, int):
+                if window <= 0:  # sdpa_mask makes a mask of the wrong width from it (eager and
+                    # sdpa fail on that with a size mismatch)
+                    raise ValueError(f"sliding_window: expected a positive int (the model "
+                                     f"config's), got {window}")
                 return True, window
     return None
 

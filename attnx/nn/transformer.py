@@ -51,6 +51,11 @@ def _check_input(name: str, x, layer) -> None:
     check_dtype(name, x, layer.linear1.weight)
 
 
+def _first_layer(stack):
+    """The stack's first layer, whose weights its inputs meet, or None for an empty stack."""
+    return stack.layers[0] if len(stack.layers) else None
+
+
 def _check_batch(name: str, x, ref_name: str, ref, batch_first: bool) -> None:
     """x is batched (or not) as ref is, with ref's batch size."""
     if x.dim() != ref.dim():
@@ -127,7 +132,7 @@ class TransformerEncoder(torch.nn.TransformerEncoder):
         to_attnx(self)
 
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
-        _check_input("src", src, self.layers[0] if len(self.layers) else None)
+        _check_input("src", src, _first_layer(self))
         _check_masks(src.dtype, mask=mask, src_key_padding_mask=src_key_padding_mask)
         return super().forward(src, mask, src_key_padding_mask, is_causal)
 
@@ -141,8 +146,8 @@ class TransformerDecoder(torch.nn.TransformerDecoder):
 
     def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_is_causal=None, memory_is_causal=False):
-        _check_input("tgt", tgt, self.layers[0] if len(self.layers) else None)
-        _check_input("memory", memory, self.layers[0] if len(self.layers) else None)
+        _check_input("tgt", tgt, _first_layer(self))
+        _check_input("memory", memory, _first_layer(self))
         _check_masks(tgt.dtype, tgt_mask=tgt_mask, memory_mask=memory_mask,
                      tgt_key_padding_mask=tgt_key_padding_mask,
                      memory_key_padding_mask=memory_key_padding_mask)

@@ -268,8 +268,12 @@ def _fwd_blocks(acc, acc2, l_i, m_i, q, q2, k_base, v_base, m_base, lo, hi, offs
                 # A -inf beside finite scores is a dot's partial sum past float32's lowest
                 # (common.admitted): exp would drop it unseen. Its row's least score times 0
                 # is NaN (0 for any finite one: no select), which reaches alpha, then l_i,
-                # which flags the row for the rerun (scores_overflowed).
-                m_safe = m_new + tl.min(qk, 1) * 0.0
+                # which flags the row for the rerun (scores_overflowed). float16's dots cannot
+                # pass float32's range (|q k| <= 65504^2 E): no check there.
+                if q.dtype == tl.float16:
+                    m_safe = m_new
+                else:
+                    m_safe = m_new + tl.min(qk, 1) * 0.0
                 d = tl.minimum(mt_scaled - m_i, 0.0)
                 p = tl.math.exp2((qk - mt[:, None]) * qk_scale + d[:, None])
             alpha = tl.math.exp2(m_i - m_safe)
@@ -435,7 +439,7 @@ def _fwd_kernel(Q, K, V, M, O, LSE, RNG, SLOPES, SINKS, FLAG,
 @triton.jit
 def _probs(qk, ok, m_ptrs, lse, sc, cap, slope, offs_i, offs_j, EDGE: tl.constexpr,
            MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-           FP32_INPUTS: tl.constexpr):
+           FP32_INPUTS: tl.constexpr, FP16_INPUTS: tl.constexpr):
     """(probabilities of a score tile qk (q . k, unscaled) from the saved lse, broadcast to the
     tile's shape (+inf on empty rows, so they come out 0); the softcap's tanh, common.modified).
     ok: admissible pairs on EDGE tiles, else where the mask may be read; offs_i, offs_j: the
@@ -467,8 +471,9 @@ def _probs(qk, ok, m_ptrs, lse, sc, cap, slope, offs_i, offs_j, EDGE: tl.constex
         # the clamp's 0 as qk * 0: NaN where qk is +-inf (a dot's partial sum past float32's
         # range, as in the forward's in-band loop; a masked pair's too, which only costs the
         # rerun), so that a -inf score is not taken as P = 0 unseen. (t * 0 cost two multiplies
-        # a score: LLVM kept t for it beside the FMA of t - lse.)
-        nan_past_range = qk * 0.0
+        # a score: LLVM kept t for it beside the FMA of t - lse.) float16's dots cannot pass
+        # float32's range: a plain 0 there.
+        nan_past_range = 0.0 if FP16_INPUTS else qk * 0.0
         if MASK_KIND == 1:
             ok = ok & (tl.load(m_ptrs, mask=ok, other=0) != 0)
         if EDGE or MASK_KIND == 1:
@@ -620,7 +625,7 @@ def _dkdv_blocks(dk, dk2, dv, dv2, k, k2, v, v2, q_base, do_base, m_base, dm_bas
             ok = col_ok[:, None]  # only read by the mask loads
         pt, tt = _probs(qkt, ok, m_base + offsets(offs_n, offs_m, smn, smm), lse[None, :], sc,
                         cap, slope, offs_m[None, :] + shift, offs_n[:, None], EDGE, MASK_KIND,
-                        SOFTCAP, ALIBI, DOT_PREC == FP32_DOT)
+                        SOFTCAP, ALIBI, DOT_PREC == FP32_DOT, k.dtype == tl.float16)
         if DROPOUT:
             if VARLEN:
                 key_row, threshold = _varlen_row_keys(RNG, seq, bh, offs_m)
@@ -811,7 +816,7 @@ def _dq_blocks(dq, dq2, q, q2, do, do2, lse, delta, k_base, v_base, m_base, lo, 
             ok = row_ok[:, None]
         p, t = _probs(qk, ok, m_base + offsets(offs_m, offs_n, smm, smn), lse[:, None], sc, cap,
                       slope, offs_m[:, None] + shift, offs_n[None, :], EDGE, MASK_KIND, SOFTCAP,
-                      ALIBI, DOT_PREC == FP32_DOT)
+                      ALIBI, DOT_PREC == FP32_DOT, q.dtype == tl.float16)
         if DROPOUT:
             dp = tl.where(keep(key_row, offs_n, threshold), dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])

@@ -34,7 +34,7 @@ _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
 # mask arithmetic), global loads, tensor-core instructions.
 _KINDS = {"ex2": r"^ex2", "fma": r"^fma", "mul": r"^mul\.", "add/sub": r"^(add|sub)\.",
           "setp/selp": r"^(setp|selp)", "ld.global": r"^ld\.global", "cp.async": r"^cp\.async",
-          "mma": r"^(mma|wgmma)", "mov": r"^mov"}
+          "mma": r"^(mma|wgmma)", "mov": r"^mov", "min": r"^min\.", "max": r"^max\."}
 
 
 def loops(ptx: str) -> list[dict]:

@@ -67,7 +67,8 @@ WGMMA_ROWS = {"sdpa._fwd_kernel": ("BLOCK_M",), "sdpa._prep_kernel": ("BLOCK_M",
 # no band, bounds or mask arithmetic (the loop's own control and the pipeline's predicates take
 # about 7 compares and selects; a masked loop takes 130-200), and every exp2 fed by one FMA
 # (the score's distance to its tile's max, scaled, plus the row's offset: a separate multiply
-# and add per score makes no FMA).
+# and add per score makes no FMA). fp16's takes no minimum a score (the lost-score check of bf16
+# and fp32: fp16's dots cannot pass float32's range).
 IN_BAND_SELECTS = 16
 
 
@@ -93,6 +94,9 @@ def in_band_broken(row) -> str | None:
         return f"in-band loop not lean: {loop}"
     if loop.get("folded_exp2", 0):
         return f"in-band loop folds the row max into a raw score's FMA (aot.folded_exp2): {loop}"
+    if _dtype_and_dim(row)[0] == "fp16" and 2 * loop.get("min", 0) > loop.get("max", 0):
+        # a min a score beside the row max's max a score: the check (2-4 min a loop without)
+        return f"fp16 in-band loop looks for overflowed dots, which fp16's cannot be: {loop}"
     return None
 
 
