@@ -282,6 +282,26 @@ def softcap_matches(layout):
         torch.testing.assert_close(mine.grad, shard(ref.grad, layout=layout), **tol)
 
 
+def ring_under_autocast(layout):
+    """Under torch.autocast, ring_attention casts as the functional ops do (q float32 beside
+    k bfloat16: bfloat16 out, where outside autocast that is a TypeError on every rank): the
+    same out and gradients as the ring on inputs cast by hand, float32 gradients for float32
+    shards."""
+    q, k, v, dout, _ = _inputs(4, 2, 4 * dist.get_world_size(), 8, 8, torch.float32)
+    local = [shard(t, layout=layout).detach().requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu"):
+        out = ring_attention(local[0], local[1].bfloat16(), local[2], is_causal=True,
+                             layout=layout)
+    (out.float() * shard(dout, layout=layout)).sum().backward()
+    by_hand = [t.detach().bfloat16().requires_grad_() for t in local]
+    want = ring_attention(*by_hand, is_causal=True, layout=layout)
+    (want.float() * shard(dout, layout=layout)).sum().backward()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    for mine, ref in zip(local, by_hand):
+        assert mine.grad.dtype == torch.float32
+        torch.testing.assert_close(mine.grad, ref.grad.float(), rtol=0, atol=0)
+
+
 def ddp_transformer_matches(steps=3):
     """attnx.nn.Transformer trained under DistributedDataParallel (each rank half the batch)
     ends with the weights of the single-process run on the whole batch."""
@@ -380,5 +400,6 @@ def peer_dies_mid_ring(timeout_s):
 
 
 CHECKS = {f.__name__: f for f in (ring_matches, shard_roundtrip, bad_input_everywhere,
-                                  outside_a_subgroup, softcap_matches, ddp_transformer_matches,
-                                  context_parallel_matches, peer_dies_mid_ring)}
+                                  outside_a_subgroup, softcap_matches, ring_under_autocast,
+                                  ddp_transformer_matches, context_parallel_matches,
+                                  peer_dies_mid_ring)}

@@ -57,8 +57,9 @@ def _triton_interpreting() -> bool:
 def test_gloo_world(world):
     """Each rank's ring_attention out, lse and gradients == the single-process op, sliced (both
     layouts, causal, windows, GQA, odd head dims, float64); in the world of 2 also: bad input
-    on one rank raising on every rank, shard/unshard, soft-capping, a Transformer trained under
-    DistributedDataParallel and a context-parallel attention block (tests/_ring_worker.py)."""
+    on one rank raising on every rank, shard/unshard, soft-capping, autocast, a Transformer
+    trained under DistributedDataParallel and a context-parallel attention block
+    (tests/_ring_worker.py)."""
     checks = {
         1: [("ring_matches", dict(layout="zigzag", is_causal=True)),
             ("ring_matches", dict(layout="contiguous", hq=3, hk=3, e=9, ev=2))],
@@ -81,6 +82,7 @@ def test_gloo_world(world):
             ("shard_roundtrip", dict(layout="zigzag")),
             ("bad_input_everywhere", {}),
             ("softcap_matches", dict(layout="zigzag")),
+            ("ring_under_autocast", dict(layout="zigzag")),
             ("ddp_transformer_matches", {}),
             ("context_parallel_matches", {})],
         3: [("ring_matches", dict(layout="zigzag", is_causal=True, window=(5, 0))),
