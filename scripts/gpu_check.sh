@@ -5,9 +5,9 @@
 # machine with no network: builds attnx (its CUDA half for this GPU's architecture only), checks
 # that C++ errors reach Python there (scripts/gpu_error_paths.py; if one crashes, rebuilds once
 # with /usr/bin/gcc and g++ where those differ from the build's compilers), runs
-# tests/test_cuda.py (with the cuda cases of the modifier, varlen, KV-cache and mask-dtype
-# tests), tests/test_triton.py, tests/test_triton_configs.py and tests/test_mask_dtypes.py on
-# CUDA tensors, `attnx check`,
+# tests/test_cuda.py (with the cuda cases of the modifier, varlen, KV-cache, mask-dtype and
+# autocast tests), tests/test_triton.py, tests/test_triton_configs.py and
+# tests/test_mask_dtypes.py on CUDA tensors, `attnx check`,
 # compute-sanitizer (memcheck, racecheck) on small cases of both GPU backends
 # (scripts/gpu_sanitize_cases.py) and the GPU benchmarks (benchmarks/gpu_additive_targets.py,
 # then benchmarks/gpu.py). Writes OUTDIR/gpu_check.json and OUTDIR/gpu_check.log.
@@ -112,7 +112,7 @@ command_of() {
   case "$1" in
     build) echo "env ATTNX_CUDA=1 ATTNX_CUDA_ARCHS='$arch' MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace && $PY -c 'import attnx, sys; i = attnx._ops.build_info(); print(i); sys.exit(0 if i and i[\"cuda\"] else \"attnx._C was built without CUDA\")'" ;;
     errors) echo "$PY scripts/gpu_error_paths.py || { $(other_compilers) && echo 'a probe failed: rebuilding with /usr/bin/gcc and /usr/bin/g++' && CC=/usr/bin/gcc CXX=/usr/bin/g++ $(command_of build) && $PY scripts/gpu_error_paths.py; }" ;;
-    test_cuda) echo "$tests $PY -m pytest tests/test_cuda.py tests/test_modifiers.py tests/test_varlen.py tests/test_kvcache.py tests/test_mask_dtypes.py -k cuda -v -rs -p no:cacheprovider$xdist" ;;
+    test_cuda) echo "$tests $PY -m pytest tests/test_cuda.py tests/test_modifiers.py tests/test_varlen.py tests/test_kvcache.py tests/test_mask_dtypes.py tests/test_autocast.py -k cuda -v -rs -p no:cacheprovider$xdist" ;;
     test_triton) echo "$tests ATTNX_TRITON_AUTOTUNE=0 $PY -m pytest tests/test_triton.py tests/test_triton_configs.py tests/test_mask_dtypes.py -v -rs -p no:cacheprovider$xdist" ;;
     check) echo "$PY -m attnx check --jobs $jobs --json $scratch/check.json" ;;
     memcheck) echo "$(sanitized memcheck PYTORCH_NO_CUDA_MEMORY_CACHING=1)" ;;
