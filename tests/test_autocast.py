@@ -139,3 +139,51 @@ def test_cuda_under_autocast(backend):
                                                                is_causal=True, backend=backend))
     with torch.autocast("cpu"):  # another device type's autocast leaves CUDA tensors alone
         assert attnx.scaled_dot_product_attention(q, k, v, backend=backend).dtype == torch.float32
+
+
+def test_reference_backward_inside_autocast():
+    """A backward called inside the autocast block: the reference backend recomputes its float32
+    math with autocast off, as its forward ran (it was downcast there: 2.5e-3 relative error of
+    a float mask's gradient, where outside the block it is 6e-8)."""
+    q, k, v, mask = _qkv((1, 2, 6, 8), (1, 2, 9, 8), (1, 2, 9, 8), (6, 9), grad=True)
+    grads = []
+    for inside in (True, False):
+        for t in (q, k, v, mask):
+            t.grad = None
+        with torch.autocast("cpu"):
+            out = attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend="reference")
+            if inside:
+                out.float().sum().backward()
+        if not inside:
+            out.float().sum().backward()
+        grads.append([t.grad.clone() for t in (q, k, v, mask)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_nn_modules_take_what_torch_nn_takes_under_autocast():
+    """attnx.nn under autocast: a mask in autocast's dtype beside float32 inputs (torch.nn's
+    MultiheadAttention takes it), and seq2seq attention whose keys (a GRU's float32 states) meet
+    bf16 projections; the weights come out in the output's dtype."""
+    import attnx.nn as ann
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 32)
+    mask = torch.zeros(7, 7).masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), -1e4)
+    ours, theirs = ann.MultiheadAttention(32, 4, batch_first=True), torch.nn.MultiheadAttention(
+        32, 4, batch_first=True)
+    ours.load_state_dict(theirs.state_dict())
+    with torch.no_grad(), torch.autocast("cpu"):
+        got, _ = ours(x, x, x, attn_mask=mask.bfloat16())
+        want, _ = theirs(x, x, x, attn_mask=mask.bfloat16())
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max() <= 0.05 * want.float().abs().max()
+
+    att = ann.Attention(16, 16, score="dot", num_heads=2)
+    query, key = torch.randn(2, 5, 16).bfloat16(), torch.randn(2, 7, 16)
+    with torch.no_grad(), torch.autocast("cpu"):
+        out, weights = att(query, key, need_weights=True)
+    assert out.dtype == weights.dtype == torch.bfloat16
+    seq = ann.Seq2Seq(20, 20, emb_dim=16, hidden_dim=32, rnn="gru")
+    src, tgt = torch.randint(0, 20, (2, 6)), torch.randint(0, 20, (2, 5))
+    with torch.no_grad(), torch.autocast("cpu"):
+        logits = seq(src, tgt)[0]  # (logits, attention weights)
+    assert logits.shape[:2] == (2, 5) and torch.isfinite(logits.float()).all()

@@ -409,3 +409,19 @@ def test_padded_forward_and_decoding_steps_compile_fullgraph():
             want = model(input_ids=token, past_key_values=cache).logits
             torch.testing.assert_close(step(token, compiled_cache), want)
             token = want[:, -1:].argmax(-1)
+
+
+def test_unpadded_generate_under_autocast_matches_sdpa():
+    """Under torch.autocast Llama's q and k come out float32 from RoPE beside a bf16 v: the
+    decoding op (which does not cast) refused them; the one-token steps go through SDPA, which
+    casts as torch's does, and give sdpa's tokens."""
+    ids = _inputs(batch=2, length=9)[0]
+    model = _model("llama")
+    tokens = {}
+    with torch.no_grad(), torch.autocast("cpu"):
+        for impl in ("sdpa", "attnx"):
+            model.set_attn_implementation(impl)
+            tokens[impl] = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False,
+                                          pad_token_id=0)
+    assert tokens["attnx"].shape == (2, 15)
+    assert torch.equal(tokens["attnx"], tokens["sdpa"])

@@ -131,7 +131,10 @@ def all_finite(tensors) -> bool:
 
 
 def _input_grads(ctx, tensors, wanted, dtype, grad_outputs, higher: bool):
-    with torch.enable_grad():
+    # (autocast off, as for the forward (_dispatch._run): a backward called inside an autocast
+    # block would otherwise recompute the float32 math in its dtype)
+    kind = next(t.device.type for t in tensors if t is not None)
+    with torch.enable_grad(), torch.autocast(kind, enabled=False):
         outs = ctx.op(_with(ctx.template, ctx.fields, tensors), dtype)
         pairs = [(o, g) for o, g in zip(outs, grad_outputs) if o is not None and o.requires_grad]
         return torch.autograd.grad([o for o, _ in pairs], [tensors[i] for i in wanted],

@@ -172,7 +172,10 @@ def _packed(mask: CompactMask, q, k, v, dropout, scale, modifiers):
 def _decode_kernel_serves(q, k, v, dropout, modifiers) -> bool:
     """Whether a one-query step can run on the CPU decoding kernel (split over the keys; it
     reads the cache where it lies), which is faster there than the SDPA kernel for one query
-    row. It is an inference op: no dropout, no gradient, no score modifiers yet."""
+    row. It is an inference op: no dropout, no gradient, no score modifiers yet. Not under
+    autocast: the decoding op does not cast (Llama's q and k come out float32 from RoPE beside a
+    bf16 v there), the SDPA op does, as torch's, and runs one query row on the same kernel."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return (not needs_grad and dropout == 0 and not modifiers and q.device.type == "cpu"
-            and q.dtype in cpu.DTYPES and cpu.availability() is None)
+            and q.dtype in cpu.DTYPES and cpu.availability() is None
+            and not torch.is_autocast_enabled("cpu"))

@@ -13,12 +13,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._validate import _check_dense
+from .._validate import _autocast_dtype, _check_dense
 
 
 def check_mask_type(name: str, mask, dtype: torch.dtype) -> None:
-    """None, or a dense bool tensor, or a float one of `dtype` (the inputs') or float32: the
-    functional ops' rule (torch adds a float32 mask to half-precision scores in float32). A
+    """None, or a dense bool tensor, or a float one of `dtype` (the inputs'), float32 or, under
+    autocast, its dtype: the functional ops' rule (torch adds a float32 mask to half-precision
+    scores in float32; autocast casts the others). A
     mask of another float dtype would be rounded to the inputs' on its way, a float64 bias of
     1e300 to inf (NaN out), where torch refuses it."""
     if mask is None:
@@ -26,7 +27,7 @@ def check_mask_type(name: str, mask, dtype: torch.dtype) -> None:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name}: expected a Tensor or None, got {type(mask).__name__}")
     _check_dense(name, mask)
-    if mask.dtype not in (torch.bool, torch.float32, dtype):
+    if mask.dtype not in (torch.bool, torch.float32, dtype, _autocast_dtype(mask)):
         also = "" if dtype == torch.float32 else f" or {dtype} (that of the inputs)"
         raise TypeError(f"{name}: expected a mask of dtype torch.bool, torch.float32{also}, "
                         f"got {mask.dtype}")

@@ -142,8 +142,9 @@ class Attention(nn.Module):
                             ("projected_key", projected_key)):
                 if x is not None:
                     check_dtype(name, x, self.W_a.weight)
-        if value is None:  # the keys are the values too
-            _check_same("key", key, query, "query")
+        if value is None and not torch.is_autocast_enabled(query.device.type):
+            _check_same("key", key, query, "query")  # the keys are the values too (autocast
+            # casts both: torch's GRU gives float32 beside bf16 projections there)
         b, lq, _ = query.shape
         lk = key.shape[1]
         if key.shape[0] != b:
@@ -213,7 +214,7 @@ class Attention(nn.Module):
             if need_weights:
                 s = q.new_zeros(b, self.num_heads, lq, lk) if self.score == "location" else \
                     weight_scores(q, k, q.shape[-1] ** -0.5 if scale is None else scale)
-                weights = softmax_weights(s, mask, window, dtype=q.dtype)
+                weights = softmax_weights(s, mask, window, dtype=out.dtype)  # (autocast's)
                 weights = after_dropout(weights, dropout_p, seed)
         out = out.transpose(1, 2).reshape(b, lq, value.shape[-1])
         if weights is not None and self.num_heads == 1:

@@ -474,8 +474,9 @@ def admitted(s):
     it is, a row whose admitted scores all overflowed downward would look empty, and a softcap
     would saturate it. (A bias of float32's lowest, as Hugging Face's masks hold, plus a score
     under 1e31 in size rounds to that lowest, not to -inf.) The SDPA forward's in-band loop
-    without mask or modifier takes no such per-score test, for speed: it takes each row's least
-    score beside its max instead, and a -inf there (or a +inf max) flags the row."""
+    without mask or modifier takes no such per-score test, for speed: on bf16 and fp32 inputs it
+    takes each row's least score beside its max instead, and a -inf there (or a +inf max) flags
+    the row (fp16's dots cannot pass float32's range)."""
     return tl.where(tl.abs(s) == float("inf"), float("nan"), s)
 
 
