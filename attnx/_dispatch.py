@@ -9,6 +9,7 @@ import dataclasses
 from typing import NamedTuple
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from . import _validate
 from ._backends import cpu, cuda, reference, triton_backend
@@ -70,7 +71,17 @@ def _unsupported(name: str, op: str, call):
         served = ", ".join(_SERVED_MODIFIERS.get(op, ())) or "none"
         return (f"it does not compute {', '.join(mods.names())} in {op} yet "
                 f"(served by: {served})")
+    if name != "reference" and op != "kvcache" and _has_tangents(call):
+        return "it has no forward-mode AD (the reference backend has)"
     return _module(name).unsupported(op, call)
+
+
+def _has_tangents(call) -> bool:
+    """Whether some input of `call` is a forward-AD dual tensor with a tangent: the kernels'
+    ops would drop it silently (no tangent out), where torch.func.jvp and forward_ad expect one."""
+    if fwAD._current_level < 0:  # no dual level open: nothing to look at
+        return False
+    return any(fwAD.unpack_dual(t).tangent is not None for t in reference.call_tensors(call)[1])
 
 
 def _run(name: str, op: str, call):

@@ -54,7 +54,7 @@ def _float64_where_float32_overflows(op):
 
     @functools.wraps(op)
     def run(call):
-        fields, tensors = _tensors(call)
+        fields, tensors = call_tensors(call)
         if (not any(t.requires_grad for t in tensors) or not torch.is_grad_enabled()
                 or not values_readable(call.q)
                 or call.q.dtype == torch.float64 or torch._C._are_functorch_transforms_active()
@@ -67,7 +67,7 @@ def _float64_where_float32_overflows(op):
     return run
 
 
-def _tensors(call):
+def call_tensors(call):
     """The tensors of `call` (its fields and its modifiers'), each once (the same tensor as q,
     k and v takes one gradient, summed), and where each lies: (field path, index)."""
     fields, tensors = [], []

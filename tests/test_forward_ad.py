@@ -1,0 +1,53 @@
+"""Forward-mode AD (torch.func.jvp, torch.autograd.forward_ad): the kernels' ops have no jvp,
+so a call with dual inputs runs on the reference backend, whose tangents are torch's; a forced
+kernel backend refuses it (its op dropped the tangent silently: no tangent out)."""
+
+import pytest
+import torch
+from torch.func import jvp
+
+import attnx
+from attnx import BackendUnavailableError
+
+F64 = torch.float64
+
+
+def _rand(*shape, seed=0):
+    return torch.randn(*shape, dtype=F64, generator=torch.Generator().manual_seed(seed))
+
+
+def _central_difference(f, x, t, eps=1e-6):
+    return (f(x + eps * t) - f(x - eps * t)) / (2 * eps)
+
+
+CASES = {
+    "sdpa": lambda q: attnx.scaled_dot_product_attention(
+        q, _rand(2, 3, 9, 8, seed=1), _rand(2, 3, 9, 5, seed=2), is_causal=True),
+    "sdpa_mask": lambda q: attnx.scaled_dot_product_attention(
+        q, q[:, :, :, :8].flip(2), _rand(2, 3, 7, 5, seed=2), attn_mask=_rand(7, 7, seed=3)),
+    "additive": lambda q: attnx.additive_attention(
+        q[:, 0], _rand(2, 9, 8, seed=1), _rand(2, 9, 5, seed=2), _rand(8, seed=3)),
+    "varlen": lambda q: attnx.varlen_attention(
+        q[0].transpose(0, 1), _rand(9, 3, 8, seed=1), _rand(9, 3, 5, seed=2),
+        torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32),
+        is_causal=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_jvp_matches_a_central_difference(case):
+    f = CASES[case]
+    q, t = _rand(2, 3, 7, 8, seed=4), _rand(2, 3, 7, 8, seed=5)
+    out, tangent = jvp(f, (q,), (t,))
+    torch.testing.assert_close(out, f(q))
+    torch.testing.assert_close(tangent, _central_difference(f, q, t), rtol=1e-6, atol=1e-8)
+
+
+def test_a_forced_kernel_backend_refuses_dual_inputs():
+    q = _rand(1, 2, 5, 8)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
+        with pytest.raises(BackendUnavailableError, match="forward-mode AD"):
+            attnx.scaled_dot_product_attention(dual, q, q, backend="cpu")
+        out = attnx.scaled_dot_product_attention(q, q, q, backend="cpu")  # no tangent: served
+    assert torch.isfinite(out).all()
