@@ -89,9 +89,8 @@ def _run(name: str, op: str, call):
     it runs with autocast off: the backends' own torch ops (the reference's float32 math, the
     BLAS engine's float32 products) keep the dtypes they chose."""
     fn = getattr(_module(name), op)
-    kind = call.q.device.type
-    if kind in _validate.AUTOCAST_DEVICES and torch.is_autocast_enabled(kind):
-        with torch.autocast(kind, enabled=False):
+    if _validate._autocast_dtype(call.q) is not None:
+        with torch.autocast(call.q.device.type, enabled=False):
             return fn(call)
     return fn(call)
 

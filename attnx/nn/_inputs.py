@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .._validate import _autocast_dtype
+
 
 def check_features(name: str, x: torch.Tensor, size: int, what: str) -> None:
     """The last dim of x is the module's `what` (embed_dim, kdim, ...)."""
@@ -17,5 +19,5 @@ def check_features(name: str, x: torch.Tensor, size: int, what: str) -> None:
 def check_dtype(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
     """x meets the module's weight in a projection: the same dtype, but under autocast, which
     casts both (torch.nn's modules take a bf16 input into float32 weights there)."""
-    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+    if x.dtype != weight.dtype and _autocast_dtype(x) is None:
         raise TypeError(f"{name}: expected dtype {weight.dtype} (the module's), got {x.dtype}")

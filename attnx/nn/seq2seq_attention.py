@@ -43,7 +43,7 @@ from torch import nn
 import attnx
 from attnx import _dispatch
 
-from .._validate import _check_dropout, _check_same, _check_tensor, _windowed
+from .._validate import _autocast_dtype, _check_dropout, _check_same, _check_tensor, _windowed
 from ._inputs import check_dtype, check_features
 from ._masks import check_mask, combine
 from ._weights import after_dropout, band_mask, dropout_seed, softmax_weights, weight_scores
@@ -142,7 +142,7 @@ class Attention(nn.Module):
                             ("projected_key", projected_key)):
                 if x is not None:
                     check_dtype(name, x, self.W_a.weight)
-        if value is None and not torch.is_autocast_enabled(query.device.type):
+        if value is None and _autocast_dtype(query) is None:
             _check_same("key", key, query, "query")  # the keys are the values too (autocast
             # casts both: torch's GRU gives float32 beside bf16 projections there)
         b, lq, _ = query.shape
@@ -176,15 +176,12 @@ class Attention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         vh = self._heads(value)
         weights = None
-        # Under autocast the projections come out in its dtype, the inputs and v as they were;
-        # the ops take one dtype (outside it the checks above made them agree).
-        autocast = torch.is_autocast_enabled(query.device.type)
+        # (under autocast the projections come out in its dtype beside the inputs and v as they
+        # were: the ops cast them, as torch's SDPA is cast)
 
         if self.score == "additive":
-            qa, ka, v = self._heads(self.W_a(query)), self._heads(pk), self.v
-            if autocast:
-                ka, vh, v = (t.to(qa.dtype) for t in (ka, vh, v))
-            res = attnx.additive_attention(qa, ka, vh, v, attn_mask=mask, dropout_p=dropout_p,
+            qa, ka = self._heads(self.W_a(query)), self._heads(pk)
+            res = attnx.additive_attention(qa, ka, vh, self.v, attn_mask=mask, dropout_p=dropout_p,
                                            window=window, return_weights=need_weights)
             out, weights = res if need_weights else (res, None)
         else:
@@ -197,8 +194,8 @@ class Attention(nn.Module):
                     scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask)
                 q = query.new_zeros(b, self.num_heads, lq, 1)
                 k = query.new_zeros(b, self.num_heads, lk, 1)
-                if autocast:  # the projection's scores as a float32 mask
-                    mask = mask.float()
+                if _autocast_dtype(query) is not None:  # the projection's scores as a
+                    mask = mask.float()  # float32 mask (added in float32, not autocast's dtype)
                 scale = 1.0
             else:
                 q = self._heads(self.W_a(query) if self.score == "general" else query)
@@ -206,8 +203,6 @@ class Attention(nn.Module):
                 scale = None if self.score == "scaled_dot" else 1.0
                 if self.score == "cosine":
                     q = F.normalize(q, dim=-1) * self.sharpness
-                if autocast:
-                    k, vh = k.to(q.dtype), vh.to(q.dtype)
             seed = dropout_seed(dropout_p) if need_weights else None
             out = _dispatch.sdpa_seeded(seed, q, k, vh, attn_mask=mask, dropout_p=dropout_p,
                                         scale=scale, window=window)
