@@ -99,6 +99,68 @@ def no_double_backward(ctx, *grads):
         "triton); pass backend='reference' for them")
 
 
+# The autograd formulas again, per op (its qualified name), for torch.func's transforms: the
+# autograd.Function torch.library generates from register_autograd has no setup_context, so
+# torch.func.grad, vjp, jacrev and the like refuse it (RuntimeError), where torch's own SDPA works.
+_FORMULAS: dict = {}
+
+
+def register_autograd(op, backward, setup_context=None) -> None:
+    """torch.library.register_autograd for `op` (a qualified name, or a torch.library custom op),
+    keeping the formula for `call` under torch.func's transforms."""
+    if isinstance(op, str):
+        torch.library.register_autograd(op, backward, setup_context=setup_context)
+    else:
+        op.register_autograd(backward, setup_context=setup_context)
+    _FORMULAS[_qualname(op)] = (setup_context, backward)
+
+
+def _qualname(op) -> str:
+    if isinstance(op, str):
+        return op
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op._qualified_op_name
+    return op._qualname  # a torch.library custom op (torch.library.CustomOpDef)
+
+
+@functools.cache
+def _transformable(name: str, op) -> type:
+    """`op` with the autograd formula registered for it, as an autograd.Function with
+    setup_context (what torch.func's transforms need; its vmap rule generated, the op itself
+    then running under torch's per-sample fallback)."""
+    setup, backward = _FORMULAS[name]
+
+    def forward(*args):
+        return op(*args)  # (below autograd: a Function's forward runs with grad mode off)
+
+    def setup_context(ctx, inputs, output):
+        if setup is not None:
+            setup(ctx, inputs, output)
+
+    return type(f"{name.replace('::', '_')}_transformable", (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward), "generate_vmap_rule": True})
+
+
+def call(op, *args):
+    """op(*args), through its autograd formula where a gradient can flow, and past its autograd
+    kernel where none can (grad off, or no input requiring it: every inference step). That kernel
+    (torch.library.register_autograd) is Python, which the dispatcher reaches by boxing every
+    argument into Python objects and back: 40-55 us a call warm and ~150 cold (a model's
+    decoding step, whose weights have just flushed the caches), more than a short attention
+    itself. Under torch.func's grad transforms the formula runs as an autograd.Function of its
+    own (_transformable). While torch.compile traces, the op runs as registered (a graph holds
+    no private dispatch guard)."""
+    if torch.compiler.is_compiling():  # (first: dynamo cannot trace _any_requires_grad)
+        return op(*args)
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        if torch._C._are_functorch_transforms_active():
+            return _transformable(_qualname(op), op).apply(*args)
+        return op(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
 def _register(ns: str) -> None:
     """The fake kernels and autograd of the ops of library `ns`: attnx, or attnx_cuda_host (the
     same schemas, the CUDA kernels through the host harness), which so takes the same path."""
@@ -150,9 +212,9 @@ def _register(ns: str) -> None:
         q, k, v, mask, out, lse, seed = ctx.saved_tensors
         scale, lo, hi, p = ctx.args
         want_mask = _wants_mask_grad(ctx, mask)
-        dq, dk, dv, dmask = ops.sdpa_bwd(
-            or_zeros(grad_out, out), q, k, v, mask, out, lse, scale, lo, hi, p, seed, want_mask,
-            grad_lse)
+        dq, dk, dv, dmask = call(
+            ops.sdpa_bwd, or_zeros(grad_out, out), q, k, v, mask, out, lse, scale, lo, hi, p,
+            seed, want_mask, grad_lse)
         return dq, dk, dv, (dmask if want_mask else None), None, None, None, None, None
 
     def _additive_setup(ctx, inputs, output):
@@ -170,9 +232,9 @@ def _register(ns: str) -> None:
         lo, hi, p = ctx.args
         want_mask = _wants_mask_grad(ctx, mask)
         grad_lse, grad_weights = weights_grads(grad_lse, weights, grad_weights)
-        dq, dk, dvalue, dv, dmask = ops.additive_bwd(
-            or_zeros(grad_out, out), q, k, value, v, mask, out, lse, lo, hi, p, seed, want_mask,
-            grad_lse, grad_weights)
+        dq, dk, dvalue, dv, dmask = call(
+            ops.additive_bwd, or_zeros(grad_out, out), q, k, value, v, mask, out, lse, lo, hi, p,
+            seed, want_mask, grad_lse, grad_weights)
         return dq, dk, dvalue, dv, (dmask if want_mask else None), None, None, None, None, None
 
     # kvcache_fwd: an inference op, no autograd.
@@ -184,11 +246,11 @@ def _register(ns: str) -> None:
         out = q.new_empty((b, h, lq, v_cache.shape[-1]))
         return out, q.new_empty((b, h, lq), dtype=torch.float32)
 
-    torch.library.register_autograd(f"{ns}::sdpa_fwd", _sdpa_backward, setup_context=_sdpa_setup)
-    torch.library.register_autograd(f"{ns}::additive_fwd", _additive_backward,
+    register_autograd(f"{ns}::sdpa_fwd", _sdpa_backward, setup_context=_sdpa_setup)
+    register_autograd(f"{ns}::additive_fwd", _additive_backward,
                                     setup_context=_additive_setup)
-    torch.library.register_autograd(f"{ns}::sdpa_bwd", no_double_backward)
-    torch.library.register_autograd(f"{ns}::additive_bwd", no_double_backward)
+    register_autograd(f"{ns}::sdpa_bwd", no_double_backward)
+    register_autograd(f"{ns}::additive_bwd", no_double_backward)
 
 
 def _register_varlen(ns: str) -> None:
@@ -219,12 +281,12 @@ def _register_varlen(ns: str) -> None:
     def _backward(ctx, grad_out, grad_lse):
         q, k, v, cu_q, cu_k, out, lse, seed = ctx.saved_tensors
         scale, lo, hi, p = ctx.args
-        dq, dk, dv = ops.varlen_bwd(or_zeros(grad_out, out), q, k, v, cu_q, cu_k, out, lse,
-                                    scale, lo, hi, p, seed, grad_lse)
+        dq, dk, dv = call(ops.varlen_bwd, or_zeros(grad_out, out), q, k, v, cu_q, cu_k, out, lse,
+                          scale, lo, hi, p, seed, grad_lse)
         return dq, dk, dv, None, None, None, None, None, None, None
 
-    torch.library.register_autograd(f"{ns}::varlen_fwd", _backward, setup_context=_setup)
-    torch.library.register_autograd(f"{ns}::varlen_bwd", no_double_backward)
+    register_autograd(f"{ns}::varlen_fwd", _backward, setup_context=_setup)
+    register_autograd(f"{ns}::varlen_bwd", no_double_backward)
 
 
 def _register_varlen_modifiers(ns: str) -> None:
@@ -259,14 +321,14 @@ def _register_varlen_modifiers(ns: str) -> None:
         q, k, v, cu_q, cu_k, out, lse, seed, alibi, sinks = ctx.saved_tensors
         scale, lo, hi, p, softcap = ctx.args
         want_sinks = sinks is not None and ctx.needs_input_grad[12]
-        dq, dk, dv, dsinks = ops.varlen_mod_bwd(
-            or_zeros(grad_out, out), q, k, v, cu_q, cu_k, out, lse, scale, lo, hi, p, seed,
-            grad_lse, softcap, alibi, sinks, want_sinks)
+        dq, dk, dv, dsinks = call(
+            ops.varlen_mod_bwd, or_zeros(grad_out, out), q, k, v, cu_q, cu_k, out, lse, scale, lo,
+            hi, p, seed, grad_lse, softcap, alibi, sinks, want_sinks)
         return (dq, dk, dv, None, None, None, None, None, None, None, None, None,
                 (dsinks if want_sinks else None))
 
-    torch.library.register_autograd(f"{ns}::varlen_mod_fwd", _backward, setup_context=_setup)
-    torch.library.register_autograd(f"{ns}::varlen_mod_bwd", no_double_backward)
+    register_autograd(f"{ns}::varlen_mod_fwd", _backward, setup_context=_setup)
+    register_autograd(f"{ns}::varlen_mod_bwd", no_double_backward)
 
 
 def _register_modifiers(ns: str) -> None:
@@ -301,14 +363,14 @@ def _register_modifiers(ns: str) -> None:
         scale, lo, hi, p, softcap = ctx.args
         want_mask = mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[3]
         want_sinks = sinks is not None and ctx.needs_input_grad[11]
-        dq, dk, dv, dmask, dsinks = ops.sdpa_mod_bwd(
-            or_zeros(grad_out, out), q, k, v, mask, out, lse, scale, lo, hi, p, seed, want_mask,
-            grad_lse, softcap, alibi, sinks, want_sinks)
+        dq, dk, dv, dmask, dsinks = call(
+            ops.sdpa_mod_bwd, or_zeros(grad_out, out), q, k, v, mask, out, lse, scale, lo, hi, p,
+            seed, want_mask, grad_lse, softcap, alibi, sinks, want_sinks)
         return (dq, dk, dv, (dmask if want_mask else None), None, None, None, None, None, None,
                 None, (dsinks if want_sinks else None))
 
-    torch.library.register_autograd(f"{ns}::sdpa_mod_fwd", _backward, setup_context=_setup)
-    torch.library.register_autograd(f"{ns}::sdpa_mod_bwd", no_double_backward)
+    register_autograd(f"{ns}::sdpa_mod_fwd", _backward, setup_context=_setup)
+    register_autograd(f"{ns}::sdpa_mod_bwd", no_double_backward)
 
 
 def _register_kvcache_modifiers(ns: str) -> None:

@@ -28,33 +28,18 @@ def missing_kernel(op: str, dispatch_key: str) -> Optional[str]:
     return None
 
 
-def _differentiable(op, *args):
-    """op(*args), past its autograd kernel where no gradient can flow (grad off, or no input
-    requiring it: every inference step). That kernel (torch.library.register_autograd,
-    attnx/_ops.py) is Python, which the dispatcher reaches by boxing every argument into Python
-    objects and back: 40-55 us a call warm and ~150 cold (a model's decoding step, whose
-    weights have just flushed the caches), more than a short attention itself. What it would do
-    then is this: run the op below autograd. While torch.compile traces, the op runs as
-    registered (a graph holds no private dispatch guard)."""
-    if (torch.compiler.is_compiling()  # (first: dynamo cannot trace _any_requires_grad)
-            or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args))):
-        return op(*args)
-    with torch._C._AutoDispatchBelowAutograd():
-        return op(*args)
-
-
 def sdpa(call: SdpaCall, ops=torch.ops.attnx):
     if call.mods.any():  # the plain op keeps kernels compiled without the modifiers' code
         mods = call.mods
-        return _differentiable(ops.sdpa_mod_fwd, call.q, call.k, call.v, call.mask, call.scale,
-                               call.window_lo, call.window_hi, call.dropout_p, call.seed,
-                               mods.softcap or 0.0, mods.alibi, mods.sinks)
-    return _differentiable(ops.sdpa_fwd, call.q, call.k, call.v, call.mask, call.scale,
-                           call.window_lo, call.window_hi, call.dropout_p, call.seed)
+        return _ops.call(ops.sdpa_mod_fwd, call.q, call.k, call.v, call.mask, call.scale,
+                         call.window_lo, call.window_hi, call.dropout_p, call.seed,
+                         mods.softcap or 0.0, mods.alibi, mods.sinks)
+    return _ops.call(ops.sdpa_fwd, call.q, call.k, call.v, call.mask, call.scale, call.window_lo,
+                     call.window_hi, call.dropout_p, call.seed)
 
 
 def additive(call: AdditiveCall, ops=torch.ops.attnx):
-    out, lse, weights = _differentiable(
+    out, lse, weights = _ops.call(
         ops.additive_fwd, call.q, call.k, call.value, call.v, call.mask, call.window_lo,
         call.window_hi, call.dropout_p, call.seed, call.return_weights)
     return out, lse, (weights if call.return_weights else None)
@@ -73,9 +58,9 @@ def kvcache(call: KvcacheCall, ops=torch.ops.attnx):
 def varlen(call: VarlenCall, ops=torch.ops.attnx):
     if call.mods.any():  # the plain op keeps kernels compiled without the modifiers' code
         mods = call.mods
-        return _differentiable(
+        return _ops.call(
             ops.varlen_mod_fwd, call.q, call.k, call.v, call.cu_q, call.cu_k, call.scale,
             call.window_lo, call.window_hi, call.dropout_p, call.seed, mods.softcap or 0.0,
             mods.alibi, mods.sinks)
-    return _differentiable(ops.varlen_fwd, call.q, call.k, call.v, call.cu_q, call.cu_k,
-                           call.scale, call.window_lo, call.window_hi, call.dropout_p, call.seed)
+    return _ops.call(ops.varlen_fwd, call.q, call.k, call.v, call.cu_q, call.cu_k, call.scale,
+                     call.window_lo, call.window_hi, call.dropout_p, call.seed)

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from .. import _ops
 from .._validate import AdditiveCall, KvcacheCall, SdpaCall, VarlenCall
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -57,16 +58,16 @@ def unsupported(op: str, call) -> Optional[str]:
 def sdpa(call: SdpaCall):
     from ..triton import sdpa as kernels  # imports Triton and registers the ops on first use
     mods = call.mods
-    return kernels.sdpa_fwd(call.q, call.k, call.v, call.mask, call.scale, call.window_lo,
-                            call.window_hi, call.dropout_p, call.seed, mods.softcap, mods.alibi,
-                            mods.sinks)
+    return _ops.call(kernels.sdpa_fwd, call.q, call.k, call.v, call.mask, call.scale,
+                     call.window_lo, call.window_hi, call.dropout_p, call.seed, mods.softcap,
+                     mods.alibi, mods.sinks)
 
 
 def additive(call: AdditiveCall):
     from ..triton import additive as kernels
-    out, lse, weights = kernels.additive_fwd(call.q, call.k, call.value, call.v, call.mask,
-                                             call.window_lo, call.window_hi, call.dropout_p,
-                                             call.seed, call.return_weights)
+    out, lse, weights = _ops.call(kernels.additive_fwd, call.q, call.k, call.value, call.v,
+                                  call.mask, call.window_lo, call.window_hi, call.dropout_p,
+                                  call.seed, call.return_weights)
     return out, lse, (weights if call.return_weights else None)
 
 
@@ -81,7 +82,7 @@ def kvcache(call: KvcacheCall):
 def varlen(call: VarlenCall):
     from ..triton import varlen as kernels
     mods = call.mods
-    return kernels.varlen_fwd(call.q, call.k, call.v, call.cu_q, call.cu_k,
-                              max(lq for lq, _ in call.lens), max(lk for _, lk in call.lens),
-                              call.scale, call.window_lo, call.window_hi, call.dropout_p,
-                              call.seed, mods.softcap, mods.alibi, mods.sinks)
+    return _ops.call(kernels.varlen_fwd, call.q, call.k, call.v, call.cu_q, call.cu_k,
+                     max(lq for lq, _ in call.lens), max(lk for _, lk in call.lens), call.scale,
+                     call.window_lo, call.window_hi, call.dropout_p, call.seed, mods.softcap,
+                     mods.alibi, mods.sinks)

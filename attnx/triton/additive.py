@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device, weights_grads
+from .._ops import (call, contiguous_grads, no_double_backward, or_zeros, register_autograd,
+                    same_device, weights_grads)
 from . import common
 from .common import (admit, dot, flag_nonfinite, huge_rows, key_range, offsets, query_range,
                      score_grad, softmax_start, softmax_step, split_tile,
@@ -462,11 +463,11 @@ def _backward(ctx, grad_out, _grad_lse, grad_weights):
     lo, hi, p = ctx.args
     want_mask = mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[4]
     grad_lse, grad_weights = weights_grads(None, weights, grad_weights)  # its lse: a constant
-    dq, dk, dvalue, dv, dmask = additive_bwd(
-        or_zeros(grad_out, out), q, k, value, v, mask, out, lse, lo, hi, p, seed, want_mask,
-        grad_lse, grad_weights)
+    dq, dk, dvalue, dv, dmask = call(
+        additive_bwd, or_zeros(grad_out, out), q, k, value, v, mask, out, lse, lo, hi, p, seed,
+        want_mask, grad_lse, grad_weights)
     return dq, dk, dvalue, dv, (dmask if want_mask else None), None, None, None, None, None
 
 
-additive_fwd.register_autograd(_backward, setup_context=_setup)
-additive_bwd.register_autograd(no_double_backward)
+register_autograd(additive_fwd, _backward, setup_context=_setup)
+register_autograd(additive_bwd, no_double_backward)

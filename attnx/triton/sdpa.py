@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._ops import contiguous_grads, no_double_backward, or_zeros, same_device
+from .._ops import (call, contiguous_grads, no_double_backward, or_zeros, register_autograd,
+                    same_device)
 from . import common
 from .common import (FP32_DOT, LN2, LOG2E, LSE_LIMIT, OVERFLOW_SHIFT, RERUN_BLOCK_N, admit,
                      admitted, dot, dot_acc, flag_nonfinite, huge_rows, inner_range, key_range,
@@ -1115,13 +1116,13 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, mask, out, lse, seed, alibi, sinks = ctx.saved_tensors
     scale, lo, hi, p, softcap = ctx.args
     want_mask = mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[3]
-    dq, dk, dv, dmask, dsinks = sdpa_bwd(or_zeros(grad_out, out), q, k, v, mask, out, lse, scale,
-                                         lo, hi, p, seed, want_mask, grad_lse, softcap, alibi,
-                                         sinks)
+    dq, dk, dv, dmask, dsinks = call(sdpa_bwd, or_zeros(grad_out, out), q, k, v, mask, out, lse,
+                                     scale, lo, hi, p, seed, want_mask, grad_lse, softcap, alibi,
+                                     sinks)
     # no gradient for the slopes: constants (attnx/_validate.py)
     return (dq, dk, dv, (dmask if want_mask else None), None, None, None, None, None, None, None,
             dsinks if sinks is not None and ctx.needs_input_grad[11] else None)
 
 
-sdpa_fwd.register_autograd(_backward, setup_context=_setup)
-sdpa_bwd.register_autograd(no_double_backward)
+register_autograd(sdpa_fwd, _backward, setup_context=_setup)
+register_autograd(sdpa_bwd, no_double_backward)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .._ops import no_double_backward, or_zeros, same_device
+from .._ops import call, no_double_backward, or_zeros, register_autograd, same_device
 from . import common, sdpa, sdpa_bwd_rerun, sdpa_fwd_rerun
 from .rng import rng_words
 
@@ -171,13 +171,13 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, cu_q, cu_k, out, lse, seed, alibi, sinks = ctx.saved_tensors
     max_q, max_k, scale, lo, hi, p, softcap = ctx.args
-    dq, dk, dv, dsinks = varlen_bwd(or_zeros(grad_out, out), q, k, v, cu_q, cu_k, max_q, max_k,
-                                    out, lse, scale, lo, hi, p, seed, grad_lse, softcap, alibi,
-                                    sinks)
+    dq, dk, dv, dsinks = call(varlen_bwd, or_zeros(grad_out, out), q, k, v, cu_q, cu_k, max_q,
+                              max_k, out, lse, scale, lo, hi, p, seed, grad_lse, softcap, alibi,
+                              sinks)
     # no gradient for the slopes: constants (attnx/_validate.py)
     return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None,
             dsinks if sinks is not None and ctx.needs_input_grad[14] else None)
 
 
-varlen_fwd.register_autograd(_backward, setup_context=_setup)
-varlen_bwd.register_autograd(no_double_backward)
+register_autograd(varlen_fwd, _backward, setup_context=_setup)
+register_autograd(varlen_bwd, no_double_backward)
