@@ -78,10 +78,23 @@ def _unsupported(name: str, op: str, call):
 
 def _has_tangents(call) -> bool:
     """Whether some input of `call` is a forward-AD dual tensor with a tangent: the kernels'
-    ops would drop it silently (no tangent out), where torch.func.jvp and forward_ad expect one."""
+    ops would drop it silently (no tangent out), where torch.func.jvp and forward_ad expect one.
+    Under a torch.func forward-mode transform enclosing a reverse-mode one (jvp of grad, jacfwd of
+    jacrev: Hessians) the tangents reach the call inside grad's wrappers, where unpack_dual does
+    not see them: such a call is taken to have them."""
+    if _under_functorch_jvp():
+        return True
     if fwAD._current_level < 0:  # no dual level open: nothing to look at
         return False
     return any(fwAD.unpack_dual(t).tangent is not None for t in reference.call_tensors(call)[1])
+
+
+def _under_functorch_jvp() -> bool:
+    if not torch._C._are_functorch_transforms_active():
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
 
 
 def _run(name: str, op: str, call):

@@ -1,10 +1,12 @@
 """Forward-mode AD (torch.func.jvp, torch.autograd.forward_ad): the kernels' ops have no jvp,
 so a call with dual inputs runs on the reference backend, whose tangents are torch's; a forced
-kernel backend refuses it (its op dropped the tangent silently: no tangent out)."""
+kernel backend refuses it (its op dropped the tangent silently: no tangent out). So does a call
+under forward-over-reverse transforms (jvp of grad, torch.func.hessian), whose tangents reach it
+inside grad's wrappers."""
 
 import pytest
 import torch
-from torch.func import jvp
+from torch.func import grad, hessian, jvp
 
 import attnx
 from attnx import BackendUnavailableError
@@ -51,3 +53,28 @@ def test_a_forced_kernel_backend_refuses_dual_inputs():
             attnx.scaled_dot_product_attention(dual, q, q, backend="cpu")
         out = attnx.scaled_dot_product_attention(q, q, q, backend="cpu")  # no tangent: served
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forward_over_reverse_runs_on_the_reference(case):
+    """Hessian-vector products (jvp of grad) with backend=None: the reference's, equal to a
+    central difference of the gradient; a forced kernel backend raises."""
+    f = CASES[case]
+    q, t = _rand(2, 3, 7, 8, seed=4), _rand(2, 3, 7, 8, seed=5)
+
+    def loss(x):
+        return f(x).square().sum()
+
+    _, hvp = jvp(grad(loss), (q,), (t,))
+    torch.testing.assert_close(hvp, _central_difference(grad(loss), q, t), rtol=1e-6, atol=1e-7)
+
+
+def test_hessian_matches_the_reference_and_forced_kernels_refuse():
+    q, k, v = _rand(1, 2, 3, 4, seed=0), _rand(1, 2, 5, 4, seed=1), _rand(1, 2, 5, 4, seed=2)
+
+    def loss(q, backend=None):
+        return attnx.scaled_dot_product_attention(q, k, v, backend=backend).square().sum()
+
+    torch.testing.assert_close(hessian(loss)(q), hessian(lambda x: loss(x, "reference"))(q))
+    with pytest.raises(BackendUnavailableError, match="forward-mode AD"):
+        hessian(lambda x: loss(x, "cpu"))(q)
