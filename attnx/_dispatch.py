@@ -10,8 +10,10 @@ from typing import NamedTuple
 
 import torch
 import torch.autograd.forward_ad as fwAD
+from torch._C._functorch import TransformType
 
 from . import _validate
+from ._values import under_functorch
 from ._backends import cpu, cuda, reference, triton_backend
 
 _MODULES = {"cuda": cuda, "triton": triton_backend, "cpu": cpu, "reference": reference}
@@ -82,19 +84,12 @@ def _has_tangents(call) -> bool:
     Under a torch.func forward-mode transform enclosing a reverse-mode one (jvp of grad, jacfwd of
     jacrev: Hessians) the tangents reach the call inside grad's wrappers, where unpack_dual does
     not see them: such a call is taken to have them."""
-    if _under_functorch_jvp():
+    if under_functorch(TransformType.Jvp):
         return True
     if fwAD._current_level < 0:  # no dual level open: nothing to look at
         return False
     return any(fwAD.unpack_dual(t).tangent is not None for t in reference.call_tensors(call)[1])
 
-
-def _under_functorch_jvp() -> bool:
-    if not torch._C._are_functorch_transforms_active():
-        return False
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-    return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
 
 
 def _run(name: str, op: str, call):

@@ -153,10 +153,13 @@ def call(op, *args):
     no private dispatch guard)."""
     if torch.compiler.is_compiling():  # (first: dynamo cannot trace _any_requires_grad)
         return op(*args)
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+    if torch.is_grad_enabled():
         if torch._C._are_functorch_transforms_active():
+            # (whatever the inputs say: vmap's batched tensors do not report their base's
+            # requires_grad, and the output of a vmap over tensors requiring it lost its graph)
             return _transformable(_qualname(op), op).apply(*args)
-        return op(*args)
+        if torch._C._any_requires_grad(*args):
+            return op(*args)
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args)
 

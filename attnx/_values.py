@@ -1,11 +1,20 @@
 """Whether a tensor's values can be read here, asked by every data-dependent guard (the float64
 reruns where float32 overflows, skipping an all-True padding mask, a paged cache's block ids):
 not while torch.compile traces a graph (which keeps no data-dependent branch), nor for meta or
-fake tensors (FakeTensorMode, make_fx's fake tracing), which have shapes only."""
+fake tensors (FakeTensorMode, make_fx's fake tracing), which have shapes only, nor for vmap's
+batched tensors (torch.func.vmap, jacfwd, jacrev: a branch on their values raises)."""
 
 import torch
-from torch._C._functorch import is_functorch_wrapped_tensor
+from torch._C._functorch import TransformType, is_functorch_wrapped_tensor
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._subclasses.fake_tensor import is_fake
+
+
+def under_functorch(kind: TransformType) -> bool:
+    """Whether a torch.func transform of this kind (TransformType.Vmap, Jvp, Grad) encloses the
+    call."""
+    return (torch._C._are_functorch_transforms_active()
+            and any(i.key() == kind for i in retrieve_all_functorch_interpreters()))
 
 
 def values_readable(t: torch.Tensor) -> bool:
@@ -19,4 +28,4 @@ def values_readable(t: torch.Tensor) -> bool:
     if (type(t) is torch.Tensor and not torch._is_functional_tensor(t)
             and not is_functorch_wrapped_tensor(t)):
         return True
-    return not is_fake(t)
+    return not is_fake(t) and not under_functorch(TransformType.Vmap)

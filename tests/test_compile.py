@@ -174,7 +174,8 @@ def test_fake_tensors_through_multihead_weights():
 def test_values_readable_of_plain_fake_and_wrapped_tensors():
     """attnx._values answers a plain tensor without torch's is_fake, and asks is_fake of every
     other kind: fake tensors and the functionalization wrappers of fake ones have no values;
-    functorch's wrappers (vmap) of real ones do; meta tensors do not."""
+    functorch's grad wrappers of real ones do; vmap's batched tensors do not (a branch on their
+    values raises); meta tensors do not."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from attnx._values import values_readable
@@ -189,7 +190,8 @@ def test_values_readable_of_plain_fake_and_wrapped_tensors():
     assert values_readable(torch._to_functional_tensor(t))
     seen = []
     torch.vmap(lambda row: seen.append(values_readable(row)) or row)(t)
-    assert seen == [True]
+    torch.func.grad(lambda x: seen.append(values_readable(x)) or x.sum())(t)
+    assert seen == [False, True]
 
 
 def _recompiles(fn, calls, **compile_kwargs) -> int:

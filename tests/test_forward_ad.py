@@ -6,7 +6,7 @@ inside grad's wrappers."""
 
 import pytest
 import torch
-from torch.func import grad, hessian, jvp
+from torch.func import grad, hessian, jacfwd, jvp
 
 import attnx
 from attnx import BackendUnavailableError
@@ -78,3 +78,16 @@ def test_hessian_matches_the_reference_and_forced_kernels_refuse():
     torch.testing.assert_close(hessian(loss)(q), hessian(lambda x: loss(x, "reference"))(q))
     with pytest.raises(BackendUnavailableError, match="forward-mode AD"):
         hessian(lambda x: loss(x, "cpu"))(q)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_jacfwd_of_float32_inputs():
+    """jacfwd (vmap over jvp, the tangents batched) of float32 inputs with backend=None: the
+    reference serves it, float32 out, as float64 computes it."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 4, generator=g) for n in (3, 5, 5))
+    jac = jacfwd(lambda x: attnx.scaled_dot_product_attention(x, k, v))(q)
+    k64, v64 = k.double(), v.double()
+    want = jacfwd(lambda x: attnx.scaled_dot_product_attention(x, k64, v64))(q.double())
+    assert jac.dtype == torch.float32
+    torch.testing.assert_close(jac.double(), want, rtol=1e-5, atol=1e-6)

@@ -1,11 +1,13 @@
-"""torch.func's reverse-mode transforms (grad, vjp, jacrev, vmap of grad) over the kernel backends.
+"""torch.func's reverse-mode transforms (grad, vjp, jacrev, vmap of grad) over the backends.
 
 torch.library builds each op's autograd from register_autograd as an autograd.Function without
 setup_context, which torch.func refuses (RuntimeError), where torch's own SDPA works; under these
 transforms attnx runs the same formulas as Functions of its own (attnx/_ops.py `call`). Each
 case is checked against plain autograd through the same backend; second-order gradients stay
 the reference backend's (the fused backward ops have none: NotImplementedError, as in plain
-autograd). Forward mode (jvp) is test_forward_ad.py's.
+autograd). vmap takes no branch on its batched values (attnx/_values.py): the reference then
+computes in float64 rather than checking float32 for overflow. Forward mode (jvp, jacfwd) is
+test_forward_ad.py's.
 """
 
 import pytest
@@ -16,10 +18,11 @@ import attnx
 from _backends import cuda_reason, device
 
 BACKENDS = ["cpu", "cuda", "triton"]
-DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16, "triton": torch.float32}
+DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16, "triton": torch.float32,
+          "reference": torch.float32}
 
 
-def _skip_unless_runs(backend):
+def _skip_unless_runs(backend):  # (the reference runs anywhere)
     if backend == "cuda" and cuda_reason() is not None:
         pytest.skip(cuda_reason())
     if backend == "triton":
@@ -84,7 +87,7 @@ NO_BATCHING_RULE = pytest.mark.filterwarnings("ignore:There is a performance dro
 
 
 @NO_BATCHING_RULE
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, "reference"])
 def test_per_sample_gradients(backend):
     """vmap(grad): per-sample gradients equal one autograd call per sample."""
     _skip_unless_runs(backend)
@@ -103,7 +106,28 @@ def test_per_sample_gradients(backend):
 
 
 @NO_BATCHING_RULE
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, "reference"])
+def test_vmap_keeps_the_graph_of_inputs_requiring_grad(backend):
+    """vmap's output over leaves requiring grad (plain autograd outside it): differentiable, the
+    same gradients as a loop (it had no grad_fn: the batched inputs did not report
+    requires_grad, and the op ran below autograd)."""
+    _skip_unless_runs(backend)
+    q, k, v = (_rand(3, 1, 2, n, 8, seed=s, backend=backend).requires_grad_()
+               for s, n in ((0, 5), (1, 6), (2, 6)))
+
+    def f(q, k, v):
+        return attnx.scaled_dot_product_attention(q, k, v, is_causal=True, backend=backend)
+
+    weight = _rand(3, 1, 2, 5, 8, seed=9, backend=backend)
+    got = torch.autograd.grad((vmap(f)(q, k, v) * weight).sum(), (q, k, v))
+    loop = torch.stack([f(q[i], k[i], v[i]) for i in range(3)])
+    want = torch.autograd.grad((loop * weight).sum(), (q, k, v))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@NO_BATCHING_RULE
+@pytest.mark.parametrize("backend", [*BACKENDS, "reference"])
 def test_jacrev_matches_autograd(backend):
     _skip_unless_runs(backend)
     q, k, v = (_rand(1, 1, n, 4, seed=s, backend=backend) for s, n in ((0, 3), (1, 5), (2, 5)))

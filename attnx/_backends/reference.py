@@ -13,9 +13,10 @@ import functools
 from typing import Optional
 
 import torch
+from torch._C._functorch import TransformType
 
 from .. import _rng
-from .._values import values_readable
+from .._values import under_functorch, values_readable
 from .._validate import NO_MODIFIERS, AdditiveCall, KvcacheCall, Modifiers, SdpaCall, VarlenCall
 
 
@@ -42,6 +43,9 @@ def _float64_where_float32_overflows(op):
 
     def forward(call):  # (result, the dtype it was computed in)
         dtype = _compute_dtype(call.q.dtype)
+        if dtype != torch.float64 and under_functorch(TransformType.Vmap):
+            # vmap's batched values take no branch (values_readable): float64 from the start
+            return op(call, torch.float64), torch.float64
         result = op(call, dtype)
         if call.q.dtype == torch.float64 or not values_readable(call.q):
             return result, dtype
