@@ -245,6 +245,32 @@ def test_layer_names_its_own_argument():
         dec(torch.randn(4, 3, 8), torch.randn(5, 8))
 
 
+def test_mask_errors_name_the_callers_argument():
+    """A layer's masks reach its attention as attn_mask / key_padding_mask, a stack's mask as its
+    layers' src_mask: each error names the argument the caller passed."""
+    src, tgt, mem = torch.randn(5, 3, 8), torch.randn(4, 3, 8), torch.randn(6, 3, 8)
+    enc, dec = ann.TransformerEncoderLayer(8, 2, 16), ann.TransformerDecoderLayer(8, 2, 16)
+    model = ann.Transformer(8, 2, 1, 1, 16)
+    z = torch.zeros
+    cases = [
+        ("src_key_padding_mask", lambda: enc(src, src_key_padding_mask=z(3, 6) > 0)),
+        ("src_mask", lambda: enc(src, src_mask=z(6, 5))),
+        ("src_mask", lambda: enc(src, is_causal=True)),
+        ("tgt_mask", lambda: dec(tgt, mem, tgt_mask=z(4, 5))),
+        ("tgt_mask", lambda: dec(tgt, mem, tgt_is_causal=True)),
+        ("tgt_key_padding_mask", lambda: dec(tgt, mem, tgt_key_padding_mask=z(3, 5))),
+        ("memory_mask", lambda: dec(tgt, mem, memory_mask=z(4, 7))),
+        ("memory_key_padding_mask", lambda: dec(tgt, mem, memory_key_padding_mask=z(3, 7))),
+        ("mask", lambda: ann.TransformerEncoder(enc, 2, enable_nested_tensor=False)(
+            src, mask=z(6, 5))),
+        ("src_mask", lambda: model(src, tgt, src_mask=z(6, 5))),
+        ("memory_mask", lambda: model(src, tgt, memory_mask=z(4, 6))),
+    ]
+    for name, call in cases:
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            call()
+
+
 @pytest.mark.parametrize("inputs_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_autocast_takes_what_torch_takes(norm_first, inputs_dtype):

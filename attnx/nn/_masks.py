@@ -9,6 +9,7 @@ per-head copy is made.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence
 
 import torch
@@ -31,6 +32,20 @@ def check_mask_type(name: str, mask, dtype: torch.dtype) -> None:
         also = "" if dtype == torch.float32 else f" or {dtype} (that of the inputs)"
         raise TypeError(f"{name}: expected a mask of dtype torch.bool, torch.float32{also}, "
                         f"got {mask.dtype}")
+
+
+@contextlib.contextmanager
+def named_as(**names: str):
+    """The ValueErrors and TypeErrors raised inside under the caller's argument names: a layer's
+    src_mask reaches its attention as attn_mask, whose checks name that
+    (named_as(attn_mask="src_mask")). The checks' messages start with the argument's name."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        name, sep, rest = str(e).partition(": ")
+        if type(e) not in (ValueError, TypeError) or not sep or name not in names:
+            raise
+        raise type(e)(f"{names[name]}: {rest}") from e
 
 
 def check_mask(name: str, mask: Optional[torch.Tensor], shapes: Sequence[tuple],

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .._validate import _check_tensor
 from ._inputs import check_dtype, check_features
-from ._masks import check_mask_type
+from ._masks import check_mask_type, named_as
 from .multihead import MultiheadAttention
 
 _SWAPS = {}  # torch class -> attnx class, filled below
@@ -103,6 +103,10 @@ class TransformerEncoderLayer(torch.nn.TransformerEncoderLayer):
             x = self.norm2(x + self._ff_block(x))
         return x
 
+    def _sa_block(self, x, attn_mask, key_padding_mask, is_causal=False):
+        with named_as(attn_mask="src_mask", key_padding_mask="src_key_padding_mask"):
+            return super()._sa_block(x, attn_mask, key_padding_mask, is_causal=is_causal)
+
 
 class TransformerDecoderLayer(torch.nn.TransformerDecoderLayer):
     """torch.nn.TransformerDecoderLayer with `self_attn` and `multihead_attn` on attnx."""
@@ -122,6 +126,14 @@ class TransformerDecoderLayer(torch.nn.TransformerDecoderLayer):
         return super().forward(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
                                memory_key_padding_mask, tgt_is_causal, memory_is_causal)
 
+    def _sa_block(self, x, attn_mask, key_padding_mask, is_causal=False):
+        with named_as(attn_mask="tgt_mask", key_padding_mask="tgt_key_padding_mask"):
+            return super()._sa_block(x, attn_mask, key_padding_mask, is_causal=is_causal)
+
+    def _mha_block(self, x, mem, attn_mask, key_padding_mask, is_causal=False):
+        with named_as(attn_mask="memory_mask", key_padding_mask="memory_key_padding_mask"):
+            return super()._mha_block(x, mem, attn_mask, key_padding_mask, is_causal=is_causal)
+
 
 class TransformerEncoder(torch.nn.TransformerEncoder):
     """torch.nn.TransformerEncoder whose layers attend on attnx (a torch layer passed in is
@@ -134,7 +146,8 @@ class TransformerEncoder(torch.nn.TransformerEncoder):
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
         _check_input("src", src, _first_layer(self))
         _check_masks(src.dtype, mask=mask, src_key_padding_mask=src_key_padding_mask)
-        return super().forward(src, mask, src_key_padding_mask, is_causal)
+        with named_as(src_mask="mask"):  # (the layers' name for it)
+            return super().forward(src, mask, src_key_padding_mask, is_causal)
 
 
 class TransformerDecoder(torch.nn.TransformerDecoder):
@@ -173,9 +186,11 @@ class Transformer(torch.nn.Transformer):
         _check_masks(src.dtype, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask)
         _check_masks(tgt.dtype, tgt_mask=tgt_mask, tgt_key_padding_mask=tgt_key_padding_mask,
                      memory_mask=memory_mask, memory_key_padding_mask=memory_key_padding_mask)
-        return super().forward(src, tgt, src_mask, tgt_mask, memory_mask, src_key_padding_mask,
-                               tgt_key_padding_mask, memory_key_padding_mask, src_is_causal,
-                               tgt_is_causal, memory_is_causal)
+        with named_as(mask="src_mask"):  # (the encoder's name for it)
+            return super().forward(src, tgt, src_mask, tgt_mask, memory_mask,
+                                   src_key_padding_mask, tgt_key_padding_mask,
+                                   memory_key_padding_mask, src_is_causal, tgt_is_causal,
+                                   memory_is_causal)
 
 
 _SWAPS.update({
