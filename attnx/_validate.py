@@ -504,6 +504,23 @@ def _check_scale(scale, e: int, dtype: torch.dtype) -> float:
     return value
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _may_self_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of t may share memory, from shape and strides alone (which
+    torch.compile traces with fullgraph=True): dims of more than one element, by increasing
+    stride, each stepping past all the smaller dims' span (a dense or permuted tensor, a slice
+    of one), or not."""
+    span = 0  # of the dims taken so far, in elements, less one
+    for n, st in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n > 1),
+                        key=lambda d: d[1]):
+        if st <= span:
+            return True
+        span += (n - 1) * st
+    return False
+
+
 def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causal, scale,
                  window, softcap, alibi_slopes, sinks, backend, return_lse) -> KvcacheCall:
     """The validated call. Everything, the cache's capacity and the block table's ids included,
@@ -544,9 +561,9 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
 
     lens = None  # the lengths as Python ints, where known without reading a tensor
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        if not 0 <= cache_seqlens <= capacity:  # (and within int32, which the tensor holds)
-            raise ValueError(f"cache_seqlens: expected an int in [0, {capacity}] (the cache's "
-                             f"capacity), got {cache_seqlens}")
+        if not 0 <= cache_seqlens <= min(capacity, _INT32_MAX):  # (the tensor holds int32)
+            raise ValueError(f"cache_seqlens: expected an int in [0, {min(capacity, _INT32_MAX)}] "
+                             f"(the cache's capacity, within int32), got {cache_seqlens}")
         lens = [int(cache_seqlens)]  # every sequence's (not one per row: b may be symbolic)
         cache_seqlens = torch.full((b,), int(cache_seqlens), dtype=torch.int32, device=q.device)
     else:
@@ -566,25 +583,31 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
         if tuple(v.shape) != (b, hkv, lnew, ev):
             raise ValueError(f"v: expected shape {(b, hkv, lnew, ev)}, got {tuple(v.shape)}")
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            # an expanded cache (stride 0) would take every sequence's new keys in one slot
-            # (from shape and strides alone, which torch.compile traces with fullgraph=True)
-            if any(st == 0 and n > 1 for n, st in zip(cache.shape, cache.stride())):
+            # slots sharing memory (an expanded cache, an as_strided view) would each take
+            # several sequences' or positions' new keys, the last write winning
+            if _may_self_overlap(cache):
                 raise ValueError(f"{name}: expected a cache whose slots do not share memory to "
                                  f"write k, v into, got strides {cache.stride()} for shape "
                                  f"{tuple(cache.shape)}")
 
     # Python ints, one read for every check (a decoding step runs these per layer per token:
     # tensor reductions here cost more than a short cache's attention); an int needs none, so
-    # that torch.compile traces such a call (transformers' decoding steps) without reading values
-    if lens is None:
+    # that torch.compile traces such a call (transformers' decoding steps) without reading
+    # values. Meta and fake lengths hold none: shapes only (while torch.compile traces, the
+    # read stays, a graph break).
+    if lens is None and (torch.compiler.is_compiling() or values_readable(cache_seqlens)):
         lens = cache_seqlens.tolist()
-    if b > 0 and min(lens) < 0:
-        raise ValueError(f"cache_seqlens: expected values >= 0, got {lens}")
-    if b > 0 and max(lens) + lnew > capacity:
-        raise ValueError(f"cache_seqlens: cached tokens plus the {lnew} new ones must fit the cache's "
-                         f"capacity of {capacity} positions, got cache_seqlens {lens}")
+    if b > 0 and lens is not None:
+        if min(lens) < 0:
+            raise ValueError(f"cache_seqlens: expected values >= 0, got {lens}")
+        if max(lens) + lnew > capacity:
+            raise ValueError(f"cache_seqlens: cached tokens plus the {lnew} new ones must fit the "
+                             f"cache's capacity of {capacity} positions, got cache_seqlens {lens}")
+        if max(lens) + lnew > _INT32_MAX:  # the kernels' lengths (a stride-0 table's capacity)
+            raise ValueError(f"cache_seqlens: cached tokens plus the {lnew} new ones must stay "
+                             f"within int32 ({_INT32_MAX}), got cache_seqlens {lens}")
     seqlens = cache_seqlens + lnew if lnew else cache_seqlens.contiguous()  # kernels index it
-    if block_table is not None and b > 0:
+    if block_table is not None and b > 0 and lens is not None:
         # only the blocks that hold some key of the sequence: tables are often padded with -1.
         # Where every sequence uses as many (B = 1, a batch of equal lengths) one slice and one
         # reduction: a decoding step runs this per layer, and in a model's step each tensor op

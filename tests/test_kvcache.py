@@ -395,6 +395,55 @@ def test_capacity_overflow_raises_and_writes_nothing(paged):
     torch.testing.assert_close(cache.v, before_v, rtol=0, atol=0, equal_nan=True)
 
 
+def test_lengths_past_int32_raise_and_write_nothing():
+    """A stride-0 block table gives a capacity past int32, which the kernels' lengths are: the
+    sum of a length and the new tokens past it raised RuntimeError after writing k and v (a
+    tensor of lengths), or from torch.full (an int)."""
+    k_cache, v_cache = torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 8, 4)  # one block of 8 slots
+    table = torch.zeros(1, 1, dtype=torch.int32).expand(1, 2**29)  # 2**32 positions
+    q, k_new, v_new = torch.randn(1, 1, 1, 4), torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4)
+    with pytest.raises(ValueError, match="cache_seqlens: .*within int32"):
+        attnx.attention_with_kvcache(q, k_cache, v_cache,
+                                     torch.tensor([2**31 - 1], dtype=torch.int32), k_new, v_new,
+                                     block_table=table)
+    with pytest.raises(ValueError, match=r"cache_seqlens: expected an int in \[0, 2147483647\]"):
+        attnx.attention_with_kvcache(q, k_cache, v_cache, 2**31, block_table=table)
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_caches_whose_slots_overlap_raise_and_write_nothing():
+    """Slots sharing memory (an as_strided view, an expanded cache) would each take several new
+    keys, the last write winning: refused before writing (only stride 0 was)."""
+    base = torch.zeros(64)
+    q, k_new = torch.randn(1, 1, 1, 4), torch.arange(1.0, 9.0).view(1, 1, 2, 4)
+    for cache in (base.as_strided((1, 1, 8, 4), (64, 64, 1, 1)),  # slot t: elements t..t+3
+                  base[:32].view(1, 1, 8, 4).expand(2, 1, 8, 4)):
+        q2, k2 = q.expand(cache.shape[0], -1, -1, -1), k_new.expand(cache.shape[0], -1, -1, -1)
+        with pytest.raises(ValueError, match="k_cache: expected a cache whose slots do not share"):
+            attnx.attention_with_kvcache(q2, cache, torch.zeros(cache.shape), 0, k2, k2.clone())
+    assert not base.any()
+    # a permuted or sliced cache shares nothing: taken
+    ok = torch.zeros(1, 8, 1, 4).transpose(1, 2)[:, :, :6]
+    attnx.attention_with_kvcache(q, ok, torch.zeros(1, 1, 6, 4), 0, k_new, k_new.clone())
+    torch.testing.assert_close(ok[0, 0, :2], k_new[0, 0])
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("lengths", ["int", "tensor"])
+def test_meta_tensors_give_shapes(paged, lengths):
+    """Meta tensors hold no lengths to read: the output's shape and dtype (as SDPA's on meta),
+    not "Cannot copy out of meta tensor"."""
+    meta = torch.device("meta")
+    q = torch.empty(2, 4, 3, 8, device=meta)
+    cache = torch.empty((6, 2, 4, 8) if paged else (2, 2, 16, 8), device=meta)
+    table = torch.empty(2, 3, dtype=torch.int32, device=meta) if paged else None
+    seqlens = 5 if lengths == "int" else torch.empty(2, dtype=torch.int32, device=meta)
+    k_new = torch.empty(2, 2, 1, 8, device=meta)
+    out = attnx.attention_with_kvcache(q, cache, cache.clone(), seqlens, k_new, k_new.clone(),
+                                       block_table=table)
+    assert out.device == meta and out.shape == (2, 4, 3, 8) and out.dtype == torch.float32
+
+
 def test_new_keys_read_from_the_cache_itself():
     """New k, v that are views of the caches, over the slots they are written to: the values as
     they were before the call go in (as from copies), k and v alike; the overlapping write had
