@@ -245,6 +245,43 @@ def test_layer_names_its_own_argument():
         dec(torch.randn(4, 3, 8), torch.randn(5, 8))
 
 
+_BAD_CONSTRUCTIONS = {  # id: (construction, error, message)
+    "mha-heads": (lambda: ann.MultiheadAttention(8, 3), ValueError,
+                  "num_heads: expected a divisor of embed_dim=8"),
+    "mha-heads-str": (lambda: ann.MultiheadAttention(8, "2"), TypeError,
+                      "num_heads: expected an int, got str"),
+    "mha-dim-float": (lambda: ann.MultiheadAttention(8.0, 2), TypeError,
+                      "embed_dim: expected an int, got float"),
+    "mha-vdim": (lambda: ann.MultiheadAttention(8, 2, vdim=-1), ValueError,
+                 "vdim: expected an int >= 1"),
+    "mha-dropout": (lambda: ann.MultiheadAttention(8, 2, dropout=1.5), ValueError,
+                    "dropout: expected a probability"),
+    "mha-dtype": (lambda: ann.MultiheadAttention(8, 2, dtype=torch.int32), TypeError,
+                  "dtype: expected None or a floating"),
+    "enc-nhead": (lambda: ann.TransformerEncoderLayer(8, 0), ValueError,
+                  "nhead: expected an int >= 1"),
+    "enc-activation": (lambda: ann.TransformerEncoderLayer(8, 2, activation="gelux"), ValueError,
+                       "activation: expected"),
+    "dec-nhead": (lambda: ann.TransformerDecoderLayer(8, 3), ValueError,
+                  "nhead: expected a divisor of d_model=8"),
+    "stack-empty": (lambda: ann.TransformerEncoder(ann.TransformerEncoderLayer(8, 2), 0),
+                    ValueError, "num_layers: expected an int >= 1, got 0"),
+    "transformer-layers": (lambda: ann.Transformer(8, 2, num_decoder_layers=-1), ValueError,
+                           "num_decoder_layers: expected an int >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", _BAD_CONSTRUCTIONS)
+def test_constructors_check_their_arguments(case):
+    """torch.nn's constructors assert (heads not dividing the dim), fail making a weight of a
+    negative size (RuntimeError), take a string head count into a comparison (TypeError naming
+    nothing), or build an empty stack whose forward raises IndexError: attnx's raise ValueError
+    or TypeError naming the argument, before torch's constructor runs."""
+    make, error, match = _BAD_CONSTRUCTIONS[case]
+    with pytest.raises(error, match=match):
+        make()
+
+
 def test_mask_errors_name_the_callers_argument():
     """A layer's masks reach its attention as attn_mask / key_padding_mask, a stack's mask as its
     layers' src_mask: each error names the argument the caller passed."""

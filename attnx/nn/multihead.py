@@ -13,6 +13,7 @@ Differences from torch, all where torch itself is inconsistent or undefined:
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from attnx import _dispatch
 
 from .._validate import _check_tensor
-from ._inputs import check_dtype, check_features
+from ._inputs import check_dtype, check_features, check_init
 from ._masks import check_mask, check_mask_type, combine
 from ._weights import after_dropout, dropout_seed, softmax_weights, weight_scores
 
@@ -54,6 +55,13 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     """Drop-in torch.nn.MultiheadAttention (same signature, parameters and outputs) whose
     attention runs on `attnx.scaled_dot_product_attention`; see this module's docstring for
     the two documented differences (fully-masked rows, dropout's random stream)."""
+
+    def __init__(self, *args, **kwargs):
+        check_init(torch.nn.MultiheadAttention, args, kwargs)
+        super().__init__(*args, **kwargs)
+
+    __init__.__signature__ = inspect.signature(torch.nn.MultiheadAttention.__init__)
+    __init__.__doc__ = torch.nn.MultiheadAttention.__init__.__doc__
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = True,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .._validate import _check_tensor
-from ._inputs import check_dtype, check_features
+from ._inputs import check_dtype, check_features, check_init
 from ._masks import check_mask_type, named_as
 from .multihead import MultiheadAttention
 
@@ -82,6 +82,7 @@ class TransformerEncoderLayer(torch.nn.TransformerEncoderLayer):
     """torch.nn.TransformerEncoderLayer with `self_attn` on attnx."""
 
     def __init__(self, *args, **kwargs):
+        check_init(torch.nn.TransformerEncoderLayer, args, kwargs)
         super().__init__(*args, **kwargs)
         to_attnx(self)
 
@@ -112,6 +113,7 @@ class TransformerDecoderLayer(torch.nn.TransformerDecoderLayer):
     """torch.nn.TransformerDecoderLayer with `self_attn` and `multihead_attn` on attnx."""
 
     def __init__(self, *args, **kwargs):
+        check_init(torch.nn.TransformerDecoderLayer, args, kwargs)
         super().__init__(*args, **kwargs)
         to_attnx(self)
 
@@ -140,6 +142,7 @@ class TransformerEncoder(torch.nn.TransformerEncoder):
     converted); padded batches stay padded tensors instead of becoming nested tensors."""
 
     def __init__(self, *args, **kwargs):
+        check_init(torch.nn.TransformerEncoder, args, kwargs)
         super().__init__(*args, **kwargs)
         to_attnx(self)
 
@@ -154,6 +157,7 @@ class TransformerDecoder(torch.nn.TransformerDecoder):
     """torch.nn.TransformerDecoder whose layers attend on attnx."""
 
     def __init__(self, *args, **kwargs):
+        check_init(torch.nn.TransformerDecoder, args, kwargs)
         super().__init__(*args, **kwargs)
         to_attnx(self)
 
@@ -172,6 +176,7 @@ class Transformer(torch.nn.Transformer):
     """torch.nn.Transformer whose encoder and decoder attend on attnx."""
 
     def __init__(self, *args, **kwargs):
+        check_init(torch.nn.Transformer, args, kwargs)
         super().__init__(*args, **kwargs)
         to_attnx(self)
 
