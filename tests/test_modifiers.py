@@ -369,6 +369,40 @@ def test_fully_masked_rows_with_sinks_below_exp_range(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS + [TRITON])
+@pytest.mark.parametrize("varlen", [False, True], ids=["sdpa", "varlen"])
+def test_a_sink_holding_nearly_all_weight_keeps_the_gradients(backend, varlen):
+    """Sinks 60 and 200 above scores ~1 (a head whose sink takes the row): every key's P is
+    ~1e-26 (a normal float32) or ~1e-87 (0 in float32). The cpu backward took P from
+    exp(s - lse), which its vector exp floors at 2^-64: dq, dk, dv came out 0 for the first
+    head, not ~1e-26. Each gradient is checked against float64 relative to its own largest
+    value; the second head's are 0 and finite, d sinks too."""
+    q, k, v, dout = _inputs(1, 2, 2, 5, 5, 8, 8, seed=3)
+    sinks = torch.tensor([60.0, 200.0], dtype=torch.float64)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+
+    def grads(dtype, be):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, sinks)]
+        ql, kl, vl, sl = leaves
+        if varlen:
+            ql, kl, vl = (t[0].transpose(0, 1) for t in (ql, kl, vl))
+            out = attnx.varlen_attention(ql, kl, vl, cu, cu, is_causal=True, sinks=sl, backend=be)
+            out = out.transpose(0, 1).unsqueeze(0)
+        else:
+            out = attnx.scaled_dot_product_attention(ql, kl, vl, is_causal=True, sinks=sl,
+                                                     backend=be)
+        return torch.autograd.grad(out, leaves, dout.to(dtype))
+
+    got, want = grads(torch.float32, backend), grads(torch.float64, "reference")
+    for g, w in zip(got[:3], want[:3]):
+        assert torch.isfinite(g).all()
+        head0 = (g[:, :1].double() - w[:, :1]).abs().max()
+        assert 0 < w[:, :1].abs().max() < 1e-20 and head0 <= 1e-4 * w[:, :1].abs().max()
+        assert g[:, 1:].abs().max() < 1e-30
+    assert torch.isfinite(got[3]).all()
+    assert (got[3].double() - want[3]).abs().max() <= 1e-4 * want[3].abs().max()
+
+
+@pytest.mark.parametrize("backend", BACKENDS + [TRITON])
 def test_no_nan_from_extreme_finite_inputs(backend):
     """A huge sink, huge scores under a small softcap, a -1e30 float mask: finite everywhere."""
     q, k, v, dout = _inputs(1, 2, 2, 9, 11, 8, 8)

@@ -423,8 +423,14 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
       // takes its max and sum from its own recomputed scores, as a huge row does (one more
       // score product per tile); in float64 those ulps are far below any test's bound.
       constexpr bool renorm_all = !Grads::forward_scores && std::is_same_v<T, float>;
+      // A row whose sink holds nearly all its weight (its keys under 0.1%: lse within 1e-3 of
+      // the sink) may have every key's exp(s - lse) below the vector exp's floor of 2^-64
+      // (vector_body.h exp2v): P of all its keys would be 0, and dq, dk, dv with it. Such a row
+      // takes its keys' own max and sum too, the sink's term joining the sum alone.
+      const T row_sink = MODS && mods.sinks != nullptr ? mods.sinks[h] : neg_inf<T>();
       for (int64_t i = 0; i < d.Lq; ++i) {
-        huge_row[i] = huge_lse(lh[i]) || (renorm_all && std::isfinite(lh[i]));
+        huge_row[i] = huge_lse(lh[i]) || (renorm_all && std::isfinite(lh[i])) ||
+                      (std::isfinite(lh[i]) && lh[i] - row_sink <= T(1e-3));
         base[i] = huge_row[i] ? neg_inf<T>() : lh[i];
         renorm[i] = T(0);
         huge = huge || huge_row[i];
@@ -464,12 +470,15 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
       for (int64_t i = 0; huge && i < d.Lq; ++i) {
         if (!huge_row[i]) continue;
         if constexpr (MODS) {
-          // the sink joins the recomputed sum as it did the lse
+          // the sink joins the recomputed sum as it did the lse, the keys' terms kept relative
+          // to their own max (exp(sink - base) past T's range: the keys' P underflow to 0)
           if (mods.sinks != nullptr && mods.sinks[h] > neg_inf<T>()) {
-            const T sink = mods.sinks[h], top = std::max(base[i], sink);
-            renorm[i] = (base[i] == neg_inf<T>() ? T(0) : renorm[i] * std::exp(base[i] - top)) +
-                        std::exp(sink - top);
-            base[i] = top;
+            const T sink = mods.sinks[h];
+            if (base[i] == neg_inf<T>()) {
+              renorm[i] = T(1), base[i] = sink;  // no admitted key: the sink holds the row
+            } else {
+              renorm[i] += std::exp(sink - base[i]);
+            }
           }
         }
         // the sum holds exp(m - m) = 1 for the row's largest score m, unless the scores overflowed
@@ -495,7 +504,11 @@ bool backward_kernel(const T* dout, const T* q, const T* k, const T* v, const T*
           const T sink = mods.sinks[h];
           for (int64_t i = 0; i < d.Lq; ++i) {
             if (!(base[i] > neg_inf<T>())) continue;
-            acc -= std::exp(sink - base[i]) * (huge_row[i] ? renorm[i] : T(1)) * dsum[i];
+            // P_sink: exp(sink - lse), or on a huge row exp(sink - m) / l with its keys' max m
+            // and sum l (the sink's included), 1 where exp(sink - m) passed T's range
+            const T e = std::exp(sink - base[i]);
+            const T p_sink = !huge_row[i] ? e : std::isinf(e) ? T(1) : e * renorm[i];
+            acc -= p_sink * dsum[i];
           }
           static_cast<T*>(res.dsinks)[bh] = acc;
         }
