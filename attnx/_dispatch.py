@@ -91,7 +91,6 @@ def _has_tangents(call) -> bool:
     return any(fwAD.unpack_dual(t).tangent is not None for t in reference.call_tensors(call)[1])
 
 
-
 def _run(name: str, op: str, call):
     """Backend `name`'s `op` on the validated call. Under autocast (whose casts _validate made)
     it runs with autocast off: the backends' own torch ops (the reference's float32 math, the

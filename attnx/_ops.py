@@ -124,10 +124,11 @@ def _qualname(op) -> str:
 
 
 @functools.cache
-def _transformable(name: str, op) -> type:
+def _transformable(op) -> type:
     """`op` with the autograd formula registered for it, as an autograd.Function with
     setup_context (what torch.func's transforms need; its vmap rule generated, the op itself
     then running under torch's per-sample fallback)."""
+    name = _qualname(op)
     setup, backward = _FORMULAS[name]
 
     def forward(*args):
@@ -157,7 +158,7 @@ def call(op, *args):
         if torch._C._are_functorch_transforms_active():
             # (whatever the inputs say: vmap's batched tensors do not report their base's
             # requires_grad, and the output of a vmap over tensors requiring it lost its graph)
-            return _transformable(_qualname(op), op).apply(*args)
+            return _transformable(op).apply(*args)
         if torch._C._any_requires_grad(*args):
             return op(*args)
     with torch._C._AutoDispatchBelowAutograd():
@@ -250,8 +251,7 @@ def _register(ns: str) -> None:
         return out, q.new_empty((b, h, lq), dtype=torch.float32)
 
     register_autograd(f"{ns}::sdpa_fwd", _sdpa_backward, setup_context=_sdpa_setup)
-    register_autograd(f"{ns}::additive_fwd", _additive_backward,
-                                    setup_context=_additive_setup)
+    register_autograd(f"{ns}::additive_fwd", _additive_backward, setup_context=_additive_setup)
     register_autograd(f"{ns}::sdpa_bwd", no_double_backward)
     register_autograd(f"{ns}::additive_bwd", no_double_backward)
 

@@ -276,7 +276,8 @@ def kvcache(call: KvcacheCall, dtype: torch.dtype):
     lq = call.q.shape[2]
     sink = sink_logits(call.mods, dtype)
     outs, lses = [], []
-    for b, n in enumerate(call.seqlens.tolist() if values_readable(call.seqlens) else ()):
+    readable = values_readable(call.seqlens)  # meta or fake lengths: shapes only
+    for b, n in enumerate(call.seqlens.tolist() if readable else ()):
         q = call.q[b].to(dtype)
         k, v = (cached_keys(c, call.block_table, b, n).to(dtype) for c in (call.k_cache, call.v_cache))
         groups = q.shape[0] // k.shape[0]
@@ -290,7 +291,7 @@ def kvcache(call: KvcacheCall, dtype: torch.dtype):
         p, lse = masked_softmax(s, None, call.window_lo + offset, call.window_hi + offset, sink)
         outs.append(torch.matmul(p, v))
         lses.append(lse)
-    if not outs or not values_readable(call.seqlens):  # B = 0; meta or fake: shapes only
+    if not outs or not readable:  # B = 0, or no lengths to read
         b, hq, lq, _ = call.q.shape
         return (call.q.new_empty((b, hq, lq, call.v_cache.shape[-1])),
                 call.q.new_empty((b, hq, lq), dtype=torch.float32))
