@@ -282,6 +282,25 @@ def softcap_matches(layout):
         torch.testing.assert_close(mine.grad, shard(ref.grad, layout=layout), **tol)
 
 
+def no_second_order(layout):
+    """create_graph=True gives the first-order gradients (as the single-process op's); their
+    own backward raises NotImplementedError on every rank, whatever the backend (the reference
+    blocks' graphs gave wrong second-order gradients: they miss the ring's sends)."""
+    q, k, v, dout, _ = _inputs(2, 1, 4 * dist.get_world_size(), 3, 3, torch.float64)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attnx.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
+    want = torch.autograd.grad((out * dout).sum(), full)
+    for backend in ("reference", "cpu"):
+        local = [shard(t, layout=layout).detach().requires_grad_() for t in (q, k, v)]
+        out_l = ring_attention(*local, is_causal=True, layout=layout, backend=backend)
+        grads = torch.autograd.grad((out_l * shard(dout, layout=layout)).sum(), local,
+                                    create_graph=True)
+        for mine, ref in zip(grads, want):
+            torch.testing.assert_close(mine, shard(ref, layout=layout), **_tol(torch.float64))
+        _expect_error(NotImplementedError, ["ring_attention", "second-order"],
+                      lambda: sum((g * g).sum() for g in grads).backward())
+
+
 def ring_under_autocast(layout):
     """Under torch.autocast, ring_attention casts as the functional ops do (q float32 beside
     k bfloat16: bfloat16 out, where outside autocast that is a TypeError on every rank): the
@@ -402,4 +421,4 @@ def peer_dies_mid_ring(timeout_s):
 CHECKS = {f.__name__: f for f in (ring_matches, shard_roundtrip, bad_input_everywhere,
                                   outside_a_subgroup, softcap_matches, ring_under_autocast,
                                   ddp_transformer_matches, context_parallel_matches,
-                                  peer_dies_mid_ring)}
+                                  peer_dies_mid_ring, no_second_order)}

@@ -62,6 +62,7 @@ def test_gloo_world(world):
     (tests/_ring_worker.py)."""
     checks = {
         1: [("ring_matches", dict(layout="zigzag", is_causal=True)),
+            ("no_second_order", dict(layout="contiguous")),
             ("ring_matches", dict(layout="contiguous", hq=3, hk=3, e=9, ev=2))],
         2: [("ring_matches", dict(layout=lay, is_causal=c))
             for lay in ("zigzag", "contiguous") for c in (False, True)] + [
@@ -87,6 +88,7 @@ def test_gloo_world(world):
             ("context_parallel_matches", {})],
         3: [("ring_matches", dict(layout="zigzag", is_causal=True, window=(5, 0))),
             ("ring_matches", dict(layout="contiguous", is_causal=True, hq=6, hk=2, e=7, ev=3)),
+            ("no_second_order", dict(layout="zigzag")),
             ("ring_matches", dict(layout="zigzag", is_causal=True, hq=6, hk=2, softcap=0.8,
                                   backend="cpu")),
             ("ring_matches", dict(layout="contiguous", is_causal=True, softcap=0.8, e=7,
@@ -176,6 +178,21 @@ def test_merge_matches_attention_over_the_union_and_keeps_empty_rows_zero():
     empty = torch.full_like(lse, float("-inf"))  # rows empty on both sides
     out, lse = merge.merge(torch.zeros_like(out), empty, torch.zeros_like(out), empty)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("dtype,top", [(torch.float32, 900.0), (torch.float64, 1e16)])
+def test_merge_is_convex_whatever_the_rounding_of_the_lse(dtype, top):
+    """Two parts of a row whose every value is 1 merge to 1, and equal lse to their mean,
+    however large the lse: at |lse| near 1e16 (float64) or 900 (float32) the weights exp(lse_x
+    - lse) against the rounded merged lse summed to 1.14 (float64: outputs past every value
+    attended) or 1 +- 3e-5."""
+    lse_a = torch.tensor([top, top, top, -top], dtype=dtype)
+    lse_b = lse_a + torch.tensor([0.0, 2.0, 3.0, 0.0], dtype=dtype)
+    ones = torch.ones(4, 3, dtype=dtype)
+    out, _ = merge.merge(ones, lse_a, ones, lse_b)
+    assert (out - 1).abs().max() <= 2 * torch.finfo(dtype).eps
+    out, _ = merge.merge(ones, lse_a, 3 * ones, lse_a)
+    assert (out - 2).abs().max() <= 4 * torch.finfo(dtype).eps
 
 
 @pytest.mark.parametrize("lq,lk,split,lo,hi", [(6, 10, 4, -8, 1), (1, 10, 4, -200, 200),

@@ -197,6 +197,17 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, grad_lse):
+        # No graph of the gradients: the block kernels' graphs (the reference backend's) would
+        # miss the ring's sends and give wrong second-order gradients; create_graph=True gets
+        # gradients whose own backward raises instead, on every rank that reaches them.
+        with torch.no_grad():
+            dq, dk, dv = _RingAttention._grads(ctx, dout, grad_lse)
+        if torch.is_grad_enabled():
+            dq, dk, dv = _NoSecondOrder.apply(dq, dk, dv, *ctx.saved_tensors[:3])
+        return dq, dk, dv, None
+
+    @staticmethod
+    def _grads(ctx, dout, grad_lse):
         q, k, v, out, lse, *saved_lse = ctx.saved_tensors
         block_lse = dict(zip(ctx.block_keys, saved_lse))
         ring = ctx.ring
@@ -211,9 +222,22 @@ class _RingAttention(torch.autograd.Function):
             ring = replace(ring, kernels=blocks.kernels(
                 _float64_backend(q, k, v, ring.scale, ring.softcap), ring.softcap))
             dq, dk, dv = _backward(ring, dout, q, k, v, out, lse, grad_lse, block_lse)
-            return dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2]), None
-        dq, dk, dv = _backward(ring, dout, q, k, v, out, lse, grad_lse, block_lse)
-        return dq, dk, dv, None
+            return dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
+        return _backward(ring, dout, q, k, v, out, lse, grad_lse, block_lse)
+
+
+class _NoSecondOrder(torch.autograd.Function):
+    """The ring's gradients (dq, dk, dv) tied to its inputs (the rest) under create_graph=True:
+    differentiating them raises."""
+
+    @staticmethod
+    def forward(ctx, dq, dk, dv, *inputs):
+        return dq.clone(), dk.clone(), dv.clone()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError("attnx: ring_attention has no second-order gradients (on any "
+                                  "backend)")
 
 
 def _dout_may_overflow(ring: _Ring, dout, v) -> bool:
