@@ -851,6 +851,29 @@ def test_additive_rows_under_a_huge_finite_bias(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("band", ["mask", "window"])
+def test_additive_weights_where_a_row_admits_nothing_in_its_first_tiles(dtype, band):
+    """Rows whose first key tile (64 keys) admits no key and whose scores all lie below -88:
+    the weights' last pass scaled that tile by exp(0 - m) = inf (its stored max was 0, not
+    -inf), and its zero weights came out NaN, the gradients through them too (a fuzzing
+    helper's finding)."""
+    torch.manual_seed(27)
+    a, lk = 16, 130
+    lq = 1 if band == "mask" else lk
+    q = (2 + 0.1 * torch.randn(1, 2, lq, a)).to(dtype)  # tanh(q + k) near 1: scores near -100
+    k = (2 + 0.1 * torch.randn(1, 2, lk, a)).to(dtype)
+    v = (-100.0 / a * (1 + 0.1 * torch.randn(2, a))).to(dtype)
+    q, k, v = (t.to(DEV).requires_grad_() for t in (q, k, v))
+    value = rand(1, 2, lk, 8, dtype=dtype)
+    if band == "mask":  # key 64 only, the second tile's first
+        mask = torch.zeros(1, 1, 1, lk, dtype=torch.bool, device=DEV)
+        mask[..., 64] = True
+        check_additive(q, k, value, v, mask)
+    else:  # rows 65-127 visit key tile 0, all of it outside their band
+        check_additive(q, k, value, v, window=(1, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_additive_inputs_past_the_exponential_range(dtype):
     """|q|, |k| past the kernels' limit for exponentials (18), where e^{2q} e^{2k} would leave
     fp32's range or two terms' product of denominators would, in pairs whose sum q + k is small

@@ -324,8 +324,11 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks)
       }
       if (tc == 0) alpha_s[r] = rescale;
       m_run[u] = m_new;
+      // m_new, not m_use: a row that has admitted no key yet keeps -inf, whose scale below is
+      // 0 (its weights here are 0); m_use's 0 gave exp(0 - m) = inf there where the row's
+      // final max m lies below -88, and 0 inf = NaN weights (and gradients through them).
       if (p.weights != nullptr && tc == 0 && i0 + r < p.Lq)
-        p.weight_max[(hd.bh * p.Lq + i0 + r) * key_tiles(p.Lk) + t] = m_use;
+        p.weight_max[(hd.bh * p.Lq + i0 + r) * key_tiles(p.Lk) + t] = m_new;
     }
     // O = alpha O + (P*z) value, kEC columns at a time: warp = rows 4 warp .. 4 warp + 3, lane
     // = columns lane and lane + 32 of the chunk.
