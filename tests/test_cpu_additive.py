@@ -150,30 +150,36 @@ def test_large_operands_take_the_exact_path(dtype, kw):
     check_case(dtype, large_operands(), **kw)
 
 
-def small_operands(b, ordinary_rows, seed=0):
+def small_operands(b, rows, seed=0):
     """q and k rows whose entries are ~1e-4 (tanh in its linear part) against a large v, with
-    or without ordinary rows beside them: the exponential form's error is absolute, ~eps
-    sum_a |v_a| a score, where torch's tanh errs by ~eps |q + k| |v_a| a term (~1000x less
-    here), so pairs of two small rows take the exact path (csrc/cpu/additive_terms.h
-    kSmallRms); a small row against an ordinary one stays on the form (tanh of an ordinary
-    value)."""
+    or without ordinary rows beside them (`rows` "mixed" or "all_small"): the exponential
+    form's error is absolute, ~eps sum_a |v_a| a score, where torch's tanh errs by ~eps |q + k|
+    |v_a| a term (~1000x less here), so pairs of two small rows take the exact path
+    (csrc/cpu/additive_terms.h kSmallMeanAbs); a small row against an ordinary one stays on the
+    form (tanh of an ordinary value). "outlier": every row small but for one coordinate (+5 in
+    q, -5 in k: a model's massive activation), which an RMS took for an ordinary row (the
+    form's error, dv 60x torch's)."""
     q, k, value, v = make_inputs(b=b, h=2, lq=9, lk=13, a=40, ev=5, v_heads=True, seed=seed)
+    ordinary_rows = rows == "mixed"
     q[:, :, 1 if ordinary_rows else 0:] *= 1e-4  # row 0 of each head ordinary, or none
     k[:, :, :-2 if ordinary_rows else None] *= 1e-4  # the last two keys ordinary, or none
     q[:, 1, 4] *= 500.0  # RMS ~0.05: small still
+    if rows == "outlier":
+        q[..., 0] += 5.0
+        k[..., 0] -= 5.0
     return [q, k, value, v * 30.0]
 
 
 @pytest.mark.parametrize("heads", ["rows_beforehand", "a_head_a_task"])
-@pytest.mark.parametrize("ordinary_rows", [True, False], ids=["mixed", "all_small"])
+@pytest.mark.parametrize("rows", ["mixed", "all_small", "outlier"])
 @pytest.mark.parametrize("kw", [{}, {"is_causal": True}], ids=["full", "causal"])
-def test_small_operands_keep_float32s_precision(heads, ordinary_rows, kw):
+def test_small_operands_keep_float32s_precision(heads, rows, kw):
     """Against torch's float32 error on the same formula: out was 50-560x it, and dv, summed
     as sum ds - 2 sum ds r, lost t's precision where every pair is small. Both ways the rows'
     flags are made: beforehand for the call (few heads) and by the task that takes a head
     (B H >= 8 heads a thread)."""
     b = 2 if heads == "rows_beforehand" else 8 * torch.get_num_threads()
-    inputs = small_operands(b, ordinary_rows)
+    inputs = small_operands(b, rows)
     golden = run("reference", inputs, torch.float64, **kw)
     baseline = run("reference", inputs, torch.float32, **kw)
     actual = run("cpu", inputs, torch.float32, **kw)

@@ -12,8 +12,8 @@
 // a reciprocal per term, no tanh): for the whole call before the kernels run, or by the task
 // that takes a head; a row of q or k holding a value past kExpLimit, where the product could
 // overflow, takes the exact tanh loops (additive_rows.h) for its pairs, as float64 does for all;
-// so does a pair of two rows of small RMS (additive_terms.h kSmallRms), where the form's
-// absolute error would be large against tanh's small values.
+// so does a pair of two rows of small mean |x| (additive_terms.h kSmallMeanAbs), where the
+// form's absolute error would be large against tanh's small values.
 //
 // The backward pass recomputes the row's scores, gets P from the saved lse and
 // D_i = dO_i . out_i (= sum_j P_ij dP_ij, also with dropout; for float64, the 16-bit types and

@@ -83,12 +83,12 @@ ATTNX_BODY uint8_t exp2x_row_body(const float* x, int64_t n, int64_t ap, float* 
   std::memcpy(&limit_bits, &kExpLimit, sizeof(limit_bits));
   const vu<W> magnitude = vu<W>{} + 0x7FFFFFFFu, bias = vu<W>{} + (0x7FFFFFFFu - limit_bits);
   vu<W> over{};  // top bit set where some |x| > kExpLimit
-  vf<W> squares{};
+  vf<W> magnitudes{};  // sum of |x|
   int64_t a = 0;
   for (; a + W <= n; a += W) {
     const vf<W> v = load<W>(x + a);
     over |= (((vu<W>)v) & magnitude) + bias;
-    squares += v * v;
+    magnitudes += (vf<W>)(((vu<W>)v) & magnitude);
     store<W>(e + a, exp_body<W>(v + v));
   }
   bool exact = false;
@@ -97,15 +97,15 @@ ATTNX_BODY uint8_t exp2x_row_body(const float* x, int64_t n, int64_t ap, float* 
     vf<W> v = vf<W>{};
     std::memcpy(&v, x + a, (n - a) * sizeof(float));
     for (int64_t l = 0; l < n - a; ++l) exact |= !(std::abs(x[a + l]) <= kExpLimit);
-    squares += v * v;  // (zeros past n)
+    magnitudes += (vf<W>)(((vu<W>)v) & magnitude);  // (zeros past n)
     const vf<W> ev = exp_body<W>(v + v);
     std::memcpy(e + a, &ev, (n - a) * sizeof(float));
   }
   for (a = n; a < ap; ++a) e[a] = 1.0f;
   float sum = 0.0f;
-  for (int l = 0; l < W; ++l) sum += squares[l];
+  for (int l = 0; l < W; ++l) sum += magnitudes[l];
   // (a NaN sum is not small; such a row is kLarge anyway)
-  const bool small = n > 0 && sum < kSmallRms * kSmallRms * static_cast<float>(n);
+  const bool small = n > 0 && sum < kSmallMeanAbs * static_cast<float>(n);
   return (exact ? kLarge : 0) | (small ? kSmall : 0);
 }
 
