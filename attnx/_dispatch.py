@@ -25,6 +25,12 @@ _AUTO_ORDER = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "referenc
 # forward 1.6-5.6x the cuda kernels' TFLOP/s at every length, head dim and causality measured,
 # backward 0.86-1.0x at D128 and 1.4x at D64: forward and backward together 1.15-1.3x at D128.
 _AUTO_ORDER_BY_OP = {("sdpa", "cuda"): ("triton", "cuda", "reference")}
+# The backends whose backward is nondeterministic (in the last bits), by op: the cuda kernels sum
+# dQ (SDPA, varlen) and dK, dvalue (additive) by float32 atomics; Triton's and the CPU's sum in
+# a fixed order. Under torch.use_deterministic_algorithms(True) backend=None passes them over
+# for calls that record gradients; a forced one raises torch's error in its backward (warn_only:
+# warns), as torch's own nondeterministic kernels do.
+_NONDETERMINISTIC_BACKWARD = {("cuda", "sdpa"), ("cuda", "varlen"), ("cuda", "additive")}
 
 
 class BackendStatus(NamedTuple):
@@ -113,9 +119,18 @@ def select(op: str, call) -> str:
         return call.backend
     device = call.q.device.type
     for name in _AUTO_ORDER_BY_OP.get((op, device), _AUTO_ORDER.get(device, ("reference",))):
-        if _unsupported(name, op, call) is None:
+        if _unsupported(name, op, call) is None and not _nondeterministic(name, op, call):
             return name
     return "reference"
+
+
+def _nondeterministic(name: str, op: str, call) -> bool:
+    """Whether deterministic algorithms are asked for and `name`'s backward of `op`, which this
+    call may run (it records gradients), is not one."""
+    if ((name, op) not in _NONDETERMINISTIC_BACKWARD
+            or not torch.are_deterministic_algorithms_enabled() or not torch.is_grad_enabled()):
+        return False
+    return any(t.requires_grad for t in reference.call_tensors(call)[1])
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,

@@ -15,12 +15,14 @@ is the golden value.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.nn.attention.bias import CausalBias
 
 import attnx
-from attnx import _ops
+from attnx import _dispatch, _ops, _validate
 from attnx._backends import reference
 from tests._compare import (assert_near_largest, assert_within, causal_varlen_run,
                             check_fp16_ds_past_its_range, check_fp16_out_past_its_range,
@@ -41,6 +43,7 @@ pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_rea
 
 DTYPES = (torch.float16, torch.bfloat16)
 DEV = "cpu" if ON_CPU else "cuda"
+BF16 = torch.bfloat16
 OPS = torch.ops.attnx_cuda_host if ON_CPU else torch.ops.attnx
 
 
@@ -891,6 +894,72 @@ def test_additive_inputs_past_the_exponential_range(dtype):
     k[1, 1, :, 10] = torch.where((torch.arange(lk) // 16) % 2 == 0, 22.0, -21.5).to(dtype)
     q, k = (t.to(DEV).requires_grad_() for t in (q, k))
     check_additive(q, k, rand(2, 2, lk, 24, dtype=dtype), rand(2, a, dtype=dtype))
+
+
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms for one test: the test calls the fixture with
+    warn_only; the caller's setting comes back after."""
+    was, warn = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    yield lambda warn_only: torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
+def _backward_runs(op):
+    """op's forward on the cuda backend, then its backward (its gradients)."""
+    torch.manual_seed(28)
+    if op == "additive":
+        ins = [rand(*shape, dtype=BF16) for shape in ((1, 2, 9, 16), (1, 2, 11, 16),
+                                                      (1, 2, 11, 8), (16,))]
+        out = attnx.additive_attention(*ins, backend="cuda")
+    elif op == "varlen":
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEV)
+        ins = [rand(12, 2, 16, dtype=BF16) for _ in range(3)]
+        out = attnx.varlen_attention(*ins, cu, cu, is_causal=True, backend="cuda")
+    else:
+        ins = [rand(1, 2, lq, 16, dtype=BF16) for lq in (9, 11, 11)]
+        out = attnx.scaled_dot_product_attention(*ins, softcap=5.0 if op == "sdpa_mod" else None,
+                                                 backend="cuda")
+    return lambda: torch.autograd.grad(out.float().sum(), ins)
+
+
+@pytest.mark.parametrize("op", ["sdpa", "sdpa_mod", "varlen", "additive"])
+def test_backward_alerts_under_deterministic_algorithms(op, deterministic):
+    """The cuda backwards sum dq (dk, dvalue) by float32 atomics: under
+    torch.use_deterministic_algorithms(True) a forced cuda backward raises torch's error naming
+    it (the forward runs), with warn_only=True it warns and returns the gradients, as torch's
+    own nondeterministic kernels do (a fuzzing helper saw dq differ in its last bits between
+    two calls under deterministic mode, silently)."""
+    deterministic(False)
+    grads = _backward_runs(op)
+    with pytest.raises(RuntimeError, match="attnx's cuda .*backward"):
+        grads()
+    deterministic(True)
+    grads = _backward_runs(op)
+    with pytest.warns(UserWarning, match="attnx's cuda .*backward"):
+        assert all(torch.isfinite(g).all() for g in grads())
+
+
+def test_auto_passes_over_nondeterministic_backwards(deterministic, monkeypatch):
+    """backend=None under deterministic algorithms takes the next backend in order for calls
+    that record gradients (cuda's backwards are not deterministic), and still cuda for those
+    that do not. Through the harness the cuda backend takes CPU tensors, so the CPU's order is
+    made cuda's for the test."""
+    if ON_CPU:
+        monkeypatch.setitem(_dispatch._AUTO_ORDER, "cpu", ("cuda", "cpu", "reference"))
+    after = "cpu" if ON_CPU else "triton"
+    ins = [rand(*shape, dtype=BF16) for shape in ((1, 2, 9, 16), (1, 2, 11, 16), (1, 2, 11, 8),
+                                                  (16,))]
+    call = _validate.additive_call(*ins, None, 0.0, False, None, None, False)
+    assert _dispatch.select("additive", call) == "cuda"
+    deterministic(False)
+    assert _dispatch.select("additive", call) == after
+    with torch.no_grad():
+        assert _dispatch.select("additive", call) == "cuda"
+    frozen = dataclasses.replace(call, q=call.q.detach(), k=call.k.detach(),
+                                 value=call.value.detach(), v=call.v.detach())
+    assert _dispatch.select("additive", frozen) == "cuda"
 
 
 def test_additive_opcheck():

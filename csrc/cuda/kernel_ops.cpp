@@ -286,6 +286,11 @@ struct Grads {
 Grads backward(const Target& target, SdpaParams& p, const Tensor& q, Tensor dout, const Tensor& o,
                const Tensor& lse, const OptTensor& grad_lse, at::IntArrayRef rows,
                at::IntArrayRef key_rows, bool want_dmask, const Tensor& sinks32, int head_dim) {
+  // dQ sums over the key blocks by float32 atomics (sdpa_bwd.cuh): under
+  // torch.use_deterministic_algorithms, torch's error (or warning, warn_only) as for its own
+  // nondeterministic kernels
+  at::globalContext().alertNotDeterministic(
+      "attnx's cuda SDPA/varlen backward (dq is summed by float32 atomics)");
   const auto opts = q.options();
   const auto f32 = opts.dtype(at::kFloat);
   TORCH_CHECK(lse.sizes() == rows && lse.device() == q.device(), "lse: expected shape ", rows,
@@ -574,6 +579,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_bwd(
   AdditiveInputs in;
   AdditiveParams p = additive_params(target, in, q_in, k_in, value_in, v, mask, window_lo,
                                      window_hi, dropout_p, seed);
+  at::globalContext().alertNotDeterministic(
+      "attnx's cuda additive backward (dk and dvalue are summed by float32 atomics)");
   const Saved s =
       read_by_kernels(target, saved(grad_out, in.q, out, lse, grad_lse, {p.B, p.H, p.Lq, p.Ev}));
   const auto f32 = in.q.options().dtype(at::kFloat);
