@@ -301,6 +301,32 @@ def no_second_order(layout):
                       lambda: sum((g * g).sum() for g in grads).backward())
 
 
+def ring_under_torch_func(layout):
+    """torch.func.grad through ring_attention (its loss reading out and lse) and vjp through
+    unshard give autograd's gradients: float32, bfloat16 on the cpu kernels (the backward keeps
+    the float32 out apart from the result) and float64 (a float64 lse apart). Both raised
+    torch's setup_context error before (old-style autograd.Functions)."""
+    world = dist.get_world_size()
+    for dtype, backend in ((torch.float32, None), (torch.bfloat16, "cpu"), (torch.float64, None)):
+        q, k, v, dout, _ = _inputs(4, 2, 4 * world, 5, 7, dtype)
+        local = [shard(t, layout=layout) for t in (q, k, v)]
+        d = shard(dout, layout=layout)
+
+        def loss(q, k, v):
+            out, lse = ring_attention(q, k, v, is_causal=True, layout=layout, backend=backend,
+                                      return_lse=True)
+            return (out.float() * d.float()).sum() + lse.sum()
+
+        got = torch.func.grad(loss, argnums=(0, 1, 2))(*local)
+        leaves = [t.clone().requires_grad_() for t in local]
+        want = torch.autograd.grad(loss(*leaves), leaves)
+        for mine, ref in zip(got, want):
+            assert mine.dtype == dtype and torch.equal(mine, ref), (dtype, mine, ref)
+    full, pull = torch.func.vjp(lambda x: unshard(x, layout=layout), local[0])
+    (grad,) = pull(torch.ones_like(full))  # every rank's ones, summed
+    assert torch.equal(grad, torch.full_like(local[0], float(world)))
+
+
 def ring_under_autocast(layout):
     """Under torch.autocast, ring_attention casts as the functional ops do (q float32 beside
     k bfloat16: bfloat16 out, where outside autocast that is a TypeError on every rank): the
@@ -421,4 +447,5 @@ def peer_dies_mid_ring(timeout_s):
 CHECKS = {f.__name__: f for f in (ring_matches, shard_roundtrip, bad_input_everywhere,
                                   outside_a_subgroup, softcap_matches, ring_under_autocast,
                                   ddp_transformer_matches, context_parallel_matches,
-                                  peer_dies_mid_ring, no_second_order)}
+                                  peer_dies_mid_ring, no_second_order,
+                                  ring_under_torch_func)}

@@ -120,12 +120,11 @@ class _Gather(torch.autograd.Function):
     rank's loss may read every position) and keeps this rank's shard of it."""
 
     @staticmethod
-    def forward(ctx, x, group, layout, dim):
+    def forward(x, group, layout, dim):
         import torch.distributed as dist
 
         from .checks import GATHER_DTYPES
         rank, world = group_info(group)
-        ctx.args = (group, layout, dim)
         sent = x.contiguous()
         # other dtypes (float8, uint16, ...) travel as their bytes: gloo gathers none of them
         wire = sent if x.dtype in GATHER_DTYPES else sent.view(torch.uint8)
@@ -140,6 +139,10 @@ class _Gather(torch.autograd.Function):
             for s in segments(r, world, local, layout):
                 out.narrow(dim, s.start, s.length).copy_(piece.narrow(dim, s.local, s.length))
         return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # (torch.func's transforms need it apart)
+        ctx.args = inputs[1:]
 
     @staticmethod
     def backward(ctx, grad):

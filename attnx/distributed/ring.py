@@ -181,22 +181,48 @@ def _backward(ring: _Ring, dout, q, k, v, out, lse, grad_lse, block_lse):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _block_keys(ring: _Ring) -> list:
+    """The (step, block) keys of the blocks _forward runs on this rank, in its order."""
+    r, w = ring.rank, ring.world
+    return [(t, i) for t in range(w) if t <= ring.reach((r - t) % w)
+            for i in range(len(ring.blocks(r, (r - t) % w)))]
+
+
+def _separate_out(ring: _Ring, q) -> bool:
+    """Whether the backward's out is the accumulation, apart from the result: where the kernels
+    take it wide (wide_out) and it is wider than q (half precision)."""
+    return ring.kernels.wide_out and _acc_dtype(q.dtype) != q.dtype
+
+
 class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, ring):
-        ctx.set_materialize_grads(False)  # an unused lse passes None, not a tensor of zeros
-        out, lse, block_lse = _forward(ring, q, k, v)
-        ctx.ring = ring
-        result = out.to(q.dtype)
-        # the backward's out: the float32 accumulation where its kernels take it (wide_out);
-        # the blocks' own lse saved too (not kept on ctx: freed with the rest after the backward)
-        ctx.block_keys = list(block_lse)
-        ctx.save_for_backward(q, k, v, out if ring.kernels.wide_out else result, lse,
-                              *block_lse.values())
-        return result, lse.float()
+    """(out, lse) of the ring, differentiable in q, k, v; then what the backward keeps, as
+    outputs not differentiable (torch.func's transforms save only inputs and outputs): the
+    accumulated out where _separate_out (else an empty tensor), the accumulated lse where it
+    is float64 (else an empty tensor), each block's own lse in _block_keys' order."""
 
     @staticmethod
-    def backward(ctx, dout, grad_lse):
+    def forward(q, k, v, ring):
+        out, lse, block_lse = _forward(ring, q, k, v)
+        result, lse32 = out.to(q.dtype), lse.float()
+        none = q.new_empty((0,))
+        return (result, lse32, out if _separate_out(ring, q) else none,
+                none if lse32 is lse else lse, *block_lse.values())
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, ring = inputs
+        result, lse32, wide_out, wide_lse, *block_lse = output
+        ctx.set_materialize_grads(False)  # an unused lse passes None, not a tensor of zeros
+        ctx.mark_non_differentiable(wide_out, wide_lse, *block_lse)
+        ctx.ring = ring
+        ctx.block_keys = _block_keys(ring)
+        # the backward's out: the float32 accumulation where its kernels take it (wide_out);
+        # the blocks' own lse saved too (not kept on ctx: freed with the rest after the backward)
+        ctx.save_for_backward(q, k, v, wide_out if _separate_out(ring, q) else result,
+                              wide_lse if q.dtype == torch.float64 else lse32, *block_lse)
+
+    @staticmethod
+    def backward(ctx, dout, grad_lse, *_):
         # No graph of the gradients: the block kernels' graphs (the reference backend's) would
         # miss the ring's sends and give wrong second-order gradients; create_graph=True gets
         # gradients whose own backward raises instead, on every rank that reaches them.
@@ -231,8 +257,12 @@ class _NoSecondOrder(torch.autograd.Function):
     differentiating them raises."""
 
     @staticmethod
-    def forward(ctx, dq, dk, dv, *inputs):
+    def forward(dq, dk, dv, *inputs):
         return dq.clone(), dk.clone(), dv.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # (torch.func.grad's backward records a graph)
+        pass
 
     @staticmethod
     def backward(ctx, *grads):
@@ -338,7 +368,7 @@ def ring_attention(q, k, v, *positional, group=None, is_causal=False, scale=None
         name = _float64_backend(qf, kf, vf, call.scale, softcap)
     ring = _Ring(group, rank, world, spec.local_len, spec.layout, spec.lo, spec.hi, call.scale,
                  blocks.kernels(name, spec.softcap), spec.softcap, v_max)
-    out, lse = _RingAttention.apply(qf, kf, vf, ring)
+    out, lse = _RingAttention.apply(qf, kf, vf, ring)[:2]
     out = out.to(call.q.dtype)
     out = out.reshape(call.prefix + tuple(out.shape[-2:]))
     if not return_lse:
