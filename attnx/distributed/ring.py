@@ -204,9 +204,8 @@ class _RingAttention(torch.autograd.Function):
     def forward(q, k, v, ring):
         out, lse, block_lse = _forward(ring, q, k, v)
         result, lse32 = out.to(q.dtype), lse.float()
-        none = q.new_empty((0,))
-        return (result, lse32, out if _separate_out(ring, q) else none,
-                none if lse32 is lse else lse, *block_lse.values())
+        return (result, lse32, out if _separate_out(ring, q) else q.new_empty((0,)),
+                q.new_empty((0,)) if lse32 is lse else lse, *block_lse.values())
 
     @staticmethod
     def setup_context(ctx, inputs, output):
