@@ -182,6 +182,33 @@ def test_additive_shared_v_gradient_sums_heads_in_float32(backend):
     assert max_err(got, want) <= 2 * max_err(dv("reference", f16), want)
 
 
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_additive_shared_v_gradient_past_float32_per_head_on_cpu(dtype):
+    """The same with values near 1e36: each head's gradient of v passes float32's range (the
+    op reruns in float64), their sum ~1e36 does not. The cpu backend takes a shared v in
+    float64 where its gradient is wanted (attnx/_backends/cpu.py additive), so autograd sums
+    the heads' float64 gradients: NaN before (inf - inf), now the float64 answer rounded.
+    (The other backends keep the gap README names.)"""
+    g = torch.Generator().manual_seed(0)
+    q, k, value = (torch.randn(s, generator=g).to(dtype).expand(2, 2, -1, -1)
+                   for s in ((2, 1, 32, 8), (2, 1, 8, 8), (2, 1, 8, 16)))
+    value = value * 1e36
+    v = torch.randn(8, generator=g).to(dtype)
+    dout = torch.randn(2, 1, 32, 16, generator=g).to(dtype) * 100
+    dout = torch.cat([dout, -0.999 * dout], 1)
+
+    def dv(backend, dtype):
+        xs = [t.to(dtype).requires_grad_() for t in (q, k, value, v)]
+        out = attnx.additive_attention(*xs, backend=backend)
+        return torch.autograd.grad(out, xs[3], dout.to(dtype))[0]
+
+    got, want = dv("cpu", dtype), dv("reference", f64)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    # float32: the sum of the heads' float64 gradients, rounded; bfloat16: its rounding
+    rel = 1e-6 if dtype == f32 else 2 ** -8
+    assert max_err(got, want) <= rel * want.abs().max()
+
+
 @pytest.mark.parametrize("dtype", [f16, bf16])
 @pytest.mark.parametrize("backend", ["cpu", "triton", "cuda"])  # the reference: the baseline
 def test_additive_weights_gradient_takes_unrounded_weights(backend, dtype):

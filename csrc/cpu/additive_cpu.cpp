@@ -257,10 +257,13 @@ void check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": expected all inputs of dtype ",
                 q.scalar_type(), ", got ", t->scalar_type());
   }
-  // float32 v beside 16-bit q: a v shared by the heads (attnx/_validate.py additive_call)
-  TORCH_CHECK(v.scalar_type() == q.scalar_type() ||
+  // float32 v beside 16-bit q: a v shared by the heads (attnx/_validate.py additive_call);
+  // float64 v beside any q: a shared v whose gradient is wanted (attnx/_backends/cpu.py
+  // additive), read in the kernels' dtype, its gradient returned in float64
+  TORCH_CHECK(v.scalar_type() == q.scalar_type() || v.scalar_type() == at::kDouble ||
                   (v.scalar_type() == at::kFloat && at::isReducedFloatingType(q.scalar_type())),
-              op, ": expected v of dtype ", q.scalar_type(), " or float32, got ", v.scalar_type());
+              op, ": expected v of dtype ", q.scalar_type(), ", float32 or float64, got ",
+              v.scalar_type());
   if (mask.has_value()) {
     TORCH_CHECK(mask->dim() == 4 && mask->size(0) == q.size(0) && mask->size(1) == q.size(1) &&
                     mask->size(2) == q.size(2) && mask->size(3) == k.size(2),
