@@ -172,6 +172,9 @@ def bad_input_everywhere():
     # flags that differ between ranks
     _expect_error(ValueError, ["is_causal"],
                   lambda: ring_attention(ql, kl, vl, is_causal=rank == 0))
+    # windows that differ: the band's sides named as window= sets them, not as sentinels
+    _expect_error(ValueError, ["window", "rank 0: left 3", "rank 1: no left bound"],
+                  lambda: ring_attention(ql, kl, vl, window=(3, None) if rank == 0 else None))
     _expect_error(ValueError, ["layout"], lambda: ring_attention(ql, kl, vl, layout="striped"))
     _expect_error(ValueError, ["divisible by 4"], lambda: shard(q[..., :6, :]))
     # unshard: one rank's bad input, or shards that differ, raise on every rank (its all-gather

@@ -186,6 +186,9 @@ def _mismatch(name: str, values: list) -> str:
         "backend_id": lambda x: _BACKENDS[x],
         "scale_bits": lambda x: repr(_from_bits(x)),
         "softcap_bits": lambda x: "None" if x == 0 else repr(_from_bits(x)),
+        # the band lo <= j - i <= hi, as window=(left, right) and is_causal set it
+        "lo": lambda x: "no left bound" if x <= -_validate.UNBOUNDED else f"left {-x}",
+        "hi": lambda x: "no right bound" if x >= _validate.UNBOUNDED else f"right {x}",
     }.get(name, str)
     label = {"dtype": "dtype", "layout_id": "layout", "backend_id": "backend",
              "scale_bits": "scale", "softcap_bits": "softcap", "lo": "window/is_causal",
