@@ -512,9 +512,18 @@ def _may_self_overlap(t: torch.Tensor) -> bool:
     torch.compile traces with fullgraph=True): dims of more than one element, by increasing
     stride, each stepping past all the smaller dims' span (a dense or permuted tensor, a slice
     of one), or not."""
+    if t.is_contiguous():
+        return False
+    # by increasing stride, picked by comparisons: dynamo's fullgraph refuses sorted() with a
+    # key when the strides are symbolic (dynamic=True)
+    dims = [(n, st) for n, st in zip(t.shape, t.stride()) if n > 1]
     span = 0  # of the dims taken so far, in elements, less one
-    for n, st in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n > 1),
-                        key=lambda d: d[1]):
+    while dims:
+        first = 0
+        for i in range(1, len(dims)):
+            if dims[i][1] < dims[first][1]:
+                first = i
+        n, st = dims.pop(first)
         if st <= span:
             return True
         span += (n - 1) * st
