@@ -1,5 +1,6 @@
 """`attnx info` and attnx.backends() tell the truth about this installation."""
 
+import os
 import subprocess
 import sys
 
@@ -61,6 +62,11 @@ def test_help_lists_every_command(capsys):
     (["demo", "--quick", "--out", "no/such/folder/x.png"], "--out: no folder"),
     (["check", "--jobs", "0"], "--jobs: expected an int >= 1"),
     (["check", "--json", "no/such/folder/x.json"], "--json: no folder"),
+    # each ran every check or the whole sweep first, then raised a traceback (a helper's finding)
+    (["check", "--dtypes", ""], "--dtypes: expected a comma-separated list"),
+    (["check", "--json", os.path.dirname(__file__)], "--json: expected a file path"),
+    (["bench", "--quick", "--out", os.path.join(__file__, "sub")],
+     "--out: cannot make the folder"),
 ])
 def test_bad_arguments_are_usage_errors(argv, words, capsys):
     """Refused by argparse before any work (exit status 2), the option named: no traceback,

@@ -196,6 +196,12 @@ def main(argv=None) -> int:
     # what would fail only after a sweep, or deep inside one: refused before any timing
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"--out: expected a folder, got the file {args.out!r}")
+    try:  # made now: a folder that cannot be made (under a file, read-only) fails before timing
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:
+        p.error(f"--out: cannot make the folder {args.out!r} ({exc.strerror})")
+    if not os.access(args.out, os.W_OK):
+        p.error(f"--out: the folder {args.out!r} is not writable")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible to torch")
     if args.dtypes:

@@ -88,6 +88,8 @@ def plan(status: dict, device_types: list, dtypes: list):
 def _choose(given, known, what: str, p: argparse.ArgumentParser) -> list:
     if given is None:
         return list(known)
+    if not given:  # "--dtypes ''": nothing to check (plan indexed the first one)
+        p.error(f"--{what}: expected a comma-separated list of {sorted(known)}, got none")
     unknown = sorted(set(given) - set(known))
     if unknown:
         p.error(f"--{what}: unknown {unknown}; choose from {sorted(known)}")
@@ -130,8 +132,11 @@ def run(args, p: argparse.ArgumentParser) -> dict:
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    # refused now, not after every check ran
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        p.error(f"--json: no folder to write {args.json!r} into")  # not after every check ran
+        p.error(f"--json: no folder to write {args.json!r} into")
+    if args.json and os.path.isdir(args.json):
+        p.error(f"--json: expected a file path, got the folder {args.json!r}")
     doc = run(args, p)
     print(report.header(doc))
     print(report.table(doc))
