@@ -274,6 +274,17 @@ def test_bad_arguments_are_refused_before_any_timing(argv, words, capsys):
     assert words in _refused(argv + ["--quick", "--out", "/nonexistent"], capsys)
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--ops", "additive", "--providers", "torch-flash"], "nothing here runs additive"),
+    (["--ops", "sdpa,kvcache", "--providers", "naive"], "nothing here runs kvcache"),
+])
+def test_a_sweep_that_would_time_nothing_is_refused(tmp_path, argv, words, capsys):
+    """An op none of the chosen providers can run here was an empty table and exit status 0."""
+    message = _refused(argv + ["--quick", "--out", str(tmp_path)], capsys)
+    assert words in message and "providers for it here" in message
+    assert not (tmp_path / "results.json").exists()
+
+
 def test_out_must_be_a_folder(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert "--out: expected a folder" in _refused(["--quick", "--out", str(tmp_path / "file")], capsys)

@@ -67,7 +67,10 @@ def test_help_lists_every_command(capsys):
     (["check", "--json", os.path.dirname(__file__)], "--json: expected a file path"),
     (["bench", "--quick", "--out", os.path.join(__file__, "sub")],
      "--out: cannot make the folder"),
-])
+    (["check", "--devices", "tpu"], "--devices: unknown ['tpu']"),
+] + ([] if torch.cuda.is_available() else [
+    # a device this machine lacks is named as such (it said "unknown ['cuda']")
+    (["check", "--devices", "cuda"], "--devices: ['cuda'] not on this machine; here: ['cpu']")]))
 def test_bad_arguments_are_usage_errors(argv, words, capsys):
     """Refused by argparse before any work (exit status 2), the option named: no traceback,
     and no error found only after a whole run."""

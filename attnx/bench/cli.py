@@ -153,6 +153,12 @@ def run(args, argv) -> dict:
         chosen = providers.select(found, args.ops, names)
     except ValueError as exc:
         raise SystemExit(str(exc))
+    idle = [op for op in args.ops if not any(p.op == op and p.available for p in chosen)]
+    if idle:  # a sweep that would time nothing and still write a results file
+        usable = {op: sorted(p.name for p in found if p.op == op and p.available) for op in idle}
+        raise SystemExit("--ops/--providers: nothing here runs " + "; ".join(
+            f"{op} (providers for it here: {', '.join(names) or 'none'})"
+            for op, names in usable.items()))
     doc = machine.describe(device)
     doc.update(schema=report.SCHEMA, settings={
         "argv": list(argv), "ops": list(args.ops), "repeats": sweep.repeats,
@@ -213,7 +219,6 @@ def main(argv=None) -> int:
     if "hf" in args.ops:
         return _main_hf(args, argv)
     doc = run(args, argv)
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "results.json")
     report.write_json(path, doc)
     pngs = plots.write_all(doc, args.out)
@@ -238,7 +243,6 @@ def _main_hf(args, argv) -> int:
                          f"--repeats, --threads), without {', '.join(given)}")
     from . import hf_model  # imports transformers
     doc = hf_model.run(args, argv)
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "results.json")
     report.write_json(path, doc)
     print(hf_model.header(doc))
@@ -278,7 +282,6 @@ def _main_ring(args, argv) -> int:
     result = ring_scaling.measure(lengths, [args.world], dim=(args.head_dims or (64,))[0],
                                   repeats=args.repeats or 2)
     result["settings"] = {"argv": list(argv)}
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "results.json")
     report.write_json(path, result)
     png = os.path.join(args.out, "ring_scaling.png")

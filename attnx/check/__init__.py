@@ -85,11 +85,16 @@ def plan(status: dict, device_types: list, dtypes: list):
     return targets, skipped
 
 
-def _choose(given, known, what: str, p: argparse.ArgumentParser) -> list:
+def _choose(given, known, what: str, p: argparse.ArgumentParser, absent=()) -> list:
+    """The entries of `known` that `given` names (all when None). `absent`: names that are
+    valid but not on this machine (a device it lacks), refused as such, not as unknown."""
     if given is None:
         return list(known)
     if not given:  # "--dtypes ''": nothing to check (plan indexed the first one)
         p.error(f"--{what}: expected a comma-separated list of {sorted(known)}, got none")
+    missing = sorted(set(given) & set(absent) - set(known))
+    if missing:
+        p.error(f"--{what}: {missing} not on this machine; here: {sorted(known)}")
     unknown = sorted(set(given) - set(known))
     if unknown:
         p.error(f"--{what}: unknown {unknown}; choose from {sorted(known)}")
@@ -106,7 +111,8 @@ def run(args, p: argparse.ArgumentParser) -> dict:
     status = backends()
     here = devices()
     status = {n: s for n, s in status.items() if n in _choose(args.backends, status, "backends", p)}
-    device_types = _choose(args.devices, [d["type"] for d in here], "devices", p)
+    device_types = _choose(args.devices, [d["type"] for d in here], "devices", p,
+                           absent=("cpu", "cuda"))
     dtypes = _choose(args.dtypes, DTYPES, "dtypes", p)
     if args.jobs < 1:
         p.error(f"--jobs: expected a positive number, got {args.jobs}")
