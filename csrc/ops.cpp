@@ -8,7 +8,9 @@
 //   may attend), q's dtype or float32 (added to the scaled scores; the CUDA SDPA kernels take
 //   q's dtype only; a float mask's gradient has its dtype), read through its strides (size-1
 //   dims broadcast with stride 0). Key j is admissible for query i iff
-//   i + window_lo <= j <= i + window_hi (and the mask allows it). lse is (B, Hq, Lq), float32
+//   i + window_lo <= j <= i + window_hi (and the mask allows it); the bounds are SymInts in the
+//   schemas (a lower-right causal offset Lk - Lq stays symbolic under torch.compile; the
+//   kernels take them as int64_t, the dispatcher passing concrete values). lse is (B, Hq, Lq), float32
 //   (float64 for sdpa on float64 inputs, so that gradcheck-grade backward stays exact), -inf
 //   for rows with no admissible key, whose output is zero. seed: int64 (2,) on the CPU,
 //   the dropout hash key of attnx/_rng.py. A gradient that is not asked for comes back empty.

@@ -234,6 +234,36 @@ def test_one_graph_serves_every_sequence_length(op):
                        fullgraph=True) == 0
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_lower_right_causal_bias_keeps_one_graph(backend):
+    """A CausalBias aligned lower right with Lq != Lk (decoding steps, chunked prefill): its
+    offset Lk - Lq reaches the ops as the band's bound, which an `int` schema argument
+    specialized (a graph per cache length, eager past dynamo's limit; torch's own SDPA keeps one).
+    SymInt arguments keep it symbolic, forward and backward."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.nn.attention.bias import causal_lower_right
+
+    def fn(q, k, bias):
+        return attnx.scaled_dot_product_attention(q, k, k, attn_mask=bias, backend=backend)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fn, backend=counter, dynamic=True, fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    frames = []
+    for n in (5, 9, 17, 33):
+        q = torch.randn(1, 2, 3, 16, generator=g, requires_grad=True)
+        k = torch.randn(1, 2, n, 16, generator=g, requires_grad=True)
+        bias = causal_lower_right(3, n)
+        got, want = compiled(q, k, bias), fn(q, k, bias)
+        torch.testing.assert_close(got, want)
+        for a, b in zip(torch.autograd.grad(got.square().sum(), (q, k)),
+                        torch.autograd.grad(want.square().sum(), (q, k))):
+            torch.testing.assert_close(a, b)
+        frames.append(counter.frame_count)
+    assert frames[-1] == frames[0], frames
+
+
 def test_mark_dynamic_sequence_length():
     """torch.compile refused a length marked dynamic (ConstraintViolationError: specialized)."""
     q = torch.randn(1, 2, 17, 16)
