@@ -82,8 +82,7 @@ def test_nn_module_trains_under_inductor():
 
 def test_export_with_a_dynamic_batch():
     """torch.export over a batch size left symbolic: the validation compares the sizes it
-    broadcasts, never hashes them. (A symbolic sequence length still specializes: the band's
-    limits are computed as Python ints.)"""
+    broadcasts, never hashes them."""
     class Causal(torch.nn.Module):
         def forward(self, q):
             return attnx.scaled_dot_product_attention(q, q, q, is_causal=True)
@@ -93,6 +92,26 @@ def test_export_with_a_dynamic_batch():
                                   dynamic_shapes=({0: torch.export.Dim("batch", min=2, max=64)},))
     q3 = torch.randn(3, 2, 5, 4)
     torch.testing.assert_close(program.module()(q3), Causal()(q3))
+
+
+def test_export_with_a_dynamic_sequence_length_runs_under_aot_inductor(tmp_path):
+    """torch.export with a Dim on the sequence length, then AOTInductor: the ops' SymInt band
+    bounds go through its C++ wrapper, for lengths other than the traced one."""
+    import torch._inductor
+
+    class Windowed(torch.nn.Module):
+        def forward(self, q, k):
+            return attnx.scaled_dot_product_attention(q, k, k, is_causal=True, window=(4, None))
+
+    length = torch.export.Dim("length", min=4, max=4096)
+    program = torch.export.export(Windowed(), (torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)),
+                                  dynamic_shapes=({2: length}, {2: length}))
+    compiled = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(
+        program, package_path=str(tmp_path / "windowed.pt2")))
+    for n in (5, 40):
+        q, k = torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+        torch.testing.assert_close(program.module()(q, k), Windowed()(q, k))
+        torch.testing.assert_close(compiled(q, k), Windowed()(q, k))
 
 
 def test_kvcache_with_int_lengths_compiles_fullgraph():
