@@ -212,7 +212,17 @@ def _check_same(name: str, x: torch.Tensor, ref: torch.Tensor, ref_name: str) ->
         raise TypeError(f"{name}: expected device {ref.device} (that of {ref_name}), got {x.device}")
 
 
+def _number(x):
+    """A 0-d real tensor as its Python number (torch's functions take one where they take a
+    float: scale, dropout_p); anything else as it is, for the checks to judge."""
+    if (isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype != torch.bool
+            and not x.is_complex()):
+        return x.item()
+    return x
+
+
 def _check_dropout(dropout_p, name: str = "dropout_p") -> float:
+    dropout_p = _number(dropout_p)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"{name}: expected a float, got {_type_name(dropout_p)}")
     p = _to_float(name, dropout_p, f"0 <= {name} <= 1")
@@ -327,17 +337,19 @@ def _broadcast(*shapes) -> Optional[tuple]:
 
 def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
               window, backend, return_lse, seed=None, *, softcap=None, alibi_slopes=None,
-              sinks=None) -> SdpaCall:
-    """The validated call; `seed` (for 0 < dropout_p < 1) is drawn here unless given."""
-    q = _check_tensor("query", query, 2)
-    k = _check_tensor("key", key, 2)
-    v = _check_tensor("value", value, 2)
+              sinks=None, names=("query", "key", "value")) -> SdpaCall:
+    """The validated call; `seed` (for 0 < dropout_p < 1) is drawn here unless given. `names`:
+    the caller's names of the three tensors, for its messages (ring_attention's q, k, v)."""
+    Q, K, V = names
+    q = _check_tensor(Q, query, 2)
+    k = _check_tensor(K, key, 2)
+    v = _check_tensor(V, value, 2)
     amp = _autocast_dtype(q)
     if amp is not None:
         q, k, v = (_autocast(amp, t) for t in (q, k, v))
         attn_mask, sinks = _autocast(amp, attn_mask, True), _autocast(amp, sinks, True)
-    _check_same("key", k, q, "query")
-    _check_same("value", v, q, "query")
+    _check_same(K, k, q, Q)
+    _check_same(V, v, q, Q)
     is_causal = _check_bool("is_causal", is_causal)
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
     return_lse = _check_bool("return_lse", return_lse)
@@ -351,8 +363,8 @@ def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
                for t in (q, k, v))
     lead = _broadcast(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     if lead is None:
-        raise ValueError(f"key, value: expected batch dims that broadcast with query's "
-                         f"{tuple(query.shape)}, got key {tuple(key.shape)} and value "
+        raise ValueError(f"{K}, {V}: expected batch dims that broadcast with {Q}'s "
+                         f"{tuple(query.shape)}, got {K} {tuple(key.shape)} and {V} "
                          f"{tuple(value.shape)}")
     hq, lq, e = q.shape[-3:]
     hk, lk, ek = k.shape[-3:]
@@ -365,18 +377,18 @@ def sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
                for t, shape in ((q, lead + (hq, lq, e)), (k, lead + (hk, lk, ek)), (v, lead + (hv, lv, ev))))
     prefix = (lead + (hq,))[max(rank, 3) - rank:]
     if ek != e:
-        raise ValueError(f"key: expected head dim {e} (that of query), got shape {tuple(key.shape)}")
+        raise ValueError(f"{K}: expected head dim {e} (that of {Q}), got shape {tuple(key.shape)}")
     if lv != lk:
-        raise ValueError(f"value: expected sequence length {lk} (that of key), got shape {tuple(value.shape)}")
+        raise ValueError(f"{V}: expected sequence length {lk} (that of {K}), got shape {tuple(value.shape)}")
     if hv != hk:
-        raise ValueError(f"value: expected {hk} heads (those of key), got shape {tuple(value.shape)}")
+        raise ValueError(f"{V}: expected {hk} heads (those of {K}), got shape {tuple(value.shape)}")
     if hk != hq and hk != 1:  # one key/value head serves every query head, as torch broadcasts
         if not enable_gqa:
-            raise ValueError(f"key: expected {hq} heads (those of query), got {hk}; "
+            raise ValueError(f"{K}: expected {hq} heads (those of {Q}), got {hk}; "
                              f"pass enable_gqa=True for grouped-query attention")
         if hk == 0 or hq % hk != 0:
-            raise ValueError(f"key: with enable_gqa=True expected a head count dividing {hq} "
-                             f"(that of query), got {hk}")
+            raise ValueError(f"{K}: expected a head count dividing {hq} (that of {Q}) for "
+                             f"grouped-query attention, got {hk}")
 
     scale = _check_scale(scale, e, q.dtype)
 
@@ -489,6 +501,7 @@ MAX_FLOAT32_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
 
 
 def _check_scale(scale, e: int, dtype: torch.dtype) -> float:
+    scale = _number(scale)
     if scale is None:  # head dim 0: every score is 0 whatever the scale (torch: uniform weights)
         return 1.0 / math.sqrt(e) if e > 0 else 1.0
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):

@@ -159,8 +159,14 @@ def bad_input_everywhere():
     # rank 1 only: an integer query
     bad_q = ql.long() if rank == 1 else ql
     _expect_error(TypeError if rank == 1 else ValueError,
-                  ["query"] if rank == 1 else ["rank(s) [1]"],
+                  ["q: expected"] if rank == 1 else ["rank(s) [1]"],
                   lambda: ring_attention(bad_q, kl, vl))
+    # every rank: its own message, naming ring_attention's arguments (q, k, v; it has no
+    # enable_gqa flag, which the messages of scaled_dot_product_attention's checks named)
+    _expect_error(ValueError, ["k: expected a head count dividing 3 (that of q)"],
+                  lambda: ring_attention(torch.cat([ql, ql[:, :1]], 1), kl, vl))
+    _expect_error(ValueError, ["k: expected this rank's shard of q's sequence"],
+                  lambda: ring_attention(ql, kl[..., :2, :], vl[..., :2, :]))
     # rank 1 only: an odd shard under zigzag (the full length not divisible by 2W)
     odd = ql[..., :3, :] if rank == 1 else ql
     _expect_error(ValueError, ["even"] if rank == 1 else ["rejected"],

@@ -347,6 +347,15 @@ def test_bad_inputs_raise_naming_the_argument(call, error, match):
         call(ours, _inputs(2, 5, 5, True)[0])
 
 
+def test_a_bad_last_dim_is_told_with_the_shape_given():
+    """The shape in the message is the caller's (sequence-first here), not the batch-first
+    transpose the module checked (it said (2, 3, 9) for a (3, 2, 9) query)."""
+    m = ann.MultiheadAttention(8, 2)
+    x = torch.zeros(3, 2, 9)
+    with pytest.raises(ValueError, match=r"query: expected a last dim of embed_dim=8, got shape \(3, 2, 9\)"):
+        m(x, x, x)
+
+
 def test_weights_of_huge_inputs_stay_finite():
     """Scores past float32's range (|x| ~ 1e30 after the projections): the weights come from
     float64 scores, as the output from the op's float64 rerun; every row still sums to 1."""

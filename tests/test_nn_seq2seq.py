@@ -50,6 +50,11 @@ def test_positional_encoding_is_rounded_once_to_its_dtype():
     (lambda: PositionalEncoding(0), None, ValueError, "d_model: expected >= 1"),
     (lambda: PositionalEncoding(4.0), None, TypeError, "d_model: expected an int"),
     (lambda: PositionalEncoding(4, max_len=0), None, ValueError, "max_len: expected >= 1"),
+    # dropout went to nn.Dropout unchecked: NaN and True taken, failing (or not) at forward
+    (lambda: PositionalEncoding(4, dropout=float("nan")), None, ValueError,
+     "dropout: expected 0 <= dropout <= 1, got nan"),
+    (lambda: PositionalEncoding(4, dropout=True), None, TypeError, "dropout: expected a float, got bool"),
+    (lambda: PositionalEncoding(4, dropout="0.1"), None, TypeError, "dropout: expected a float, got str"),
     (lambda: PositionalEncoding(4), lambda pe: pe(torch.randn(5, 2, 3)), ValueError,
      "x: expected a last dim of d_model=4"),
     (lambda: PositionalEncoding(4), lambda pe: pe(torch.randn(5, 2, 2, 4)), ValueError,

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.bias import causal_lower_right
@@ -61,6 +62,8 @@ SDPA_CASES = [
     (dict(dropout_p=1.5), ValueError, ["dropout_p", "<= 1", "1.5"]),
     (dict(dropout_p=-0.1), ValueError, ["dropout_p", "-0.1"]),
     (dict(dropout_p="0.1"), TypeError, ["dropout_p", "float", "str"]),
+    (dict(scale=torch.tensor([0.5])), TypeError, ["scale", "float", "shape=(1,)"]),
+    (dict(dropout_p=torch.tensor(True)), TypeError, ["dropout_p", "float", "torch.bool"]),
     (dict(scale=math.nan), ValueError, ["scale", "finite", "nan"]),
     (dict(scale="1"), TypeError, ["scale", "float", "str"]),
     (dict(scale=1e39), ValueError, ["scale", "float32 can hold", "1e+39"]),
@@ -91,6 +94,20 @@ SDPA_CASES = [
 @pytest.mark.parametrize("over,exc,words", SDPA_CASES, ids=[str(i) for i in range(len(SDPA_CASES))])
 def test_sdpa_bad_input(over, exc, words):
     assert_raises_naming(sdpa, over, exc, words)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_zero_d_tensor_scale_and_dropout_p_as_in_torch(backend):
+    """torch's function takes a 0-d tensor where it takes a float (scale, dropout_p): a drop-in
+    caller's did not reach attnx (TypeError)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 7, 8, generator=g) for _ in range(3))
+    got = attnx.scaled_dot_product_attention(q, k, v, scale=torch.tensor(0.3, dtype=torch.float64),
+                                             dropout_p=torch.tensor(0.0), backend=backend)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(
+        q, k, v, scale=torch.tensor(0.3), dropout_p=torch.tensor(0.0)))
+    with pytest.raises(ValueError, match="dropout_p: expected 0 <= dropout_p <= 1, got 2"):
+        attnx.scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor(2), backend=backend)
 
 
 def test_meta_device_mismatch():

@@ -68,12 +68,12 @@ def local_spec(call, world: int, is_causal, window, layout, backend: str) -> Spe
     b, hq, lq, e = call.q.shape
     hk, lk, ev = call.k.shape[1], call.k.shape[2], call.v.shape[-1]
     if lk != lq:
-        raise ValueError(f"key: expected this rank's shard of the query's sequence, of length "
+        raise ValueError(f"k: expected this rank's shard of q's sequence, of length "
                          f"{lq}, got shape {tuple(call.k.shape)}")
     if layout == "zigzag" and lq % 2:
-        raise ValueError(f"query: expected an even shard length (zigzag holds two chunks; the "
+        raise ValueError(f"q: expected an even shard length (zigzag holds two chunks; the "
                          f"full sequence must divide into {2 * world}), got {lq}")
-    check_divisible("query", lq * world, world, layout)
+    check_divisible("q", lq * world, world, layout)
     total = lq * world
     softcap = call.mods.softcap
     lo, hi = _validate._band(is_causal, None, window)

@@ -344,7 +344,7 @@ def ring_attention(q, k, v, *positional, group=None, is_causal=False, scale=None
             raise error
         checks.unsupported_arguments("ring_attention", positional, unsupported)
         call = _validate.sdpa_call(q, k, v, None, 0.0, False, scale, True, None, backend,
-                                   return_lse, softcap=softcap)
+                                   return_lse, softcap=softcap, names=("q", "k", "v"))
         checks.check_device("q", call.q)  # (sdpa_call: k and v on q's device)
         # The dispatcher's choice for the whole shard is the blocks' too: a backend that serves
         # the call (softcap included) with its lse serves every block of it.

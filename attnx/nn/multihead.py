@@ -79,15 +79,16 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if is_causal and attn_mask is None:
             raise ValueError("attn_mask: expected a mask with the is_causal hint (torch.nn's "
                              "rule; Transformer.generate_square_subsequent_mask makes one), got None")
+        # on the caller's tensors, whose shapes the messages give (the last dim is the same below)
+        check_features("query", query, self.embed_dim, "embed_dim")
+        check_features("key", key, self.kdim, "kdim")
+        check_features("value", value, self.vdim, "vdim")
         if not is_batched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         elif not self.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-        check_features("query", query, self.embed_dim, "embed_dim")
-        check_features("key", key, self.kdim, "kdim")
-        check_features("value", value, self.vdim, "vdim")
         n, lq, e = query.shape
         h, d = self.num_heads, self.head_dim
         ls = key.shape[1]

@@ -8,7 +8,7 @@ import operator
 import torch
 from torch import nn
 
-from .._validate import _check_tensor
+from .._validate import _check_dropout, _check_tensor
 from ._inputs import check_features
 
 
@@ -39,7 +39,7 @@ class PositionalEncoding(nn.Module):
                 raise TypeError(f"{name}: expected an int, got {type(n).__name__}")
             if operator.index(n) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {n}")
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(_check_dropout(dropout, "dropout"))
         self.batch_first = batch_first
         self.register_buffer("pe", _table(max_len, d_model).to(torch.get_default_dtype()))
 
