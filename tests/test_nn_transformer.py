@@ -100,11 +100,55 @@ def test_encoder_stack_with_padding_eval():
     kpm = torch.zeros(3, 8, dtype=torch.bool)
     kpm[0, 5:] = True
     kpm[2, 2:] = True
-    with torch.no_grad():  # torch runs nested tensors and zeroes padded positions here
+    with torch.no_grad():  # torch runs nested tensors here: its padded positions are zeros
         a, b = ours(x, src_key_padding_mask=kpm), ref(x, src_key_padding_mask=kpm)
-    keep = ~kpm
-    torch.testing.assert_close(a[keep], b[keep], rtol=1e-9, atol=1e-9)
+    # padded positions included (attnx computed them, where torch's nested path leaves zeros
+    # before the final norm: the norm's bias there)
+    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(a[kpm], ours.norm(ours.layers[1](ours.layers[0](
+        x, src_key_padding_mask=kpm), src_key_padding_mask=kpm))[kpm])
     _assert_same(ours.train(), ref.train(), [x], lambda m, x: m(x, src_key_padding_mask=kpm))
+
+
+def test_transformer_inference_with_source_padding_only():
+    """nn.Transformer in inference with a source padding mask and no memory_key_padding_mask:
+    the decoder attends to the memory's padded positions, which torch's encoder returns as its
+    final norm of zeros (nested tensors). attnx's were computed rows: the target's outputs
+    differed by 0.46."""
+    kw = dict(d_model=D, nhead=H, num_encoder_layers=2, num_decoder_layers=2,
+              dim_feedforward=FF, dropout=0.0, batch_first=True, dtype=torch.float64)
+    torch.manual_seed(0)
+    ref = T.Transformer(**kw).eval()
+    ours = ann.Transformer(**kw).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    src, tgt = torch.randn(2, 7, D, dtype=torch.float64), torch.randn(2, 5, D, dtype=torch.float64)
+    kpm = torch.zeros(2, 7, dtype=torch.bool)
+    kpm[0, 4:] = True
+    with torch.no_grad():
+        torch.testing.assert_close(ours(src, tgt, src_key_padding_mask=kpm),
+                                   ref(src, tgt, src_key_padding_mask=kpm), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("case", ["left_padded", "no_nested", "norm_first", "grad", "float_mask"])
+def test_encoder_padded_positions_as_torch_computes_them(case):
+    """Where torch's encoder does not go nested (padding not at the end, enable_nested_tensor
+    False, a norm_first layer, weights wanting gradients), its padded positions are computed, as
+    attnx's are; a float padding mask goes nested as a bool one does."""
+    layer = T.TransformerEncoderLayer(D, H, FF, 0.0, batch_first=True, dtype=torch.float64,
+                                      norm_first=case == "norm_first")
+    kw = dict(enable_nested_tensor=case != "no_nested")
+    ref = T.TransformerEncoder(layer, 2, **kw).eval()
+    ours = ann.TransformerEncoder(layer, 2, **kw).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(3, 8, D, dtype=torch.float64)
+    kpm = torch.zeros(3, 8, dtype=torch.bool)
+    kpm[0, :3] = case == "left_padded"
+    kpm[1, 6:] = case != "left_padded"
+    if case == "float_mask":
+        kpm = torch.zeros(3, 8, dtype=torch.float64).masked_fill(kpm, -torch.inf)
+    with torch.set_grad_enabled(case == "grad"):
+        a, b = ours(x, src_key_padding_mask=kpm), ref(x, src_key_padding_mask=kpm)
+    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("batch_first", [False, True])

@@ -18,6 +18,7 @@ import inspect
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules.transformer import _detect_is_causal_mask
 
 from .._validate import _check_tensor
 from ._inputs import check_dtype, check_features, check_init
@@ -33,8 +34,11 @@ def to_attnx(module: torch.nn.Module) -> torch.nn.Module:
         cls = _SWAPS.get(type(m))
         if cls is not None:
             m.__class__ = cls
-        if isinstance(m, torch.nn.TransformerEncoder):
-            m.use_nested_tensor = False
+        if isinstance(m, torch.nn.TransformerEncoder) and m.use_nested_tensor:
+            # torch's forward would turn padded batches into nested tensors for its own kernels;
+            # attnx's layers take them padded and zero the padded positions where torch's
+            # would have (TransformerEncoder._zeroes_padding)
+            m.use_nested_tensor, m._nested_like_torch = False, True
     return module
 
 
@@ -139,7 +143,11 @@ class TransformerDecoderLayer(torch.nn.TransformerDecoderLayer):
 
 class TransformerEncoder(torch.nn.TransformerEncoder):
     """torch.nn.TransformerEncoder whose layers attend on attnx (a torch layer passed in is
-    converted); padded batches stay padded tensors instead of becoming nested tensors."""
+    converted). Padded batches stay padded tensors instead of becoming nested tensors; where
+    torch would have made them nested (inference with a key padding mask, the conditions of its
+    forward), the padded positions come out as torch's do: zero before the final norm."""
+
+    _nested_like_torch = False  # set by to_attnx where torch's constructor allowed nested tensors
 
     def __init__(self, *args, **kwargs):
         check_init(torch.nn.TransformerEncoder, args, kwargs)
@@ -149,8 +157,42 @@ class TransformerEncoder(torch.nn.TransformerEncoder):
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
         _check_input("src", src, _first_layer(self))
         _check_masks(src.dtype, mask=mask, src_key_padding_mask=src_key_padding_mask)
-        with named_as(src_mask="mask"):  # (the layers' name for it)
-            return super().forward(src, mask, src_key_padding_mask, is_causal)
+        padding = self._zeroes_padding(src, mask, src_key_padding_mask)
+        if padding is None:
+            with named_as(src_mask="mask"):  # (the layers' name for it)
+                return super().forward(src, mask, src_key_padding_mask, is_causal)
+        out = src
+        causal = _detect_is_causal_mask(None, is_causal, src.shape[1])
+        for layer in self.layers:
+            out = layer(out, src_mask=None, is_causal=causal, src_key_padding_mask=src_key_padding_mask)
+        out = out.masked_fill(padding.unsqueeze(-1), 0.0)
+        return out if self.norm is None else self.norm(out)
+
+    def _zeroes_padding(self, src, mask, src_key_padding_mask):
+        """The (N, L) bool padded positions where torch's forward would run this call on nested
+        tensors (whose padding comes back as zeros), else None. Its conditions, in its order."""
+        layer = _first_layer(self)
+        if (not self._nested_like_torch or layer is None or layer.training or src.dim() != 3
+                or src_key_padding_mask is None or mask is not None or src.is_nested
+                or not torch.backends.mha.get_fastpath_enabled() or torch.is_autocast_enabled()):
+            return None
+        check = getattr(self, "mask_check", True)
+        if check and torch.compiler.is_compiling():
+            return None
+        kept = F._canonical_mask(mask=src_key_padding_mask, mask_name="src_key_padding_mask",
+                                 other_type=None, other_name="", target_type=src.dtype).logical_not()
+        if check and not torch._nested_tensor_from_mask_left_aligned(src, kept):
+            return None
+        attn = layer.self_attn
+        weights = (src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
+                   attn.out_proj.bias, layer.norm1.weight, layer.norm1.bias, layer.norm2.weight,
+                   layer.norm2.bias, layer.linear1.weight, layer.linear1.bias,
+                   layer.linear2.weight, layer.linear2.bias)
+        devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
+        if (torch.overrides.has_torch_function(weights) or src.device.type not in devices
+                or (torch.is_grad_enabled() and any(t.requires_grad for t in weights))):
+            return None
+        return ~kept
 
 
 class TransformerDecoder(torch.nn.TransformerDecoder):
