@@ -283,6 +283,25 @@ def test_lower_right_causal_bias_keeps_one_graph(backend):
     assert frames[-1] == frames[0], frames
 
 
+def test_triton_availability_traces_under_fullgraph():
+    """The dispatcher asks whether the triton backend can run on every CUDA SDPA call
+    (backend=None puts it first there): with Triton 3.8 that read TRITON_INTERPRET through a C
+    function dynamo cannot trace (Unsupported: triton._C.libtriton.getenv_bool), failing
+    fullgraph=True. On CPU tensors (TRITON_INTERPRET=1, tests/conftest.py) a forced triton call
+    compiles whole too."""
+    pytest.importorskip("triton")
+    from attnx._backends import triton_backend
+
+    torch._dynamo.reset()
+    ok = torch.compile(lambda x: x + (triton_backend.availability() is None), fullgraph=True,
+                       backend="eager")(torch.zeros(1))
+    assert ok.item() == (triton_backend.availability() is None)
+    if triton_backend.availability() is None and not torch.cuda.is_available():
+        q = torch.randn(1, 2, 9, 16)
+        f = lambda q: attnx.scaled_dot_product_attention(q, q, q, is_causal=True, backend="triton")  # noqa: E731
+        torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(q), f(q))
+
+
 def test_mark_dynamic_sequence_length():
     """torch.compile refused a length marked dynamic (ConstraintViolationError: specialized)."""
     q = torch.randn(1, 2, 17, 16)

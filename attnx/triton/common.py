@@ -15,12 +15,25 @@ from .rng import keep, row_keys
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 
 
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET, as Triton reads it)."""
+def _read_interpret() -> bool:
     knobs = getattr(triton, "knobs", None)  # Triton < 3.4 has no knobs
     if knobs is not None:
         return bool(knobs.runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+# Read once, when this module is imported: the ops registered below are custom_ops or
+# triton_ops by it, so the mode is fixed then (TRITON_INTERPRET is set before import). And
+# Triton 3.8 reads its knob through a C function (libtriton.getenv_bool) that torch.compile
+# cannot trace: the dispatcher's availability check, asked on every CUDA SDPA call, broke
+# fullgraph=True.
+_INTERPRETING = _read_interpret()
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET, as Triton read it when
+    attnx's Triton kernels were imported)."""
+    return _INTERPRETING
 
 
 def register_op(name: str):
