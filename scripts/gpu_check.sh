@@ -112,7 +112,7 @@ command_of() {
   case "$1" in
     build) echo "env ATTNX_CUDA=1 ATTNX_CUDA_ARCHS='$arch' MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace && $PY -c 'import attnx, sys; i = attnx._ops.build_info(); print(i); sys.exit(0 if i and i[\"cuda\"] else \"attnx._C was built without CUDA\")'" ;;
     errors) echo "$PY scripts/gpu_error_paths.py || { $(other_compilers) && echo 'a probe failed: rebuilding with /usr/bin/gcc and /usr/bin/g++' && CC=/usr/bin/gcc CXX=/usr/bin/g++ $(command_of build) && $PY scripts/gpu_error_paths.py; }" ;;
-    test_cuda) echo "$tests $PY -m pytest tests/test_cuda.py tests/test_modifiers.py tests/test_varlen.py tests/test_kvcache.py tests/test_mask_dtypes.py tests/test_autocast.py -k cuda -v -rs -p no:cacheprovider$xdist" ;;
+    test_cuda) echo "$tests $PY -m pytest tests/test_cuda.py tests/test_modifiers.py tests/test_varlen.py tests/test_kvcache.py tests/test_mask_dtypes.py tests/test_autocast.py tests/test_compile.py -k cuda -v -rs -p no:cacheprovider$xdist" ;;
     test_triton) echo "$tests ATTNX_TRITON_AUTOTUNE=0 $PY -m pytest tests/test_triton.py tests/test_triton_configs.py tests/test_mask_dtypes.py -v -rs -p no:cacheprovider$xdist" ;;
     check) echo "$PY -m attnx check --jobs $jobs --json $scratch/check.json" ;;
     memcheck) echo "$(sanitized memcheck PYTORCH_NO_CUDA_MEMORY_CACHING=1)" ;;

@@ -302,6 +302,33 @@ def test_triton_availability_traces_under_fullgraph():
         torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(q), f(q))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("op", ["sdpa", "sdpa_train", "additive", "kvcache"])
+def test_cuda_calls_compile_fullgraph(op):
+    """backend=None on CUDA tensors (SDPA on triton, the others on cuda) under
+    fullgraph=True and dynamic=True: the dispatcher's availability checks trace (run by
+    scripts/gpu_check.sh's test_cuda step)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 37, 64, device="cuda", dtype=torch.float16, generator=g)
+               for _ in range(3))
+
+    def fn(q, k, v):
+        if op == "additive":
+            return attnx.additive_attention(q, k, v, torch.ones(64, device="cuda", dtype=q.dtype))
+        if op == "kvcache":
+            return attnx.attention_with_kvcache(q[:, :, -1:], k, v, k.shape[2] - 3)
+        return attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    if op == "sdpa_train":
+        q.requires_grad_()
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")(q, k, v)
+    torch.testing.assert_close(got, fn(q, k, v), atol=2e-3, rtol=2e-3)
+    if op == "sdpa_train":
+        got.float().square().sum().backward()
+        assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
 def test_mark_dynamic_sequence_length():
     """torch.compile refused a length marked dynamic (ConstraintViolationError: specialized)."""
     q = torch.randn(1, 2, 17, 16)
