@@ -216,7 +216,7 @@ def _number(x):
     """A 0-d real tensor as its Python number (torch's functions take one where they take a
     float: scale, dropout_p); anything else as it is, for the checks to judge."""
     if (isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype != torch.bool
-            and not x.is_complex()):
+            and not x.is_complex() and x.device.type != "meta"):  # (a meta one has no value)
         return x.item()
     return x
 

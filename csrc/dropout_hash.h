@@ -22,4 +22,18 @@ ATTNX_HOST_DEVICE uint32_t mix32(uint32_t x) {
   return x;
 }
 
+// Row and column indices enter the hash spread by these odd multipliers (attnx/_rng.py says
+// why: XORed in as they are, heads and rows came out as permutations of one another).
+constexpr uint32_t kDropoutRowMul = 0x9E3779B1u, kDropoutColMul = 0x85EBCA77u;
+
+// The hash state of query row i of the head whose key is key_bh.
+ATTNX_HOST_DEVICE uint32_t dropout_row_key(uint32_t key_bh, uint32_t i) {
+  return mix32(key_bh ^ (i * kDropoutRowMul));
+}
+
+// r of element (row, j): kept where r >= the threshold.
+ATTNX_HOST_DEVICE uint32_t dropout_hash(uint32_t key_row, uint32_t j) {
+  return mix32(key_row ^ (j * kDropoutColMul));
+}
+
 }  // namespace attnx

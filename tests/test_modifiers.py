@@ -177,10 +177,10 @@ def _least(floor, dtype, golden) -> float:
 
 
 def check(backend, dtype, q, k, v, dout, mask=None, mods=None, dlse=None, factor=3.0,
-          floor=None, **kw):
+          floor=None, slack=None, **kw):
     """The backend in `dtype` against the float64 formula, bounded by the formula's own error
-    in `dtype` (at least `floor`: _least's); returns the backend's (out, lse, dq, dk, dv, dmask,
-    dsinks)."""
+    in `dtype` (at least `floor`: _least's; for the outputs `slack` names, at least its value);
+    returns the backend's (out, lse, dq, dk, dv, dmask, dsinks)."""
     mods = mods or {}
     seed = 11
     golden = _golden(torch.float64, q, k, v, dout, mask, mods, kw, dlse, seed)
@@ -193,8 +193,21 @@ def check(backend, dtype, q, k, v, dout, mask=None, mods=None, dlse=None, factor
         if name == "lse":  # -inf on empty rows must match exactly
             assert torch.equal(torch.isinf(a), torch.isinf(g)), name
             a, g, bl = (t.float().nan_to_num(neginf=0.0) for t in (a, g, bl))
-        assert_within(a, g, bl, factor=factor, floor=_least(floor, dtype, g), what=name)
+        least = max(_least(floor, dtype, g), (slack or {}).get(name, 0.0))
+        assert_within(a, g, bl, factor=factor, floor=least, what=name)
     return actual
+
+
+def rounded_out_slack(dtype, q, k, v, dout, mods, seed=11, **kw) -> float:
+    """What dsinks may err by where D = rowsum(dO * O) takes O rounded to `dtype` (flash-
+    attention's design, the GPU backends'): dsinks_h = -sum_i P_sink,hi D_hi, and rounding O
+    moves each D_hi by up to u sum_e |dO_hie O_hie| (u: the dtype's unit roundoff); twice
+    that, the largest over the heads."""
+    out, lse = _golden(torch.float64, q, k, v, dout, None, mods, kw, None, seed)[:2]
+    p_sink = torch.exp(mods["sinks"].view(1, -1, 1) - lse)  # (B, Hq, Lq)
+    u = torch.finfo(dtype).eps / 2
+    moved = (dout.to(dtype).double() * out).abs().sum(-1)
+    return float(2 * u * (p_sink * moved).sum((0, 2)).max())
 
 
 SHAPES = [  # b, hq, hkv, lq, lk, e, ev
@@ -512,9 +525,10 @@ def test_cuda_dropout_reproducible(backend, dtype):
     q, k, v, dout = _inputs(1, 2, 2, 31, 40, 64, 64)
     mods = _modifiers(2, 1, WHICH["all"])
     # dsinks = -sum_i P_sink,i delta_i, delta_i = rowsum(dO * O) from the kernel's rounded O
-    # (flash-attention's D): with dropout's 1/(1-p) spreading O, bfloat16 dsinks comes within
-    # 3.6x the formula's own bfloat16 error here, not 3x.
-    first = check(backend, dtype, q, k, v, dout, mods=mods, dropout_p=0.3, factor=4.0)
+    # (flash-attention's D), which dropout's 1/(1-p) spreads: up to 20x the formula's own
+    # 16-bit error over input seeds, within what rounding O can move it by.
+    slack = {"dsinks": rounded_out_slack(dtype, q, k, v, dout, mods, dropout_p=0.3)}
+    first = check(backend, dtype, q, k, v, dout, mods=mods, dropout_p=0.3, slack=slack)
     again = _actual(backend, dtype, q, k, v, dout, None, mods, dict(dropout_p=0.3), None, 11)
     for name, a, b in zip(NAMES, first, again):
         assert a is None and b is None or torch.equal(a, b), name

@@ -200,7 +200,28 @@ def test_dropout_hash_matches_pure_python():
     thr = int(0.3 * 2**32)
     for b, h, i, j in [(0, 0, 0, 0), (1, 2, 3, 4), (0, 1, 2, 3), (1, 0, 3, 0)]:
         key_bh = mix(0xDEADBEEF ^ mix((b * 3 + h) ^ 12345))
-        assert bool(keep[b, h, i, j]) == (mix(mix(key_bh ^ i) ^ j) >= thr)
+        key_row = mix(key_bh ^ ((i * 0x9E3779B1) & 0xFFFFFFFF))
+        assert bool(keep[b, h, i, j]) == (mix(key_row ^ ((j * 0x85EBCA77) & 0xFFFFFFFF)) >= thr)
+
+
+@pytest.mark.parametrize("d", [1, 3, 17, 100])
+def test_dropout_masks_are_no_permutations_of_one_another(d):
+    """With i and j XORed into the hash as they were, two heads whose keys differ by d < Lq in
+    XOR had the same mask with rows i and i ^ d swapped, and two rows whose keys differ by
+    d < Lk the same with columns j and j ^ d swapped (a helper found such heads at 1024 heads,
+    L = 4096). Keys built to differ by d: their rows (columns) share no more than chance."""
+    n = 128
+    i = torch.arange(n, dtype=torch.int64)
+    for key in (0x12345678, 0xCAFEF00D, 7):
+        a = _rng.element_hash(_rng.row_key(torch.tensor(key), i)[:, None], i[None, :])
+        b = _rng.element_hash(_rng.row_key(torch.tensor(key ^ d), i ^ d)[:, None], i[None, :])
+        assert (a == b).sum() <= 1  # was: every element
+        rows = _rng.row_key(torch.tensor(key), i)
+        pairs = (rows[:, None] ^ rows[None, :]) == d  # two rows of one head at XOR distance d
+        for r, r2 in pairs.nonzero().tolist():
+            assert (_rng.element_hash(rows[r2], i ^ d) == _rng.element_hash(rows[r], i)).sum() <= 1
+        x = _rng.element_hash(torch.tensor(key), i)  # a row key and its XOR neighbour
+        assert (_rng.element_hash(torch.tensor(key ^ d), i ^ d) == x).sum() <= 1
 
 
 def test_dropout_reproducible_and_correct():

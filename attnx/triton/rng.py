@@ -31,23 +31,35 @@ def mix32(x):
 
 
 @triton.jit
+def row_key(key_bh, offs_m):
+    """Per query row i of the head whose key is key_bh: mix32(key_bh ^ i * ROW_MUL)."""
+    return mix32(key_bh ^ (offs_m.to(tl.uint32) * tl.full([], 0x9E3779B1, tl.uint32)))
+
+
+@triton.jit
 def row_keys(rng_ptr, bh, offs_m):
-    """Per query row i of head bh (= b * Hq + h): mix32(key_bh ^ i), and the threshold."""
+    """Per query row i of head bh (= b * Hq + h): its row key, and the threshold."""
     s0 = tl.load(rng_ptr).to(tl.uint32)
     s1 = tl.load(rng_ptr + 1).to(tl.uint32)
     threshold = tl.load(rng_ptr + 2).to(tl.uint32)
     key_bh = mix32(s0 ^ mix32(bh.to(tl.uint32) ^ s1))
-    return mix32(key_bh ^ offs_m.to(tl.uint32)), threshold
+    return row_key(key_bh, offs_m), threshold
+
+
+@triton.jit
+def _columns(offs_n):
+    """j * COL_MUL: the column's spread index (a vector per tile, not per element)."""
+    return offs_n.to(tl.uint32) * tl.full([], 0x85EBCA77, tl.uint32)
 
 
 @triton.jit
 def keep(key_row, offs_n, threshold):
     """Bool (BLOCK_M, BLOCK_N): True where element (i, j) survives dropout."""
-    return mix32(key_row[:, None] ^ offs_n.to(tl.uint32)[None, :]) >= threshold
+    return mix32(key_row[:, None] ^ _columns(offs_n)[None, :]) >= threshold
 
 
 @triton.jit
 def keep_t(key_row, offs_n, threshold):
     """`keep` transposed, (BLOCK_N, BLOCK_M), for key-major tiles: computed in that layout, not
     transposed in registers."""
-    return mix32(key_row[None, :] ^ offs_n.to(tl.uint32)[:, None]) >= threshold
+    return mix32(key_row[None, :] ^ _columns(offs_n)[:, None]) >= threshold

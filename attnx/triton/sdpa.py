@@ -32,7 +32,7 @@ from .common import (FP32_DOT, LN2, LOG2E, LSE_LIMIT, OVERFLOW_SHIFT, RERUN_BLOC
                      load_tile, modified, negated, offsets, overflowed, query_range,
                      scores_overflowed, second_chunk, shift_exponent, softmax_start, store_out,
                      store_rows, tile_and_head)
-from .rng import keep, keep_t, mix32, rng_words, row_keys
+from .rng import keep, keep_t, mix32, rng_words, row_key, row_keys
 
 # Pruned per launch by common.pruner; the small configs are what fits wide fp32 heads on
 # sm_80, the 8-warp ones what fits 128-wide heads in registers.
@@ -188,7 +188,7 @@ def _varlen_row_keys(RNG, n, h, offs_m):
     s1 = mix32(tl.load(RNG + 1).to(tl.uint32) + (n + 1).to(tl.uint32))
     threshold = tl.load(RNG + 2).to(tl.uint32)
     key_bh = mix32(s0 ^ mix32(h.to(tl.uint32) ^ s1))
-    return mix32(key_bh ^ offs_m.to(tl.uint32)), threshold
+    return row_key(key_bh, offs_m), threshold
 
 
 @triton.jit

@@ -35,14 +35,14 @@ struct Dropout {
 
   uint32_t key_bh(int64_t bh) const { return mix32(s0 ^ mix32(static_cast<uint32_t>(bh) ^ s1)); }
   static uint32_t key_row(uint32_t key_bh, int64_t i) {
-    return mix32(key_bh ^ static_cast<uint32_t>(i));
+    return dropout_row_key(key_bh, static_cast<uint32_t>(i));
   }
   // The hash state shared by all keys of query row i of head bh (0 when dropout is off).
   uint32_t row_key(int64_t bh, int64_t i) const { return on ? key_row(key_bh(bh), i) : 0; }
   // What probability (row, j) is multiplied by: 1 without dropout, else 0 or 1 / (1 - p).
   double factor(uint32_t row_key, int64_t j) const {
     if (!on) return 1.0;
-    return mix32(row_key ^ static_cast<uint32_t>(j)) >= threshold ? inv_keep : 0.0;
+    return dropout_hash(row_key, static_cast<uint32_t>(j)) >= threshold ? inv_keep : 0.0;
   }
 };
 

@@ -223,10 +223,13 @@ ATTNX_BODY vu<W> mix(vu<W> x) {
 template <int W>
 ATTNX_BODY void dropout_body(float* x, int64_t n, uint32_t key_row, uint32_t j0,
                              uint32_t threshold, float inv_keep) {
-  const vu<W> lane = lanes<W>(), key = splatu<W>(key_row), thr = splatu<W>(threshold);
+  const vu<W> key = splatu<W>(key_row), thr = splatu<W>(threshold);
   const vf<W> inv = splat<W>(inv_keep), zero = splat<W>(0.0f);
-  for (int64_t j = 0; j < n; j += W) {
-    const vu<W> r = mix<W>(key ^ (splatu<W>(j0 + static_cast<uint32_t>(j)) + lane));
+  // column j's spread index j * kDropoutColMul (dropout_hash), stepped by an add
+  const vu<W> step = splatu<W>(uint32_t(W) * kDropoutColMul);
+  vu<W> col = (splatu<W>(j0) + lanes<W>()) * splatu<W>(kDropoutColMul);
+  for (int64_t j = 0; j < n; j += W, col += step) {
+    const vu<W> r = mix<W>(key ^ col);
     const vi<W> keep = (vi<W>)(r >= thr);
     if (j + W <= n) {
       store<W>(x + j, keep ? load<W>(x + j) * inv : zero);
@@ -491,7 +494,7 @@ void scale_row(double* x, int64_t n, double a) {
 void dropout_row(double* x, int64_t n, uint32_t key_row, uint32_t j0, uint32_t threshold,
                  double inv_keep) {
   for (int64_t j = 0; j < n; ++j) {
-    const bool keep = mix32(key_row ^ (j0 + static_cast<uint32_t>(j))) >= threshold;
+    const bool keep = dropout_hash(key_row, j0 + static_cast<uint32_t>(j)) >= threshold;
     x[j] = keep ? x[j] * inv_keep : 0.0;
   }
 }

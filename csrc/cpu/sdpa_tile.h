@@ -47,7 +47,7 @@ void scale_row(float* x, int64_t n, float a);
 void scale_row(double* x, int64_t n, double a);
 
 // Dropout of row elements j0 .. j0 + n - 1 of a row whose hash key is key_row:
-// x[t] *= inv_keep where mix32(key_row ^ (j0 + t)) >= threshold, else x[t] = 0.
+// x[t] *= inv_keep where dropout_hash(key_row, j0 + t) >= threshold, else x[t] = 0.
 void dropout_row(float* x, int64_t n, uint32_t key_row, uint32_t j0, uint32_t threshold,
                  float inv_keep);
 void dropout_row(double* x, int64_t n, uint32_t key_row, uint32_t j0, uint32_t threshold,

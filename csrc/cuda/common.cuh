@@ -36,7 +36,7 @@ __device__ __forceinline__ uint32_t dropout_key_bh(const Dropout& d, uint32_t bh
 // Whether element (i, j) of head key_bh is kept, with dropout on.
 __device__ __forceinline__ bool dropout_keeps(const Dropout& d, uint32_t key_bh, uint32_t i,
                                               uint32_t j) {
-  return mix32(mix32(key_bh ^ i) ^ j) >= d.threshold;
+  return dropout_hash(dropout_row_key(key_bh, i), j) >= d.threshold;
 }
 
 // The factor element (i, j) of head key_bh is multiplied by: 0 (dropped), 1/(1-p) (kept), or 1
