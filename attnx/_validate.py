@@ -214,9 +214,10 @@ def _check_same(name: str, x: torch.Tensor, ref: torch.Tensor, ref_name: str) ->
 
 def _number(x):
     """A 0-d real tensor as its Python number (torch's functions take one where they take a
-    float: scale, dropout_p); anything else as it is, for the checks to judge."""
+    float: scale, dropout_p); anything else as it is, for the checks to judge: one that
+    requires grad (torch refuses it too: its gradient would be lost) or a meta one (no value)."""
     if (isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype != torch.bool
-            and not x.is_complex() and x.device.type != "meta"):  # (a meta one has no value)
+            and not x.is_complex() and not x.requires_grad and x.device.type != "meta"):
         return x.item()
     return x
 

@@ -102,8 +102,8 @@ def test_encoder_stack_with_padding_eval():
     kpm[2, 2:] = True
     with torch.no_grad():  # torch runs nested tensors here: its padded positions are zeros
         a, b = ours(x, src_key_padding_mask=kpm), ref(x, src_key_padding_mask=kpm)
-    # padded positions included (attnx computed them, where torch's nested path leaves zeros
-    # before the final norm: the norm's bias there)
+    # padded positions included: zeros before the final norm, as torch's nested path leaves
+    # them (the norm's bias there), not the rows the layers compute
     torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
     assert not torch.allclose(a[kpm], ours.norm(ours.layers[1](ours.layers[0](
         x, src_key_padding_mask=kpm), src_key_padding_mask=kpm))[kpm])
@@ -129,23 +129,28 @@ def test_transformer_inference_with_source_padding_only():
                                    ref(src, tgt, src_key_padding_mask=kpm), rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("case", ["left_padded", "no_nested", "norm_first", "grad", "float_mask"])
+@pytest.mark.parametrize("case", ["left_padded", "no_nested", "no_nested_later", "norm_first",
+                                  "grad", "float_mask", "finite_float_mask"])
 def test_encoder_padded_positions_as_torch_computes_them(case):
     """Where torch's encoder does not go nested (padding not at the end, enable_nested_tensor
-    False, a norm_first layer, weights wanting gradients), its padded positions are computed, as
-    attnx's are; a float padding mask goes nested as a bool one does."""
+    False or use_nested_tensor set False later, a norm_first layer, weights wanting gradients),
+    its padded positions are computed, as attnx's are; a float padding mask goes nested as a
+    bool one does, any nonzero value (-1 too) a padded key that torch's layers never see."""
     layer = T.TransformerEncoderLayer(D, H, FF, 0.0, batch_first=True, dtype=torch.float64,
                                       norm_first=case == "norm_first")
     kw = dict(enable_nested_tensor=case != "no_nested")
     ref = T.TransformerEncoder(layer, 2, **kw).eval()
     ours = ann.TransformerEncoder(layer, 2, **kw).eval()
     ours.load_state_dict(ref.state_dict(), strict=True)
+    if case == "no_nested_later":  # torch's switch, after construction
+        ref.use_nested_tensor = ours.use_nested_tensor = False
     x = torch.randn(3, 8, D, dtype=torch.float64)
     kpm = torch.zeros(3, 8, dtype=torch.bool)
     kpm[0, :3] = case == "left_padded"
     kpm[1, 6:] = case != "left_padded"
-    if case == "float_mask":
-        kpm = torch.zeros(3, 8, dtype=torch.float64).masked_fill(kpm, -torch.inf)
+    if case in ("float_mask", "finite_float_mask"):
+        kpm = torch.zeros(3, 8, dtype=torch.float64).masked_fill(
+            kpm, -torch.inf if case == "float_mask" else -1.0)
     with torch.set_grad_enabled(case == "grad"):
         a, b = ours(x, src_key_padding_mask=kpm), ref(x, src_key_padding_mask=kpm)
     torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)

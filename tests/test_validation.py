@@ -65,6 +65,7 @@ SDPA_CASES = [
     (dict(scale=torch.tensor([0.5])), TypeError, ["scale", "float", "shape=(1,)"]),
     (dict(dropout_p=torch.tensor(True)), TypeError, ["dropout_p", "float", "torch.bool"]),
     (dict(dropout_p=torch.tensor(0.1, device="meta")), TypeError, ["dropout_p", "float", "meta"]),
+    (dict(scale=torch.tensor(0.3, requires_grad=True)), TypeError, ["scale", "float", "Tensor"]),
     (dict(scale=math.nan), ValueError, ["scale", "finite", "nan"]),
     (dict(scale="1"), TypeError, ["scale", "float", "str"]),
     (dict(scale=1e39), ValueError, ["scale", "float32 can hold", "1e+39"]),

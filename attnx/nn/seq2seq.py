@@ -71,7 +71,7 @@ class Seq2Seq(nn.Module):
             _check_int(name, idx, 0)
             if idx >= size:
                 raise ValueError(f"{name}: expected an id in [0, {size}), got {idx}")
-        _check_dropout(dropout, "dropout")
+        dropout = _check_dropout(dropout, "dropout")
         if rnn not in ("gru", "lstm"):
             raise ValueError(f"rnn: expected 'gru' or 'lstm', got {rnn!r}")
         if style not in ("bahdanau", "luong"):

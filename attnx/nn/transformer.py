@@ -18,7 +18,7 @@ import inspect
 
 import torch
 import torch.nn.functional as F
-from torch.nn.modules.transformer import _detect_is_causal_mask
+from torch.nn.modules.transformer import _detect_is_causal_mask, _get_seq_len
 
 from .._validate import _check_tensor
 from ._inputs import check_dtype, check_features, check_init
@@ -34,11 +34,6 @@ def to_attnx(module: torch.nn.Module) -> torch.nn.Module:
         cls = _SWAPS.get(type(m))
         if cls is not None:
             m.__class__ = cls
-        if isinstance(m, torch.nn.TransformerEncoder) and m.use_nested_tensor:
-            # torch's forward would turn padded batches into nested tensors for its own kernels;
-            # attnx's layers take them padded and zero the padded positions where torch's
-            # would have (TransformerEncoder._zeroes_padding)
-            m.use_nested_tensor, m._nested_like_torch = False, True
     return module
 
 
@@ -143,11 +138,13 @@ class TransformerDecoderLayer(torch.nn.TransformerDecoderLayer):
 
 class TransformerEncoder(torch.nn.TransformerEncoder):
     """torch.nn.TransformerEncoder whose layers attend on attnx (a torch layer passed in is
-    converted). Padded batches stay padded tensors instead of becoming nested tensors; where
-    torch would have made them nested (inference with a key padding mask, the conditions of its
-    forward), the padded positions come out as torch's do: zero before the final norm."""
-
-    _nested_like_torch = False  # set by to_attnx where torch's constructor allowed nested tensors
+    converted). Its forward is torch's without the nested tensors: where torch would make a
+    padded batch nested (`use_nested_tensor`, which its constructor sets, and its forward's
+    conditions: inference with a key padding mask and no src mask, padding at the ends, ...),
+    its layers see the real tokens alone and its padded positions come out as zeros before the
+    final norm; attnx's layers take the batch padded, its padded keys masked, and the same
+    positions are zeroed. (torch with mask_check=False and padding not at the ends keeps each
+    row's first positions instead: bad input, not reproduced.)"""
 
     def __init__(self, *args, **kwargs):
         check_init(torch.nn.TransformerEncoder, args, kwargs)
@@ -155,33 +152,45 @@ class TransformerEncoder(torch.nn.TransformerEncoder):
         to_attnx(self)
 
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
-        _check_input("src", src, _first_layer(self))
+        first = _first_layer(self)
+        _check_input("src", src, first)
         _check_masks(src.dtype, mask=mask, src_key_padding_mask=src_key_padding_mask)
-        padding = self._zeroes_padding(src, mask, src_key_padding_mask)
+        if first is None:  # an empty stack: torch's own answer
+            return super().forward(src, mask, src_key_padding_mask, is_causal)
+        src_key_padding_mask = F._canonical_mask(
+            mask=src_key_padding_mask, mask_name="src_key_padding_mask",
+            other_type=F._none_or_dtype(mask), other_name="mask", target_type=src.dtype)
+        mask = F._canonical_mask(mask=mask, mask_name="mask", other_type=None, other_name="",
+                                 target_type=src.dtype, check_other=False)
+        padding = self._nested_padding(src, mask, src_key_padding_mask)
         if padding is None:
-            with named_as(src_mask="mask"):  # (the layers' name for it)
-                return super().forward(src, mask, src_key_padding_mask, is_causal)
+            seq_len = _get_seq_len(src, first.self_attn.batch_first)
+            is_causal = _detect_is_causal_mask(mask, is_causal, seq_len)
+            keys = src_key_padding_mask
+        else:  # torch's layers get the real tokens alone, no mask, and do not read is_causal
+            is_causal, keys = False, padding
         out = src
-        causal = _detect_is_causal_mask(None, is_causal, src.shape[1])
-        for layer in self.layers:
-            out = layer(out, src_mask=None, is_causal=causal, src_key_padding_mask=src_key_padding_mask)
-        out = out.masked_fill(padding.unsqueeze(-1), 0.0)
+        with named_as(src_mask="mask"):  # (the layers' name for it)
+            for layer in self.layers:
+                out = layer(out, src_mask=mask, is_causal=is_causal, src_key_padding_mask=keys)
+        if padding is not None:
+            out = out.masked_fill(padding.unsqueeze(-1), 0.0)
         return out if self.norm is None else self.norm(out)
 
-    def _zeroes_padding(self, src, mask, src_key_padding_mask):
-        """The (N, L) bool padded positions where torch's forward would run this call on nested
-        tensors (whose padding comes back as zeros), else None. Its conditions, in its order."""
-        layer = _first_layer(self)
-        if (not self._nested_like_torch or layer is None or layer.training or src.dim() != 3
-                or src_key_padding_mask is None or mask is not None or src.is_nested
-                or not torch.backends.mha.get_fastpath_enabled() or torch.is_autocast_enabled()):
+    def _nested_padding(self, src, mask, src_key_padding_mask):
+        """The (N, L) bool padded positions (any nonzero of the canonical mask, as torch reads
+        it) where torch's forward would run this call on nested tensors, else None: its
+        conditions, in its order."""
+        layer = self.layers[0]
+        if (not getattr(self, "use_nested_tensor", False)
+                or not torch.backends.mha.get_fastpath_enabled() or layer.training or src.dim() != 3 or src_key_padding_mask is None):
             return None
         check = getattr(self, "mask_check", True)
         if check and torch.compiler.is_compiling():
             return None
-        kept = F._canonical_mask(mask=src_key_padding_mask, mask_name="src_key_padding_mask",
-                                 other_type=None, other_name="", target_type=src.dtype).logical_not()
-        if check and not torch._nested_tensor_from_mask_left_aligned(src, kept):
+        kept = src_key_padding_mask.logical_not()
+        if ((check and not torch._nested_tensor_from_mask_left_aligned(src, kept))
+                or src.is_nested or mask is not None or torch.is_autocast_enabled()):
             return None
         attn = layer.self_attn
         weights = (src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
