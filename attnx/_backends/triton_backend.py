@@ -19,11 +19,16 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
+# Both answers are fixed for the process; torch.compile takes them as constants rather than
+# tracing them: the dispatcher asks on every CUDA SDPA call (backend=None puts triton first),
+# and torch 2.11's dynamo cannot trace importlib's find_spec (fullgraph=True failed).
+@torch.compiler.assume_constant_result
 def _interpreting() -> bool:
     from ..triton import common
     return common.interpreting()
 
 
+@torch.compiler.assume_constant_result
 def availability() -> Optional[str]:
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
