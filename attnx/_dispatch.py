@@ -103,7 +103,7 @@ def _run(name: str, op: str, call):
     BLAS engine's float32 products) keep the dtypes they chose."""
     fn = getattr(_module(name), op)
     if _validate._autocast_dtype(call.q) is not None:
-        with torch.autocast(call.q.device.type, enabled=False):
+        with torch.autocast(_validate.device_type(call.q), enabled=False):
             return fn(call)
     return fn(call)
 
@@ -117,7 +117,7 @@ def select(op: str, call) -> str:
         if reason is not None:
             raise BackendUnavailableError(f"backend: {call.backend!r} cannot run this call: {reason}")
         return call.backend
-    device = call.q.device.type
+    device = _validate.device_type(call.q)
     for name in _AUTO_ORDER_BY_OP.get((op, device), _AUTO_ORDER.get(device, ("reference",))):
         if _unsupported(name, op, call) is None and not _nondeterministic(name, op, call):
             return name
@@ -164,7 +164,8 @@ def sdpa_seeded(seed, query, key, value, attn_mask=None, dropout_p=0.0, is_causa
     out, lse = _run(select("sdpa", call), "sdpa", call)
     if everything_dropped:
         out = _dropped(out)
-    out = out.reshape(call.prefix + tuple(out.shape[-2:]))
+    if out.shape[:-2] != call.prefix:  # (a reshape to its own shape costs a microsecond)
+        out = out.reshape(call.prefix + tuple(out.shape[-2:]))
     if not return_lse:
         return out
     return out, lse.float().reshape(call.prefix + (lse.shape[-1],))

@@ -21,7 +21,7 @@ def availability() -> Optional[str]:
 
 
 def unsupported(op: str, call) -> Optional[str]:
-    if call.q.device.type != "cpu":
+    if not call.q.is_cpu:
         return f"the cpu backend takes CPU tensors, got device {call.q.device}"
     if call.q.dtype not in DTYPES:
         return f"the cpu backend takes float32, float64, bfloat16 and float16, got {call.q.dtype}"
