@@ -157,8 +157,8 @@ def run(args, argv) -> dict:
     if idle:  # a sweep that would time nothing and still write a results file
         usable = {op: sorted(p.name for p in found if p.op == op and p.available) for op in idle}
         raise SystemExit("--ops/--providers: nothing here runs " + "; ".join(
-            f"{op} (providers for it here: {', '.join(names) or 'none'})"
-            for op, names in usable.items()))
+            f"{op} (providers for it here: {', '.join(here) or 'none'})"
+            for op, here in usable.items()))
     doc = machine.describe(device)
     doc.update(schema=report.SCHEMA, settings={
         "argv": list(argv), "ops": list(args.ops), "repeats": sweep.repeats,

@@ -183,7 +183,8 @@ class TransformerEncoder(torch.nn.TransformerEncoder):
         conditions, in its order."""
         layer = self.layers[0]
         if (not getattr(self, "use_nested_tensor", False)
-                or not torch.backends.mha.get_fastpath_enabled() or layer.training or src.dim() != 3 or src_key_padding_mask is None):
+                or not torch.backends.mha.get_fastpath_enabled() or layer.training
+                or src.dim() != 3 or src_key_padding_mask is None):
             return None
         check = getattr(self, "mask_check", True)
         if check and torch.compiler.is_compiling():
