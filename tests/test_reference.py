@@ -96,6 +96,22 @@ def test_leading_batch_dims(lead):
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_four_dim_output_is_no_view_as_torchs(backend):
+    """The output of (B, H, L, E) inputs is the op's own tensor, as torch's is (it was a
+    reshape of itself, a view): detach_() works on it, and an in-place op after a no_grad call
+    records its gradient."""
+    q, k, v = (rand(1, 2, 3, 4, grad=True) for _ in range(3))
+    out = attnx.scaled_dot_product_attention(q, k, v, backend=backend)
+    assert not out._is_view() and not F.scaled_dot_product_attention(q, k, v)._is_view()
+    out.detach_()
+    with torch.no_grad():
+        out = attnx.scaled_dot_product_attention(q, k, v, backend=backend)
+    w = torch.ones(4, requires_grad=True)
+    out.mul_(w).sum().backward()
+    torch.testing.assert_close(w.grad, out.detach().div(w.detach()).sum((0, 1, 2)))
+
+
 def test_two_dim_inputs():
     q, k, v = rand(7, 4), rand(9, 4), rand(9, 3)
     out = attnx.scaled_dot_product_attention(q, k, v, **REF)
