@@ -148,7 +148,8 @@ def test_auto_order_on_cuda_tensors(monkeypatch):
 
     from attnx import _dispatch
 
-    call = SimpleNamespace(q=SimpleNamespace(device=torch.device("cuda")), backend="auto")
+    call = SimpleNamespace(q=SimpleNamespace(device=torch.device("cuda"), is_cpu=False),
+                           backend="auto")
     refused = set()
     monkeypatch.setattr(_dispatch, "_is_empty", lambda op, c: False)
     monkeypatch.setattr(_dispatch, "_unsupported",
