@@ -49,6 +49,11 @@
 #
 # Through the device tool (python3 there is the one with torch 2.11, Triton, pytest):
 #   run(command="bash scripts/gpu_check.sh $OUT", timeout_s=600)
+# or, with attnx._C compiled here beforehand for that machine's Python and torch (no GPU needed;
+# bash scripts/gpu_prebuild.sh 9.0 for the H100 and the H200), which the build step then takes
+# instead of compiling (121 s of the H200's device time on 2026-12-04):
+#   run(command="bash scripts/gpu_check.sh $OUT", timeout_s=600,
+#       carry=["attnx/_C.cpython-312-x86_64-linux-gnu.so", "attnx/_C.cpython-312-x86_64-linux-gnu.so.sources"])
 # If the benchmark got too little time, a second call on the still-warm machine (the build is
 # kept; a fresh machine rebuilds), with the profile after it:
 #   run(command="bash scripts/gpu_check.sh $OUT --steps build,bench,profile", timeout_s=600)
@@ -110,8 +115,8 @@ say() { echo "$*" | tee -a "$log"; }
 # the command of each step (run from the repository root)
 command_of() {
   case "$1" in
-    build) echo "env ATTNX_CUDA=1 ATTNX_CUDA_ARCHS='$arch' MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace && $PY -c 'import attnx, sys; i = attnx._ops.build_info(); print(i); sys.exit(0 if i and i[\"cuda\"] else \"attnx._C was built without CUDA\")'" ;;
-    errors) echo "$PY scripts/gpu_error_paths.py || { $(other_compilers) && echo 'a probe failed: rebuilding with /usr/bin/gcc and /usr/bin/g++' && CC=/usr/bin/gcc CXX=/usr/bin/g++ $(command_of build) && $PY scripts/gpu_error_paths.py; }" ;;
+    build) echo "$PY scripts/gpu_prebuilt.py check . '$arch' || { $(compile_command); }" ;;
+    errors) echo "$PY scripts/gpu_error_paths.py || { $(other_compilers) && echo 'a probe failed: rebuilding with /usr/bin/gcc and /usr/bin/g++' && CC=/usr/bin/gcc CXX=/usr/bin/g++ $(compile_command) && $PY scripts/gpu_error_paths.py; }" ;;
     test_cuda) echo "$tests $PY -m pytest tests/test_cuda.py tests/test_modifiers.py tests/test_varlen.py tests/test_kvcache.py tests/test_mask_dtypes.py tests/test_autocast.py tests/test_compile.py -k cuda -v -rs -p no:cacheprovider$xdist" ;;
     test_triton) echo "$tests ATTNX_TRITON_AUTOTUNE=0 $PY -m pytest tests/test_triton.py tests/test_triton_configs.py tests/test_mask_dtypes.py -v -rs -p no:cacheprovider$xdist" ;;
     check) echo "$PY -m attnx check --jobs $jobs --json $scratch/check.json" ;;
@@ -121,6 +126,12 @@ command_of() {
     cpu) echo "lscpu | grep -m1 'Model name'; taskset -c 0,1 env OMP_NUM_THREADS=2 $PY benchmarks/cpu_sdpa_targets.py --quick --out $outdir/cpu_sdpa_targets.json && taskset -c 0,1 env OMP_NUM_THREADS=2 $PY benchmarks/cpu_decode_targets.py --quick --threads 2 --out $outdir/cpu_decode_targets.json" ;;
     bench) echo "timeout 90 $PY benchmarks/gpu_additive_targets.py --repeats 5 --out $outdir/gpu_additive_targets.json; $PY benchmarks/gpu.py --out $scratch/bench.jsonl --deadline-s \$(( \$DEADLINE - 90 ))" ;;
   esac
+}
+
+# attnx built in place, its CUDA half for this GPU's architecture only (the build step runs it
+# unless a carried prebuilt module serves: scripts/gpu_prebuild.sh, scripts/gpu_prebuilt.py).
+compile_command() {
+  echo "env ATTNX_CUDA=1 ATTNX_CUDA_ARCHS='$arch' MAX_JOBS=$(nproc) $PY setup.py build_ext --inplace && $PY -c 'import attnx, sys; i = attnx._ops.build_info(); print(i); sys.exit(0 if i and i[\"cuda\"] else \"attnx._C was built without CUDA\")'"
 }
 
 # Nsight Compute: on the PATH, or the newest under /opt/nvidia (the device image's place for it).

@@ -33,6 +33,7 @@ def _load(name, path):
 
 report = _load("gpu_check_report", "scripts/gpu_check_report.py")
 bench = _load("gpu_bench", "benchmarks/gpu.py")
+prebuilt = _load("gpu_prebuilt", "scripts/gpu_prebuilt.py")
 
 
 def _script(*args, env=None):
@@ -109,6 +110,41 @@ def test_dry_run_lists_every_step_and_writes_nothing(tmp_path):
     assert "/x/ncu --profile-from-start off --clock-control none" in prof
     assert "--section WarpStateStats" in prof and "gpu_profile_cases.py" in prof
     assert "--page raw --csv" in prof and "gpu_profile_report.py" in prof
+
+
+def _prebuilt_tree(tmp_path, info) -> str:
+    """A tree with sources, and an attnx package whose build_info() says `info`."""
+    (tmp_path / "csrc" / "cuda").mkdir(parents=True)
+    (tmp_path / "csrc" / "cuda" / "k.cu").write_text("a kernel\n")
+    (tmp_path / "setup.py").write_text("setup()\n")
+    (tmp_path / "attnx").mkdir()
+    (tmp_path / "attnx" / "__init__.py").write_text(
+        f"class _ops:\n    @staticmethod\n    def build_info():\n        return {info!r}\n")
+    return prebuilt.module_path(str(tmp_path))
+
+
+def test_a_prebuilt_module_is_taken_only_for_its_sources_gpu_and_torch(tmp_path):
+    root = str(tmp_path)
+    so = _prebuilt_tree(tmp_path, {"cuda": True, "cuda_archs": "9.0", "torch": torch.__version__})
+    assert prebuilt.why_not(root, "9.0").startswith("no attnx/_C.")
+    open(so, "w").close()
+    assert "no stamp" in prebuilt.why_not(root, "9.0")
+    assert prebuilt.main(["stamp", root, so]) == 0
+    assert prebuilt.why_not(root, "9.0") is None
+    assert prebuilt.why_not(root, "8.0") == "built for CUDA architectures '9.0', the GPU is '8.0'"
+    (tmp_path / "setup.py").write_text("setup(changed=True)\n")  # any source changed since
+    assert prebuilt.why_not(root, "9.0") == "built from other sources than this tree's csrc/ and setup.py"
+    for info, reason in (({"cuda": False}, "built without CUDA"),
+                         ({"cuda": True, "cuda_archs": "9.0", "torch": "0.1"}, "built against torch 0.1")):
+        shutil.rmtree(tmp_path)
+        tmp_path.mkdir()
+        so = _prebuilt_tree(tmp_path, info)
+        open(so, "w").close()
+        prebuilt.main(["stamp", root, so])
+        assert prebuilt.why_not(root, "9.0").startswith(reason)
+    # the build step compiles unless the check says yes
+    dry = _script("out", "--dry-run", "--steps", "build").stdout
+    assert "scripts/gpu_prebuilt.py check . " in dry and "|| { env ATTNX_CUDA=1" in dry
 
 
 @pytest.mark.parametrize("args,message", [
