@@ -507,6 +507,9 @@ class KvcacheCall:
     backend: str
     return_lse: bool
     mods: Modifiers = NO_MODIFIERS  # ALiBi aligned bottom-right: offset seqlens[b] - Lq
+    # seqlens as Python ints where validation read or was given them (one for every sequence
+    # where cache_seqlens was an int); None where it could not (fake or meta lengths)
+    lens: Optional[tuple] = None
 
 
 def _check_index_tensor(name: str, x, shape: tuple, device) -> torch.Tensor:
@@ -680,7 +683,8 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
     # [-(n - 1), Lq - 1]); the kernels clamp it to [-(capacity + Lq), capacity + Lq]
     lo, hi = _band(is_causal, None, window)
     return KvcacheCall(q, k_cache, v_cache, cache_seqlens, seqlens, k, v, block_table, scale,
-                       lo, hi, backend, return_lse, mods)
+                       lo, hi, backend, return_lse, mods,
+                       None if lens is None else tuple(n + lnew for n in lens))
 
 
 @dataclass

@@ -114,16 +114,34 @@ def test_export_with_a_dynamic_sequence_length_runs_under_aot_inductor(tmp_path)
         torch.testing.assert_close(compiled(q, k), Windowed()(q, k))
 
 
-def test_kvcache_with_int_lengths_compiles_fullgraph():
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_kvcache_with_int_lengths_compiles_fullgraph(backend):
     """A cache length given as an int (transformers' decoding steps pass the cache's own
-    length) is validated without reading a tensor, so the call traces with no graph break."""
+    length) is validated without reading a tensor, so the call traces with no graph break. The
+    reference (what backend=None falls back to where the cpu kernels are missing) computes from
+    the lengths validation knew: it had answered uninitialised memory while torch.compile traced
+    (it reads no tensor then)."""
     q, kc, vc = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 21, 16), torch.randn(2, 2, 21, 16)
 
     def f(q, kc, vc):
-        return attnx.attention_with_kvcache(q, kc, vc, 17, window=(4, None))
+        return attnx.attention_with_kvcache(q, kc, vc, 17, window=(4, None), backend=backend)
 
     torch._dynamo.reset()
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, kc, vc)
+    torch.testing.assert_close(got, f(q, kc, vc))
+
+
+def test_kvcache_reference_with_a_tensor_of_lengths_compiles():
+    """Lengths in a tensor are read by validation (a graph break), and the reference computes
+    from what it read."""
+    q, kc, vc = torch.randn(2, 8, 2, 16), torch.randn(2, 2, 21, 16), torch.randn(2, 2, 21, 16)
+    lens = torch.tensor([17, 9], dtype=torch.int32)
+
+    def f(q, kc, vc):
+        return attnx.attention_with_kvcache(q, kc, vc, lens, backend="reference")
+
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="aot_eager")(q, kc, vc)
     torch.testing.assert_close(got, f(q, kc, vc))
 
 

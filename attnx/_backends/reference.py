@@ -272,12 +272,18 @@ def cached_keys(cache: torch.Tensor, block_table: Optional[torch.Tensor], b: int
 
 @_float64_where_float32_overflows
 def kvcache(call: KvcacheCall, dtype: torch.dtype):
-    """One sequence at a time over its gathered keys: slots past its length are never read."""
+    """One sequence at a time over its gathered keys: slots past its length are never read.
+    The lengths validation read (call.lens; while torch.compile traces, no tensor is read
+    here); without them (meta or fake lengths) shapes only."""
     lq = call.q.shape[2]
     sink = sink_logits(call.mods, dtype)
     outs, lses = [], []
-    readable = values_readable(call.seqlens)  # meta or fake lengths: shapes only
-    for b, n in enumerate(call.seqlens.tolist() if readable else ()):
+    lens = call.lens
+    if lens is None and values_readable(call.seqlens):
+        lens = call.seqlens.tolist()
+    if lens is not None and len(lens) != call.q.shape[0]:  # an int length: every sequence's
+        lens = lens * call.q.shape[0]
+    for b, n in enumerate(lens or ()):
         q = call.q[b].to(dtype)
         k, v = (cached_keys(c, call.block_table, b, n).to(dtype) for c in (call.k_cache, call.v_cache))
         groups = q.shape[0] // k.shape[0]
@@ -291,7 +297,7 @@ def kvcache(call: KvcacheCall, dtype: torch.dtype):
         p, lse = masked_softmax(s, None, call.window_lo + offset, call.window_hi + offset, sink)
         outs.append(torch.matmul(p, v))
         lses.append(lse)
-    if not outs or not readable:  # B = 0, or no lengths to read
+    if not outs:  # B = 0, or no lengths to read
         b, hq, lq, _ = call.q.shape
         return (call.q.new_empty((b, hq, lq, call.v_cache.shape[-1])),
                 call.q.new_empty((b, hq, lq), dtype=torch.float32))

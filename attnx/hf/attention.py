@@ -175,9 +175,9 @@ def _decode_kernel_serves(q, k, v, dropout, modifiers) -> bool:
     row. It is an inference op: no dropout, no gradient, no score modifiers yet. Not under
     autocast: the decoding op does not cast (Llama's q and k come out float32 from RoPE beside a
     bf16 v there), the SDPA op does, as torch's, and runs one query row on the same kernel.
-    (Where the cpu backend failed to load, both routes take the reference.) A decoding step asks
-    this per layer with the caches cold: `is_cpu` costs a third of `device.type`'s building of a
-    torch.device then."""
+    A decoding step asks this per layer with the caches cold: `is_cpu` costs a third of
+    `device.type`'s building of a torch.device then."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return (q.is_cpu and not needs_grad and dropout == 0 and not modifiers
-            and q.dtype in cpu.DTYPES and not torch.is_autocast_enabled("cpu"))
+            and q.dtype in cpu.DTYPES and cpu.availability() is None
+            and not torch.is_autocast_enabled("cpu"))
