@@ -54,6 +54,8 @@
 # instead of compiling (121 s of the H200's device time on 2026-12-04):
 #   run(command="bash scripts/gpu_check.sh $OUT", timeout_s=600,
 #       carry=["attnx/_C.cpython-312-x86_64-linux-gnu.so", "attnx/_C.cpython-312-x86_64-linux-gnu.so.sources"])
+# (the log's build step says whether it was taken; the errors step then tests this module, not
+# one of the GPU machine's compilers, unless a crash makes it rebuild there)
 # If the benchmark got too little time, a second call on the still-warm machine (the build is
 # kept; a fresh machine rebuilds), with the profile after it:
 #   run(command="bash scripts/gpu_check.sh $OUT --steps build,bench,profile", timeout_s=600)

@@ -15,7 +15,9 @@
 #   run(command="bash scripts/gpu_check.sh $OUT", timeout_s=600,
 #       carry=["attnx/_C.cpython-312-x86_64-linux-gnu.so", "attnx/_C.cpython-312-x86_64-linux-gnu.so.sources"])
 # (the stamp beside it holds the digest of the csrc/ and setup.py it was built from:
-# scripts/gpu_prebuilt.py; a tree changed since is compiled there as before)
+# scripts/gpu_prebuilt.py; a tree changed since is compiled there as before). A run meant to
+# test the GPU machine's own compilers (gpu_check.sh's errors step: whether a C++ error reaches
+# Python from a module built there) must not carry it.
 #
 # ATTNX_GPU_PYTHON: the Python to build for (default: python3.12 on the PATH; with pyenv,
 # e.g. ~/.pyenv/versions/3.12.1/bin/python3.12).
@@ -32,17 +34,26 @@ venv=.venv-gpu
 "$venv/bin/python" -m pip install -q torch==2.11.0 pybind11==3.1.0 ninja==1.13.2 \
   setuptools==81.0.0 wheel numpy==2.2.6 2>&1 | { grep -v '^WARNING: Location' || true; }
 tag="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+[[ "$tag" == *cpython-312* ]] || { echo "gpu_prebuild.sh: $venv is not a CPython 3.12 venv ($tag): remove it" >&2; exit 2; }
 so="attnx/_C$tag"
+rm -f "$so.sources"  # a failed build below leaves no stamp
+# The sources' digest before and after: an edit during the build (minutes) would otherwise be
+# stamped as built.
+before="$("$venv/bin/python" scripts/gpu_prebuilt.py digest .)"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" PATH="$venv/bin:$PATH"
+unset ATTNX_NATIVE  # -march=native code would not run on the GPU machines' host CPU
 ATTNX_CUDA=1 ATTNX_CUDA_ARCHS="$arch" ATTNX_CUDA_HOST=0 "$venv/bin/python" setup.py build_ext --inplace
 objcopy --strip-debug "$so"
-"$venv/bin/python" scripts/gpu_prebuilt.py stamp . "$so"  # which sources it was built from
 "$venv/bin/python" - "$arch" <<'PY'
 import sys
 import attnx
 info = attnx._ops.build_info()
 print(info)
 if not info or not info["cuda"] or info["cuda_archs"] != sys.argv[1]:
-    sys.exit(f"attnx._C: expected a CUDA build for {sys.argv[1]} only, got {info}")
+    sys.exit(f"attnx._C: expected a CUDA build for {sys.argv[1]} only, got {info} "
+             f"({attnx._ops.LOAD_ERROR or 'loaded'})")
 PY
-ls -l "$so"
+[ "$("$venv/bin/python" scripts/gpu_prebuilt.py digest .)" = "$before" ] ||
+  { echo "gpu_prebuild.sh: csrc/ or setup.py changed during the build: run it again" >&2; exit 1; }
+echo "$before" > "$so.sources"  # which sources it was built from (gpu_prebuilt.py check)
+ls -l "$so" "$so.sources"

@@ -1,6 +1,6 @@
 """Whether an attnx._C built elsewhere (scripts/gpu_prebuild.sh) serves the GPU machine as it is.
 
-    python scripts/gpu_prebuilt.py stamp ROOT SO   # after a build: SO.sources <- digest of ROOT's sources
+    python scripts/gpu_prebuilt.py digest ROOT     # the digest of ROOT's sources (gpu_prebuild.sh stamps it)
     python scripts/gpu_prebuilt.py check ROOT ARCH # gpu_check.sh's build step: exit 0 to skip the compile
 
 `check` answers yes (exit 0) only where ROOT/attnx/_C<this Python's extension suffix> exists,
@@ -20,15 +20,25 @@ import sys
 import sysconfig
 
 
-def digest(root: str) -> str:
-    """sha1 over csrc/'s files and setup.py, by their paths and contents, in path order."""
-    paths = [os.path.join(root, "setup.py")]
+def sources(root: str) -> list[str]:
+    """setup.py and csrc/'s files, relative to root: in a git checkout those the device tool
+    sends (tracked, or untracked and not ignored); elsewhere (the copy it sends) every file."""
+    res = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard",
+                          "--", "setup.py", "csrc"], cwd=root, capture_output=True)
+    if res.returncode == 0 and res.stdout:
+        return sorted({p for p in res.stdout.decode().split("\0") if p})
+    paths = ["setup.py"]
     for top, _, files in os.walk(os.path.join(root, "csrc")):
-        paths += [os.path.join(top, f) for f in files]
+        paths += [os.path.relpath(os.path.join(top, f), root) for f in files]
+    return sorted(paths)
+
+
+def digest(root: str) -> str:
+    """sha1 over the sources' paths and contents, in path order."""
     h = hashlib.sha1()
-    for p in sorted(paths, key=lambda p: os.path.relpath(p, root)):
-        h.update(os.path.relpath(p, root).encode() + b"\0")
-        with open(p, "rb") as f:
+    for p in sources(root):
+        h.update(p.encode() + b"\0")
+        with open(os.path.join(root, p), "rb") as f:
             h.update(f.read() + b"\0")
     return h.hexdigest()
 
@@ -49,12 +59,15 @@ def why_not(root: str, arch: str) -> str | None:
     if stamp != digest(root):
         return "built from other sources than this tree's csrc/ and setup.py"
     # in a child: this process must not keep a module that the compile may replace
-    probe = ("import json, torch, attnx; "
-             "print(json.dumps([attnx._ops.build_info(), torch.__version__]))")
+    probe = ("import json, torch, attnx; print(json.dumps([attnx._ops.build_info(), "
+             "torch.__version__, getattr(attnx._ops, 'LOAD_ERROR', None)]))")
     res = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True)
     if res.returncode != 0:
-        return f"importing it failed: {res.stderr.strip().splitlines()[-1:]}"
-    info, torch_version = json.loads(res.stdout.strip().splitlines()[-1])
+        last = res.stderr.strip().splitlines()
+        return f"importing attnx failed: {last[-1] if last else res.returncode}"
+    info, torch_version, load_error = json.loads(res.stdout.strip().splitlines()[-1])
+    if load_error:
+        return f"it does not load: {load_error}"
     if not info or not info.get("cuda"):
         return f"built without CUDA ({info})"
     if info["cuda_archs"] != arch:
@@ -65,10 +78,8 @@ def why_not(root: str, arch: str) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) == 3 and argv[0] == "stamp":
-        root, so = argv[1], argv[2]
-        with open(so + ".sources", "w") as f:
-            f.write(digest(root) + "\n")
+    if len(argv) == 2 and argv[0] == "digest":
+        print(digest(argv[1]))
         return 0
     if len(argv) == 3 and argv[0] == "check":
         reason = why_not(argv[1], argv[2])

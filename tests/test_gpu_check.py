@@ -112,39 +112,59 @@ def test_dry_run_lists_every_step_and_writes_nothing(tmp_path):
     assert "--page raw --csv" in prof and "gpu_profile_report.py" in prof
 
 
-def _prebuilt_tree(tmp_path, info) -> str:
-    """A tree with sources, and an attnx package whose build_info() says `info`."""
-    (tmp_path / "csrc" / "cuda").mkdir(parents=True)
+def _prebuilt_tree(tmp_path, info, load_error=None) -> str:
+    """A tree with sources, and an attnx package whose build_info() says `info`; returns the
+    path of its (empty) module, stamped as built from the tree's sources."""
+    (tmp_path / "csrc" / "cuda").mkdir(parents=True, exist_ok=True)
     (tmp_path / "csrc" / "cuda" / "k.cu").write_text("a kernel\n")
     (tmp_path / "setup.py").write_text("setup()\n")
-    (tmp_path / "attnx").mkdir()
+    (tmp_path / "attnx").mkdir(exist_ok=True)
     (tmp_path / "attnx" / "__init__.py").write_text(
-        f"class _ops:\n    @staticmethod\n    def build_info():\n        return {info!r}\n")
-    return prebuilt.module_path(str(tmp_path))
+        f"class _ops:\n    LOAD_ERROR = {load_error!r}\n    @staticmethod\n"
+        f"    def build_info():\n        return {info!r}\n")
+    so = prebuilt.module_path(str(tmp_path))
+    open(so, "w").close()
+    with open(so + ".sources", "w") as f:
+        f.write(prebuilt.digest(str(tmp_path)) + "\n")
+    return so
 
 
-def test_a_prebuilt_module_is_taken_only_for_its_sources_gpu_and_torch(tmp_path):
+def test_a_prebuilt_module_is_taken_only_for_its_sources_gpu_and_torch(tmp_path, capsys):
     root = str(tmp_path)
     so = _prebuilt_tree(tmp_path, {"cuda": True, "cuda_archs": "9.0", "torch": torch.__version__})
-    assert prebuilt.why_not(root, "9.0").startswith("no attnx/_C.")
-    open(so, "w").close()
-    assert "no stamp" in prebuilt.why_not(root, "9.0")
-    assert prebuilt.main(["stamp", root, so]) == 0
-    assert prebuilt.why_not(root, "9.0") is None
+    assert prebuilt.why_not(root, "9.0") is None and prebuilt.main(["check", root, "9.0"]) == 0
+    assert "taken, no compile" in capsys.readouterr().out
     assert prebuilt.why_not(root, "8.0") == "built for CUDA architectures '9.0', the GPU is '8.0'"
-    (tmp_path / "setup.py").write_text("setup(changed=True)\n")  # any source changed since
-    assert prebuilt.why_not(root, "9.0") == "built from other sources than this tree's csrc/ and setup.py"
-    for info, reason in (({"cuda": False}, "built without CUDA"),
-                         ({"cuda": True, "cuda_archs": "9.0", "torch": "0.1"}, "built against torch 0.1")):
-        shutil.rmtree(tmp_path)
-        tmp_path.mkdir()
-        so = _prebuilt_tree(tmp_path, info)
-        open(so, "w").close()
-        prebuilt.main(["stamp", root, so])
+    assert prebuilt.main(["check", root, "8.0"]) == 1
+    assert "not taken (built for CUDA architectures" in capsys.readouterr().out
+    # any source changed, added or removed since the build
+    other = "built from other sources than this tree's csrc/ and setup.py"
+    for change in (lambda: (tmp_path / "setup.py").write_text("setup(changed=True)\n"),
+                   lambda: (tmp_path / "csrc" / "cuda" / "k.cu").write_text("another kernel\n"),
+                   lambda: (tmp_path / "csrc" / "new.h").write_text("\n")):
+        _prebuilt_tree(tmp_path, {"cuda": True, "cuda_archs": "9.0", "torch": torch.__version__})
+        change()
+        assert prebuilt.why_not(root, "9.0") == other
+    (tmp_path / "csrc" / "new.h").unlink()
+    for info, load_error, reason in (
+            ({"cuda": False}, None, "built without CUDA"),
+            ({"cuda": True, "cuda_archs": "9.0", "torch": "0.1"}, None, "built against torch 0.1"),
+            (None, "attnx._C is not built or failed to load (GLIBCXX)", "it does not load: attnx._C")):
+        _prebuilt_tree(tmp_path, info, load_error)
         assert prebuilt.why_not(root, "9.0").startswith(reason)
-    # the build step compiles unless the check says yes
-    dry = _script("out", "--dry-run", "--steps", "build").stdout
-    assert "scripts/gpu_prebuilt.py check . " in dry and "|| { env ATTNX_CUDA=1" in dry
+    _prebuilt_tree(tmp_path, {})
+    (tmp_path / "attnx" / "__init__.py").write_text("raise ImportError('planted')\n")
+    assert prebuilt.why_not(root, "9.0") == "importing attnx failed: ImportError: planted"
+    os.remove(so + ".sources")
+    assert "no stamp" in prebuilt.why_not(root, "9.0")
+    os.remove(so)
+    assert prebuilt.why_not(root, "9.0").startswith("no attnx/_C.")
+    # the build step compiles unless the check says yes; the errors step's rebuild always does
+    dry = _script("out", "--dry-run", "--steps", "build,errors").stdout
+    (build,) = [line for line in dry.splitlines() if line.split()[:1] == ["build"]]
+    (errors,) = [line for line in dry.splitlines() if line.split()[:1] == ["errors"]]
+    assert "scripts/gpu_prebuilt.py check . " in build and "|| { env ATTNX_CUDA=1" in build
+    assert "CXX=/usr/bin/g++ env ATTNX_CUDA=1" in errors and "gpu_prebuilt.py" not in errors
 
 
 @pytest.mark.parametrize("args,message", [
