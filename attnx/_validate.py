@@ -672,7 +672,11 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
         # (fake and meta tensors hold no ids to read: FakeTensorMode makes the table's slice
         # fake; while torch.compile traces, the read stays, a graph break)
         if ids.numel() and (torch.compiler.is_compiling() or values_readable(ids)):
-            low, high = (int(x) for x in torch.aminmax(ids))
+            # (two int() calls, not a generator over the pair: while torch.compile traced, the
+            # generator's graph break let fake values through and the check passed, the ids -1
+            # then indexing the cache's last block)
+            low, high = torch.aminmax(ids)
+            low, high = int(low), int(high)
             if low < 0 or high >= slots:
                 raise ValueError(f"block_table: expected block ids in [0, {slots}) where the "
                                  f"sequences have keys, got ids from {low} to {high}")

@@ -170,6 +170,27 @@ def test_kvcache_writing_new_keys_compiles_fullgraph(paged):
     torch.testing.assert_close(vc, eager_caches[1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_kvcache_bad_block_ids_raise_under_compile_before_any_write(backend):
+    """A block id of -1 where the new keys go: validation refuses it under torch.compile too
+    (its check had passed while traced, and the reference then wrote into the cache's last
+    block), and nothing is written."""
+    g = torch.Generator().manual_seed(0)
+    q, kn, vn = (torch.randn(2, 1, 1, 8, generator=g) for _ in range(3))
+    kc, vc = torch.randn(6, 1, 4, 8, generator=g), torch.randn(6, 1, 4, 8, generator=g)
+    table = torch.tensor([[0, -1], [1, 2]], dtype=torch.int32)  # sequence 0's key 4: block -1
+    before = kc.clone(), vc.clone()
+
+    def f(q, kc, vc, kn, vn, table):
+        return attnx.attention_with_kvcache(q, kc, vc, 4, kn, vn, block_table=table,
+                                           backend=backend)
+
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"block_table: expected block ids in \[0, 6\)"):
+        torch.compile(f, backend="aot_eager")(q, kc, vc, kn, vn, table)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
 @pytest.mark.parametrize("case", ["reference", "empty_keys", "empty_additive"])
 def test_fake_tensors_take_no_data_dependent_branch(case):
     """Under FakeTensorMode (what torch.compile and make_fx use to work out shapes) the
