@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import attnx
+import attnx.nn
 
 
 @pytest.mark.parametrize("backend", ["reference", None])
@@ -189,6 +190,33 @@ def test_kvcache_bad_block_ids_raise_under_compile_before_any_write(backend):
     with pytest.raises(ValueError, match=r"block_table: expected block ids in \[0, 6\)"):
         torch.compile(f, backend="aot_eager")(q, kc, vc, kn, vn, table)
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+@pytest.mark.parametrize("op", ["sdpa", "kvcache", "varlen", "mha_weights"])
+def test_scores_past_float32_stay_finite_under_compile(op):
+    """Scores past float32's range from finite inputs (|q| |k| ~ 1e38): eager reruns in float64
+    where float32 overflowed (the reference backend, attnx.nn's weights); a traced graph tests
+    no values, so it computes in float64 from the start. It had given NaN."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 5, 8, generator=g) * 1e19 for _ in range(2))
+    v = torch.randn(1, 2, 5, 8, generator=g)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    mha = attnx.nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    calls = {
+        "sdpa": lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, backend="reference"),
+        "kvcache": lambda q, k, v: attnx.attention_with_kvcache(q, k, v, 5, backend="reference"),
+        "varlen": lambda q, k, v: attnx.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                                         v[0].transpose(0, 1), cu, cu,
+                                                         backend="reference"),
+        "mha_weights": lambda q, k, v: mha(x := q.transpose(1, 2).reshape(1, 5, 16) * 3, x, x,
+                                           need_weights=True)[1],
+    }
+    f = calls[op]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want, got = f(q, k, v), torch.compile(f, backend="aot_eager")(q, k, v)
+    assert torch.isfinite(want).all() and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("case", ["reference", "empty_keys", "empty_additive"])

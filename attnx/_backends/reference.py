@@ -43,8 +43,11 @@ def _float64_where_float32_overflows(op):
 
     def forward(call):  # (result, the dtype it was computed in)
         dtype = _compute_dtype(call.q.dtype)
-        if dtype != torch.float64 and under_functorch(TransformType.Vmap):
-            # vmap's batched values take no branch (values_readable): float64 from the start
+        if dtype != torch.float64 and (under_functorch(TransformType.Vmap)
+                                       or torch.compiler.is_compiling()):
+            # vmap's batched values and a graph torch.compile traces take no branch on values
+            # (values_readable): float64 from the start (float32 and a rerun that never came
+            # gave NaN from finite inputs past float32's range in compiled code)
             return op(call, torch.float64), torch.float64
         result = op(call, dtype)
         if call.q.dtype == torch.float64 or not values_readable(call.q):

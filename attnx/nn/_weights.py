@@ -37,7 +37,10 @@ def band_mask(lq: int, lk: int, window, device, offset: int = 0) -> Optional[tor
 def weight_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """q k^T * scale, the scores behind the weights; in float64 where the inputs' dtype
     overflows (|q| |k| past its range), as the fused op does: finite inputs never give NaN
-    weights. softmax_weights takes either and returns the weights in `dtype`."""
+    weights. softmax_weights takes either and returns the weights in `dtype`. A graph
+    torch.compile traces cannot test the values: float64 there."""
+    if torch.compiler.is_compiling() and q.dtype != torch.float64:
+        return torch.matmul(q.double() * scale, k.double().transpose(-2, -1))
     s = torch.matmul(q * scale, k.transpose(-2, -1))
     if values_readable(s) and not bool(torch.isfinite(s).all()):
         s = torch.matmul(q.double() * scale, k.double().transpose(-2, -1))
