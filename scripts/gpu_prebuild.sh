@@ -37,23 +37,17 @@ tag="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_config_var("
 [[ "$tag" == *cpython-312* ]] || { echo "gpu_prebuild.sh: $venv is not a CPython 3.12 venv ($tag): remove it" >&2; exit 2; }
 so="attnx/_C$tag"
 rm -f "$so.sources"  # a failed build below leaves no stamp
-# The sources' digest before and after: an edit during the build (minutes) would otherwise be
-# stamped as built.
+# The sources' digest before the build: an edit during it (minutes) must not be stamped as built.
 before="$("$venv/bin/python" scripts/gpu_prebuilt.py digest .)"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" PATH="$venv/bin:$PATH"
 unset ATTNX_NATIVE  # -march=native code would not run on the GPU machines' host CPU
 ATTNX_CUDA=1 ATTNX_CUDA_ARCHS="$arch" ATTNX_CUDA_HOST=0 "$venv/bin/python" setup.py build_ext --inplace
 objcopy --strip-debug "$so"
-"$venv/bin/python" - "$arch" <<'PY'
-import sys
-import attnx
-info = attnx._ops.build_info()
-print(info)
-if not info or not info["cuda"] or info["cuda_archs"] != sys.argv[1]:
-    sys.exit(f"attnx._C: expected a CUDA build for {sys.argv[1]} only, got {info} "
-             f"({attnx._ops.LOAD_ERROR or 'loaded'})")
-PY
-[ "$("$venv/bin/python" scripts/gpu_prebuilt.py digest .)" = "$before" ] ||
-  { echo "gpu_prebuild.sh: csrc/ or setup.py changed during the build: run it again" >&2; exit 1; }
-echo "$before" > "$so.sources"  # which sources it was built from (gpu_prebuilt.py check)
+# Stamped with the digest taken before the build, then the check gpu_check.sh makes: it loads,
+# reports CUDA for ARCH against this torch, and the sources are still those (else no stamp).
+echo "$before" > "$so.sources"
+"$venv/bin/python" scripts/gpu_prebuilt.py check . "$arch" ||
+  { rm -f "$so.sources"
+    echo "gpu_prebuild.sh: not fit to carry (above; sources edited during the build: run it again)" >&2
+    exit 1; }
 ls -l "$so" "$so.sources"
