@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from . import _second_order
+
 try:
     from . import _C  # noqa: F401  (loading it registers the ops)
     LOAD_ERROR: Optional[str] = None
@@ -93,10 +95,13 @@ def weights_grads(grad_lse: Optional[torch.Tensor], weights: Optional[torch.Tens
 
 def no_double_backward(ctx, *grads):
     """The autograd of every fused backward op: without it, a second-order gradient through one
-    would be silently wrong (torch only warns that the op has no autograd kernel)."""
+    would be silently wrong (torch only warns that the op has no autograd kernel). Reached
+    only under torch.func's transforms: a plain backward with create_graph=True takes its
+    gradients from the reference backend (attnx/_second_order.py), differentiable again."""
     raise NotImplementedError(
-        "attnx: second-order gradients are not implemented by the fused backends (cpu, cuda, "
-        "triton); pass backend='reference' for them")
+        "attnx: second-order gradients under torch.func's transforms (grad of grad, hessian) are "
+        "not implemented by the fused backends (cpu, cuda, triton); pass backend='reference' for "
+        "them, or use torch.autograd.grad(..., create_graph=True)")
 
 
 # The autograd formulas again, per op (its qualified name), for torch.func's transforms: the
@@ -138,9 +143,13 @@ def _transformable(op) -> type:
         if setup is not None:
             setup(ctx, inputs, output)
 
+    def first_order_backward(ctx, *grads):
+        with _second_order.first_order_only():
+            return backward(ctx, *grads)
+
     return type(f"{name.replace('::', '_')}_transformable", (torch.autograd.Function,), {
         "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
-        "backward": staticmethod(backward), "generate_vmap_rule": True})
+        "backward": staticmethod(first_order_backward), "generate_vmap_rule": True})
 
 
 def call(op, *args):
@@ -215,6 +224,10 @@ def _register(ns: str) -> None:
     def _sdpa_backward(ctx, grad_out, grad_lse):
         q, k, v, mask, out, lse, seed = ctx.saved_tensors
         scale, lo, hi, p = ctx.args
+        if _second_order.wanted():
+            dq, dk, dv, dmask, _ = _second_order.sdpa(
+                (grad_out, grad_lse), q, k, v, mask, scale, lo, hi, p, seed)
+            return dq, dk, dv, dmask, None, None, None, None, None
         want_mask = _wants_mask_grad(ctx, mask)
         dq, dk, dv, dmask = call(
             ops.sdpa_bwd, or_zeros(grad_out, out), q, k, v, mask, out, lse, scale, lo, hi, p,
@@ -234,6 +247,10 @@ def _register(ns: str) -> None:
     def _additive_backward(ctx, grad_out, grad_lse, grad_weights):
         q, k, value, v, mask, out, lse, seed, weights = ctx.saved_tensors
         lo, hi, p = ctx.args
+        if _second_order.wanted():
+            grads = _second_order.additive((grad_out, grad_lse, grad_weights), q, k, value, v,
+                                           mask, lo, hi, p, seed, weights is not None)
+            return (*grads, None, None, None, None, None)
         want_mask = _wants_mask_grad(ctx, mask)
         grad_lse, grad_weights = weights_grads(grad_lse, weights, grad_weights)
         dq, dk, dvalue, dv, dmask = call(
@@ -284,6 +301,10 @@ def _register_varlen(ns: str) -> None:
     def _backward(ctx, grad_out, grad_lse):
         q, k, v, cu_q, cu_k, out, lse, seed = ctx.saved_tensors
         scale, lo, hi, p = ctx.args
+        if _second_order.wanted():
+            dq, dk, dv, _ = _second_order.varlen((grad_out, grad_lse), q, k, v, cu_q, cu_k, scale,
+                                                 lo, hi, p, seed)
+            return dq, dk, dv, None, None, None, None, None, None, None
         dq, dk, dv = call(ops.varlen_bwd, or_zeros(grad_out, out), q, k, v, cu_q, cu_k, out, lse,
                           scale, lo, hi, p, seed, grad_lse)
         return dq, dk, dv, None, None, None, None, None, None, None
@@ -323,6 +344,10 @@ def _register_varlen_modifiers(ns: str) -> None:
     def _backward(ctx, grad_out, grad_lse):
         q, k, v, cu_q, cu_k, out, lse, seed, alibi, sinks = ctx.saved_tensors
         scale, lo, hi, p, softcap = ctx.args
+        if _second_order.wanted():
+            dq, dk, dv, dsinks = _second_order.varlen((grad_out, grad_lse), q, k, v, cu_q, cu_k,
+                                                      scale, lo, hi, p, seed, softcap, alibi, sinks)
+            return (dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks)
         want_sinks = sinks is not None and ctx.needs_input_grad[12]
         dq, dk, dv, dsinks = call(
             ops.varlen_mod_bwd, or_zeros(grad_out, out), q, k, v, cu_q, cu_k, out, lse, scale, lo,
@@ -364,6 +389,10 @@ def _register_modifiers(ns: str) -> None:
     def _backward(ctx, grad_out, grad_lse):
         q, k, v, mask, out, lse, seed, alibi, sinks = ctx.saved_tensors
         scale, lo, hi, p, softcap = ctx.args
+        if _second_order.wanted():
+            dq, dk, dv, dmask, dsinks = _second_order.sdpa(
+                (grad_out, grad_lse), q, k, v, mask, scale, lo, hi, p, seed, softcap, alibi, sinks)
+            return (dq, dk, dv, dmask, None, None, None, None, None, None, None, dsinks)
         want_mask = mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[3]
         want_sinks = sinks is not None and ctx.needs_input_grad[11]
         dq, dk, dv, dmask, dsinks = call(

@@ -1455,3 +1455,32 @@ def test_additive_backward_grad_out_near_the_bf16_max(value_std):
     for name, g, b, want in zip(("dq", "dk", "dvalue", "dw"), got, base, gold):
         assert want.abs().max() < 3.3e38, f"{name}: past bf16's range in the case itself"
         assert_within(g, want, b.double() * BIG, factor=3.0, floor=0.0, what=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_second_order_gradients_match_the_reference(dtype):
+    """A backward with create_graph=True recomputes on the reference backend (attnx/
+    _second_order.py), through each cuda formula: the Hessian-vector products are the
+    reference's."""
+    torch.manual_seed(0)
+    q = rand(1, 2, 5, 16, dtype=dtype)
+    k, v = rand(1, 2, 6, 16, dtype=dtype, grad=False), rand(1, 2, 6, 16, dtype=dtype, grad=False)
+    w, sinks = rand(16, dtype=dtype, grad=False), rand(2, dtype=torch.float32, grad=False)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEV)
+    calls = (lambda q, b: attnx.scaled_dot_product_attention(q, k, v, is_causal=True, backend=b),
+             lambda q, b: attnx.scaled_dot_product_attention(q, k, v, sinks=sinks, softcap=5.0,
+                                                             backend=b),
+             lambda q, b: attnx.additive_attention(q, k, v, w, backend=b),
+             lambda q, b: attnx.varlen_attention(q[0].transpose(0, 1), k[0, :, :5].transpose(0, 1),
+                                                 v[0, :, :5].transpose(0, 1), cu, cu, backend=b),
+             lambda q, b: attnx.varlen_attention(q[0].transpose(0, 1), k[0, :, :5].transpose(0, 1),
+                                                 v[0, :, :5].transpose(0, 1), cu, cu, sinks=sinks,
+                                                 backend=b))
+    for fn in calls:
+        c = torch.randn(fn(q, "reference").shape, device=DEV, dtype=dtype)
+        hessian_vector = []
+        for backend in ("cuda", "reference"):
+            # (a loss linear in the output: the same grad_out whatever each forward rounded)
+            g, = torch.autograd.grad((fn(q, backend) * c).sum(), q, create_graph=True)
+            hessian_vector.append(torch.autograd.grad(g.float().pow(2).sum(), q)[0])
+        torch.testing.assert_close(*hessian_vector)

@@ -3,9 +3,10 @@
 torch.library builds each op's autograd from register_autograd as an autograd.Function without
 setup_context, which torch.func refuses (RuntimeError), where torch's own SDPA works; under these
 transforms attnx runs the same formulas as Functions of its own (attnx/_ops.py `call`). Each
-case is checked against plain autograd through the same backend; second-order gradients stay
-the reference backend's (the fused backward ops have none: NotImplementedError, as in plain
-autograd). vmap takes no branch on its batched values (attnx/_values.py): the reference then
+case is checked against plain autograd through the same backend; second-order gradients under
+these transforms stay the reference backend's (the fused backward ops have none:
+NotImplementedError; plain autograd's create_graph=True recomputes on the reference,
+attnx/_second_order.py). vmap takes no branch on its batched values (attnx/_values.py): the reference then
 computes in float64 rather than checking float32 for overflow. Forward mode (jvp, jacfwd) is
 test_forward_ad.py's.
 """

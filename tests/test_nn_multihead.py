@@ -182,6 +182,20 @@ def test_state_dict_both_ways():
     fresh.load_state_dict(ref.state_dict(), strict=True)
 
 
+def test_gradient_penalty_matches_torch():
+    """Differentiating a gradient again (WGAN-GP's penalty) works as with torch's module, whose
+    need_weights=True path computes the attention in plain PyTorch."""
+    grads = []
+    for cls in (torch.nn.MultiheadAttention, ann.MultiheadAttention):
+        torch.manual_seed(0)
+        m = cls(6, 2, batch_first=True, dtype=torch.float64)
+        x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+        g, = torch.autograd.grad(m(x, x, x)[0].sum(), x, create_graph=True)
+        g.pow(2).sum().backward()
+        grads.append(m.in_proj_weight.grad)
+    torch.testing.assert_close(*grads)
+
+
 def test_fully_masked_row_gives_zeros():
     ours, _ = _pair(batch_first=True)
     q, k, v = _inputs(2, 3, 4, True)

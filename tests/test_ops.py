@@ -81,22 +81,75 @@ def test_opcheck_on_non_contiguous_inputs():
                           (torch.randn_like(out), q, k, value, v, None, out, lse, -7, 5, 0.0, None, False))
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_second_order_gradients_raise_or_are_right(backend):
-    """The fused backward ops have no derivative of their own: a second-order gradient through
-    them raises instead of coming out silently wrong; the reference backend computes it."""
+def _second_order_calls(backend):
+    """Calls of every fused formula, float64, each with its inputs requiring grad."""
+    def t(*shape):
+        return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+    q, k, v, w = t(1, 2, 4, 3), t(1, 2, 5, 3), t(1, 2, 5, 2), t(3)
+    mask, sinks = t(1, 1, 4, 5), t(2)
+    slopes = torch.tensor([0.5, 0.25])
+    qp, kp, vp = t(7, 2, 3), t(9, 1, 3), t(9, 1, 2)
+    cu_q = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 5, 9], dtype=torch.int32)
+
+    def dropped(q, k, v):  # the same keys dropped on every call of gradgradcheck
+        torch.manual_seed(3)
+        return attnx.scaled_dot_product_attention(q, k, v, dropout_p=0.3, backend=backend)
+
+    return {
+        "sdpa": (lambda q, k, v, m: attnx.scaled_dot_product_attention(
+            q, k, v, attn_mask=m, window=(2, 1), backend=backend), (q, k, v, mask)),
+        "sdpa_q_is_k_is_v": (lambda q: attnx.scaled_dot_product_attention(
+            q, q, q, is_causal=True, backend=backend), (q,)),
+        "sdpa_dropout": (dropped, (q, k, v)),
+        "sdpa_modifiers": (lambda q, k, v, s: attnx.scaled_dot_product_attention(
+            q, k, v, softcap=2.0, alibi_slopes=slopes, sinks=s, backend=backend), (q, k, v, sinks)),
+        "additive": (lambda q, k, v, w: attnx.additive_attention(
+            q, k, v, w, return_weights=True, backend=backend), (q, k, v, w)),
+        "varlen": (lambda q, k, v: attnx.varlen_attention(
+            q, k, v, cu_q, cu_k, is_causal=True, backend=backend), (qp, kp, vp)),
+        "varlen_modifiers": (lambda q, k, v, s: attnx.varlen_attention(
+            q, k, v, cu_q, cu_k, softcap=3.0, sinks=s, backend=backend), (qp, kp, vp, sinks)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_second_order_calls("cpu")))
+def test_second_order_gradients(name):
+    """A backward with create_graph=True takes its gradients from the reference backend's
+    recomputation (attnx/_second_order.py): differentiable again, against finite differences."""
+    torch.manual_seed(0)
+    fn, inputs = _second_order_calls("cpu")[name]
+    torch.autograd.gradgradcheck(fn, inputs)
+
+
+def test_second_order_gradients_through_lse():
+    """The lse's gradient joins the recomputation's too (a z-loss differentiated twice), as on
+    the reference backend."""
+    torch.manual_seed(0)
     q = torch.randn(1, 2, 4, 3, dtype=torch.float64, requires_grad=True)
     k, v = torch.randn(1, 2, 5, 3, dtype=torch.float64), torch.randn(1, 2, 5, 2, dtype=torch.float64)
-    w = torch.randn(3, dtype=torch.float64)
-    calls = (lambda q: attnx.scaled_dot_product_attention(q, k, v, backend=backend),
-             lambda q: attnx.additive_attention(q, k, v, w, backend=backend))
-    for fn in calls:
-        if backend == "reference":
-            torch.autograd.gradgradcheck(fn, (q,))
-            continue
-        g, = torch.autograd.grad(fn(q).pow(2).sum(), q, create_graph=True)
-        with pytest.raises(NotImplementedError, match="second-order"):
-            torch.autograd.grad(g.sum(), q)
+    hessian_vector = []
+    for backend in ("cpu", "reference"):
+        out, lse = attnx.scaled_dot_product_attention(q, k, v, backend=backend, return_lse=True)
+        g, = torch.autograd.grad(out.sum() + lse.pow(2).sum(), q, create_graph=True)
+        hessian_vector.append(torch.autograd.grad(g.pow(2).sum(), q)[0])
+    torch.testing.assert_close(*hessian_vector, rtol=1e-5, atol=1e-6)  # lse is float32
+
+
+def test_second_order_gradients_under_torch_func_raise():
+    """torch.func.grad runs every backward with create_graph=True, so the fused backward serves
+    it; grad of grad then raises rather than coming out silently wrong."""
+    q = torch.randn(1, 2, 4, 3, dtype=torch.float64)
+    k, v = torch.randn(1, 2, 5, 3, dtype=torch.float64), torch.randn(1, 2, 5, 2, dtype=torch.float64)
+
+    def loss(q):
+        return attnx.scaled_dot_product_attention(q, k, v, backend="cpu").pow(2).sum()
+
+    torch.testing.assert_close(torch.func.grad(loss)(q), torch.func.grad(
+        lambda q: attnx.scaled_dot_product_attention(q, k, v, backend="reference").pow(2).sum())(q))
+    with pytest.raises(NotImplementedError, match="second-order"):
+        torch.func.grad(lambda q: torch.func.grad(loss)(q).sum())(q)
 
 
 def _additive_raw(window=(-7, 5)):

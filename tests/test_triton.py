@@ -459,15 +459,29 @@ def test_fp32_dots_on_tensor_cores_are_as_accurate_as_fp32(d):
 # ---------------------------------------------------------------- registration
 
 
-def test_second_order_gradients_raise():
+def test_second_order_gradients_match_the_reference():
+    """A backward with create_graph=True recomputes on the reference backend (attnx/
+    _second_order.py), through each Triton formula: the Hessian-vector products are the
+    reference's."""
     gen = torch.Generator().manual_seed(0)
-    q = _randn((1, 1, 5, 16), f32, gen).requires_grad_()
-    k, v, w = _randn((1, 1, 6, 16), f32, gen), _randn((1, 1, 6, 16), f32, gen), _randn((16,), f32, gen)
-    for fn in (lambda q: attnx.scaled_dot_product_attention(q, k, v, backend="triton"),
-               lambda q: attnx.additive_attention(q, k, v, w, backend="triton")):
-        g, = torch.autograd.grad(fn(q).pow(2).sum(), q, create_graph=True)
-        with pytest.raises(NotImplementedError, match="second-order"):
-            torch.autograd.grad(g.sum(), q)
+    q = _randn((1, 2, 5, 16), f32, gen).requires_grad_()
+    k, v, w = _randn((1, 2, 6, 16), f32, gen), _randn((1, 2, 6, 16), f32, gen), _randn((16,), f32, gen)
+    sinks = _randn((2,), f32, gen)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=q.device)
+    calls = (lambda q, b: attnx.scaled_dot_product_attention(q, k, v, is_causal=True, backend=b),
+             lambda q, b: attnx.scaled_dot_product_attention(q, k, v, sinks=sinks, softcap=5.0,
+                                                             backend=b),
+             lambda q, b: attnx.additive_attention(q, k, v, w, backend=b),
+             lambda q, b: attnx.varlen_attention(q[0].transpose(0, 1), k[0, :, :5].transpose(0, 1),
+                                                 v[0, :, :5].transpose(0, 1), cu, cu, backend=b))
+    for fn in calls:
+        c = torch.randn(fn(q, "reference").shape, generator=gen).to(q.device)
+        hessian_vector = []
+        for backend in ("triton", "reference"):
+            # (a loss linear in the output: the same grad_out whatever each forward rounded)
+            g, = torch.autograd.grad((fn(q, backend) * c).sum(), q, create_graph=True)
+            hessian_vector.append(torch.autograd.grad(g.pow(2).sum(), q)[0])
+        torch.testing.assert_close(*hessian_vector)
 
 
 def test_ops_pass_opcheck_and_compile():

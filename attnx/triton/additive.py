@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _second_order
 from .._ops import (call, contiguous_grads, no_double_backward, or_zeros, register_autograd,
                     same_device, weights_grads)
 from . import common
@@ -461,6 +462,10 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_out, _grad_lse, grad_weights):
     q, k, value, v, mask, out, lse, seed, weights = ctx.saved_tensors
     lo, hi, p = ctx.args
+    if _second_order.wanted():
+        grads = _second_order.additive((grad_out, None, grad_weights), q, k, value, v, mask, lo,
+                                       hi, p, seed, weights is not None)
+        return (*grads, None, None, None, None, None)
     want_mask = mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[4]
     grad_lse, grad_weights = weights_grads(None, weights, grad_weights)  # its lse: a constant
     dq, dk, dvalue, dv, dmask = call(

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _second_order
 from .._ops import (call, contiguous_grads, no_double_backward, or_zeros, register_autograd,
                     same_device)
 from . import common
@@ -1115,6 +1116,10 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, mask, out, lse, seed, alibi, sinks = ctx.saved_tensors
     scale, lo, hi, p, softcap = ctx.args
+    if _second_order.wanted():
+        dq, dk, dv, dmask, dsinks = _second_order.sdpa(
+            (grad_out, grad_lse), q, k, v, mask, scale, lo, hi, p, seed, softcap, alibi, sinks)
+        return (dq, dk, dv, dmask, None, None, None, None, None, None, None, dsinks)
     want_mask = mask is not None and mask.dtype != torch.bool and ctx.needs_input_grad[3]
     dq, dk, dv, dmask, dsinks = call(sdpa_bwd, or_zeros(grad_out, out), q, k, v, mask, out, lse,
                                      scale, lo, hi, p, seed, want_mask, grad_lse, softcap, alibi,

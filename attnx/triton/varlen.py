@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from .. import _second_order
 from .._ops import call, no_double_backward, or_zeros, register_autograd, same_device
 from . import common, sdpa, sdpa_bwd_rerun, sdpa_fwd_rerun
 from .rng import rng_words
@@ -171,6 +172,11 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, cu_q, cu_k, out, lse, seed, alibi, sinks = ctx.saved_tensors
     max_q, max_k, scale, lo, hi, p, softcap = ctx.args
+    if _second_order.wanted():
+        dq, dk, dv, dsinks = _second_order.varlen((grad_out, grad_lse), q, k, v, cu_q, cu_k, scale,
+                                                  lo, hi, p, seed, softcap, alibi, sinks)
+        return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None,
+                dsinks)
     dq, dk, dv, dsinks = call(varlen_bwd, or_zeros(grad_out, out), q, k, v, cu_q, cu_k, max_q,
                               max_k, out, lse, scale, lo, hi, p, seed, grad_lse, softcap, alibi,
                               sinks)
