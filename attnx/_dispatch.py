@@ -276,7 +276,7 @@ def _write_new_keys(call) -> None:
         rows, slots = call.block_table.long().gather(1, pos // block_size), pos % block_size
     k, v = call.k, call.v
     if torch.compiler.is_compiling() or any(
-            _may_overlap(x, c) for x in (k, v) for c in (call.k_cache, call.v_cache)):
+            _validate.may_overlap(x, c) for x in (k, v) for c in (call.k_cache, call.v_cache)):
         # new keys read from the cache itself (a view of it): taken before anything is written,
         # where the indexed write refused an overlap after writing k. A traced graph cannot ask
         # where storage lies (fullgraph=True would fail): it copies the few new rows always.
@@ -284,18 +284,3 @@ def _write_new_keys(call) -> None:
     # cache[rows, :, slots] is (B, Lnew, Hkv, E): the indexed dims come first
     call.k_cache[rows, :, slots] = k.transpose(1, 2)
     call.v_cache[rows, :, slots] = v.transpose(1, 2)
-
-
-def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a and b may share memory: the same storage and overlapping byte spans."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-
-    def span(t):
-        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))  # strides are >= 0
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1

@@ -572,6 +572,22 @@ def _may_self_overlap(t: torch.Tensor) -> bool:
     return False
 
 
+def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b may share memory: the same storage and overlapping byte spans."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))  # strides are >= 0
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+
 def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causal, scale,
                  window, softcap, alibi_slopes, sinks, backend, return_lse) -> KvcacheCall:
     """The validated call. Everything, the cache's capacity and the block table's ids included,
@@ -633,6 +649,11 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
             raise ValueError(f"k: expected shape {(b, hkv, 'Lnew', e)}, got {tuple(k.shape)}")
         if tuple(v.shape) != (b, hkv, lnew, ev):
             raise ValueError(f"v: expected shape {(b, hkv, lnew, ev)}, got {tuple(v.shape)}")
+        if values_readable(k_cache) and may_overlap(k_cache, v_cache):
+            # v's write would overwrite k's (a traced graph, meta and fake tensors cannot say
+            # where their storage lies)
+            raise ValueError("v_cache: expected memory apart from k_cache's to write k, v into, "
+                             "got caches that overlap")
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             # slots sharing memory (an expanded cache, an as_strided view) would each take
             # several sequences' or positions' new keys, the last write winning

@@ -428,6 +428,24 @@ def test_caches_whose_slots_overlap_raise_and_write_nothing():
     torch.testing.assert_close(ok[0, 0, :2], k_new[0, 0])
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_k_and_v_caches_that_overlap_raise_and_write_nothing(backend):
+    """One tensor (or overlapping views) as both caches: v's write would overwrite the keys
+    just written, and the call attend with the values as keys. Halves of one buffer share
+    nothing: taken."""
+    q, k_new, v_new = torch.randn(1, 1, 1, 4), torch.ones(1, 1, 1, 4), torch.full((1, 1, 1, 4), 2.0)
+    base = torch.zeros(1, 1, 9, 4)
+    for k_cache, v_cache in ((base, base), (base[:, :, :8], base[:, :, 1:])):
+        with pytest.raises(ValueError, match="v_cache: expected memory apart from k_cache's"):
+            attnx.attention_with_kvcache(q, k_cache, v_cache, 0, k_new, v_new, backend=backend)
+    assert not base.any()
+    kv = torch.zeros(2, 1, 1, 8, 4)
+    attnx.attention_with_kvcache(q, kv[0], kv[1], 0, k_new, v_new, backend=backend)
+    assert torch.equal(kv[0, 0, 0, 0], k_new[0, 0, 0]) and torch.equal(kv[1, 0, 0, 0], v_new[0, 0, 0])
+    # without new keys nothing is written: the same tensor as both caches is a valid read
+    attnx.attention_with_kvcache(q, kv[0], kv[0], 1, backend=backend)
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("lengths", ["int", "tensor"])
 def test_meta_tensors_give_shapes(paged, lengths):
