@@ -134,6 +134,14 @@ def shard_roundtrip(layout):
     assert torch.equal(full, x)
     (full * x).sum().backward()  # every rank's loss reads every position
     assert torch.equal(local.grad, world * shard(x, layout=layout, dim=-1))
+    # the all-reduce sums a copy: the caller's gradient tensor stays as it was, and a branch
+    # beside unshard (a residual) that autograd hands the same tensor takes its own gradient
+    ones = torch.ones_like(x)
+    unshard(local, layout=layout, dim=-1).backward(ones)
+    assert torch.equal(ones, torch.ones_like(x))
+    c = torch.ones_like(x).requires_grad_()
+    ((unshard(local, layout=layout, dim=-1) + 2 * c) * 1.0).sum().backward()
+    assert torch.equal(c.grad, torch.full_like(x, 2.0))
     # dtypes the collectives do not gather themselves travel as bytes
     for dtype in (torch.float8_e4m3fn, torch.uint16):
         y = x.to(dtype)
@@ -201,6 +209,8 @@ def bad_input_everywhere():
                   lambda: unshard(ql, layout="contiguous" if rank == 0 else "zigzag"))
     assert unshard(ql).shape == q.shape
     _expect_error(TypeError, ["dim: expected an int, got float"], lambda: shard(q, dim=1.5))
+    _expect_error(ValueError, ["group: expected None or a process group"],
+                  lambda: shard(q, group="not-a-group"))  # (torch's error named no argument)
     _expect_error(TypeError, ["attn_mask"], lambda: ring_attention(ql, kl, vl, attn_mask=None))
     # rank 1 alone: a keyword ring_attention or unshard does not take, or a group that is none.
     # Python's own TypeError (refusing the call) would leave rank 0 waiting in the agreement.
@@ -434,6 +444,25 @@ def context_parallel_matches(length=512):
         torch.testing.assert_close(p.grad, want, **tol)
 
 
+def nan_on_one_rank_keeps_the_float64_ring(layout):
+    """A NaN in one rank's q (its own row's output NaN) must not switch the float64 ring off
+    for the other ranks' finite rows whose float32 scores pass the range: the ranks' maximum
+    of a NaN and a number depended on their order (ring._max_abs)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v, *_ = _inputs(1, 1, 8 * world, 4, 4, torch.float32)
+    row = 8 * world - 1  # the last rank's last row (both layouts)
+    q[:, 0, row, 0] = 3e19
+    k[:, 0, 1, 0], k[:, 0, -1, 0] = 3e19, 2.5e19
+    q[:, 0, 0, 1] = float("nan")  # rank 0's first row (both layouts)
+    out = ring_attention(*(shard(t, layout=layout) for t in (q, k, v)), layout=layout)
+    s = q[:, 0].double() @ k[:, 0].double().transpose(-2, -1) / 2.0
+    gold = (torch.softmax(s, -1) @ v[:, 0].double()).float().unsqueeze(1)
+    want = shard(gold, layout=layout)
+    finite = ~want.isnan().any(-1)  # the NaN row's own output is NaN, the rest is not
+    assert finite.sum() == want.shape[0] * want.shape[2] - (rank == 0) * want.shape[0]
+    torch.testing.assert_close(out[finite], want[finite], **_tol(torch.float32))
+
+
 def peer_dies_mid_ring(timeout_s):
     """Rank 1 dies between the forward and the backward: rank 0's backward ring raises within
     the process group's timeout instead of waiting for it forever."""
@@ -457,4 +486,4 @@ CHECKS = {f.__name__: f for f in (ring_matches, shard_roundtrip, bad_input_every
                                   outside_a_subgroup, softcap_matches, ring_under_autocast,
                                   ddp_transformer_matches, context_parallel_matches,
                                   peer_dies_mid_ring, no_second_order,
-                                  ring_under_torch_func)}
+                                  ring_under_torch_func, nan_on_one_rank_keeps_the_float64_ring)}

@@ -108,7 +108,9 @@ def shard(x: torch.Tensor, *, group=None, layout: str = "zigzag", dim: int = -2)
     """This rank's shard of the full tensor `x` along `dim` (differentiable)."""
     layout = check_layout(layout)
     dim = _dim(x, dim, "x")
-    rank, world = group_info(group)
+    rank, world, _, error = member(group)  # (no other rank waits: shard sends nothing)
+    if error is not None:
+        raise error
     check_divisible("x", x.shape[dim], world, layout)
     local = x.shape[dim] // world
     parts = [x.narrow(dim, s.start, s.length) for s in segments(rank, world, local, layout)]
@@ -148,7 +150,9 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, grad):
         import torch.distributed as dist
         group, layout, dim = ctx.args
-        grad = grad.contiguous()
+        # a copy: the all-reduce sums in place, and grad may be the caller's tensor (or one
+        # autograd also hands to other branches: a residual beside unshard got W times its own)
+        grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, group=group)
         return shard(grad, group=group, layout=layout, dim=dim), None, None, None
 

@@ -277,7 +277,7 @@ def _dout_may_overflow(ring: _Ring, dout, v) -> bool:
     if ring.world > 1:
         d_max = d_max.to(checks._device(ring.group))
         dist.all_reduce(d_max, op=dist.ReduceOp.MAX, group=ring.group)
-    return v.shape[-1] * ring.v_max * float(d_max) > _F32_BOUND
+    return not v.shape[-1] * ring.v_max * float(d_max) <= _F32_BOUND  # (inf * 0: NaN)
 
 
 # Scores or value products whose magnitude may pass this run the whole ring in float64: a
@@ -301,10 +301,13 @@ def _extremes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
 
 
 def _max_abs(t: torch.Tensor) -> torch.Tensor:
-    """max|t| as a float64 0-d tensor on t's device (0 for an empty t)."""
+    """max|t| as a float64 0-d tensor on t's device (0 for an empty t); inf where t holds a
+    NaN: the ranks' maximum of a NaN and a number depends on their order (Python's max, gloo's
+    MAX), and a NaN on one rank then switched the float64 ring off for rows of the others that
+    needed it."""
     if not t.numel():
         return torch.zeros((), dtype=torch.float64, device=t.device)
-    return torch.linalg.vector_norm(t.detach(), float("inf")).double()
+    return torch.linalg.vector_norm(t.detach(), float("inf")).double().nan_to_num(nan=float("inf"))
 
 
 def _float64_backend(q, k, v, scale: float, softcap) -> str:
@@ -320,8 +323,9 @@ def _may_overflow(call, q_max: float, k_max: float, v_max: float) -> bool:
     or the backward's products of values."""
     if call.q.dtype == torch.float64:
         return False
-    return (abs(call.scale) * call.q.shape[-1] * q_max * k_max > _F32_BOUND
-            or call.v.shape[-1] * v_max > _F32_BOUND)
+    # (not <=: a NaN product, inf times 0, counts as past the bound)
+    return not (abs(call.scale) * call.q.shape[-1] * q_max * k_max <= _F32_BOUND
+                and call.v.shape[-1] * v_max <= _F32_BOUND)
 
 
 def ring_attention(q, k, v, *positional, group=None, is_causal=False, scale=None,
