@@ -450,6 +450,16 @@ def test_softcap_far_above_the_scores(backend):
           is_causal=True)
 
 
+@pytest.mark.parametrize("backend,dtype,cap", cases(["reference", "cpu", "triton"], HALF,
+                                                   [1e6, 1e30]), ids=str)
+def test_half_precision_softcap_far_above_the_scores(backend, dtype, cap):
+    """fp16/bf16 under a cap far above the scores: the exp form's tanh, the one Triton keeps
+    for 16-bit inputs under usual caps, errs by ~eps cap a score (5x the bound at 1e6, every
+    score 0 at 1e30); past common.EXACT_TANH_CAP the kernels take the exact branch."""
+    q, k, v, dout = _inputs(1, 2, 2, 33, 40, 32, 16)
+    check(backend, dtype, q, k, v, dout, mods=dict(softcap=cap), is_causal=True)
+
+
 @pytest.mark.parametrize("backend", BACKENDS + [TRITON])
 def test_bfloat16_and_sinks_in_float32(backend):
     """bfloat16 inputs with float32 sinks (a model's float32 parameter): its gradient comes back
@@ -796,6 +806,18 @@ def test_kvcache_softcap_far_above_the_scores(backend):
         backend=backend, return_lse=True)
     _check_kvcache(out.cpu(), lse.cpu(), q, keys, values, lengths, torch.float32,
                    dict(softcap=500.0), dict(is_causal=True, window=None), floor="ulps")
+    if backend == "reference":
+        return
+    # the same through the 16-bit decoding kernels under a cap past common.EXACT_TANH_CAP
+    out = attnx.attention_with_kvcache(
+        q.to(device(backend), torch.float16), kc.to(device(backend), torch.float16),
+        vc.to(device(backend), torch.float16),
+        torch.tensor(lengths, dtype=torch.int32, device=device(backend)), softcap=1e30,
+        backend=backend)
+    want = attnx.attention_with_kvcache(q.to(torch.float16), kc.to(torch.float16),
+                                        vc.to(torch.float16), torch.tensor(lengths, dtype=torch.int32),
+                                        backend="reference")  # (the cap changes no score)
+    assert (out.cpu().double() - want.double()).abs().max() < 4e-3
 
 
 @pytest.mark.skipif(not HAS_CPU_KERNELS, reason="attnx._C is not built")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -127,7 +128,9 @@ def tanh(x, SMALL_EXACT: tl.constexpr):
     (0.63 eps relative at most, evaluated in float32); float64 x (the reruns) keeps the
     exp form, whose 1e-16 is plenty. SMALL_EXACT=False keeps the exp form alone: for fp16 and
     bf16 inputs, whose rounding dominates, where the branch would cost the softcap forward's
-    in-band loop ~20% more PTX instructions (float32's: 4.5%, with tf32x3's three dots)."""
+    in-band loop ~20% more PTX instructions (float32's: 4.5%, with tf32x3's three dots); but
+    not under a cap past EXACT_TANH_CAP (softcap_kind), where the scores' error cap x eps would
+    not be small."""
     e = tl.math.exp2(tl.abs(x) * (-2.0 * LOG2E))
     t = (1.0 - e) / (1.0 + e)
     t = tl.where(x < 0, -t, t)
@@ -149,7 +152,7 @@ def modified(s, cap, slope, offs_i, offs_j, SOFTCAP: tl.constexpr, ALIBI: tl.con
     branch (a cap far above the scores, 500 over ~1, erred 10x torch's float32 without it)."""
     t = s
     if SOFTCAP:
-        t = tanh(s / cap, FP32_INPUTS)
+        t = tanh(s / cap, FP32_INPUTS or SOFTCAP == SOFTCAP_HUGE)
         s = cap * t
     if ALIBI:
         s = s - slope * tl.abs(offs_i - offs_j).to(tl.float32)
@@ -172,6 +175,21 @@ def head_blocks(d: int) -> tuple[int, int]:
     first = 1 << (d.bit_length() - 1)
     rest = head_block(d - first) if d > first else 0
     return (2 * first, 0) if rest == first else (first, rest)
+
+
+# The SOFTCAP constexpr (softcap_kind): no cap, a cap, or a cap past EXACT_TANH_CAP, which
+# takes tanh's exact small-|x| branch whatever the dtype. The exp form's absolute error, ~fp32's
+# eps, becomes cap x eps in the scores: 1.5e-5 at 256, within fp16's rounding of scores near 1;
+# at 1e6 the fp16 outputs erred 5x the bound, and at 1e30 every score came out 0.
+SOFTCAP_HUGE = tl.constexpr(2)
+EXACT_TANH_CAP = 256.0
+
+
+def softcap_kind(softcap: Optional[float]) -> int:
+    """The SOFTCAP constexpr of a call's softcap (None: none)."""
+    if softcap is None:
+        return 0
+    return SOFTCAP_HUGE.value if softcap > EXACT_TANH_CAP else 1
 
 
 # The DOT_PREC of float32 inputs: kernels test DOT_PREC == FP32_DOT for what only float32 needs.

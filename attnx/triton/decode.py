@@ -189,7 +189,7 @@ def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         *k_cache.stride(), *v_cache.stride(), *(table.stride() if paged else (0, 0)),
         *(alibi.stride() if alibi is not None else (0, 0)), hkv, lq, e, ev, page, scale,
         window_lo, window_hi, split_len, splits, 1.0 if softcap is None else softcap,
-        GROUP=group, PAGED=paged, SOFTCAP=softcap is not None, ALIBI=alibi is not None,
+        GROUP=group, PAGED=paged, SOFTCAP=common.softcap_kind(softcap), ALIBI=alibi is not None,
         DOT_PREC=common.dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4, num_stages=2)
     out, lse = merge(o_part, lse_part, q.dtype, sinks)

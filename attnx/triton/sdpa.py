@@ -952,7 +952,7 @@ def _modifier_args(q, softcap, alibi, sinks):
     slopes, strides = (q, (0, 0)) if alibi is None else (alibi, tuple(alibi.stride()))
     return (slopes, q if sinks is None else sinks, strides,
             1.0 if softcap is None else softcap,
-            dict(SOFTCAP=softcap is not None, ALIBI=alibi is not None))
+            dict(SOFTCAP=common.softcap_kind(softcap), ALIBI=alibi is not None))
 
 
 @common.register_op("triton_sdpa_fwd")
