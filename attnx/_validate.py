@@ -587,6 +587,38 @@ def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def may_share_an_element(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b may share an element: their spans overlap (may_overlap) and, for views
+    of equal shape, strides and dtype whose dims each step past the span of those with smaller
+    strides (the k and v halves of one (B, 2, H, L, E) or (pages, 2, H, block, E) buffer,
+    whose spans interleave), their offset is one of the view's own (sum_n i_n stride_n,
+    |i_n| < size_n); other overlapping spans count as sharing."""
+    if not may_overlap(a, b):
+        return False
+    if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype:
+        return True
+    offset, size = b.data_ptr() - a.data_ptr(), a.element_size()
+    if offset % size:
+        return True
+    dims = sorted(((st, n) for n, st in zip(a.shape, a.stride()) if n > 1), reverse=True)
+    reach = [0] * len(dims)  # how far the dims after each one reach
+    for i in range(len(dims) - 1, 0, -1):
+        reach[i - 1] = reach[i] + (dims[i][1] - 1) * dims[i][0]
+        if dims[i - 1][0] <= reach[i - 1]:
+            return True
+
+    def position(rest: int, i: int) -> bool:  # rest = sum_{m >= i} i_m stride_m?
+        if i == len(dims):
+            return rest == 0
+        stride, n = dims[i]
+        # the stride passes what the later dims reach: at most these two candidates
+        return any(abs(c) < n and abs(rest - c * stride) <= reach[i]
+                   and position(rest - c * stride, i + 1)
+                   for c in (rest // stride, rest // stride + 1))
+
+    return position(offset // size, 0)
+
+
 
 def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causal, scale,
                  window, softcap, alibi_slopes, sinks, backend, return_lse) -> KvcacheCall:
@@ -649,7 +681,7 @@ def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causa
             raise ValueError(f"k: expected shape {(b, hkv, 'Lnew', e)}, got {tuple(k.shape)}")
         if tuple(v.shape) != (b, hkv, lnew, ev):
             raise ValueError(f"v: expected shape {(b, hkv, lnew, ev)}, got {tuple(v.shape)}")
-        if values_readable(k_cache) and may_overlap(k_cache, v_cache):
+        if values_readable(k_cache) and may_share_an_element(k_cache, v_cache):
             # v's write would overwrite k's (a traced graph, meta and fake tensors cannot say
             # where their storage lies)
             raise ValueError("v_cache: expected memory apart from k_cache's to write k, v into, "

@@ -442,6 +442,18 @@ def test_k_and_v_caches_that_overlap_raise_and_write_nothing(backend):
     kv = torch.zeros(2, 1, 1, 8, 4)
     attnx.attention_with_kvcache(q, kv[0], kv[1], 0, k_new, v_new, backend=backend)
     assert torch.equal(kv[0, 0, 0, 0], k_new[0, 0, 0]) and torch.equal(kv[1, 0, 0, 0], v_new[0, 0, 0])
+    # interleaved halves (spans overlap, no element shared): (B, 2, H, L, E) and a paged
+    # (pages, 2, H, block, E) buffer, as FlashInfer lays its caches out
+    q2, k2, v2 = (t.expand(2, 2, 1, 4) for t in (q, k_new, v_new))
+    both = torch.zeros(2, 2, 2, 8, 4)
+    attnx.attention_with_kvcache(q2, both[:, 0], both[:, 1], 3, k2, v2, backend=backend)
+    assert torch.equal(both[:, 0, :, 3], k2[:, :, 0]) and torch.equal(both[:, 1, :, 3], v2[:, :, 0])
+    assert both.count_nonzero() == 2 * 2 * 2 * 4
+    pages = torch.zeros(4, 2, 2, 4, 4)
+    table = torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)
+    attnx.attention_with_kvcache(q2, pages[:, 0], pages[:, 1], 5, k2, v2, block_table=table,
+                                 backend=backend)
+    assert torch.equal(pages[[0, 2], 0, :, 1], k2[:, :, 0]) and torch.equal(pages[[0, 2], 1, :, 1], v2[:, :, 0])
     # without new keys nothing is written: the same tensor as both caches is a valid read
     attnx.attention_with_kvcache(q, kv[0], kv[0], 1, backend=backend)
 
