@@ -96,12 +96,14 @@ def weights_grads(grad_lse: Optional[torch.Tensor], weights: Optional[torch.Tens
 def no_double_backward(ctx, *grads):
     """The autograd of every fused backward op: without it, a second-order gradient through one
     would be silently wrong (torch only warns that the op has no autograd kernel). Reached
-    only under torch.func's transforms: a plain backward with create_graph=True takes its
-    gradients from the reference backend (attnx/_second_order.py), differentiable again."""
+    only through calls made under torch.func's transforms (_transformable): elsewhere a
+    backward with create_graph=True takes its gradients from the reference backend
+    (attnx/_second_order.py), differentiable again."""
     raise NotImplementedError(
-        "attnx: second-order gradients under torch.func's transforms (grad of grad, hessian) are "
-        "not implemented by the fused backends (cpu, cuda, triton); pass backend='reference' for "
-        "them, or use torch.autograd.grad(..., create_graph=True)")
+        "attnx: second-order gradients through a call made under torch.func's transforms (grad "
+        "of grad, hessian, a vmap'd forward) are not implemented by the fused backends (cpu, "
+        "cuda, triton); pass backend='reference' for them (elsewhere a backward with "
+        "create_graph=True recomputes on the reference backend)")
 
 
 # The autograd formulas again, per op (its qualified name), for torch.func's transforms: the

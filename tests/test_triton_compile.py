@@ -80,7 +80,7 @@ def test_the_variants_cover_each_dtype_head_dim_and_flag(results):
     parts = {p for n in names for p in n.split("/")}
     assert {"fp32", "fp16", "bf16", "d16", "d64", "d96", "d128", "d192", "d256", "bool-mask",
             "float-mask", "float32-mask", "dropout", "gqa", "weights", "shared_v",
-            "paged"} <= parts
+            "paged", "softcap", "huge_cap", "alibi", "sinks"} <= parts
 
 
 

@@ -34,13 +34,15 @@ class Variant:
     shared_v: bool = False  # additive, 16-bit: v given as (A,), which goes in as float32
     paged: bool = False     # kvcache: a paged cache (block table) instead of a contiguous one
     softcap: bool = False   # sdpa, kvcache, varlen: the score modifiers
+    huge_cap: bool = False  # with softcap: a cap of 1e6, past attnx/triton/common.py
+                            # EXACT_TANH_CAP (SOFTCAP = 2: tanh's exact branch in 16-bit kernels)
     alibi: bool = False
     sinks: bool = False
 
     @property
     def name(self) -> str:
         flags = [f for f in ("dropout", "gqa", "weights", "shared_v", "paged", "softcap",
-                             "alibi", "sinks") if getattr(self, f)]
+                             "huge_cap", "alibi", "sinks") if getattr(self, f)]
         mask = [] if self.mask == "none" else [f"{self.mask}-mask"]
         return "/".join([self.op, self.dtype, f"d{self.head_dim}", *mask, *flags])
 
@@ -109,7 +111,7 @@ def _run_variant(v: Variant) -> None:
     lo, hi = -L, L
     mask_grad = v.mask in ("float", "float32")
     qb = {"kvcache": 2, "varlen": 3}.get(v.op, b)  # the slopes' rows: batches or sequences
-    mods = (30.0 if v.softcap else None,
+    mods = ((1e6 if v.huge_cap else 30.0) if v.softcap else None,
             torch.rand((qb, h), generator=gen) if v.alibi else None,
             torch.randn((h,), generator=gen) if v.sinks else None)
     if v.op == "kvcache":  # one decoding step (Lq = 1) of 2 sequences over a cache of L

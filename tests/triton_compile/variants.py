@@ -11,7 +11,7 @@ DTYPES = ("fp32", "fp16", "bf16")
 
 # The CI set: each dtype, each head-dim family and each constexpr flag at least once per op
 # (masks none/bool/float/float32, dropout, GQA, additive weights and shared v, paged caches,
-# softcap, ALiBi, sinks),
+# softcap (a huge cap too: its own SOFTCAP), ALiBi, sinks),
 # wide heads in each dtype family.
 CI = (
     Variant("sdpa", "fp16", 64),
@@ -37,12 +37,12 @@ CI = (
     Variant("sdpa", "fp16", 64, sinks=True, mask="float32"),
     Variant("sdpa", "bf16", 128, mask="bool", softcap=True, alibi=True, sinks=True),
     Variant("sdpa", "fp32", 256, softcap=True, alibi=True, sinks=True),
-    Variant("kvcache", "fp16", 64, softcap=True),
+    Variant("kvcache", "fp16", 64, softcap=True, huge_cap=True),
     Variant("kvcache", "bf16", 128, gqa=True, paged=True, softcap=True, alibi=True, sinks=True),
     # packed sequences (the sdpa kernels' VARLEN mode; no mask there), with the modifiers
     Variant("varlen", "fp16", 64),
     Variant("varlen", "bf16", 128, gqa=True, dropout=True),
-    Variant("varlen", "fp16", 128, softcap=True, alibi=True, sinks=True),
+    Variant("varlen", "fp16", 128, softcap=True, huge_cap=True, alibi=True, sinks=True),
 )
 
 
