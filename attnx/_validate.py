@@ -56,10 +56,13 @@ def _finite(x: float) -> bool:
 
 
 def _is_int(x) -> bool:
-    """x is an integer (numbers.Integral) other than a bool. A Python int answers at once: the
-    ABC's isinstance took ~13 us of a call once a model's weights had flushed the caches (a
+    """x is an integer (numbers.Integral) other than a bool, or a torch.SymInt (a size under
+    torch.export's non-strict tracing, where dynamo would have made it a constant: a window
+    edge from a shape, as transformers' attention computes it). A Python int answers at once:
+    the ABC's isinstance took ~13 us of a call once a model's weights had flushed the caches (a
     decoding step's validation asks per layer), an exact type test ~2."""
-    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
+    return type(x) is int or isinstance(x, torch.SymInt) or (
+        isinstance(x, numbers.Integral) and not isinstance(x, bool))
 
 
 def _is_real(x) -> bool:

@@ -115,6 +115,24 @@ def test_export_with_a_dynamic_sequence_length_runs_under_aot_inductor(tmp_path)
         torch.testing.assert_close(compiled(q, k), Windowed()(q, k))
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_with_a_window_from_the_shapes(strict):
+    """A window edge computed from the sizes (transformers' causal and sliding-window layers
+    pass lk - lq) is a SymInt under non-strict torch.export, where dynamo makes it an int: taken
+    as an int (a TypeError before)."""
+    class Offset(torch.nn.Module):
+        def forward(self, q, k):
+            offset = k.shape[2] - q.shape[2]
+            return attnx.scaled_dot_product_attention(q, k, k, window=(3 - offset, offset))
+
+    length = torch.export.Dim("length", min=4, max=64)
+    program = torch.export.export(Offset(), (torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)),
+                                  dynamic_shapes=({2: length}, {2: length}), strict=strict)
+    for n in (5, 12):
+        q, k = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
+        torch.testing.assert_close(program.module()(q, k), Offset()(q, k))
+
+
 @pytest.mark.parametrize("backend", [None, "reference"])
 def test_kvcache_with_int_lengths_compiles_fullgraph(backend):
     """A cache length given as an int (transformers' decoding steps pass the cache's own

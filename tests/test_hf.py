@@ -411,6 +411,32 @@ def test_padded_forward_and_decoding_steps_compile_fullgraph():
             token = want[:, -1:].argmax(-1)
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_export_with_a_dynamic_sequence_length(name):
+    """torch.export (non-strict, its default) with the length left symbolic: the layers' window
+    edges, lk - lq, are SymInts there (a TypeError before); the program runs at other lengths
+    as the model does."""
+    model = _model(name)
+    model.set_attn_implementation("attnx")
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, mask):
+            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    length = torch.export.Dim("length", min=2, max=64)
+    ids, mask = _inputs(batch=2, length=7)
+    program = torch.export.export(Logits(), (ids, torch.ones_like(mask)),
+                                  dynamic_shapes={"ids": {1: length}, "mask": {1: length}})
+    ids, mask = _inputs(batch=2, length=12, seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(ids, torch.ones_like(mask)),
+                                   Logits()(ids, torch.ones_like(mask)))
+
+
 def test_unpadded_generate_under_autocast_matches_sdpa():
     """Under torch.autocast Llama's q and k come out float32 from RoPE beside a bf16 v: the
     decoding op (which does not cast) refused them; the one-token steps go through SDPA, which
