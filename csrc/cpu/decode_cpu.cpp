@@ -54,6 +54,10 @@ constexpr int64_t BLOCK_KEYS = 16;
 constexpr int64_t LANE_BLOCK_KEYS = 32;
 // Fewest keys per slice: shorter slices cost more in the merge than they gain in balance.
 constexpr int64_t MIN_SLICE = 512;
+// Most keys per slice: a slice's output sums its blocks one after the other in float32
+// (add_rows_pass), so its rounding grows with its length; longer caches take more slices,
+// which the merge adds by log-sum-exp (one term a slice).
+constexpr int64_t MAX_SLICE = 16384;
 
 struct Shape {
   int64_t B, Hq, Hkv, G, Lq, E, Ev, R;  // R = G * Lq rows per task, row r = g * Lq + i
@@ -291,7 +295,8 @@ bool run(const Shape& d, const Tensor& qs, T q_scale, const Tensor& k_cache,
   // (so the split, and with it the merge's rounding, depends on the thread count: results are
   // the same from run to run at a given count, not across counts)
   const int64_t wanted = 4 * std::max<int64_t>(1, at::get_num_threads());
-  int64_t slice_len = std::max(MIN_SLICE, (admitted * d.Hkv + wanted - 1) / wanted);
+  int64_t slice_len =
+      std::min(MAX_SLICE, std::max(MIN_SLICE, (admitted * d.Hkv + wanted - 1) / wanted));
   slice_len = (slice_len + BK - 1) / BK * BK;
   for (int64_t b = 0; b < d.B; ++b) {
     const int64_t diag = lens[b] - d.Lq;
