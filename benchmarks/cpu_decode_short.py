@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import attnx
+from attnx.cli import positive_int
 from cpu_sdpa_targets import machine, summary, timed, write_results
 
 HQ, HKV = 32, 8
@@ -72,8 +73,8 @@ def case(b: int, lq: int, n: int, dim: int, repeats: int, sink) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=51)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--repeats", type=positive_int, default=51)
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--cold", action="store_true",
                         help="read 512 MiB before every timed call (a decoding step's caches)")

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 import attnx
+from attnx.cli import positive_int
 from cpu_sdpa_targets import machine, summary, timed, write_results
 from fma_peak import fma_peak
 
@@ -133,8 +134,8 @@ def case(b: int, n: int, lq: int, repeats: int, sink: torch.Tensor, peak_gflops,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK}")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--repeats", type=positive_int, default=None)
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="q and the caches (16-bit: the kernel widens each block to fp32)")
     parser.add_argument("--out", default=None, help="JSON path (default: results/cpu-decode-<date>.json)")

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import attnx
+from attnx.cli import positive_int
 from attnx.bench.machine import cpu_kernels, device_name
 from fma_peak import fma_peak
 
@@ -105,7 +106,7 @@ def case(seq: int, dim: int, kind: str, backward: bool, repeats: int, h: int = 8
 
 def write_results(path: str, result: dict) -> None:
     """The results file (folders made as needed), and where it went."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # ("x.json": the current folder)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")
@@ -135,7 +136,7 @@ def summary_by_pass(rows: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="L=1024 and 2048, D=64 only")
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--repeats", type=positive_int, default=None)
     parser.add_argument("--heads", type=int, default=8,
                         help="heads (B=1); fewer heads than 2 per thread tests how a head is shared")
     parser.add_argument("--out", default=None, help="JSON path (default: results/cpu-sdpa-<date>.json)")

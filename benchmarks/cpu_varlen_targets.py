@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import attnx
+from attnx.cli import positive_int
 from cpu_sdpa_targets import machine, summary, timed
 
 LENGTHS = [2048, 1536, 1024, 1024, 768, 512, 384, 256, 256, 128, 128, 64, 64]  # 8192 tokens
@@ -81,8 +82,8 @@ def case(causal: bool, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.threads:

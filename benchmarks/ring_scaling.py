@@ -31,7 +31,9 @@ def main():
     args = ap.parse_args()
     if args.plot_only:
         with open(args.plot_only) as f:
-            ring_scaling.plot(json.load(f), args.plot_only[:-len(".json")] + ".png")
+            png = os.path.splitext(args.plot_only)[0] + ".png"
+            ring_scaling.plot(json.load(f), png)
+        print(f"wrote {png}")
         return
     try:
         result = ring_scaling.measure(args.lengths, args.worlds, args.layouts, args.heads,
@@ -40,10 +42,12 @@ def main():
         ap.error(str(exc))
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    f"ring-scaling-{result['date'][:10]}.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     report.write_json(out, result)
     print(ring_scaling.table(result))
-    ring_scaling.plot(result, out[:-len(".json")] + ".png")
-    print(f"wrote {out}")
+    png = os.path.splitext(out)[0] + ".png"
+    ring_scaling.plot(result, png)
+    print(f"wrote {out} and {png}")
 
 
 if __name__ == "__main__":

@@ -285,6 +285,25 @@ def test_a_sweep_that_would_time_nothing_is_refused(tmp_path, argv, words, capsy
     assert not (tmp_path / "results.json").exists()
 
 
+def test_an_inference_op_in_a_sweep_without_forward_is_refused(tmp_path, capsys):
+    """kvcache has a forward only: a backward-only sweep dropped it without a word (an empty
+    table and exit status 0 where it was alone)."""
+    message = _refused(["--ops", "sdpa,kvcache", "--passes", "backward", "--quick", "--out",
+                        str(tmp_path)], capsys)
+    assert "--passes: kvcache has only a forward pass" in message
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_a_backward_only_sweep_with_memory_writes_its_plots(tmp_path, capsys):
+    """Peak memory is measured for forward passes only: a backward-only sweep has none to
+    plot (it raised after the sweep, before the table)."""
+    main(["--quick", "--ops", "additive", "--seqlens", "16", "--providers", "attnx-cpu",
+          "--passes", "backward", "--repeats", "1", "--threads", "1", "--out", str(tmp_path)])
+    assert (tmp_path / "results.json").exists() and (tmp_path / "throughput_additive.png").exists()
+    assert not (tmp_path / "memory_additive.png").exists()
+    assert "additive" in capsys.readouterr().out
+
+
 def test_out_must_be_a_folder(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert "--out: expected a folder" in _refused(["--quick", "--out", str(tmp_path / "file")], capsys)

@@ -159,6 +159,10 @@ def run(args, argv) -> dict:
         raise SystemExit("--ops/--providers: nothing here runs " + "; ".join(
             f"{op} (providers for it here: {', '.join(here) or 'none'})"
             for op, here in usable.items()))
+    untrained = [op for op in args.ops if op not in shapes.TRAINABLE]
+    if untrained and "forward" not in sweep.passes:  # (it would drop them without a word)
+        raise SystemExit(f"--passes: {', '.join(untrained)} has only a forward pass (an "
+                         f"inference op), got {', '.join(sweep.passes)}")
     doc = machine.describe(device)
     doc.update(schema=report.SCHEMA, settings={
         "argv": list(argv), "ops": list(args.ops), "repeats": sweep.repeats,

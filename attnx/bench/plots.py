@@ -116,7 +116,9 @@ def write_all(doc: dict, out_dir: str) -> list:
                            f"{name} throughput ({where})", os.path.join(out_dir, f"throughput_{op}.png"),
                            gemm=gemm))
         mem_passes = [p for p in passes if p != "backward"]
-        if any(_memory(r) is not None for r in doc["results"] if r["case"]["op"] == op):
+        # (a backward-only sweep has no pass whose memory is measured: no memory plot)
+        if mem_passes and any(_memory(r) is not None for r in doc["results"]
+                              if r["case"]["op"] == op):
             paths.append(_grid(doc, op, mem_passes, _memory, "peak memory beyond inputs (MiB)",
                                f"{name} peak memory ({where})", os.path.join(out_dir, f"memory_{op}.png"),
                                logy=True))
