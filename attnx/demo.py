@@ -53,6 +53,11 @@ _DATE_FORMATS: Sequence[Callable[[dt.date], str]] = (
 )
 
 
+# The most held-out examples: a small part of either task's distinct inputs (the date task has
+# ~400k), so that drawing them, and training batches from the rest, ends quickly.
+MAX_TEST_SIZE = 20000
+
+
 def date_pair(rng: random.Random) -> Tuple[str, str]:
     day = dt.date(1950, 1, 1) + dt.timedelta(days=rng.randrange(365 * 100 + 24))
     return rng.choice(_DATE_FORMATS)(day), day.isoformat()
@@ -180,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=positive_int, default=64, help="encoder hidden size per direction")
     p.add_argument("--attn-dim", type=positive_int, default=64, help="attention dim of the additive score")
     p.add_argument("--lr", type=_positive_float, default=4e-3)
-    p.add_argument("--test-size", type=positive_int, default=None, help="held-out examples (default 1000, --quick 200)")
+    p.add_argument("--test-size", type=positive_int, default=None,
+                   help=f"held-out examples (default 1000, --quick 200; at most {MAX_TEST_SIZE}: "
+                        "training draws from the inputs left)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads (default 1: the matrices are small, and extra OpenMP "
@@ -193,9 +200,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    # refused now, not after the training run
     folder = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(folder):  # refused now, not after the training run
+    if not os.path.isdir(folder):
         p.error(f"--out: no folder {folder!r} to write {os.path.basename(args.out)!r} into")
+    if os.path.isdir(args.out):
+        p.error(f"--out: expected the path of a file to write, got the folder {args.out!r}")
+    ext = os.path.splitext(args.out)[1].lower()
+    if ext not in ("", ".png", ".pdf", ".svg"):
+        p.error(f"--out: expected a .png, .pdf or .svg file, got {args.out!r}")
+    if not ext:  # (matplotlib adds it: the path said below is the file's)
+        args.out += ".png"
+    if args.test_size is not None and args.test_size > MAX_TEST_SIZE:
+        # the date task has ~400k distinct inputs: drawing as many distinct ones never ended
+        p.error(f"--test-size: expected at most {MAX_TEST_SIZE}, got {args.test_size}")
     steps = args.steps if args.steps is not None else (40 if args.quick else 300)
     test_size = args.test_size if args.test_size is not None else (200 if args.quick else 1000)
     torch.set_num_threads(args.threads)

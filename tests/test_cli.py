@@ -60,6 +60,11 @@ def test_help_lists_every_command(capsys):
     (["demo", "--quick", "--steps", "0"], "--steps: expected an int >= 1, got 0"),
     (["demo", "--quick", "--lr=-1"], "--lr: expected a finite number > 0"),
     (["demo", "--quick", "--out", "no/such/folder/x.png"], "--out: no folder"),
+    # a helper's findings: the first hung (more distinct dates than there are), the others
+    # named a file other than the one written, or raised after training
+    (["demo", "--quick", "--test-size", "500000"], "--test-size: expected at most 20000"),
+    (["demo", "--quick", "--out", "x.xyz"], "--out: expected a .png, .pdf or .svg file"),
+    (["demo", "--quick", "--out", os.path.dirname(__file__)], "--out: expected the path of a file"),
     (["check", "--jobs", "0"], "--jobs: expected an int >= 1"),
     (["check", "--json", "no/such/folder/x.json"], "--json: no folder"),
     # each ran every check or the whole sweep first, then raised a traceback (a helper's finding)

@@ -96,6 +96,23 @@ def test_environment_fixes_the_choices(value):
         assert (info["cpu_vector"], how["vector"]) == ("avx2", "no AVX-512")
 
 
+@pytest.mark.skipif(not HAS_AVX2, reason="one engine and one width only: nothing to fix")
+def test_a_value_the_switches_do_not_take_is_warned_of_and_measured():
+    """A mistyped switch ("yes", "2") was ignored without a word: the choice measured where
+    the user meant to fix it. An empty one stays unset."""
+    env = cpu_env(ATTNX_CPU_PANELS="yes", ATTNX_CPU_AVX512="2", ATTNX_CPU_STRIP_ROWS="")
+    run = subprocess.run([sys.executable, "-c", "import json; from attnx import _ops; "
+                          "print(json.dumps(_ops.build_info()))"], env=env, check=True,
+                         capture_output=True, text=True)
+    how = json.loads(run.stdout.strip().splitlines()[-1])["cpu_choice"]
+    assert how["gemm"] == "measured"
+    assert "ATTNX_CPU_PANELS: expected 0 or 1, got 'yes'" in run.stderr
+    if HAS_AVX512:
+        assert how["vector"] == "measured"
+        assert "ATTNX_CPU_AVX512: expected 0 or 1, got '2'" in run.stderr
+    assert "ATTNX_CPU_STRIP_ROWS" not in run.stderr
+
+
 @pytest.mark.skipif(not HAS_AVX512, reason="the strip height is the 512-bit kernel's")
 @pytest.mark.parametrize("rows", [6, 12])
 def test_environment_fixes_the_strip_height(rows):

@@ -7,20 +7,27 @@
 #include <limits>
 #include <string>
 
+#include <c10/util/Exception.h>
+
 #include "sdpa_cpu.h"
 #include "sdpa_panels.h"
 
 namespace attnx::cpu {
 namespace {
 
-// The variable's value where it is one of `allowed`, else -1 (unset, or anything else).
+// The variable's value where it is one of `allowed`, else -1 (unset, empty or anything else:
+// the choice is measured; anything else with a warning, which a mistyped switch had lacked).
 int env_value(const char* name, std::initializer_list<int> allowed) {
   const char* v = std::getenv(name);
-  if (v == nullptr) return -1;
+  if (v == nullptr || *v == '\0') return -1;
   const std::string s(v);
+  std::string expected;
   for (int a : allowed) {
     if (s == std::to_string(a)) return a;
+    expected += (expected.empty() ? "" : " or ") + std::to_string(a);
   }
+  TORCH_WARN(name, ": expected ", expected, ", got '", s,
+             "'; attnx measures its choice instead (csrc/cpu/README.md)");
   return -1;
 }
 
