@@ -304,6 +304,13 @@ def test_a_backward_only_sweep_with_memory_writes_its_plots(tmp_path, capsys):
     assert "additive" in capsys.readouterr().out
 
 
+def test_refused_runs_leave_no_folder_behind(tmp_path, capsys):
+    """An unknown op was refused after --out's folder had been made."""
+    assert "--ops: unknown ['foo']" in _refused(["--ops", "foo", "--out", str(tmp_path / "new")],
+                                                capsys)
+    assert not (tmp_path / "new").exists()
+
+
 def test_out_must_be_a_folder(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert "--out: expected a folder" in _refused(["--quick", "--out", str(tmp_path / "file")], capsys)

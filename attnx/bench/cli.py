@@ -204,6 +204,15 @@ def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
     # what would fail only after a sweep, or deep inside one: refused before any timing
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible to torch")
+    if args.dtypes:
+        unknown = set(args.dtypes) - set(shapes.DTYPES)
+        if unknown:
+            p.error(f"--dtypes: unknown {sorted(unknown)}; choose from {sorted(shapes.DTYPES)}")
+    unknown_ops = set(args.ops) - set(shapes.OPS) - {"hf"}
+    if unknown_ops:  # (before the folder below: a refused run leaves none behind)
+        p.error(f"--ops: unknown {sorted(unknown_ops)}; choose from {', '.join(shapes.OPS)}, hf")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"--out: expected a folder, got the file {args.out!r}")
     try:  # made now: a folder that cannot be made (under a file, read-only) fails before timing
@@ -212,12 +221,6 @@ def main(argv=None) -> int:
         p.error(f"--out: cannot make the folder {args.out!r} ({exc.strerror})")
     if not os.access(args.out, os.W_OK):
         p.error(f"--out: the folder {args.out!r} is not writable")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is visible to torch")
-    if args.dtypes:
-        unknown = set(args.dtypes) - set(shapes.DTYPES)
-        if unknown:
-            p.error(f"--dtypes: unknown {sorted(unknown)}; choose from {sorted(shapes.DTYPES)}")
     if args.world is not None:
         return _main_ring(args, argv)
     if "hf" in args.ops:
