@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ._validate import AdditiveCall, Modifiers, SdpaCall, VarlenCall
+from ._validate import AdditiveCall, Modifiers, SdpaCall, VarlenCall, _check_cu_seqlens
 
 _state = threading.local()
 
@@ -98,9 +98,8 @@ def additive(grad_outputs, q, k, value, v, mask, lo, hi, p, seed, return_weights
 def varlen(grad_outputs, q, k, v, cu_q, cu_k, scale, lo, hi, p, seed, softcap=None, alibi=None,
            sinks=None) -> list:
     """[dq, dk, dv, dsinks] of a varlen op's call."""
-    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
-    lens = tuple((b - a, d - c) for a, b, c, d in
-                 zip(starts_q, starts_q[1:], starts_k, starts_k[1:]))
+    lens = tuple(zip(_check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], q.device),
+                     _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], q.device)))
     call = VarlenCall(q, k, v, cu_q, cu_k, lens, scale, lo, hi, p, seed, "reference", True,
                       _mods(softcap, alibi, sinks))
     return _recomputed("varlen", call, grad_outputs, (q, k, v, sinks))

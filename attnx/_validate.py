@@ -610,7 +610,7 @@ def may_share_an_element(a: torch.Tensor, b: torch.Tensor) -> bool:
         if dims[i - 1][0] <= reach[i - 1]:
             return True
 
-    def position(rest: int, i: int) -> bool:  # rest = sum_{m >= i} i_m stride_m?
+    def position(rest: int, i: int) -> bool:  # whether rest is sum_{m >= i} i_m stride_m
         if i == len(dims):
             return rest == 0
         stride, n = dims[i]
@@ -620,7 +620,6 @@ def may_share_an_element(a: torch.Tensor, b: torch.Tensor) -> bool:
                    for c in (rest // stride, rest // stride + 1))
 
     return position(offset // size, 0)
-
 
 
 def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causal, scale,
