@@ -174,7 +174,7 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnx demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="attnx demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", choices=sorted(TASKS), default="date")
     p.add_argument("--score", choices=SCORES, default="additive",
                    help="alignment score of the decoder's attention (default: additive)")

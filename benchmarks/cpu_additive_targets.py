@@ -140,7 +140,7 @@ def child(threads: int, reps: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--out", help="results file (default: benchmarks/results/cpu-additive-<date>-<n>.json)")

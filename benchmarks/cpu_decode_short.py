@@ -18,7 +18,7 @@ whole SDPA at 16 keys on a 2-core Zen 5, ~8-10 us warm).
 
     python benchmarks/cpu_decode_short.py [--repeats N] [--threads T] [--dim D] [--cold] [--out PATH]
 
-Writes benchmarks/results/cpu-decode-short-<date>[-cold].json and prints a table.
+Writes benchmarks/results/cpu-decode-short-<date>[-cold][-2, -3, ...].json and prints a table.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import attnx
 from attnx.cli import positive_int
-from cpu_sdpa_targets import machine, summary, timed, write_results
+from cpu_sdpa_targets import machine, summary, timed, unused_path, write_results
 
 HQ, HKV = 32, 8
 CASES = [(b, lq, n) for b in (1, 8) for lq in (1, 4) for n in (16, 64, 256, 1024)] + \
@@ -72,7 +72,7 @@ def case(b: int, lq: int, n: int, dim: int, repeats: int, sink) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=positive_int, default=51)
     parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--dim", type=int, default=128)
@@ -103,7 +103,7 @@ def main() -> None:
               "caches": "cold: 512 MiB read before each call" if args.cold else "warm",
               "cases": rows}
     name = f"cpu-decode-short-{now:%Y-%m-%d}{'-cold' if args.cold else ''}.json"
-    path = args.out or os.path.join(HERE, "results", name)
+    path = args.out or unused_path(os.path.join(HERE, "results", name))
     write_results(path, result)
 
 

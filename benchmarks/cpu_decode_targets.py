@@ -9,7 +9,7 @@ arguments (its `sdpa_speedup`: the same decoding kernel, reached by a drop-in us
 right after a read of a large tensor (torch.sum) that
 measures the memory bandwidth under the same load. attnx's bandwidth is the K and V bytes it
 must read (B * Hkv * L * 2D * bytes per value) over its time; its fraction is against the read just before it.
-Medians with min/max. Writes benchmarks/results/cpu-decode-<date>.json. `same_bytes_fraction`:
+Medians with min/max. Writes benchmarks/results/cpu-decode-<date>-t<threads>.json (-2, -3, ... for a later run the same day). `same_bytes_fraction`:
 attnx's time against one torch op reading the same K and V bytes after the same flush (kv.sum(),
 a concatenated copy), which pays the same cold start (a small cache's call is mostly that).
 
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 import attnx
 from attnx.cli import positive_int
-from cpu_sdpa_targets import machine, summary, timed, write_results
+from cpu_sdpa_targets import machine, summary, timed, unused_path, write_results
 from fma_peak import fma_peak
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
@@ -132,7 +132,7 @@ def case(b: int, n: int, lq: int, repeats: int, sink: torch.Tensor, peak_gflops,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK}")
     parser.add_argument("--repeats", type=positive_int, default=None)
     parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -181,7 +181,7 @@ def main() -> None:
                     "paged_over_contiguous": PAGED_TARGET},
         "cases": rows,
     }
-    path = args.out or os.path.join(HERE, "results", f"cpu-decode-{now:%Y-%m-%d}-t{torch.get_num_threads()}{SUFFIX.get(args.dtype, '')}{'-quick' if args.quick else ''}.json")
+    path = args.out or unused_path(os.path.join(HERE, "results", f"cpu-decode-{now:%Y-%m-%d}-t{torch.get_num_threads()}{SUFFIX.get(args.dtype, '')}{'-quick' if args.quick else ''}.json"))
     write_results(path, result)
 
 

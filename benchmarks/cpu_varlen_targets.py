@@ -8,7 +8,7 @@ right padding (a real query never sees a padded key) so torch runs its fused cau
 non-causal takes a key-padding bool mask. The loss covers real tokens only. Per repeat both are
 timed in turn; medians with min/max. FLOPs as flash-attention counts them (forward
 4*H*D*sum(Lq*Lk), halved for causal; backward 2.5x), over the real tokens only, for both.
-Writes benchmarks/results/cpu-varlen-<date>.json.
+Writes benchmarks/results/cpu-varlen-<date>.json (-2, -3, ... for a later run the same day).
 
     python benchmarks/cpu_varlen_targets.py [--repeats N] [--threads T]
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 
 import torch
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 import attnx
 from attnx.cli import positive_int
-from cpu_sdpa_targets import machine, summary, timed
+from cpu_sdpa_targets import machine, summary, timed, unused_path, write_results
 
 LENGTHS = [2048, 1536, 1024, 1024, 768, 512, 384, 256, 256, 128, 128, 64, 64]  # 8192 tokens
 H, D = 8, 64
@@ -81,7 +80,7 @@ def case(causal: bool, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--out", default=None)
@@ -107,10 +106,8 @@ def main() -> None:
         "shape": {"lengths": LENGTHS, "H": H, "D": D, "dtype": "float32"},
         "target_speedup": TARGET, "cases": rows,
     }
-    path = args.out or os.path.join(HERE, "results", f"cpu-varlen-{now:%Y-%m-%d}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}")
+    path = args.out or unused_path(os.path.join(HERE, "results", f"cpu-varlen-{now:%Y-%m-%d}.json"))
+    write_results(path, result)
 
 
 if __name__ == "__main__":

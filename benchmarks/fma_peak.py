@@ -7,7 +7,7 @@ x86-64 with AVX2/FMA and a C compiler (`cc`, or $CC) only; elsewhere `fma_peak` 
 The width is the CPU's own (cpuid, through the compiler's __builtin_cpu_supports), not the
 build machine's: an 8-wide probe reads half the ceiling of a CPU with two 512-bit FMA units.
 
-    python benchmarks/fma_peak.py
+    python benchmarks/fma_peak.py [--repeats N] [--threads T]
 """
 
 from __future__ import annotations
@@ -99,4 +99,14 @@ def fma_peak(repeats: int = 5, threads: int | None = None) -> dict | None:
 
 
 if __name__ == "__main__":
-    print(fma_peak() or "no probe on this machine (x86-64 with AVX2/FMA and a C compiler needed)")
+    import argparse
+
+    from attnx.cli import positive_int
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=positive_int, default=5, help="runs of the probe (default 5)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="OpenMP threads (default: torch's thread count)")
+    args = parser.parse_args()
+    print(fma_peak(args.repeats, args.threads)
+          or "no probe on this machine (x86-64 with AVX2/FMA and a C compiler needed)")

@@ -40,7 +40,7 @@ def _csv(kind):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="JSON-lines file the measurements are appended to")
     p.add_argument("--deadline-s", type=float, help="start no measurement after this many seconds")
     p.add_argument("--dtypes", type=_csv(str), default=("bf16", "fp16"))

@@ -56,7 +56,7 @@ def steps(dtype: torch.dtype) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="JSON file for the results")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()

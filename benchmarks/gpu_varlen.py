@@ -142,7 +142,7 @@ def measure(dtype: str, d: int, pass_: str, lens: list, repeats: int, providers)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="JSON-lines file the measurements are appended to")
     p.add_argument("--deadline-s", type=float, help="start no case after this many seconds")
     p.add_argument("--dtypes", default=",".join(DTYPES))

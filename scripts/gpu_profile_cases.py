@@ -65,7 +65,7 @@ def step(backend: str, kind: str, shape: dict, dtype: torch.dtype):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cases", nargs="*", help=f"cases to run (default: all of {list(CASES)})")
     parser.add_argument("--small", action="store_true",
                         help="a few rows each, on CPU tensors without a GPU: checks the script")

@@ -102,7 +102,7 @@ def summary(doc: dict) -> str:
         return ""
     cols = sorted(seqlens)
     head = ["op", "pass", "causal", "shape", "provider"] + [f"L={n}" for n in cols]
-    lines = [f"{label} (median; batch x L held constant per op)", "",
+    lines = [f"{label} (median; SDPA: batch x L held constant; additive: batch held constant)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key in sorted(rows):
         lines.append("| " + " | ".join(list(key) + [rows[key].get(n, "") for n in cols]) + " |")

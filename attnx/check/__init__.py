@@ -35,7 +35,7 @@ def _csv(text: str) -> tuple:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnx check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="attnx check", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--backends", type=_csv, help="only these, e.g. cpu,triton (default: all usable)")
     p.add_argument("--devices", type=_csv, help="only these, e.g. cuda (default: every device here)")
