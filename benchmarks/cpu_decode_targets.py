@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="q and the caches (16-bit: the kernel widens each block to fp32)")
-    parser.add_argument("--out", default=None, help="JSON path (default: results/cpu-decode-<date>.json)")
+    parser.add_argument("--out", default=None, help="JSON path (default: results/cpu-decode-<date>-t<threads>.json)")
     args = parser.parse_args()
     repeats = args.repeats or (5 if args.quick else 9)
     if args.threads:

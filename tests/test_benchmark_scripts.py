@@ -10,10 +10,18 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _source(script: str) -> str:
+    with open(os.path.join(ROOT, script)) as f:
+        return f.read()
+
+
 SCRIPTS = sorted(
-    os.path.relpath(p, ROOT)
-    for p in glob.glob(os.path.join(ROOT, "benchmarks", "*.py")) + glob.glob(os.path.join(ROOT, "scripts", "*.py"))
-    if "argparse" in open(p).read() and not os.path.basename(p).startswith(("test_", "conftest"))
+    script
+    for script in (os.path.relpath(p, ROOT) for folder in ("benchmarks", "scripts")
+                   for p in glob.glob(os.path.join(ROOT, folder, "*.py")))
+    if "argparse" in _source(script) and not os.path.basename(script).startswith(("test_", "conftest"))
 )
 
 
@@ -30,10 +38,9 @@ def test_help_is_whole_sentences_and_runs_nothing(script, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage:"), proc.stdout[:200]
     assert list(tmp_path.iterdir()) == []
-    with open(os.path.join(ROOT, script)) as f:
-        doc = ast.get_docstring(ast.parse(f.read()))
-    if "description=__doc__" in open(os.path.join(ROOT, script)).read():
-        first = doc.split("\n\n")[0].rstrip()
+    source = _source(script)
+    if "description=__doc__" in source:
+        first = ast.get_docstring(ast.parse(source)).split("\n\n")[0].rstrip()
         assert first[-1] in ".):", f"{script}: help ends mid-sentence: {first[-60:]!r}"
         assert " ".join(first.split()[-4:]) in " ".join(proc.stdout.split())
 
@@ -51,6 +58,4 @@ def test_results_files_are_not_overwritten(tmp_path):
     open(str(tmp_path / "cpu-decode-2026-01-01-t2-2.json"), "w").close()
     assert unused_path(path) == str(tmp_path / "cpu-decode-2026-01-01-t2-3.json")
     for script in ("cpu_sdpa_targets", "cpu_decode_targets", "cpu_decode_short", "cpu_varlen_targets"):
-        with open(os.path.join(ROOT, "benchmarks", script + ".py")) as f:
-            src = f.read()
-        assert "args.out or unused_path(" in src, script
+        assert "args.out or unused_path(" in _source(f"benchmarks/{script}.py"), script
