@@ -622,10 +622,83 @@ def may_share_an_element(a: torch.Tensor, b: torch.Tensor) -> bool:
     return position(offset // size, 0)
 
 
+# The band of a plain decoding call (no window), by is_causal: what _band gives.
+_PLAIN_BANDS = {True: (-UNBOUNDED, 0), False: (-UNBOUNDED, UNBOUNDED)}
+_STRIDED = torch.strided
+
+
+def _plain_kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causal, scale,
+                        window, softcap, alibi_slopes, sinks, backend,
+                        return_lse) -> Optional[KvcacheCall]:
+    """The call kvcache_call would return, where the arguments are plainly valid: a decoding
+    step's usual call (dense CPU tensors of one floating dtype, a contiguous cache, lengths within
+    it as int32 or an int, no new keys, no window or modifiers, eager); None for anything else, which
+    kvcache_call then checks in full (and raises for, naming the argument).
+
+    Why a second reading: a decoding step runs this once per layer, after the layer's weights
+    have flushed the caches, where each helper function, torch call and attribute lookup costs
+    microseconds of misses. The full checks took ~185 us a call so (Emerald Rapids, after a
+    512 MiB read), a sixth of a 16 MiB cache's attention; these ~105 us. Each condition below
+    implies the full path's check of it, so that the two give the same call
+    (tests/test_kvcache_plain_call.py compares them)."""
+    T = torch.Tensor
+    if not (k is None and v is None and block_table is None and window is None
+            and softcap is None and alibi_slopes is None and sinks is None
+            and type(q) is T and type(k_cache) is T and type(v_cache) is T
+            and type(cache_seqlens) in (T, int) and type(is_causal) is bool
+            and type(return_lse) is bool
+            and (backend is None or type(backend) is str and backend in BACKEND_NAMES)):
+        return None
+    given = type(cache_seqlens) is int  # (HF's decoding step passes the cache's length)
+    if not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu
+            and q.dtype in FLOAT_DTYPES and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+            and q.layout == _STRIDED and k_cache.layout == _STRIDED
+            and v_cache.layout == _STRIDED and q.dim() == 4 and k_cache.dim() == 4
+            and v_cache.dim() == 4):
+        return None
+    if not given and not (cache_seqlens.is_cpu and cache_seqlens.dtype == torch.int32
+                          and cache_seqlens.layout == _STRIDED and cache_seqlens.dim() == 1):
+        return None
+    # (functorch's wrappers and functionalization's tensors are plain torch.Tensors whose
+    # shapes or values are not what they seem; dynamo traces with fake values)
+    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+        return None
+    if (q.is_nested or k_cache.is_nested or v_cache.is_nested
+            or not given and torch._is_functional_tensor(cache_seqlens)):
+        return None
+    b, hq, lq, e = q.shape
+    slots, hkv, depth, ek = k_cache.shape
+    if not (slots == b and ek == e and v_cache.shape[:3] == k_cache.shape[:3]
+            and hkv > 0 and hq % hkv == 0 and (given or cache_seqlens.shape[0] == b)):
+        return None
+    if scale is None:
+        scale = 1.0 / math.sqrt(e) if e > 0 else 1.0
+    elif not (type(scale) is float and abs(scale) <= MAX_FLOAT32_SCALE):  # (NaN fails it)
+        return None
+    if given:
+        if not 0 <= cache_seqlens <= depth:
+            return None
+        lens = (cache_seqlens,)  # (one for every sequence, as kvcache_call gives it)
+        cache_seqlens = seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32)
+    else:
+        lens = tuple(cache_seqlens.tolist())
+        if b > 0 and (min(lens) < 0 or max(lens) > depth):
+            return None
+        seqlens = cache_seqlens.contiguous()
+    lo, hi = _PLAIN_BANDS[is_causal]
+    return KvcacheCall(q, k_cache, v_cache, cache_seqlens, seqlens, None, None, None, scale, lo,
+                       hi, "auto" if backend is None else backend, return_lse, NO_MODIFIERS,
+                       lens)
+
+
 def kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causal, scale,
                  window, softcap, alibi_slopes, sinks, backend, return_lse) -> KvcacheCall:
     """The validated call. Everything, the cache's capacity and the block table's ids included,
     is checked here, before the caller writes k and v into the cache."""
+    call = _plain_kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causal,
+                               scale, window, softcap, alibi_slopes, sinks, backend, return_lse)
+    if call is not None:
+        return call
     q = _check_tensor("q", q, 4, 4)
     k_cache = _check_tensor("k_cache", k_cache, 4, 4)
     v_cache = _check_tensor("v_cache", v_cache, 4, 4)

@@ -1,0 +1,179 @@
+"""attention_with_kvcache's short validation of a plain decoding call (attnx/_validate.py,
+_plain_kvcache_call) against its full one: where the short one answers, it gives the call the
+full one gives; for everything it does not vouch for, it declines, so that the full checks run
+(and raise, naming the argument)."""
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+import attnx
+from attnx import _validate
+
+
+def _full(monkeypatch, *args):
+    with monkeypatch.context() as m:
+        m.setattr(_validate, "_plain_kvcache_call", lambda *a: None)
+        return _validate.kvcache_call(*args)
+
+
+def _args(q, kc, vc, lens, *, is_causal=True, scale=None, backend=None, return_lse=False,
+          k=None, v=None, block_table=None, window=None, softcap=None, alibi=None, sinks=None):
+    return (q, kc, vc, lens, k, v, block_table, is_causal, scale, window, softcap, alibi, sinks,
+            backend, return_lse)
+
+
+def _same_call(a, b):
+    for field in dataclasses.fields(a):
+        x, y = getattr(a, field.name), getattr(b, field.name)
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(x, y), field.name
+            assert x.stride() == y.stride(), field.name
+        else:
+            assert type(x) is type(y) and x == y, (field.name, x, y)
+
+
+def _tensors(b=2, hq=8, hkv=2, lq=1, cap=24, e=16, ev=16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, hq, lq, e, generator=g).to(dtype)
+    kc = torch.randn(b, hkv, cap, e, generator=g).to(dtype)
+    vc = torch.randn(b, hkv, cap, ev, generator=g).to(dtype)
+    lens = torch.randint(0, cap + 1, (b,), generator=g, dtype=torch.int32)
+    return q, kc, vc, lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("is_causal,return_lse", [(True, False), (False, True)])
+@pytest.mark.parametrize("scale", [None, 0.3, -2.0, 0.0])
+@pytest.mark.parametrize("backend", [None, "auto", "cpu", "reference"])
+def test_plain_calls_match_the_full_checks(monkeypatch, dtype, is_causal, return_lse, scale,
+                                           backend):
+    q, kc, vc, lens = _tensors(dtype=dtype)
+    args = _args(q, kc, vc, lens, is_causal=is_causal, scale=scale, backend=backend,
+                 return_lse=return_lse)
+    short = _validate._plain_kvcache_call(*args)
+    assert short is not None
+    _same_call(short, _full(monkeypatch, *args))
+    assert _validate.kvcache_call(*args) is not None
+
+
+@pytest.mark.parametrize("shape", [(1, 32, 1, 2048, 128, 128), (3, 4, 4, 17, 8, 5),
+                                   (2, 6, 3, 1, 1, 1), (1, 1, 97, 1025, 64, 64),
+                                   (0, 4, 1, 9, 8, 8), (2, 4, 0, 9, 8, 8), (2, 4, 1, 0, 8, 8),
+                                   (2, 4, 1, 9, 0, 8)])
+def test_odd_shapes_match_the_full_checks(monkeypatch, shape):
+    b, hq, lq, cap, e, ev = shape
+    q, kc, vc, lens = _tensors(b, hq, 2 if hq % 2 == 0 else 1, lq, cap, e, ev)
+    for lengths in (lens, torch.full((b,), cap, dtype=torch.int32),
+                    torch.zeros(b, dtype=torch.int32), 0, cap, cap // 2):
+        args = _args(q, kc, vc, lengths)
+        short = _validate._plain_kvcache_call(*args)
+        assert short is not None
+        _same_call(short, _full(monkeypatch, *args))
+
+
+def test_strided_inputs_match_the_full_checks(monkeypatch):
+    q, kc, vc, _ = _tensors(b=2, cap=40)
+    lens = torch.tensor([5, 0, 7, 3], dtype=torch.int32)[::2]  # a strided view: copied
+    args = _args(q.transpose(1, 2).contiguous().transpose(1, 2), kc[:, :, ::2], vc[:, :, ::2, :8], lens)
+    short = _validate._plain_kvcache_call(*args)
+    assert short is not None and short.seqlens.is_contiguous()
+    _same_call(short, _full(monkeypatch, *args))
+
+
+def _declined(**changes):
+    """Calls the short path must leave to the full checks: each one input away from plain."""
+    q, kc, vc, lens = _tensors()
+    base = dict(q=q, kc=kc, vc=vc, lens=lens)
+    base.update(changes)
+    return _args(base.pop("q"), base.pop("kc"), base.pop("vc"), base.pop("lens"), **base)
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+DECLINED = {
+    "lengths past the cache": dict(lens=torch.tensor([3, 25], dtype=torch.int32)),
+    "negative lengths": dict(lens=torch.tensor([-1, 2], dtype=torch.int32)),
+    "int lengths past the cache": dict(lens=25),
+    "negative int lengths": dict(lens=-1),
+    "a bool length": dict(lens=True),
+    "a float length": dict(lens=5.0),
+    "int64 lengths": dict(lens=torch.tensor([3, 4])),
+    "lengths of the wrong batch": dict(lens=torch.tensor([3], dtype=torch.int32)),
+    "2-D lengths": dict(lens=torch.tensor([[3, 4]], dtype=torch.int32)),
+    "a tensor subclass": dict(q=_tensors()[0].as_subclass(_Sub)),
+    "mixed dtypes": dict(kc=_tensors()[1].double()),
+    "an integer query": dict(q=torch.ones(2, 8, 1, 16, dtype=torch.int64)),
+    "3-D query": dict(q=torch.randn(8, 1, 16)),
+    "head dims apart": dict(kc=torch.randn(2, 2, 24, 8)),
+    "value cache of another length": dict(vc=torch.randn(2, 2, 23, 16)),
+    "head count not dividing": dict(kc=torch.randn(2, 3, 24, 16), vc=torch.randn(2, 3, 24, 16)),
+    "no kv heads": dict(kc=torch.randn(2, 0, 24, 16), vc=torch.randn(2, 0, 24, 16)),
+    "cache of another batch": dict(kc=torch.randn(3, 2, 24, 16), vc=torch.randn(3, 2, 24, 16)),
+    "meta tensors": dict(q=torch.empty(2, 8, 1, 16, device="meta")),
+    "a sparse query": dict(q=torch.randn(2, 8, 1, 16).to_sparse()),
+    "an int scale": dict(scale=1),
+    "an infinite scale": dict(scale=float("inf")),
+    "a NaN scale": dict(scale=float("nan")),
+    "a scale past float32": dict(scale=1e300),
+    "a 0-d tensor scale": dict(scale=torch.tensor(0.5)),
+    "an int is_causal": dict(is_causal=1),
+    "a tensor is_causal": dict(is_causal=torch.tensor(True)),
+    "an int return_lse": dict(return_lse=0),
+    "an unknown backend": dict(backend="gpu"),
+    "a non-str backend": dict(backend=3),
+    "a window": dict(window=(4, None)),
+    "softcap": dict(softcap=30.0),
+    "alibi slopes": dict(alibi=torch.ones(8)),
+    "sinks": dict(sinks=torch.zeros(8)),
+    "new keys": dict(k=torch.randn(2, 2, 1, 16), v=torch.randn(2, 2, 1, 16)),
+    "a block table": dict(block_table=torch.zeros(2, 3, dtype=torch.int32)),
+}
+
+
+@pytest.mark.parametrize("name", list(DECLINED))
+def test_anything_not_plain_goes_to_the_full_checks(name):
+    assert _validate._plain_kvcache_call(*_declined(**DECLINED[name])) is None
+
+
+@pytest.mark.parametrize("name", ["lengths past the cache", "negative lengths",
+                                  "int lengths past the cache", "mixed dtypes",
+                                  "head dims apart", "an unknown backend", "a NaN scale",
+                                  "an int is_causal", "3-D query"])
+def test_bad_plain_looking_calls_still_raise_naming_the_argument(name):
+    with pytest.raises((ValueError, TypeError)) as info:
+        _validate.kvcache_call(*_declined(**DECLINED[name]))
+    assert info.value.args[0].split(":")[0] in (
+        "cache_seqlens", "k_cache", "v_cache", "q", "backend", "scale", "is_causal")
+
+
+def test_under_vmap_the_full_checks_run(monkeypatch):
+    """vmap's batched tensors are plain torch.Tensors whose shapes hide the vmapped dim: the
+    short path declines while a functorch transform is active."""
+    seen = []
+    plain = _validate._plain_kvcache_call
+    monkeypatch.setattr(_validate, "_plain_kvcache_call", lambda *a: seen.append(plain(*a)))
+    q, kc, vc, _ = _tensors()
+    lens = torch.tensor([4, 9], dtype=torch.int32)
+    out = torch.func.vmap(
+        lambda qq: attnx.attention_with_kvcache(qq, kc, vc, lens, backend="reference"))(q[None])
+    assert seen == [None]
+    ref = attnx.attention_with_kvcache(q, kc, vc, lens, backend="reference")
+    torch.testing.assert_close(out[0], ref)
+
+
+def test_plain_calls_give_the_reference_answer():
+    """The public function on a plain call (the short path) against the reference backend, over
+    lengths from 0 to the capacity and both causalities."""
+    for lq, causal in itertools.product((1, 4), (True, False)):
+        q, kc, vc, _ = _tensors(b=3, lq=lq, cap=33)
+        lens = torch.tensor([0, 17, 33], dtype=torch.int32)
+        got = attnx.attention_with_kvcache(q, kc, vc, lens, is_causal=causal, backend="cpu")
+        want = attnx.attention_with_kvcache(q, kc, vc, lens, is_causal=causal,
+                                            backend="reference")
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
