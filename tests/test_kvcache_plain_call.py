@@ -132,7 +132,26 @@ DECLINED = {
     "alibi slopes": dict(alibi=torch.ones(8)),
     "sinks": dict(sinks=torch.zeros(8)),
     "new keys": dict(k=torch.randn(2, 2, 1, 16), v=torch.randn(2, 2, 1, 16)),
-    "a block table": dict(block_table=torch.zeros(2, 3, dtype=torch.int32)),
+    "a block id past the blocks": dict(kc=torch.randn(6, 2, 8, 16), vc=torch.randn(6, 2, 8, 16),
+                                       block_table=torch.tensor([[0, 1, 6], [2, 3, 4]],
+                                                                dtype=torch.int32),
+                                       lens=torch.tensor([24, 3], dtype=torch.int32)),
+    "a padding id where keys are": dict(kc=torch.randn(6, 2, 8, 16), vc=torch.randn(6, 2, 8, 16),
+                                        block_table=torch.tensor([[0, -1, 5], [2, 3, 4]],
+                                                                 dtype=torch.int32),
+                                        lens=torch.tensor([9, 3], dtype=torch.int32)),
+    "lengths past a block table": dict(kc=torch.randn(6, 2, 8, 16), vc=torch.randn(6, 2, 8, 16),
+                                       block_table=torch.zeros(2, 3, dtype=torch.int32),
+                                       lens=torch.tensor([25, 3], dtype=torch.int32)),
+    "an int64 block table": dict(block_table=torch.zeros(2, 3, dtype=torch.int64)),
+    "a block table of another batch": dict(block_table=torch.zeros(3, 3, dtype=torch.int32)),
+    "a 1-D block table": dict(block_table=torch.zeros(3, dtype=torch.int32)),
+    "a block size of 0": dict(kc=torch.randn(6, 2, 0, 16), vc=torch.randn(6, 2, 0, 16),
+                              block_table=torch.zeros(2, 3, dtype=torch.int32),
+                              lens=torch.zeros(2, dtype=torch.int32)),
+    "a block table of many ids": dict(
+        kc=torch.randn(6, 2, 8, 16), vc=torch.randn(6, 2, 8, 16),
+        block_table=torch.zeros(2, _validate._PLAIN_TABLE_IDS // 2 + 1, dtype=torch.int32)),
 }
 
 
@@ -142,14 +161,37 @@ def test_anything_not_plain_goes_to_the_full_checks(name):
 
 
 @pytest.mark.parametrize("name", ["lengths past the cache", "negative lengths",
-                                  "int lengths past the cache", "mixed dtypes",
+                                  "int lengths past the cache", "a block id past the blocks",
+                                  "a padding id where keys are", "mixed dtypes",
                                   "head dims apart", "an unknown backend", "a NaN scale",
                                   "an int is_causal", "3-D query"])
 def test_bad_plain_looking_calls_still_raise_naming_the_argument(name):
     with pytest.raises((ValueError, TypeError)) as info:
         _validate.kvcache_call(*_declined(**DECLINED[name]))
     assert info.value.args[0].split(":")[0] in (
-        "cache_seqlens", "k_cache", "v_cache", "q", "backend", "scale", "is_causal")
+        "cache_seqlens", "k_cache", "v_cache", "q", "backend", "scale", "is_causal", "block_table")
+
+
+@pytest.mark.parametrize("lengths", [[24, 3], [0, 0], [17, 17], [1, 24], 9, 0, 24])
+@pytest.mark.parametrize("table", ["exact", "padded", "strided"])
+def test_paged_calls_match_the_full_checks(monkeypatch, lengths, table):
+    """Paged caches: ids past each sequence's keys (padding -1, or anything) are not looked at,
+    as in the full checks."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 8, 1, 16, generator=g)
+    kc, vc = torch.randn(7, 2, 8, 16, generator=g), torch.randn(7, 2, 8, 12, generator=g)
+    ids = {"exact": torch.tensor([[3, 0, 6], [5, 1, 2]], dtype=torch.int32),
+           "padded": torch.tensor([[3, 0, 6, -1, 99], [5, 1, 2, -1, -7]], dtype=torch.int32),
+           "strided": torch.tensor([[3, 9, 0, 9, 6], [5, 9, 1, 9, 2]], dtype=torch.int32)[:, ::2]}
+    lens = lengths if isinstance(lengths, int) else torch.tensor(lengths, dtype=torch.int32)
+    args = _args(q, kc, vc, lens, block_table=ids[table])
+    short = _validate._plain_kvcache_call(*args)
+    assert short is not None and short.block_table is ids[table]
+    _same_call(short, _full(monkeypatch, *args))
+    got = attnx.attention_with_kvcache(q, kc, vc, lens, block_table=ids[table], backend="cpu")
+    want = attnx.attention_with_kvcache(q, kc, vc, lens, block_table=ids[table],
+                                        backend="reference")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_under_vmap_the_full_checks_run(monkeypatch):
