@@ -69,6 +69,25 @@ double additive_term_seconds(int64_t terms) {
   return attnx::cpu::additive::term_seconds(terms);
 }
 
+// attnx::kvcache_fwd called through the dispatcher with its C++ signature, for attnx's own
+// eager decoding calls (attnx/_backends/native.py). torch.ops's Python entry boxes every argument
+// into IValues against the schema and the results back: ~110 us a call after a model's weights
+// have flushed the caches, as much as torch's whole SDPA call there. The dispatcher is the same:
+// dispatch keys, Python modes, the profiler's record of the op see the same call.
+std::tuple<at::Tensor, at::Tensor> kvcache_fwd(const at::Tensor& q, const at::Tensor& k_cache,
+                                               const at::Tensor& v_cache, const at::Tensor& seqlens,
+                                               const std::optional<at::Tensor>& block_table,
+                                               double scale, int64_t window_lo, int64_t window_hi) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("attnx::kvcache_fwd", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const std::optional<at::Tensor>&, double, int64_t, int64_t)>();
+  pybind11::gil_scoped_release release;
+  return op.call(q, k_cache, v_cache, seqlens, block_table, scale, window_lo, window_hi);
+}
+
 #ifdef ATTNX_WITH_CUDA
 // Bytes of dynamic shared memory per block a CUDA kernel's launch requests: "sdpa_fwd" and
 // "sdpa_bwd" for head dims up to `dim` ("sdpa_bwd_kt2": the backward's 128-key variant, which
@@ -97,6 +116,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("build_info", &build_info, "what this extension was compiled with");
   m.def("additive_term_seconds", &additive_term_seconds, pybind11::arg("terms"),
         "seconds one thread takes for `terms` additive-attention terms on registers alone");
+  m.def("kvcache_fwd", &kvcache_fwd, "attnx::kvcache_fwd through the dispatcher, unboxed");
 #ifdef ATTNX_WITH_CUDA
   m.def("cuda_smem_bytes", &cuda_smem_bytes, pybind11::arg("kernel"), pybind11::arg("dim"),
         "dynamic shared memory per block a CUDA kernel's launch requests, in bytes");

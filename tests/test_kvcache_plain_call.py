@@ -219,3 +219,82 @@ def test_plain_calls_give_the_reference_answer():
         want = attnx.attention_with_kvcache(q, kc, vc, lens, is_causal=causal,
                                             backend="reference")
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _routes(monkeypatch):
+    """Which entry each kvcache op call takes: "unboxed" (_C.kvcache_fwd) or "torch.ops"."""
+    from attnx import _ops
+    seen = []
+    unboxed, boxed = _ops._C.kvcache_fwd, _ops._ATTNX.kvcache_fwd
+
+    class _Spy:
+        def __getattr__(self, name):
+            return getattr(_ops._C, name)
+
+        @staticmethod
+        def kvcache_fwd(*args):
+            seen.append("unboxed")
+            return unboxed(*args)
+
+    class _Ops:
+        @staticmethod
+        def kvcache_fwd(*args):
+            seen.append("torch.ops")
+            return boxed(*args)
+
+    monkeypatch.setattr(_ops, "_C", _Spy())
+    monkeypatch.setattr(_ops, "_ATTNX", _Ops)
+    monkeypatch.setattr("attnx._backends.native.kvcache.__defaults__", (_Ops,))
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_unboxed_entry_gives_the_op_bit_for_bit(dtype, paged):
+    from attnx import _ops
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 8, 3, 16, generator=g).to(dtype)
+    kc, vc = (torch.randn(6, 2, 8, 16, generator=g).to(dtype) for _ in range(2))
+    lens = torch.tensor([11, 4] if paged else [8, 3], dtype=torch.int32)
+    table = torch.tensor([[5, 2, 0], [1, 4, 3]], dtype=torch.int32) if paged else None
+    if not paged:
+        kc, vc = kc[:2], vc[:2]
+    args = (q, kc, vc, lens, table, 0.3, -(1 << 40), 0)
+    for a, b in zip(_ops._C.kvcache_fwd(*args), torch.ops.attnx.kvcache_fwd(*args)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_eager_plain_calls_take_the_unboxed_entry(monkeypatch):
+    seen = _routes(monkeypatch)
+    q, kc, vc, lens = _tensors()
+    want = attnx.attention_with_kvcache(q, kc, vc, lens, backend="reference")
+    torch.testing.assert_close(attnx.attention_with_kvcache(q, kc, vc, lens), want)
+    assert seen == ["unboxed"]
+
+
+class _Logged(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_torch_function_mode_sees_the_op(monkeypatch):
+    """The unboxed entry skips torch.ops's torch-function handling: under a mode the call goes
+    through torch.ops, and the mode sees attnx::kvcache_fwd."""
+    seen = _routes(monkeypatch)
+    q, kc, vc, lens = _tensors()
+    with _Logged() as mode:
+        attnx.attention_with_kvcache(q, kc, vc, lens)
+    assert seen == ["torch.ops"]
+    assert any("kvcache_fwd" in n for n in mode.names)
+
+
+def test_the_profiler_records_the_op_on_the_unboxed_entry():
+    q, kc, vc, lens = _tensors()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        attnx.attention_with_kvcache(q, kc, vc, lens)
+    assert "attnx::kvcache_fwd" in {e.name for e in prof.events()}

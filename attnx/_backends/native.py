@@ -51,8 +51,8 @@ def kvcache(call: KvcacheCall, ops=torch.ops.attnx):
         return ops.kvcache_mod_fwd(
             call.q, call.k_cache, call.v_cache, call.seqlens, call.block_table, call.scale,
             call.window_lo, call.window_hi, mods.softcap or 0.0, mods.alibi, mods.sinks)
-    return ops.kvcache_fwd(call.q, call.k_cache, call.v_cache, call.seqlens, call.block_table,
-                           call.scale, call.window_lo, call.window_hi)
+    return _ops.kvcache_fwd(ops, call.q, call.k_cache, call.v_cache, call.seqlens,
+                            call.block_table, call.scale, call.window_lo, call.window_hi)
 
 
 def varlen(call: VarlenCall, ops=torch.ops.attnx):
