@@ -20,6 +20,11 @@ import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from . import _rng
+
+try:  # the plain decoding call's checks in one native call (_plain_kvcache_call)
+    from . import _C as _native
+except ImportError:  # a source checkout that was never built: the full checks only
+    _native = None
 from ._values import values_readable
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -624,10 +629,9 @@ def may_share_an_element(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # The band of a plain decoding call (no window), by is_causal: what _band gives.
 _PLAIN_BANDS = {True: (-UNBOUNDED, 0), False: (-UNBOUNDED, UNBOUNDED)}
-_STRIDED = torch.strided
-# The largest block table whose ids the short path reads as Python ints, ~60 ns an id warm: a
-# larger one goes to the full checks' slice and reduction (~25 us warm, ~150 us more cold).
-_PLAIN_TABLE_IDS = 256
+# The largest block table whose used ids the short path reads (a larger one goes to the full
+# checks' slice and reduction): a bound on the time a step spends reading ids.
+_PLAIN_TABLE_IDS = 1 << 16
 
 
 def _plain_kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, is_causal, scale,
@@ -640,78 +644,32 @@ def _plain_kvcache_call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, i
     checks in full (and raises for, naming the argument).
 
     Why a second reading: a decoding step runs this once per layer, after the layer's weights
-    have flushed the caches, where each helper function, torch call and attribute lookup costs
+    have flushed the caches, where each helper function, torch call and tensor attribute costs
     microseconds of misses. The full checks took ~185 us a call so (Emerald Rapids, after a
-    512 MiB read), a sixth of a 16 MiB cache's attention, ~270 us paged; these ~105 and ~150
-    us. Each condition below implies the full path's check of it, so that the two give the same
-    call (tests/test_kvcache_plain_call.py compares them)."""
+    512 MiB read), a sixth of a 16 MiB cache's attention, ~270 us paged; the tensors' checks
+    here are one native call (csrc/kvcache_plain_args.cpp), ~50 us in all. Each condition
+    implies the full path's check of it, so that the two give the same call
+    (tests/test_kvcache_plain_call.py compares them)."""
     T = torch.Tensor
-    paged = block_table is not None
-    if not (k is None and v is None and window is None and (not paged or type(block_table) is T)
-            and softcap is None and alibi_slopes is None and sinks is None
-            and type(q) is T and type(k_cache) is T and type(v_cache) is T
-            and type(cache_seqlens) in (T, int) and type(is_causal) is bool
-            and type(return_lse) is bool
-            and (backend is None or type(backend) is str and backend in BACKEND_NAMES)):
-        return None
     given = type(cache_seqlens) is int  # (HF's decoding step passes the cache's length)
-    if not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu
-            and q.dtype in FLOAT_DTYPES and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
-            and q.layout == _STRIDED and k_cache.layout == _STRIDED
-            and v_cache.layout == _STRIDED and q.dim() == 4 and k_cache.dim() == 4
-            and v_cache.dim() == 4):
+    if not (k is None and v is None and window is None and softcap is None
+            and alibi_slopes is None and sinks is None
+            and type(q) is T and type(k_cache) is T and type(v_cache) is T
+            and (type(cache_seqlens) is T or given and 0 <= cache_seqlens <= _INT32_MAX)
+            and (block_table is None or type(block_table) is T)
+            and type(is_causal) is bool and type(return_lse) is bool
+            and (backend is None or type(backend) is str and backend in BACKEND_NAMES)
+            and (scale is None or type(scale) is float and abs(scale) <= MAX_FLOAT32_SCALE)
+            and _native is not None and not torch.compiler.is_compiling()):
+        return None  # (NaN fails the scale's bound; dynamo cannot trace the native call)
+    checked = _native.plain_kvcache_args(q, k_cache, v_cache, None if given else cache_seqlens,
+                                         cache_seqlens if given else 0, block_table,
+                                         _PLAIN_TABLE_IDS)
+    if checked is None:
         return None
-    if not given and not (cache_seqlens.is_cpu and cache_seqlens.dtype == torch.int32
-                          and cache_seqlens.layout == _STRIDED and cache_seqlens.dim() == 1):
-        return None
-    if paged and not (block_table.is_cpu and block_table.dtype == torch.int32
-                      and block_table.layout == _STRIDED and block_table.dim() == 2
-                      and block_table.numel() <= _PLAIN_TABLE_IDS):
-        return None
-    # (functorch's wrappers and functionalization's tensors are plain torch.Tensors whose
-    # shapes or values are not what they seem; dynamo traces with fake values)
-    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
-        return None
-    if (q.is_nested or k_cache.is_nested or v_cache.is_nested
-            or not given and torch._is_functional_tensor(cache_seqlens)
-            or paged and torch._is_functional_tensor(block_table)):
-        return None
-    b, hq, lq, e = q.shape
-    slots, hkv, depth, ek = k_cache.shape  # depth: Lmax, or block_size when paged
-    if not (ek == e and v_cache.shape[:3] == k_cache.shape[:3] and hkv > 0 and hq % hkv == 0
-            and (given or cache_seqlens.shape[0] == b)):
-        return None
-    if paged:
-        if not (block_table.shape[0] == b and depth > 0):
-            return None
-        capacity = block_table.shape[1] * depth
-    elif slots == b:
-        capacity = depth
-    else:
-        return None
+    lens, cache_seqlens, seqlens, e = checked
     if scale is None:
         scale = 1.0 / math.sqrt(e) if e > 0 else 1.0
-    elif not (type(scale) is float and abs(scale) <= MAX_FLOAT32_SCALE):  # (NaN fails it)
-        return None
-    if given:
-        if not 0 <= cache_seqlens <= capacity:
-            return None
-        lens = (cache_seqlens,)  # (one for every sequence, as kvcache_call gives it)
-    else:
-        lens = tuple(cache_seqlens.tolist())
-        if b > 0 and (min(lens) < 0 or max(lens) > capacity):
-            return None
-    if paged and b > 0:
-        # the ids of the blocks that hold some key of each sequence, read once as Python ints
-        # (a slice and a reduction cost ~150 us more, cold)
-        for row, n in zip(block_table.tolist(), lens if len(lens) == b else lens * b):
-            used = row[:-(-n // depth)]
-            if used and (min(used) < 0 or max(used) >= slots):
-                return None
-    if given:
-        cache_seqlens = seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32)
-    else:
-        seqlens = cache_seqlens.contiguous()
     lo, hi = _PLAIN_BANDS[is_causal]
     return KvcacheCall(q, k_cache, v_cache, cache_seqlens, seqlens, None, None, block_table,
                        scale, lo, hi, "auto" if backend is None else backend, return_lse,

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "kvcache_plain_args.h"
 #include "cpu/additive_terms.h"
 #include "cpu/cpu_choice.h"
 #include "cpu/sdpa_panels.h"
@@ -117,6 +118,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("additive_term_seconds", &additive_term_seconds, pybind11::arg("terms"),
         "seconds one thread takes for `terms` additive-attention terms on registers alone");
   m.def("kvcache_fwd", &kvcache_fwd, "attnx::kvcache_fwd through the dispatcher, unboxed");
+  m.def("plain_kvcache_args", &attnx::plain_kvcache_args,
+        "the checks of a plain attention_with_kvcache call: (lens, cache_seqlens, seqlens, "
+        "head_dim), or None where the full checks must run");
 #ifdef ATTNX_WITH_CUDA
   m.def("cuda_smem_bytes", &cuda_smem_bytes, pybind11::arg("kernel"), pybind11::arg("dim"),
         "dynamic shared memory per block a CUDA kernel's launch requests, in bytes");

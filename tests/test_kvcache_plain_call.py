@@ -1,7 +1,8 @@
-"""attention_with_kvcache's short validation of a plain decoding call (attnx/_validate.py,
-_plain_kvcache_call) against its full one: where the short one answers, it gives the call the
-full one gives; for everything it does not vouch for, it declines, so that the full checks run
-(and raise, naming the argument)."""
+"""The plain decoding call's fast route. Its short validation (attnx/_validate.py,
+_plain_kvcache_call, with csrc/kvcache_plain_args.cpp) against the full one: where the short one
+answers, it gives the call the full one gives; for everything it does not vouch for, it declines,
+so that the full checks run (and raise, naming the argument). Its unboxed entry to the op
+(attnx/_ops.py, kvcache_fwd): the same results, and torch.ops kept where modes need it."""
 
 import dataclasses
 import itertools
@@ -75,6 +76,20 @@ def test_odd_shapes_match_the_full_checks(monkeypatch, shape):
         _same_call(short, _full(monkeypatch, *args))
 
 
+@pytest.mark.parametrize("kind", ["inference", "requires_grad"])
+def test_inference_and_grad_tensors_match_the_full_checks(monkeypatch, kind):
+    q, kc, vc, lens = _tensors()
+    if kind == "inference":
+        with torch.inference_mode():
+            q, kc, vc, lens = (t.clone() for t in (q, kc, vc, lens))
+    else:
+        q.requires_grad_(True)
+    args = _args(q, kc, vc, lens)
+    short = _validate._plain_kvcache_call(*args)
+    assert short is not None
+    _same_call(short, _full(monkeypatch, *args))
+
+
 def test_strided_inputs_match_the_full_checks(monkeypatch):
     q, kc, vc, _ = _tensors(b=2, cap=40)
     lens = torch.tensor([5, 0, 7, 3], dtype=torch.int32)[::2]  # a strided view: copied
@@ -101,7 +116,9 @@ DECLINED = {
     "negative lengths": dict(lens=torch.tensor([-1, 2], dtype=torch.int32)),
     "int lengths past the cache": dict(lens=25),
     "negative int lengths": dict(lens=-1),
+    "an int length past int32": dict(lens=2**40),
     "a bool length": dict(lens=True),
+    "a negative view": dict(q=torch._neg_view(torch.randn(2, 8, 1, 16))),
     "a float length": dict(lens=5.0),
     "int64 lengths": dict(lens=torch.tensor([3, 4])),
     "lengths of the wrong batch": dict(lens=torch.tensor([3], dtype=torch.int32)),
