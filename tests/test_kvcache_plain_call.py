@@ -315,3 +315,26 @@ def test_the_profiler_records_the_op_on_the_unboxed_entry():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         attnx.attention_with_kvcache(q, kc, vc, lens)
     assert "attnx::kvcache_fwd" in {e.name for e in prof.events()}
+
+
+def test_a_dispatch_mode_sees_the_op_on_the_unboxed_entry(monkeypatch):
+    """The unboxed entry is the dispatcher's op: a TorchDispatchMode sees attnx.kvcache_fwd
+    (the entry releases the GIL; the mode's Python runs under it again)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    seen = _routes(monkeypatch)
+    q, kc, vc, lens = _tensors()
+    want = attnx.attention_with_kvcache(q, kc, vc, lens, backend="reference")
+    with _Seen() as mode:
+        got = attnx.attention_with_kvcache(q, kc, vc, lens)
+    assert seen == ["unboxed"] and "attnx.kvcache_fwd.default" in mode.names
+    torch.testing.assert_close(got, want)
